@@ -1,0 +1,68 @@
+"""The plan file (DESIGN.md contract): warm-up counts, per-stage op orders, prediction, profile."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .ops import format_stage
+from .profile import Costs, Profile
+from .simulate import Schedule, replay, warmup_counts
+from .validate import InvalidPlan, parse_schedule, validate_schedule
+
+
+class Predicted(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    iteration_ms: float
+    bubble_rate: float
+    peak_inflight: list[int]
+
+
+class PlanFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Literal[1] = 1
+    stages: int = Field(ge=1)
+    microbatches: int = Field(ge=1)
+    warmup: list[int]
+    schedule: list[list[str]]
+    # Extension: "fused" marks a plan whose B m is fused with the W m right after it (stock
+    # DeepSpeed's BackwardPass); the input gradient then leaves the stage after W. Default "split".
+    backward: Literal["split", "fused"] = "split"
+    predicted: Optional[Predicted] = None
+    profile: Optional[Profile] = None
+
+    def ops(self) -> Schedule:
+        """Parsed and validated orders; raises InvalidPlan naming the first offending op."""
+        sched = parse_schedule(self.schedule)
+        validate_schedule(sched, self.stages, self.microbatches)
+        if len(self.warmup) != self.stages:
+            raise InvalidPlan(f"warmup: expected {self.stages} values (one per stage), got {len(self.warmup)}")
+        actual = warmup_counts(sched)
+        for s, (x, a) in enumerate(zip(self.warmup, actual)):
+            if x != a:
+                raise InvalidPlan(f"warmup: stage {s} says {x} but its schedule runs {a} forwards before its first B")
+        return sched
+
+    @property
+    def fused(self) -> bool:
+        return self.backward == "fused"
+
+    @classmethod
+    def build(cls, schedule: Schedule, profile: Profile, fused: bool = False) -> "PlanFile":
+        tl = replay(schedule, profile.costs(), profile.microbatches, fused)
+        return cls(
+            stages=profile.stages,
+            microbatches=profile.microbatches,
+            warmup=warmup_counts(schedule),
+            schedule=[format_stage(r) for r in schedule],
+            backward="fused" if fused else "split",
+            predicted=Predicted(
+                iteration_ms=round(tl.iteration_ms, 6),
+                bubble_rate=round(tl.bubble_rate, 6),
+                peak_inflight=tl.peak_inflight,
+            ),
+            profile=profile,
+        )
+
+    def costs(self) -> Optional[Costs]:
+        return self.profile.costs() if self.profile else None

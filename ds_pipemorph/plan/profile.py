@@ -1,0 +1,137 @@
+"""The profile file (DESIGN.md contract): per-stage F/B/W times, per-link delays, memory caps.
+
+A profile is what the planner plans for and what the runtime profiler writes. ``Costs`` is the
+plain cost model the scheduler and simulator consume.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Number = Union[float, int]
+
+
+class ComputeMs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    forward: Union[list[float], float]
+    backward_input: Union[list[float], float]
+    backward_weight: Union[list[float], float]
+
+
+class Memory(BaseModel):
+    """Either ``max_inflight`` per stage, or ``activation_mb`` + ``capacity_mb`` per stage."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_inflight: Optional[list[int]] = None
+    activation_mb: Optional[Union[list[float], float]] = None
+    capacity_mb: Optional[Union[list[float], float]] = None
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "Memory":
+        by_bytes = self.activation_mb is not None or self.capacity_mb is not None
+        if self.max_inflight is not None and by_bytes:
+            raise ValueError("give either max_inflight or activation_mb + capacity_mb, not both")
+        if by_bytes and (self.activation_mb is None or self.capacity_mb is None):
+            raise ValueError("activation_mb and capacity_mb go together: give both")
+        return self
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stages: int = Field(ge=1)
+    microbatches: int = Field(ge=1)
+    compute_ms: ComputeMs
+    links_ms: Optional[list[float]] = None
+    memory: Optional[Memory] = None
+
+    @field_validator("links_ms")
+    @classmethod
+    def _links_nonneg(cls, v):
+        if v is not None:
+            for i, c in enumerate(v):
+                if c < 0:
+                    raise ValueError(f"link {i} has a negative delay ({c} ms)")
+        return v
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "Profile":
+        s = self.stages
+        for key in ("forward", "backward_input", "backward_weight"):
+            vals = _per_stage(getattr(self.compute_ms, key), s, f"compute_ms.{key}")
+            for i, t in enumerate(vals):
+                if t < 0:
+                    raise ValueError(f"compute_ms.{key}: stage {i} has a negative time ({t} ms)")
+            setattr(self.compute_ms, key, vals)
+        if self.links_ms is None:
+            self.links_ms = [0.0] * (s - 1)
+        elif len(self.links_ms) != s - 1:
+            raise ValueError(
+                f"links_ms: expected {s - 1} values (one per link between {s} stages), got {len(self.links_ms)}"
+            )
+        m = self.memory
+        if m is not None:
+            if m.max_inflight is not None:
+                if len(m.max_inflight) != s:
+                    raise ValueError(f"memory.max_inflight: expected {s} values (one per stage), got {len(m.max_inflight)}")
+                for i, c in enumerate(m.max_inflight):
+                    if c < 1:
+                        raise ValueError(f"memory.max_inflight: stage {i} must hold at least 1 activation, got {c}")
+            elif m.activation_mb is not None:
+                m.activation_mb = _per_stage(m.activation_mb, s, "memory.activation_mb")
+                m.capacity_mb = _per_stage(m.capacity_mb, s, "memory.capacity_mb")
+                for i, (a, c) in enumerate(zip(m.activation_mb, m.capacity_mb)):
+                    if a <= 0:
+                        raise ValueError(f"memory.activation_mb: stage {i} must be positive, got {a}")
+                    if c < a:
+                        raise ValueError(
+                            f"memory.capacity_mb: stage {i} cannot hold one activation ({c} MB < {a} MB)"
+                        )
+        return self
+
+    def caps(self) -> list[int]:
+        """Per-stage cap on in-flight activations (Alg. 1 line 2 from bytes), never above N."""
+        n, s = self.microbatches, self.stages
+        m = self.memory
+        if m is None or (m.max_inflight is None and m.activation_mb is None):
+            return [n] * s
+        if m.max_inflight is not None:
+            return [min(n, c) for c in m.max_inflight]
+        return [min(n, int(c // a)) for a, c in zip(m.activation_mb, m.capacity_mb)]
+
+    def costs(self) -> "Costs":
+        c = self.compute_ms
+        return Costs(list(c.forward), list(c.backward_input), list(c.backward_weight), list(self.links_ms))
+
+
+def _per_stage(v, s: int, key: str) -> list[float]:
+    if isinstance(v, (int, float)):
+        return [float(v)] * s
+    if len(v) != s:
+        raise ValueError(f"{key}: expected {s} values (one per stage), got {len(v)}")
+    return [float(x) for x in v]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Cost model: per-stage op times and per-link one-way extra delay, all in ms."""
+
+    f: list[float]
+    b: list[float]
+    w: list[float]
+    links: list[float]
+
+    @property
+    def stages(self) -> int:
+        return len(self.f)
+
+    def op_time(self, stage: int, kind: str) -> float:
+        return (self.f if kind == "F" else self.b if kind == "B" else self.w)[stage]
+
+    def with_links(self, links: list[float]) -> "Costs":
+        return Costs(self.f, self.b, self.w, list(links))
+
+    @staticmethod
+    def uniform(stages: int, t: float = 10.0, links: Optional[list[float]] = None) -> "Costs":
+        return Costs([t] * stages, [t] * stages, [t] * stages, list(links or [0.0] * (stages - 1)))

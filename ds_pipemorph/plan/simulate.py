@@ -1,0 +1,202 @@
+"""Replay simulator: a fixed per-stage op order under given costs and link delays -> timeline.
+
+This is what a runtime that follows a plan order experiences: each op starts when its stage is
+free and its inputs have arrived (upstream F + link delay, downstream B + link delay, own B for W).
+Event-driven over the dependency graph, so there is no time step and no discretisation error.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .ops import Op
+from .profile import Costs
+
+Schedule = list[list[Op]]
+
+
+class StuckSchedule(ValueError):
+    """The order cannot run: some stage waits on an op that can never happen first."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    stage: int
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    stages: int
+    microbatches: int
+    slots: list[Slot]
+    iteration_ms: float
+    busy_ms: list[float]
+    peak_inflight: list[int]
+    work_ms: list[float] = field(default_factory=list)  # N*(tF+tB+tW) per stage
+
+    @property
+    def stage_bubble_rate(self) -> list[float]:
+        t = self.iteration_ms
+        return [0.0 if t <= 0 else (t - b) / t for b in self.busy_ms]
+
+    @property
+    def bubble_rate(self) -> float:
+        """Pipeline bubble rate as in the ZB paper: (T - work of the slowest stage) / T."""
+        t = self.iteration_ms
+        return 0.0 if t <= 0 else (t - max(self.work_ms)) / t
+
+    def by_stage(self) -> list[list[Slot]]:
+        rows: list[list[Slot]] = [[] for _ in range(self.stages)]
+        for s in self.slots:
+            rows[s.stage].append(s)
+        return rows
+
+
+def dependencies(stage: int, op: Op, stages: int):
+    """(stage, kind, link) the op waits for; link is the index whose delay applies, or None."""
+    k, s = op.kind, stage
+    if k == "F":
+        return [(s - 1, "F", s - 1)] if s > 0 else []
+    if k == "B":
+        if s == stages - 1:
+            return [(s, "F", None)]
+        return [(s + 1, "B", s), (s, "F", None)]
+    return [(s, "B", None)]
+
+
+_KIDX = {"F": 0, "B": 1, "W": 2}
+
+
+def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False) -> Timeline:
+    """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.
+
+    ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
+    the input gradient leaves the stage only when that W ends (stock DeepSpeed sends after the
+    whole backward).
+    """
+    S, N = len(schedule), microbatches
+    if costs.stages != S:
+        raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
+    inf = float("inf")
+    # end[s][kind][m]
+    end = [[[inf] * N for _ in range(3)] for _ in range(S)]
+    sent_b = [[inf] * N for _ in range(S)]  # when B m's input gradient leaves stage s
+    times = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
+    links = costs.links
+    ptr = [0] * S
+    free = [0.0] * S
+    busy = [0.0] * S
+    slots: list[Slot] = []
+    queue = deque(range(S))
+    queued = [True] * S
+    last = S - 1
+    while queue:
+        s = queue.popleft()
+        queued[s] = False
+        row = schedule[s]
+        es = end[s]
+        progressed = False
+        while ptr[s] < len(row):
+            op = row[ptr[s]]
+            k, m = op.kind, op.mb
+            if k == "F":
+                if s > 0:
+                    r = end[s - 1][0][m]
+                    if r == inf:
+                        break
+                    ready = r + links[s - 1]
+                else:
+                    ready = 0.0
+            elif k == "B":
+                ready = es[0][m]
+                if ready == inf:
+                    break
+                if s < last:
+                    r = sent_b[s + 1][m]
+                    if r == inf:
+                        break
+                    r += links[s]
+                    if r > ready:
+                        ready = r
+            else:
+                ready = es[1][m]
+                if ready == inf:
+                    break
+            start = free[s] if free[s] > ready else ready
+            dur = times[s][_KIDX[k]]
+            fin = start + dur
+            es[_KIDX[k]][m] = fin
+            if k == "B":
+                nxt = ptr[s] + 1
+                fuse = fused_backward and nxt < len(row) and row[nxt] == ("W", m)
+                sent_b[s][m] = fin + times[s][2] if fuse else fin
+            free[s] = fin
+            busy[s] += dur
+            slots.append(Slot(s, op, start, fin))
+            ptr[s] += 1
+            progressed = True
+        if progressed:
+            for nb in (s - 1, s + 1):
+                if 0 <= nb < S and not queued[nb] and ptr[nb] < len(schedule[nb]):
+                    queued[nb] = True
+                    queue.append(nb)
+    for s in range(S):
+        if ptr[s] < len(schedule[s]):
+            raise StuckSchedule(_stuck_message(schedule, ptr, S))
+    t0 = min((x.start for x in slots), default=0.0)
+    t1 = max((x.end for x in slots), default=0.0)
+    work = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
+    return Timeline(S, N, slots, t1 - t0, busy, peak_inflight(schedule), work)
+
+
+def _stuck_message(schedule: Schedule, ptr: list[int], S: int) -> str:
+    for s in range(S):
+        if ptr[s] >= len(schedule[s]):
+            continue
+        op = schedule[s][ptr[s]]
+        if op.kind == "F":
+            why = f"its input F{op.mb} from stage {s - 1} never comes first"
+        elif op.kind == "B":
+            if s == S - 1 or _later(schedule[s], ptr[s], Op("F", op.mb)):
+                why = f"it comes before F{op.mb} on the same stage"
+            else:
+                why = f"its input gradient B{op.mb} from stage {s + 1} never comes first"
+        else:
+            why = f"it comes before B{op.mb} on the same stage"
+        return f"stage {s}: {op} cannot run: {why}"
+    return "schedule is stuck"  # pragma: no cover
+
+
+def _later(row: list[Op], i: int, op: Op) -> bool:
+    return op in row[i:]
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Per stage, the most activations held at once (F done, B not yet done), from the order."""
+    out = []
+    for row in schedule:
+        cur = peak = 0
+        for op in row:
+            if op.kind == "F":
+                cur += 1
+                peak = max(peak, cur)
+            elif op.kind == "B":
+                cur -= 1
+        out.append(peak)
+    return out
+
+
+def warmup_counts(schedule: Schedule) -> list[int]:
+    """Forwards each stage runs before its first B (x_s)."""
+    out = []
+    for row in schedule:
+        n = 0
+        for op in row:
+            if op.kind == "B":
+                break
+            n += op.kind == "F"
+        out.append(n)
+    return out

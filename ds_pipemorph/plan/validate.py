@@ -1,0 +1,60 @@
+"""Plan validity (DESIGN.md): every stage holds F m, B m, W m exactly once for all m, and the orders
+respect the dependencies. Errors name the first offending op, e.g. ``stage 2: W5 is missing``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .ops import KINDS, Op, parse_op
+from .profile import Costs
+from .simulate import Schedule, StuckSchedule, peak_inflight, replay
+
+
+class InvalidPlan(ValueError):
+    pass
+
+
+def parse_schedule(rows: list[list[str]]) -> Schedule:
+    out = []
+    for s, row in enumerate(rows):
+        ops = []
+        for text in row:
+            try:
+                ops.append(parse_op(text))
+            except ValueError as e:
+                raise InvalidPlan(f"stage {s}: {e}") from None
+        out.append(ops)
+    return out
+
+
+def validate_schedule(
+    schedule: Schedule, stages: int, microbatches: int, caps: Optional[list[int]] = None
+) -> None:
+    """Raise InvalidPlan with one sentence naming the first offending op; return None if valid."""
+    S, N = stages, microbatches
+    if len(schedule) != S:
+        raise InvalidPlan(f"schedule has {len(schedule)} stage lists, the plan says {S} stages")
+    for s, row in enumerate(schedule):
+        seen: set[Op] = set()
+        for op in row:
+            if op.mb >= N:
+                raise InvalidPlan(f"stage {s}: {op} names micro-batch {op.mb}, but there are only {N} (0..{N - 1})")
+            if op in seen:
+                raise InvalidPlan(f"stage {s}: {op} appears twice")
+            seen.add(op)
+            if op.kind == "B" and Op("F", op.mb) not in seen:
+                raise InvalidPlan(f"stage {s}: {op} before F{op.mb}")
+            if op.kind == "W" and Op("B", op.mb) not in seen:
+                raise InvalidPlan(f"stage {s}: {op} before B{op.mb}")
+        for m in range(N):
+            for k in KINDS:
+                if Op(k, m) not in seen:
+                    raise InvalidPlan(f"stage {s}: {k}{m} is missing")
+    if caps is not None:
+        for s, (peak, cap) in enumerate(zip(peak_inflight(schedule), caps)):
+            if peak > cap:
+                raise InvalidPlan(f"stage {s}: holds {peak} activations at once, above its cap of {cap}")
+    try:
+        replay(schedule, Costs.uniform(S, 1.0), N)
+    except StuckSchedule as e:
+        raise InvalidPlan(str(e)) from None
