@@ -15,7 +15,6 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["ds_pipemorph", "ds_pipemorph.*"]) + ["ds_pipemorph_cli"],
     package_dir={"ds_pipemorph_cli": "cli"},
-    package_data={"ds_pipemorph": ["../cuda_ext/*"]},
     install_requires=[
         # A range, so GPU users keep their own torch build; scripts/setup.sh pins the CPU wheel here.
         "torch>=2.4",

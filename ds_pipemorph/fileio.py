@@ -51,14 +51,14 @@ def describe(e: ValidationError) -> str:
     return f"{loc}: {msg}" if loc else msg
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text so that readers see the old file or the whole new one, never a part."""
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write text or bytes so that readers see the old file or the whole new one, never a part."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)

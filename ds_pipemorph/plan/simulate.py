@@ -153,25 +153,30 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
 
 
 def _stuck_message(schedule: Schedule, ptr: list[int], S: int) -> str:
+    """Name the first stuck op, what it waits for, and where that producer is stuck itself."""
+
+    def head(s: int) -> str:
+        return str(schedule[s][ptr[s]]) if ptr[s] < len(schedule[s]) else "its end"
+
     for s in range(S):
         if ptr[s] >= len(schedule[s]):
             continue
         op = schedule[s][ptr[s]]
+        m = op.mb
+        if op.kind == "W" or (op.kind == "B" and Op("F", m) in schedule[s][ptr[s]:]):
+            need = "B" if op.kind == "W" else "F"
+            return f"stage {s}: {op} before {need}{m}"
         if op.kind == "F":
-            why = f"its input F{op.mb} from stage {s - 1} never comes first"
-        elif op.kind == "B":
-            if s == S - 1 or _later(schedule[s], ptr[s], Op("F", op.mb)):
-                why = f"it comes before F{op.mb} on the same stage"
-            else:
-                why = f"its input gradient B{op.mb} from stage {s + 1} never comes first"
+            src, what = s - 1, f"F{m} from stage {s - 1}"
+        elif s == S - 1:  # pragma: no cover - covered by the local check above
+            return f"stage {s}: {op} before F{m}"
         else:
-            why = f"it comes before B{op.mb} on the same stage"
-        return f"stage {s}: {op} cannot run: {why}"
+            src, what = s + 1, f"its input gradient B{m} from stage {s + 1}"
+        return (
+            f"stage {s}: {op} cannot run: it waits for {what}, which is stuck at {head(src)}"
+            " (the stage orders wait on each other in a cycle)"
+        )
     return "schedule is stuck"  # pragma: no cover
-
-
-def _later(row: list[Op], i: int, op: Op) -> bool:
-    return op in row[i:]
 
 
 def peak_inflight(schedule: Schedule) -> list[int]:

@@ -1,0 +1,1 @@
+"""The ``pipemorph`` command (Typer): plan, simulate, and the tools around them."""

@@ -1,0 +1,24 @@
+"""Entry point of the ``pipemorph`` console script."""
+from __future__ import annotations
+
+import typer
+
+from . import plan_cmd, simulate_cmd
+
+app = typer.Typer(
+    name="pipemorph",
+    help="Plan, simulate and inspect straggler-resilient zero-bubble pipeline schedules.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("plan")(plan_cmd.plan)
+app.command("simulate")(simulate_cmd.simulate)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

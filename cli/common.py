@@ -1,0 +1,82 @@
+"""What every command shares: one-sentence errors with exit code 2, list options, atomic outputs."""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from ds_pipemorph.fileio import BadInput, write_atomic
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn bad input into one sentence on stderr and exit code 2."""
+    try:
+        yield
+    except (BadInput, ValueError, ImportError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        err_console.print(f"error: {msg}", markup=False)
+        raise typer.Exit(2) from None
+
+
+def parse_floats(text: Optional[str], what: str) -> Optional[list[float]]:
+    if text is None:
+        return None
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise BadInput(f"{what}: '{text}' is not a comma-separated list of numbers") from None
+    for v in vals:
+        if v < 0:
+            raise BadInput(f"{what}: {v} is negative; times and delays are >= 0 ms")
+    return vals
+
+
+def parse_compute(text: Optional[str], stages: int) -> Optional[tuple[list[float], list[float], list[float]]]:
+    """``F/B/W`` for every stage, or one ``F/B/W`` per stage separated by commas."""
+    if text is None:
+        return None
+    triples = []
+    for part in text.split(","):
+        try:
+            t = [float(x) for x in part.split("/")]
+        except ValueError:
+            t = []
+        if len(t) != 3 or any(v < 0 for v in t):
+            raise BadInput(f"--compute-ms: '{part}' is not F/B/W in ms (three numbers >= 0, e.g. 10/10/10)")
+        triples.append(t)
+    if len(triples) == 1:
+        triples = triples * stages
+    if len(triples) != stages:
+        raise BadInput(f"--compute-ms: expected 1 or {stages} F/B/W triples (one per stage), got {len(triples)}")
+    return [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def write_outputs(outputs: dict[str, "str | bytes"]) -> None:
+    """Write every output only after all of them were computed (no partial results on errors)."""
+    for path, data in outputs.items():
+        write_atomic(path, data)
+
+
+def timeline_outputs(tl, gantt: Optional[str], chrome: Optional[str], title: str) -> dict:
+    out: dict = {}
+    if gantt:
+        from ds_pipemorph.trace.gantt import gantt_png
+
+        out[gantt] = gantt_png(tl, title)
+    if chrome:
+        from ds_pipemorph.trace.chrome import chrome_json
+
+        out[chrome] = chrome_json(tl, title)
+    return out

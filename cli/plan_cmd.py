@@ -1,0 +1,83 @@
+"""``pipemorph plan PROFILE``: the best schedule for a profile, with its per-link tolerance."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ds_pipemorph.fileio import dump, load_model
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.planfile import PlanFile
+from ds_pipemorph.plan.profile import Profile
+from ds_pipemorph.plan.search import search
+from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.tolerance import link_tolerances
+from ds_pipemorph.plan.warmup import initial_warmup
+
+from .common import console, print_json, timeline_outputs, user_errors, write_outputs
+
+
+def plan(
+    profile: Path = typer.Argument(..., help="Profile file (YAML or JSON, see DESIGN.md)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the plan here (.json = JSON, else YAML)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan object as JSON instead of the summary."),
+    budget: float = typer.Option(1.0, "--budget", min=0.0, help="Search time in seconds."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the local search (results are deterministic per seed)."),
+    exact: bool = typer.Option(False, "--exact", help="Also run the exact MILP within the budget (needs the milp extra)."),
+    greedy: bool = typer.Option(False, "--greedy", help="Only the paper's single greedy pass (Alg. 1 + Alg. 3/4)."),
+    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the planned timeline."),
+    chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the planned timeline as a Chrome/Perfetto trace."),
+) -> None:
+    """Plan a zero-bubble schedule that absorbs the profile's link delays within its memory caps."""
+    with user_errors():
+        prof = load_model(profile, Profile)
+        costs, n, caps = prof.costs(), prof.microbatches, prof.caps()
+        greedy_sched = list_schedule(costs, n, initial_warmup(caps))
+        greedy_ms = replay(greedy_sched, costs, n).iteration_ms
+        if greedy:
+            sched, lb, note = greedy_sched, None, "paper's greedy pass"
+        else:
+            res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact)
+            sched, lb = res.schedule, res.lower_bound_ms
+            note = f"searched {res.seconds:.2f} s, {res.evaluated} candidates, best from {res.source}"
+        pf = PlanFile.build(sched, prof)
+        tl = replay(sched, costs, n)
+        tols = link_tolerances(sched, costs, n)
+        outputs = timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), f"plan: {tl.iteration_ms:.1f} ms")
+        data = pf.model_dump(mode="json")
+        if output:
+            outputs[str(output)] = dump(data, output.suffix.lower() == ".json")
+        write_outputs(outputs)
+    if as_json:
+        print_json(data)
+        return
+    p = pf.predicted
+    console.print(f"[bold]Plan[/bold] for {prof.stages} stages x {n} micro-batches ({note})")
+    console.print(f"warm-up x_s: {pf.warmup}   peak in-flight: {p.peak_inflight}   caps: {caps}")
+    bound = f"; lower bound {lb:.1f} ms" if lb is not None else ""
+    console.print(
+        f"predicted iteration {p.iteration_ms:.1f} ms, bubble rate {p.bubble_rate:.1%}"
+        f" (paper's greedy pass: {greedy_ms:.1f} ms{bound})"
+    )
+    if tols:
+        console.print(_tolerance_table(tols))
+    for path in outputs:
+        console.print(f"wrote {path}")
+
+
+def _tolerance_table(tols) -> Table:
+    t = Table(title="per-link delay tolerance", title_justify="left")
+    for col in ("link", "slackness", "Eq. 1 tolerance ms", "replay tolerance ms", "delay ms", "absorbed"):
+        t.add_column(col, justify="right")
+    for x in tols:
+        t.add_row(
+            f"{x.link} ({x.link}-{x.link + 1})",
+            str(x.slackness),
+            f"{x.eq1_ms:.1f}",
+            f"{x.replay_ms:.2f}",
+            f"{x.current_ms:.1f}",
+            "yes" if x.absorbed else "[red]no[/red]",
+        )
+    return t

@@ -1,0 +1,77 @@
+"""``pipemorph simulate PLAN``: replay a fixed plan under other delays or op times, next to baselines."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ds_pipemorph.fileio import BadInput, load_model
+from ds_pipemorph.plan.baselines import BASELINES, baseline
+from ds_pipemorph.plan.planfile import PlanFile
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.validate import InvalidPlan
+
+from .common import console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
+
+
+def simulate(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file written by `pipemorph plan`."),
+    links_ms: Optional[str] = typer.Option(None, "--links-ms", help="Delay per link in ms, e.g. 10,0,0."),
+    compute_ms: Optional[str] = typer.Option(None, "--compute-ms", help="F/B/W ms for all stages (10/10/10) or per stage (10/10/10,12/12/8,...)."),
+    compare: str = typer.Option(",".join(BASELINES), "--compare", help="Baselines planned for the plan's profile, replayed the same way ('' for none)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
+    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the replayed plan."),
+    chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),
+) -> None:
+    """Replay a plan under the given delays and compute times and compare it with baselines."""
+    with user_errors():
+        pf = load_model(plan_path, PlanFile)
+        try:
+            sched = pf.ops()
+        except InvalidPlan as e:
+            raise BadInput(f"{plan_path}: {e}") from None
+        S, N = pf.stages, pf.microbatches
+        planned = pf.costs()
+        comp = parse_compute(compute_ms, S)
+        if planned is None and comp is None:
+            raise BadInput(f"{plan_path} carries no profile: give --compute-ms")
+        f, b, w = comp if comp else (planned.f, planned.b, planned.w)
+        links = parse_floats(links_ms, "--links-ms")
+        if links is None:
+            links = planned.links if planned else [0.0] * (S - 1)
+        if len(links) != S - 1:
+            raise BadInput(f"--links-ms: expected {S - 1} values (one per link of {S} stages), got {len(links)}")
+        costs = Costs(list(f), list(b), list(w), list(links))
+        plan_costs = planned or costs
+        names = [x.strip() for x in compare.split(",") if x.strip()]
+        rows = {"plan": replay(sched, costs, N, pf.fused)}
+        for name in names:
+            if name not in BASELINES:
+                raise BadInput(f"--compare: unknown baseline '{name}'; choose from {', '.join(BASELINES)}")
+            rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1")
+        tl = rows["plan"]
+        write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), f"plan replayed: {tl.iteration_ms:.1f} ms"))
+    result = {
+        "iteration_ms": tl.iteration_ms,
+        "bubble_rate": tl.bubble_rate,
+        "stage_bubble_rate": tl.stage_bubble_rate,
+        "peak_inflight": tl.peak_inflight,
+        "predicted_ms": pf.predicted.iteration_ms if pf.predicted else None,
+        "links_ms": links,
+        "compute_ms": {"forward": list(f), "backward_input": list(b), "backward_weight": list(w)},
+        "compare": {k: {"iteration_ms": v.iteration_ms, "bubble_rate": v.bubble_rate} for k, v in rows.items() if k != "plan"},
+    }
+    if as_json:
+        print_json(result)
+        return
+    t = Table(title=f"replay under links_ms={links}", title_justify="left")
+    for col in ("schedule", "iteration ms", "bubble rate", "vs plan"):
+        t.add_column(col, justify="right")
+    for k, v in rows.items():
+        t.add_row(k, f"{v.iteration_ms:.1f}", f"{v.bubble_rate:.1%}", f"{v.iteration_ms / tl.iteration_ms:.2f}x")
+    console.print(t)
+    if pf.predicted:
+        console.print(f"planned for its profile: {pf.predicted.iteration_ms:.1f} ms")

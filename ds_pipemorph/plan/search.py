@@ -1,0 +1,221 @@
+"""Planning beyond one greedy pass: a portfolio of list-scheduler variants, then local search.
+
+1. Portfolio: warm-up vectors (Alg. 1 from the caps, Alg. 2 from the delays, ZB-H1's S−s, the caps
+   themselves, and ±1 neighbours of the best) × steady-phase policies; every candidate is scored by
+   the replay simulator, so a plan's score is exactly what its order takes under the profile.
+2. Local search on the best order: move one op of one stage to another position, keep the move if
+   the replay is no slower and the order stays valid and within the caps. Moves that shorten the
+   critical path are tried first: ops just before an idle gap on their stage.
+3. Optional exact solver for small cases (``milp`` extra), warm-started with the best order.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .baselines import zb_h1_warmup
+from .bounds import lower_bound_ms
+from .listsched import Policy, list_schedule
+from .ops import Op
+from .profile import Costs
+from .simulate import Schedule, StuckSchedule, peak_inflight, replay
+from .warmup import adapted_warmup, initial_warmup
+
+POLICIES = (Policy("BFW"), Policy("BFW", w_fits_gap=True), Policy("BWF"), Policy("FBW"))
+
+
+@dataclass
+class SearchResult:
+    schedule: Schedule
+    iteration_ms: float
+    lower_bound_ms: float
+    evaluated: int
+    seconds: float
+    source: str  # which candidate won: "greedy", "portfolio", "local", "milp"
+    trace: list[tuple[float, float]] = field(default_factory=list)  # (seconds, best ms)
+
+    @property
+    def gap_to_bound(self) -> float:
+        lb = self.lower_bound_ms
+        return 0.0 if lb <= 0 else (self.iteration_ms - lb) / lb
+
+
+def _monotone_within(x: list[int], caps: list[int], n: int) -> Optional[list[int]]:
+    x = [max(1, min(v, c, n)) for v, c in zip(x, caps)]
+    for s in range(len(x) - 2, -1, -1):
+        if x[s] < x[s + 1]:
+            return None
+    return x
+
+
+def warmup_candidates(costs: Costs, n: int, caps: list[int]) -> list[list[int]]:
+    S = costs.stages
+    tight = []
+    for c in caps:
+        tight.append(min(c, n, tight[-1]) if tight else min(c, n))
+    base = [
+        initial_warmup(caps),
+        adapted_warmup(costs, n, caps),
+        zb_h1_warmup(S, n),
+        tight,
+        [min(2 * (S - s) - 1, n) for s in range(S)],
+    ]
+    out: list[list[int]] = []
+    for x in base:
+        x = _monotone_within(x, caps, n)
+        if x is not None and x not in out:
+            out.append(x)
+    return out
+
+
+def _neighbours(x: list[int], caps: list[int], n: int) -> list[list[int]]:
+    out = []
+    for s in range(len(x)):
+        for d in (-1, 1):
+            y = list(x)
+            y[s] += d
+            y = _monotone_within(y, caps, n) if y[s] >= 1 else None
+            if y is not None and y != x:
+                out.append(y)
+    return out
+
+
+def search(
+    costs: Costs,
+    microbatches: int,
+    caps: Optional[list[int]] = None,
+    budget_s: float = 1.0,
+    seed: int = 0,
+    exact: bool = False,
+) -> SearchResult:
+    """The best schedule found within ``budget_s`` seconds (deterministic for a given seed)."""
+    t0 = time.perf_counter()
+    S, N = costs.stages, microbatches
+    caps = [min(c, N) for c in (caps or [N] * S)]
+    deadline = t0 + budget_s
+    evaluated = 0
+    trace: list[tuple[float, float]] = []
+
+    def score(sched: Schedule) -> float:
+        nonlocal evaluated
+        evaluated += 1
+        return replay(sched, costs, N).iteration_ms
+
+    # The paper's single greedy pass first: it is the floor every later step must beat.
+    x0 = initial_warmup(caps)
+    best = list_schedule(costs, N, x0)
+    best_t = score(best)
+    source = "greedy"
+    trace.append((time.perf_counter() - t0, best_t))
+    lb = lower_bound_ms(costs, N, caps)
+
+    seen: set[tuple] = set()
+    frontier = warmup_candidates(costs, N, caps)
+    rounds = 0
+    while frontier and time.perf_counter() < deadline and best_t > lb + 1e-9:
+        improved = False
+        for x in frontier:
+            for pol in POLICIES:
+                key = (tuple(x), pol)
+                if key in seen:
+                    continue
+                seen.add(key)
+                sched = list_schedule(costs, N, x, pol)
+                t = score(sched)
+                if t < best_t - 1e-9:
+                    best, best_t, source, improved = sched, t, "portfolio", True
+                    trace.append((time.perf_counter() - t0, best_t))
+                if time.perf_counter() >= deadline:
+                    break
+            if time.perf_counter() >= deadline:
+                break
+        rounds += 1
+        from .simulate import warmup_counts
+
+        frontier = _neighbours(warmup_counts(best), caps, N) if (improved or rounds == 1) else []
+
+    if time.perf_counter() < deadline and best_t > lb + 1e-9:
+        best, best_t, moved = _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb)
+        if moved:
+            source = "local"
+            trace.append((time.perf_counter() - t0, best_t))
+
+    if exact and best_t > lb + 1e-9:
+        try:
+            from .milp import solve_exact
+        except ImportError:
+            pass
+        else:
+            remaining = max(0.05, deadline - time.perf_counter())
+            res = solve_exact(costs, N, caps, time_limit_s=remaining, warm_start=best)
+            if res.iteration_ms < best_t - 1e-9:
+                best, best_t, source = res.schedule, res.iteration_ms, "milp"
+                trace.append((time.perf_counter() - t0, best_t))
+            lb = max(lb, res.lower_bound_ms)
+    return SearchResult(best, best_t, lb, evaluated, time.perf_counter() - t0, source, trace)
+
+
+def _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb):
+    """First-improvement moves of single ops, accepting equal scores (plateaus are common)."""
+    rng = random.Random(seed)
+    S = len(best)
+    moved = False
+    cur = [list(r) for r in best]
+    cur_t = best_t
+    stall = 0
+    while time.perf_counter() < deadline and cur_t > lb + 1e-9:
+        s = rng.randrange(S)
+        row = cur[s]
+        i = _pick_gap_op(cur, costs, N, s, rng)
+        j = i + rng.choice((-3, -2, -1, 1, 2, 3))
+        if not (0 <= j < len(row)) or row[i].kind == row[j].kind and row[i].kind != "W":
+            continue
+        cand_row = list(row)
+        op = cand_row.pop(i)
+        cand_row.insert(j, op)
+        if not _locally_valid(cand_row) or peak_inflight([cand_row])[0] > caps[s]:
+            continue
+        cand = list(cur)
+        cand[s] = cand_row
+        try:
+            t = score(cand)
+        except StuckSchedule:
+            continue
+        if t <= cur_t + 1e-9:
+            if t < cur_t - 1e-9:
+                stall = 0
+            else:
+                stall += 1
+            cur, cur_t = cand, t
+            if t < best_t - 1e-9:
+                best, best_t, moved = [list(r) for r in cur], t, True
+        else:
+            stall += 1
+        if stall > 4000:  # a long plateau: restart from the best
+            cur, cur_t, stall = [list(r) for r in best], best_t, 0
+    return best, best_t, moved
+
+
+def _pick_gap_op(cur, costs, N, s, rng) -> int:
+    return rng.randrange(len(cur[s]))
+
+
+def _locally_valid(row: list[Op]) -> bool:
+    """B m after F m, W m after B m, and per-kind micro-batch order kept (FIFO)."""
+    seen_f, seen_b = set(), set()
+    last = {"F": -1, "B": -1, "W": -1}
+    for op in row:
+        if op.mb < last[op.kind]:
+            return False
+        last[op.kind] = op.mb
+        if op.kind == "F":
+            seen_f.add(op.mb)
+        elif op.kind == "B":
+            if op.mb not in seen_f:
+                return False
+            seen_b.add(op.mb)
+        elif op.mb not in seen_b:
+            return False
+    return True

@@ -1,0 +1,208 @@
+"""The B/W split of a stage's autograd graph, without recomputation.
+
+``backward_input`` (B) computes the gradient w.r.t. the stage inputs and, on the way, captures the
+gradient arriving at every *frontier node*: a node on the input path (it leads to an input) with a
+child edge that leaves the input path towards a parameter (e.g. ``AddmmBackward`` of a Linear,
+whose ``mat1`` edge goes to the input and whose weight edge does not). ``backward_weight`` (W)
+re-enters the graph at exactly those nodes with the captured gradients and asks autograd for the
+parameter gradients only, so autograd evaluates only the parameter-side outputs of the frontier
+nodes and the parameter-only region below them: nothing of B is computed twice.
+
+Parts of the graph that do not lead to any input (the whole graph of a first stage whose input
+needs no gradient, or an output that does not depend on the input) are entered at their output
+edges with the output gradients themselves: B does nothing for them and W is their backward.
+
+W accumulates into ``param.grad`` exactly like a normal backward (``grad = dw`` or ``grad += dw``),
+so gradient accumulation across micro-batches, tied weights and data-parallel reduction behave as
+with a fused backward. The stage outputs are never detached in place, so outputs that are views
+(``x.view(...)`` at the end of a stage) are fine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _Group:
+    """One autograd.grad call of W: entry edges with their gradients, and the parameters they reach."""
+
+    edges: list = field(default_factory=list)  # GradientEdge into a frontier node or an output edge
+    grads: list = field(default_factory=list)  # the gradient arriving at each edge
+    params: list = field(default_factory=list)  # torch.nn.Parameter (or leaf tensor) reached
+
+
+@dataclass
+class WeightGradWork:
+    """What B leaves for W of one micro-batch.
+
+    Kept alive until W: the frontier nodes (and through them the part of the autograd graph below
+    them, including the tensors saved for the weight gradients, e.g. each Linear's input), the
+    gradient captured at each frontier node (one activation-gradient-sized tensor per frontier
+    edge), and, for graph parts that do not lead to an input, the output edges and their output
+    gradients. Everything above the frontier (the output tensors, their loss, the input path)
+    is released by the caller after B. ``clamp`` marks the rare graph (a parameter reached both
+    from a frontier node's parameter side and from its input side, e.g. one module applied twice)
+    where W runs as one call that pins each frontier node to its captured gradient.
+    """
+
+    groups: list
+    clamp_nodes: list = field(default_factory=list)  # (node, captured grad tuple) when clamped
+
+    def run(self) -> None:
+        """Compute the parameter gradients and accumulate them into ``.grad``; frees the graph."""
+        handles = [n.register_prehook(lambda _g, saved=g: saved) for n, g in self.clamp_nodes]
+        try:
+            for grp in self.groups:
+                targets = tuple(get_gradient_edge(p) for p in grp.params)
+                dws = torch.autograd.grad(grp.edges, targets, grad_outputs=grp.grads, allow_unused=True)
+                for p, dw in zip(grp.params, dws):
+                    if dw is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = dw
+                    else:
+                        p.grad += dw
+        finally:
+            for h in handles:
+                h.remove()
+        self.groups = []
+        self.clamp_nodes = []
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    raise TypeError(f"expected a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[Optional[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[Optional[torch.Tensor]], WeightGradWork]:
+    """B: gradients w.r.t. ``inputs`` (None where an input needs none) and the work W needs.
+
+    ``outputs`` are the stage outputs (or the scaled loss, with ``output_grads`` of ones);
+    outputs with no graph are skipped. ``params`` are the stage's trainable parameters.
+    """
+    outs, ograds = [], []
+    for t, g in zip(outputs, output_grads):
+        if t.requires_grad:
+            outs.append(t)
+            ograds.append(torch.ones_like(t) if g is None else g)
+    input_idx = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    dinputs: list[Optional[torch.Tensor]] = [None] * len(inputs)
+    if not outs:
+        return dinputs, WeightGradWork([])
+
+    roots = [get_gradient_edge(t) for t in outs]
+    input_nodes = {get_gradient_edge(inputs[i]).node for i in input_idx}
+    params = [p for p in params if p.requires_grad]
+    param_bit = {}
+    for k, p in enumerate(params):
+        param_bit.setdefault(get_gradient_edge(p).node, 0)
+        param_bit[get_gradient_edge(p).node] |= 1 << k
+
+    # Post-order walk: per node, whether it leads to an input and which parameters lie below it.
+    leads_in: dict[Node, bool] = {}
+    below: dict[Node, int] = {}
+    children: dict[Node, list[Node]] = {}
+    stack = [(e.node, False) for e in roots if e.node is not None]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            kids = children[node]
+            leads_in[node] = node in input_nodes or any(leads_in[c] for c in kids)
+            mask = param_bit.get(node, 0)
+            for c in kids:
+                mask |= below[c]
+            below[node] = mask
+            continue
+        if node in children:
+            continue
+        kids = [fn for fn, _ in node.next_functions if fn is not None]
+        children[node] = kids
+        stack.append((node, True))
+        stack.extend((c, False) for c in kids if c not in children)
+
+    # Entry points of W: frontier nodes (captured in B) and output edges off the input path.
+    entries = []  # (node_or_edge, param mask of its parameter side, is_frontier)
+    for node, kids in children.items():
+        if not leads_in[node]:
+            continue
+        side = 0
+        for c in kids:
+            if not leads_in[c]:
+                side |= below[c]
+        if side:
+            entries.append((node, side, True))
+    for e, g in zip(roots, ograds):
+        if e.node is not None and not leads_in[e.node] and below[e.node]:
+            entries.append(((e, g), below[e.node], False))
+
+    # Group entries that share a parameter (one autograd.grad call per group, no double counting).
+    groups: list[list] = []
+    for ent in entries:
+        merged = [grp for grp in groups if grp[0] & ent[1]]
+        new = [ent[1], [ent]]
+        for grp in merged:
+            new[0] |= grp[0]
+            new[1] += grp[1]
+            groups.remove(grp)
+        groups.append(new)
+    clamp = any(
+        below[c] & mask
+        for mask, ents in groups
+        for node, _, frontier in ents
+        if frontier
+        for c in children[node]
+        if leads_in[c]
+    )
+
+    captured: dict[Node, tuple] = {}
+    frontier_nodes = [n for n, _, f in entries if f]
+    handles = [
+        n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier_nodes
+    ]
+    try:
+        if input_idx:
+            grads = torch.autograd.grad(
+                outs, [inputs[i] for i in input_idx], grad_outputs=ograds, retain_graph=True, allow_unused=True
+            )
+            for i, g in zip(input_idx, grads):
+                dinputs[i] = g
+    finally:
+        for h in handles:
+            h.remove()
+
+    def to_group(mask, ents) -> _Group:
+        grp = _Group(params=[p for k, p in enumerate(params) if mask >> k & 1])
+        for ent, _, frontier in ents:
+            if frontier:
+                for slot, g in enumerate(captured[ent]):
+                    if g is not None:
+                        grp.edges.append(GradientEdge(ent, slot))
+                        grp.grads.append(g)
+            else:
+                edge, g = ent
+                grp.edges.append(edge)
+                grp.grads.append(g)
+        return grp
+
+    if clamp:
+        mask = 0
+        ents = []
+        for m, e in groups:
+            mask |= m
+            ents += e
+        work = WeightGradWork([to_group(mask, ents)], [(n, captured[n]) for n in frontier_nodes])
+    else:
+        work = WeightGradWork([to_group(m, e) for m, e in groups if e])
+    return dinputs, work

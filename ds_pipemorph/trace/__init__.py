@@ -1,0 +1,1 @@
+"""Timelines out: Chrome/Perfetto trace JSON and Gantt pictures (pure Python + matplotlib)."""

@@ -1,0 +1,44 @@
+"""Gantt picture of an op timeline: one row per stage, F/B/W coloured, bubbles left blank."""
+from __future__ import annotations
+
+import io
+
+from ..plan.simulate import Timeline
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+LABELS = {"F": "F (forward)", "B": "B (backward-input)", "W": "W (backward-weight)"}
+
+
+def gantt_png(tl: Timeline, title: str = "") -> bytes:
+    """PNG bytes (write them atomically where they should go). Needs matplotlib (``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("--gantt needs matplotlib: pip install 'ds_pipemorph[plot]'") from e
+    t0 = min((s.start for s in tl.slots), default=0.0)
+    width = max(8.0, min(24.0, tl.iteration_ms / 40.0))
+    fig, ax = plt.subplots(figsize=(width, 0.6 * tl.stages + 1.4))
+    show_text = len(tl.slots) <= 600
+    for slot in tl.slots:
+        y = tl.stages - 1 - slot.stage
+        ax.broken_barh([(slot.start - t0, slot.end - slot.start)], (y - 0.4, 0.8),
+                       facecolors=COLORS[slot.op.kind], edgecolor="white", linewidth=0.5)
+        if show_text and slot.end - slot.start >= tl.iteration_ms / 120:
+            ax.text((slot.start + slot.end) / 2 - t0, y, str(slot.op.mb), ha="center", va="center",
+                    fontsize=6, color="white")
+    ax.set_yticks(range(tl.stages))
+    ax.set_yticklabels([f"stage {s}" for s in reversed(range(tl.stages))])
+    ax.set_xlabel("time (ms)")
+    ax.set_xlim(0, tl.iteration_ms)
+    ax.set_title(title or f"iteration {tl.iteration_ms:.1f} ms, bubble rate {tl.bubble_rate:.1%}")
+    ax.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in "FBW"] + [Patch(facecolor="white", edgecolor="grey", label="bubble (idle)")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, frameon=False, fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()

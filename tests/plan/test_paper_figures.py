@@ -1,0 +1,109 @@
+"""PipeMorph §3.1/§4 figures, reproduced by the planner and the replay simulator."""
+import pytest
+
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.search import search
+from ds_pipemorph.plan.simulate import replay, warmup_counts
+from ds_pipemorph.plan.tolerance import link_tolerances
+from ds_pipemorph.plan.warmup import adapted_warmup, check_lemma1, eq1_tolerance_ms, initial_warmup, slackness
+
+N = 12
+UNIFORM = Costs.uniform(4, 10.0)
+
+
+def zb_plan():
+    return list_schedule(UNIFORM, N, [7, 5, 3, 1])
+
+
+def with_link0(ms):
+    return UNIFORM.with_links([ms, 0.0, 0.0])
+
+
+def test_fig4_zb_plan_with_warmup_7_5_3_1_takes_390ms():
+    sched = zb_plan()
+    assert warmup_counts(sched) == [7, 5, 3, 1]
+    assert replay(sched, UNIFORM, N).iteration_ms == 390.0
+
+
+def test_fig5_fixed_zb_plan_replayed_with_10ms_on_link0_takes_400ms():
+    assert replay(zb_plan(), with_link0(10), N).iteration_ms == 400.0
+
+
+def test_fig5_fixed_zb_plan_replayed_with_20ms_on_link0_takes_440ms():
+    assert replay(zb_plan(), with_link0(20), N).iteration_ms == 440.0
+
+
+def test_replanned_knowing_20ms_on_link0_takes_at_most_410ms():
+    replanned = list_schedule(with_link0(20), N, [7, 5, 3, 1])
+    assert replay(replanned, with_link0(20), N).iteration_ms <= 410.0
+    best = search(with_link0(20), N, [7, 5, 3, 1], budget_s=0.5)
+    assert best.iteration_ms <= 410.0
+
+
+def test_alg1_spreads_slackness_evenly_from_the_first_stage():
+    # x_max = 12: Δ_avg = ⌊11/3⌋ = 3, remainder 2 goes to the first two links.
+    assert initial_warmup([12] * 4) == [12, 8, 4, 1]
+    assert initial_warmup([7] * 4) == [7, 5, 3, 1]
+    assert initial_warmup([4] * 4) == [4, 3, 2, 1]
+
+
+def test_alg1_respects_per_stage_caps_and_lemma1():
+    x = initial_warmup([9, 3, 8, 2])
+    check_lemma1(x)
+    assert all(v <= c for v, c in zip(x, [9, 3, 3, 2]))
+    assert min(slackness(x)) >= 0
+
+
+def test_lemma1_violation_names_the_stage():
+    with pytest.raises(ValueError, match="stage 2"):
+        check_lemma1([5, 3, 4, 1])
+
+
+def test_eq1_tolerance_is_delta_minus_one_times_t_for_uniform_ops():
+    assert eq1_tolerance_ms(UNIFORM, [7, 5, 3, 1]) == [10.0, 10.0, 10.0]
+    assert eq1_tolerance_ms(UNIFORM, [10, 6, 3, 1]) == [30.0, 20.0, 10.0]
+
+
+def test_alg2_raises_slackness_on_the_slow_link_only():
+    x = adapted_warmup(Costs.uniform(4, 10.0, [0, 0, 30]), 32)
+    d = slackness(x)
+    assert x[-1] == 1
+    assert d[0] == d[1] == 2
+    # Eq. 1: 10 + 10 + 2*30 <= Δ (10 + 10)  =>  Δ >= 4.
+    assert d[2] == 4
+    assert eq1_tolerance_ms(Costs.uniform(4, 10.0), x)[2] >= 30
+
+
+def test_alg2_as_printed_rounds_down_and_can_miss_eq1():
+    # The paper's line 7 uses ⌊·⌋: for 25 ms it gives Δ=3 where Eq. 1 needs 3.5 -> 4.
+    costs = Costs.uniform(4, 10.0, [0, 0, 25])
+    assert slackness(adapted_warmup(costs, 32, paper_floor=True))[2] == 3
+    assert slackness(adapted_warmup(costs, 32))[2] == 4
+
+
+def test_tolerance_is_measured_by_replay_next_to_eq1():
+    tols = link_tolerances(zb_plan(), UNIFORM, N)
+    assert [t.eq1_ms for t in tols] == [10.0, 10.0, 10.0]
+    # The Fig. 4 order absorbs more than Eq. 1 promises on the first links (the steady-phase order
+    # matters, not only the warm-up counts), and exactly Eq. 1's 10 ms on the last link.
+    assert tols[0].replay_ms == pytest.approx(14.0, abs=0.01)
+    assert tols[1].replay_ms == pytest.approx(80 / 7, abs=0.01)
+    assert tols[2].replay_ms == pytest.approx(10.0, abs=0.01)
+    for t in tols:
+        assert t.absorbed
+        before = replay(zb_plan(), UNIFORM.with_links([t.replay_ms if i == t.link else 0 for i in range(3)]), N)
+        assert before.iteration_ms <= 390.0 + t.replay_ms + 1e-6
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+@pytest.mark.parametrize("delay", [10, 30, 60])
+def test_plan_made_for_a_measured_delay_absorbs_it(stages, delay):
+    n = 32
+    no_delay = search(Costs.uniform(stages, 10.0), n, budget_s=0.2).iteration_ms
+    for link in (0, stages // 2 - 1, stages - 2):
+        links = [0.0] * (stages - 1)
+        links[link] = delay
+        costs = Costs.uniform(stages, 10.0, links)
+        planned = search(costs, n, budget_s=0.2)
+        assert planned.iteration_ms - no_delay <= 1.1 * delay, (link, planned.iteration_ms, no_delay)
