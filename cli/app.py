@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import plan_cmd, simulate_cmd
+from . import demo_cmd, plan_cmd, simulate_cmd
 
 app = typer.Typer(
     name="pipemorph",
@@ -14,6 +14,7 @@ app = typer.Typer(
 )
 app.command("plan")(plan_cmd.plan)
 app.command("simulate")(simulate_cmd.simulate)
+app.command("demo")(demo_cmd.demo)
 
 
 def main() -> None:

@@ -33,6 +33,12 @@ class PlanFile(BaseModel):
 
     def ops(self) -> Schedule:
         """Parsed and validated orders; raises InvalidPlan naming the first offending op."""
+        if self.profile is not None:
+            for key in ("stages", "microbatches"):
+                if getattr(self.profile, key) != getattr(self, key):
+                    raise InvalidPlan(
+                        f"profile.{key} is {getattr(self.profile, key)} but the plan has {getattr(self, key)} {key}"
+                    )
         sched = parse_schedule(self.schedule)
         validate_schedule(sched, self.stages, self.microbatches)
         if len(self.warmup) != self.stages:

@@ -94,7 +94,7 @@ def search(
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
-    deadline = t0 + budget_s
+    deadline = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
     evaluated = 0
     trace: list[tuple[float, float]] = []
 
@@ -107,6 +107,10 @@ def search(
     x0 = initial_warmup(caps)
     best = list_schedule(costs, N, x0)
     best_t = score(best)
+    step_s = time.perf_counter() - t0  # one candidate's cost: stop early enough to keep the budget
+
+    def out_of_time() -> bool:
+        return time.perf_counter() + 1.5 * step_s > deadline
     source = "greedy"
     trace.append((time.perf_counter() - t0, best_t))
     lb = lower_bound_ms(costs, N, caps)
@@ -114,7 +118,7 @@ def search(
     seen: set[tuple] = set()
     frontier = warmup_candidates(costs, N, caps)
     rounds = 0
-    while frontier and time.perf_counter() < deadline and best_t > lb + 1e-9:
+    while frontier and not out_of_time() and best_t > lb + 1e-9:
         improved = False
         for x in frontier:
             for pol in POLICIES:
@@ -127,17 +131,17 @@ def search(
                 if t < best_t - 1e-9:
                     best, best_t, source, improved = sched, t, "portfolio", True
                     trace.append((time.perf_counter() - t0, best_t))
-                if time.perf_counter() >= deadline:
+                if out_of_time():
                     break
-            if time.perf_counter() >= deadline:
+            if out_of_time():
                 break
         rounds += 1
         from .simulate import warmup_counts
 
         frontier = _neighbours(warmup_counts(best), caps, N) if (improved or rounds == 1) else []
 
-    if time.perf_counter() < deadline and best_t > lb + 1e-9:
-        best, best_t, moved = _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb)
+    if not out_of_time() and best_t > lb + 1e-9:
+        best, best_t, moved = _local_search(best, best_t, costs, N, caps, deadline - step_s / 2, seed, score, lb)
         if moved:
             source = "local"
             trace.append((time.perf_counter() - t0, best_t))

@@ -1,0 +1,38 @@
+"""Shared by the benchmark scripts: a rich table when available, and an atomic JSON write."""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ds_pipemorph.fileio import write_atomic  # noqa: E402
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        print(title)
+        print(" | ".join(columns))
+        for r in rows:
+            print(" | ".join(str(x) for x in r))
+        return
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    Console(width=160).print(t)
+
+
+def write_json(path: str, payload: dict) -> None:
+    payload = dict(payload)
+    payload.setdefault("machine", {"python": platform.python_version(), "cpus": __import__("os").cpu_count()})
+    payload.setdefault("written_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
