@@ -20,7 +20,7 @@ from .bounds import lower_bound_ms
 from .listsched import Policy, list_schedule
 from .ops import Op
 from .profile import Costs
-from .simulate import Schedule, StuckSchedule, peak_inflight, replay
+from .simulate import Schedule, StuckSchedule, peak_inflight, replay, warmup_counts
 from .warmup import adapted_warmup, initial_warmup
 
 POLICIES = (Policy("BFW"), Policy("BFW", w_fits_gap=True), Policy("BWF"), Policy("FBW"))
@@ -40,6 +40,14 @@ class SearchResult:
     def gap_to_bound(self) -> float:
         lb = self.lower_bound_ms
         return 0.0 if lb <= 0 else (self.iteration_ms - lb) / lb
+
+
+def _key(sched: Schedule, t: float) -> tuple[float, int, int]:
+    """Fastest first; among equally fast plans the most resilient (largest minimum slackness, as
+    Alg. 1 wants), then the one holding the fewest activations."""
+    x = warmup_counts(sched)
+    min_slack = min((x[i] - x[i + 1] for i in range(len(x) - 1)), default=0)
+    return (round(t, 6), -min_slack, sum(peak_inflight(sched)))
 
 
 def _monotone_within(x: list[int], caps: list[int], n: int) -> Optional[list[int]]:
@@ -89,8 +97,13 @@ def search(
     budget_s: float = 1.0,
     seed: int = 0,
     exact: bool = False,
+    max_evals: Optional[int] = None,
 ) -> SearchResult:
-    """The best schedule found within ``budget_s`` seconds (deterministic for a given seed)."""
+    """The best schedule found within ``budget_s`` seconds and ``max_evals`` replays.
+
+    The result is deterministic for a given seed when ``max_evals`` is reached before the time
+    budget (tests do that); with only a time budget a faster machine may search further.
+    """
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
@@ -104,44 +117,42 @@ def search(
         return replay(sched, costs, N).iteration_ms
 
     # The paper's single greedy pass first: it is the floor every later step must beat.
-    x0 = initial_warmup(caps)
-    best = list_schedule(costs, N, x0)
+    best = list_schedule(costs, N, initial_warmup(caps))
     best_t = score(best)
+    best_key = _key(best, best_t)
     step_s = time.perf_counter() - t0  # one candidate's cost: stop early enough to keep the budget
 
     def out_of_time() -> bool:
+        if max_evals is not None and evaluated >= max_evals:
+            return True
         return time.perf_counter() + 1.5 * step_s > deadline
+
     source = "greedy"
     trace.append((time.perf_counter() - t0, best_t))
     lb = lower_bound_ms(costs, N, caps)
 
+    # Portfolio, then ±1 neighbourhoods of the best warm-up while they help. Ties in time go to the
+    # more resilient, then the leaner plan, so the search goes on at the bound.
     seen: set[tuple] = set()
     frontier = warmup_candidates(costs, N, caps)
-    rounds = 0
-    while frontier and not out_of_time() and best_t > lb + 1e-9:
+    while frontier and not out_of_time():
         improved = False
         for x in frontier:
             for pol in POLICIES:
-                key = (tuple(x), pol)
-                if key in seen:
+                if (tuple(x), pol) in seen or out_of_time():
                     continue
-                seen.add(key)
+                seen.add((tuple(x), pol))
                 sched = list_schedule(costs, N, x, pol)
                 t = score(sched)
-                if t < best_t - 1e-9:
-                    best, best_t, source, improved = sched, t, "portfolio", True
-                    trace.append((time.perf_counter() - t0, best_t))
-                if out_of_time():
-                    break
-            if out_of_time():
-                break
-        rounds += 1
-        from .simulate import warmup_counts
-
-        frontier = _neighbours(warmup_counts(best), caps, N) if (improved or rounds == 1) else []
+                k = _key(sched, t)
+                if k < best_key:
+                    if t < best_t - 1e-9:
+                        trace.append((time.perf_counter() - t0, t))
+                    best, best_t, best_key, source, improved = sched, t, k, "portfolio", True
+        frontier = _neighbours(warmup_counts(best), caps, N) if improved else []
 
     if not out_of_time() and best_t > lb + 1e-9:
-        best, best_t, moved = _local_search(best, best_t, costs, N, caps, deadline - step_s / 2, seed, score, lb)
+        best, best_t, moved = _local_search(best, best_t, costs, N, caps, deadline - step_s / 2, seed, score, lb, out_of_time)
         if moved:
             source = "local"
             trace.append((time.perf_counter() - t0, best_t))
@@ -161,7 +172,7 @@ def search(
     return SearchResult(best, best_t, lb, evaluated, time.perf_counter() - t0, source, trace)
 
 
-def _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb):
+def _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb, out_of_time):
     """First-improvement moves of single ops, accepting equal scores (plateaus are common)."""
     rng = random.Random(seed)
     S = len(best)
@@ -169,7 +180,7 @@ def _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb):
     cur = [list(r) for r in best]
     cur_t = best_t
     stall = 0
-    while time.perf_counter() < deadline and cur_t > lb + 1e-9:
+    while time.perf_counter() < deadline and cur_t > lb + 1e-9 and not out_of_time():
         s = rng.randrange(S)
         row = cur[s]
         i = _pick_gap_op(cur, costs, N, s, rng)

@@ -157,4 +157,4 @@ def test_plan_for_another_stage_count_is_refused(plan_file):
     edit(plan_file, lambda d: d.__setitem__("stages", 3))
     r = run("simulate", plan_file)
     assert r.exit_code == 2
-    assert "4 stage lists, the plan says 3" in r.output or "expected 3" in r.output
+    assert "profile.stages is 4 but the plan has 3 stages" in r.output

@@ -98,7 +98,7 @@ def test_list_schedules_are_valid_within_caps_and_replay_equals_critical_path(ca
 @given(cases())
 def test_search_plans_are_valid_no_slower_than_greedy_and_above_the_bound(case):
     costs, n, caps = case
-    res = search(costs, n, caps, budget_s=0.05)
+    res = search(costs, n, caps, budget_s=10, max_evals=60)
     validate_schedule(res.schedule, costs.stages, n, caps)
     assert abs(res.iteration_ms - critical_path_ms(res.schedule, costs, n)) < 1e-6
     greedy = replay(list_schedule(costs, n, initial_warmup(caps)), costs, n).iteration_ms
@@ -120,5 +120,5 @@ def test_baselines_replay_equals_critical_path_fused_and_split(case):
 
 def test_uniform_profiles_without_delay_or_cap_reach_the_bound_exactly():
     for S, n in ((2, 2), (3, 4), (4, 12), (8, 32), (32, 256)):
-        res = search(Costs.uniform(S, 10.0), n, budget_s=1.0)
+        res = search(Costs.uniform(S, 10.0), n, budget_s=30, max_evals=3)
         assert res.iteration_ms == res.lower_bound_ms == 3 * n * 10.0 + (S - 1) * 10.0
