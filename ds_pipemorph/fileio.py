@@ -61,6 +61,9 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, p)
     except BaseException:
         try:

@@ -10,19 +10,20 @@
 """
 from __future__ import annotations
 
-import random
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .baselines import zb_h1_warmup
 from .bounds import lower_bound_ms
+from .improve import improve
 from .listsched import Policy, list_schedule
-from .ops import Op
 from .profile import Costs
-from .simulate import Schedule, StuckSchedule, peak_inflight, replay, warmup_counts
+from .simulate import Schedule, makespan, peak_inflight, warmup_counts
 from .warmup import adapted_warmup, initial_warmup
 
+EXACT_MAX_OPS = 48  # stages x micro-batches up to which the MILP runs by default (5 x 8 solves in ~1 s)
 POLICIES = (Policy("BFW"), Policy("BFW", w_fits_gap=True), Policy("BWF"), Policy("FBW"))
 
 
@@ -40,6 +41,10 @@ class SearchResult:
     def gap_to_bound(self) -> float:
         lb = self.lower_bound_ms
         return 0.0 if lb <= 0 else (self.iteration_ms - lb) / lb
+
+
+def milp_available() -> bool:
+    return importlib.util.find_spec("highspy") is not None
 
 
 def _key(sched: Schedule, t: float) -> tuple[float, int, int]:
@@ -96,10 +101,14 @@ def search(
     caps: Optional[list[int]] = None,
     budget_s: float = 1.0,
     seed: int = 0,
-    exact: bool = False,
+    exact: Optional[bool] = None,
     max_evals: Optional[int] = None,
 ) -> SearchResult:
     """The best schedule found within ``budget_s`` seconds and ``max_evals`` replays.
+
+    ``exact``: run the MILP (``milp`` extra) on the rest of the budget, warm-started with the best
+    order; ``None`` (default) does so when highspy is installed and the case has at most
+    ``EXACT_MAX_OPS`` ops per stage times stages; it then gets half of the budget.
 
     The result is deterministic for a given seed when ``max_evals`` is reached before the time
     budget (tests do that); with only a time budget a faster machine may search further.
@@ -107,14 +116,21 @@ def search(
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
-    deadline = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
+    use_exact = (S * N <= EXACT_MAX_OPS and milp_available()) if exact is None else exact
+    if use_exact and not milp_available():
+        raise ImportError("the exact planner needs highspy: pip install 'ds_pipemorph[milp]'")
+    end = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
+    deadline = t0 + 0.5 * budget_s if use_exact else end
     evaluated = 0
     trace: list[tuple[float, float]] = []
 
-    def score(sched: Schedule) -> float:
+    def count() -> None:
         nonlocal evaluated
         evaluated += 1
-        return replay(sched, costs, N).iteration_ms
+
+    def score(sched: Schedule) -> float:
+        count()
+        return makespan(sched, costs, N)
 
     # The paper's single greedy pass first: it is the floor every later step must beat.
     best = list_schedule(costs, N, initial_warmup(caps))
@@ -152,85 +168,17 @@ def search(
         frontier = _neighbours(warmup_counts(best), caps, N) if improved else []
 
     if not out_of_time() and best_t > lb + 1e-9:
-        best, best_t, moved = _local_search(best, best_t, costs, N, caps, deadline - step_s / 2, seed, score, lb, out_of_time)
+        best, best_t, moved = improve(best, costs, N, caps, deadline - step_s / 2, seed, out_of_time, count, lb)
         if moved:
             source = "local"
             trace.append((time.perf_counter() - t0, best_t))
 
-    if exact and best_t > lb + 1e-9:
-        try:
-            from .milp import solve_exact
-        except ImportError:
-            pass
-        else:
-            remaining = max(0.05, deadline - time.perf_counter())
-            res = solve_exact(costs, N, caps, time_limit_s=remaining, warm_start=best)
-            if res.iteration_ms < best_t - 1e-9:
-                best, best_t, source = res.schedule, res.iteration_ms, "milp"
-                trace.append((time.perf_counter() - t0, best_t))
-            lb = max(lb, res.lower_bound_ms)
+    if use_exact and best_t > lb + 1e-9:
+        from .milp import solve_exact
+
+        res = solve_exact(costs, N, caps, time_limit_s=max(0.05, end - time.perf_counter()), warm_start=best)
+        if res.iteration_ms < best_t - 1e-9:
+            best, best_t, source = res.schedule, res.iteration_ms, "milp"
+            trace.append((time.perf_counter() - t0, best_t))
+        lb = max(lb, res.lower_bound_ms)
     return SearchResult(best, best_t, lb, evaluated, time.perf_counter() - t0, source, trace)
-
-
-def _local_search(best, best_t, costs, N, caps, deadline, seed, score, lb, out_of_time):
-    """First-improvement moves of single ops, accepting equal scores (plateaus are common)."""
-    rng = random.Random(seed)
-    S = len(best)
-    moved = False
-    cur = [list(r) for r in best]
-    cur_t = best_t
-    stall = 0
-    while time.perf_counter() < deadline and cur_t > lb + 1e-9 and not out_of_time():
-        s = rng.randrange(S)
-        row = cur[s]
-        i = _pick_gap_op(cur, costs, N, s, rng)
-        j = i + rng.choice((-3, -2, -1, 1, 2, 3))
-        if not (0 <= j < len(row)) or row[i].kind == row[j].kind and row[i].kind != "W":
-            continue
-        cand_row = list(row)
-        op = cand_row.pop(i)
-        cand_row.insert(j, op)
-        if not _locally_valid(cand_row) or peak_inflight([cand_row])[0] > caps[s]:
-            continue
-        cand = list(cur)
-        cand[s] = cand_row
-        try:
-            t = score(cand)
-        except StuckSchedule:
-            continue
-        if t <= cur_t + 1e-9:
-            if t < cur_t - 1e-9:
-                stall = 0
-            else:
-                stall += 1
-            cur, cur_t = cand, t
-            if t < best_t - 1e-9:
-                best, best_t, moved = [list(r) for r in cur], t, True
-        else:
-            stall += 1
-        if stall > 4000:  # a long plateau: restart from the best
-            cur, cur_t, stall = [list(r) for r in best], best_t, 0
-    return best, best_t, moved
-
-
-def _pick_gap_op(cur, costs, N, s, rng) -> int:
-    return rng.randrange(len(cur[s]))
-
-
-def _locally_valid(row: list[Op]) -> bool:
-    """B m after F m, W m after B m, and per-kind micro-batch order kept (FIFO)."""
-    seen_f, seen_b = set(), set()
-    last = {"F": -1, "B": -1, "W": -1}
-    for op in row:
-        if op.mb < last[op.kind]:
-            return False
-        last[op.kind] = op.mb
-        if op.kind == "F":
-            seen_f.add(op.mb)
-        elif op.kind == "B":
-            if op.mb not in seen_f:
-                return False
-            seen_b.add(op.mb)
-        elif op.mb not in seen_b:
-            return False
-    return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .ops import Op
 from .profile import Costs
@@ -78,9 +79,25 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
     whole backward).
     """
     S, N = len(schedule), microbatches
+    slots: list[Slot] = []
+    t0, t1, busy = _run(schedule, costs, N, fused_backward, slots)
+    work = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
+    return Timeline(S, N, slots, t1 - t0, busy, peak_inflight(schedule), work)
+
+
+def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False) -> float:
+    """``replay(...).iteration_ms`` without building the timeline (the search's inner loop)."""
+    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None)
+    return t1 - t0
+
+
+def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list]):
+    """Event-driven core of ``replay``: (first start, last end, busy ms per stage)."""
+    S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
     inf = float("inf")
+    first, last_end = inf, 0.0
     # end[s][kind][m]
     end = [[[inf] * N for _ in range(3)] for _ in range(S)]
     sent_b = [[inf] * N for _ in range(S)]  # when B m's input gradient leaves stage s
@@ -89,7 +106,6 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
     ptr = [0] * S
     free = [0.0] * S
     busy = [0.0] * S
-    slots: list[Slot] = []
     queue = deque(range(S))
     queued = [True] * S
     last = S - 1
@@ -135,7 +151,12 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
                 sent_b[s][m] = fin + times[s][2] if fuse else fin
             free[s] = fin
             busy[s] += dur
-            slots.append(Slot(s, op, start, fin))
+            if start < first:
+                first = start
+            if fin > last_end:
+                last_end = fin
+            if slots is not None:
+                slots.append(Slot(s, op, start, fin))
             ptr[s] += 1
             progressed = True
         if progressed:
@@ -146,10 +167,7 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
     for s in range(S):
         if ptr[s] < len(schedule[s]):
             raise StuckSchedule(_stuck_message(schedule, ptr, S))
-    t0 = min((x.start for x in slots), default=0.0)
-    t1 = max((x.end for x in slots), default=0.0)
-    work = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
-    return Timeline(S, N, slots, t1 - t0, busy, peak_inflight(schedule), work)
+    return (0.0 if first == inf else first), last_end, busy
 
 
 def _stuck_message(schedule: Schedule, ptr: list[int], S: int) -> str:
