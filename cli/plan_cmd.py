@@ -25,7 +25,10 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan object as JSON instead of the summary."),
     budget: float = typer.Option(1.0, "--budget", min=0.0, help="Search time in seconds."),
     seed: int = typer.Option(0, "--seed", help="Seed of the local search (results are deterministic per seed)."),
-    exact: bool = typer.Option(False, "--exact", help="Also run the exact MILP within the budget (needs the milp extra)."),
+    exact: Optional[bool] = typer.Option(
+        None, "--exact/--no-exact",
+        help="Run the exact MILP on half the budget (needs the milp extra). Default: on for small cases when installed.",
+    ),
     greedy: bool = typer.Option(False, "--greedy", help="Only the paper's single greedy pass (Alg. 1 + Alg. 3/4)."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the planned timeline."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the planned timeline as a Chrome/Perfetto trace."),

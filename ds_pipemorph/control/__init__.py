@@ -1,0 +1,1 @@
+"""Control plane logic that needs no torch: straggler detection and re-plan decisions."""

@@ -1,0 +1,58 @@
+"""The straggler detector: acts within one iteration, ignores jitter, returns after recovery."""
+import random
+
+import pytest
+
+from ds_pipemorph.control.detector import DetectorConfig, LinkDetector
+
+
+def run(det, series, tolerance_of=lambda target: [10.0 + t for t in target]):
+    """Feed per-iteration delays; re-plan instantly when asked; return (iteration, target) events."""
+    det.adopt([0.0] * len(series[0]), tolerance_of([0.0] * len(series[0])))
+    events = []
+    for it, measured in enumerate(series):
+        target = det.observe(measured)
+        if target is not None:
+            events.append((it, target))
+            det.adopt(target, tolerance_of(target))
+    return events
+
+
+def test_delay_injected_at_iteration_5_is_acted_on_at_that_boundary():
+    series = [[0.3, 0.2, 0.4]] * 5 + [[0.3, 0.2, 60.4]] * 10
+    events = run(LinkDetector(3), series)
+    assert events == [(5, [0.0, 0.0, 65.0])]  # decided after iteration 5 -> new plan in iteration 6
+
+
+def test_no_delay_means_no_replan_over_50_noisy_iterations():
+    rng = random.Random(0)
+    series = [[abs(rng.gauss(0.5, 0.6)) for _ in range(3)] for _ in range(50)]
+    det = LinkDetector(3)
+    assert run(det, series) == []
+    assert det.replans == 0
+
+
+def test_delay_within_the_plans_tolerance_is_absorbed_not_replanned():
+    series = [[0.0, 8.0, 0.0]] * 10  # the plan tolerates 10 ms everywhere
+    assert run(LinkDetector(3), series) == []
+
+
+def test_recovered_link_returns_to_the_no_delay_plan_within_3_iterations():
+    series = [[0.0, 0.0, 60.0]] * 5 + [[0.0, 0.0, 0.5]] * 6
+    events = run(LinkDetector(3), series)
+    assert events[0] == (0, [0.0, 0.0, 60.0])
+    it, target = events[1]
+    assert target == [0.0, 0.0, 0.0]
+    assert it - 5 <= 2  # decided after the 2nd calm iteration -> plan in force by the 3rd
+
+
+def test_jitter_around_a_planned_delay_does_not_flap():
+    rng = random.Random(1)
+    series = [[0.0, rng.gauss(30, 3), 0.0] for _ in range(40)]
+    events = run(LinkDetector(3, DetectorConfig(quantum_ms=10.0)), series, lambda t: [x + 5.0 for x in t])
+    assert len(events) <= 2  # the first estimate, perhaps one bump up; never down while the delay stays
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="recover_ratio"):
+        DetectorConfig(recover_ratio=1.5)
