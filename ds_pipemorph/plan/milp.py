@@ -23,8 +23,10 @@ Formulation (all times in ms; stage s, micro-batch m, kind k in F/B/W, d(s,k) th
   time windows ``[head, UB - tail]`` (longest dependency paths from the start and to the end; UB =
   the makespan of a known feasible plan), so they are as tight as the windows allow.
   Valid cuts: ``z[i,j] <= z[i,j-1]`` and ``z[i,j] <= z[i+1,j]`` (FIFO makes "Q_j before P_i"
-  monotone), and per-stage energy ``C >= t[F i] + (N-i)(f+b+w)``, ``C >= t[B i] + (N-i)(b+w)``,
-  ``t[B j] >= t[F 0] + (j+1) f + j b``, ``t[W j] >= t[F 0] + (j+1)(f+b) + j w``.
+  monotone); per op a, stage energy ``t_a >= t[F 0] + sum_b d_b [b before a]`` and
+  ``C >= t_a + d_a + sum_b d_b [b after a]`` over the ops b of its stage, where [.] is a constant
+  (FIFO, dependency, cap) or a binary; and a static one-stage bound on C from heads and tails
+  (``one_machine_bound``) that the big-M relaxation cannot see.
 * Memory cap c on stage s: the in-flight count at the start of F i is
   ``#F started before + 1 - #B finished before = i + 1 - sum_j z(B j before F i) <= c``. Under FIFO
   the binaries of B are monotone in j, so this linear row is equivalent to ``z(B_{i-c} before F_i) =
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from .listsched import list_schedule
 from .ops import Op
@@ -54,10 +55,12 @@ _PAIRS = (("F", "B"), ("F", "W"), ("B", "W"))
 
 @dataclass
 class ExactResult:
+    """What ``solve_exact`` found; ``optimal`` iff HiGHS proved ``iteration_ms`` minimal."""
+
     schedule: Schedule
     iteration_ms: float  # replayed makespan of ``schedule``
     objective_ms: float  # the solver's incumbent objective
-    lower_bound_ms: float  # the solver's dual bound
+    lower_bound_ms: float  # the solver's dual bound (at least the model's static bound on C)
     optimal: bool
     seconds: float
     status: str = ""  # HiGHS model status text
@@ -122,8 +125,7 @@ def precedences(costs: Costs, N: int, caps: list[int], ix: _Index) -> list[tuple
     return e
 
 
-def _longest_paths(n: int, edges, dur: list[float]) -> tuple[list[float], list[float], list[int]]:
-    """Heads (earliest starts), tails (longest path from a start to the end, incl. own time), depths."""
+def _topological(n: int, edges) -> tuple[list[int], list[list[tuple[int, float]]]]:
     out: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     indeg = [0] * n
     for a, b, lag in edges:
@@ -137,16 +139,78 @@ def _longest_paths(n: int, edges, dur: list[float]) -> tuple[list[float], list[f
                 order.append(b)
     if len(order) != n:  # pragma: no cover - caps >= 1 keep the graph acyclic
         raise ValueError("precedence graph has a cycle")
-    head, depth = [0.0] * n, [0] * n
+    return order, out
+
+
+def windows(ix: _Index, edges, dur: list[float], caps: list[int]) -> tuple[list[float], list[float], list[int]]:
+    """Heads (earliest starts), tails (longest time from a start to the end, incl. own time), depths.
+
+    Longest paths over the fixed edges, alternated with one-stage energy until nothing moves: an op
+    starts no earlier than ``h + sum d_b`` over its fixed same-stage predecessors b with head >= h,
+    and its tail covers its fixed same-stage successors likewise.
+    """
+    n = ix.n_times
+    order, out = _topological(n, edges)
+    head, tail, depth = [0.0] * n, list(dur), [0] * n
     for v in order:
-        for b, lag in out[v]:
-            head[b] = max(head[b], head[v] + lag)
+        for b, _ in out[v]:
             depth[b] = max(depth[b], depth[v] + 1)
-    tail = list(dur)
-    for v in reversed(order):
-        for b, lag in out[v]:
-            tail[v] = max(tail[v], lag + tail[b])
+    for _ in range(20):
+        for v in order:
+            for b, lag in out[v]:
+                head[b] = max(head[b], head[v] + lag)
+        for v in reversed(order):
+            for b, lag in out[v]:
+                tail[v] = max(tail[v], lag + tail[b])
+        if not _lift_by_stage_energy(ix, head, tail, dur, caps):
+            break
     return head, tail, depth
+
+
+def _lift_by_stage_energy(ix: _Index, head, tail, dur, caps) -> bool:
+    moved = False
+    after = [t - d for t, d in zip(tail, dur)]  # time from an op's end to the end
+    ops = [(k, m) for k in KINDS for m in range(ix.N)]
+    for s in range(ix.S):
+        col = {a: ix.t(s, *a) for a in ops}
+        for a in ops:
+            va = col[a]
+            order = {b: _fixed_before(a, b, caps[s]) for b in ops if b != a}
+            h = _release_energy([col[b] for b, o in order.items() if o is True], head, dur)
+            t = dur[va] + _release_energy([col[b] for b, o in order.items() if o is False], after, dur)
+            if h > head[va] + 1e-9:
+                head[va], moved = h, True
+            if t > tail[va] + 1e-9:
+                tail[va], moved = t, True
+    return moved
+
+
+def _release_energy(group: list[int], release: list[float], dur: list[float]) -> float:
+    """max over h of h + sum of d over the ops of ``group`` released at h or later (0 if empty)."""
+    best, acc = 0.0, 0.0
+    for v in sorted(group, key=lambda v: -release[v]):
+        acc += dur[v]
+        best = max(best, release[v] + acc)
+    return best
+
+
+def one_machine_bound(ix: _Index, head: list[float], tail: list[float], dur: list[float]) -> float:
+    """Static bound from each stage alone: for any set A of its ops,
+    ``C >= min_A head + sum_A d + min_A (tail - d)``; A ranges over {head >= h, tail - d >= q}.
+
+    The LP relaxation misses it (the big-M rows let ops overlap), e.g. idle forced on a bottleneck
+    stage while it waits for forwards that arrive slower than it runs them.
+    """
+    best = 0.0
+    for s in range(ix.S):
+        ops = [ix.t(s, k, m) for k in KINDS for m in range(ix.N)]
+        after = {v: tail[v] - dur[v] for v in ops}
+        for h in sorted({head[v] for v in ops}):
+            group = [v for v in ops if head[v] >= h]
+            for q in sorted({after[v] for v in group}):
+                work = sum(dur[v] for v in group if after[v] >= q)
+                best = max(best, h + work + q)
+    return best
 
 
 # ----------------------------------------------------------------------------- model
@@ -182,47 +246,40 @@ def build_model(costs: Costs, N: int, caps: list[int], upper_bound: float) -> _M
     ix = _Index(S, N)
     dur = [costs.op_time(s, k) for s, k, _ in map(ix.node, range(ix.n_times))]
     edges = precedences(costs, N, caps, ix)
-    head, tail, depth = _longest_paths(ix.n_times, edges, dur)
+    head, tail, depth = windows(ix, edges, dur, caps)
     lst = [upper_bound - tail[v] for v in range(ix.n_times)]
-    lb = head + [max(head[v] + tail[v] for v in range(ix.n_times))]
+    lb = head + [max(max(head[v] + tail[v] for v in range(ix.n_times)), one_machine_bound(ix, head, tail, dur))]
     ub = lst + [upper_bound]
     ub[ix.t(0, "F", 0)] = 0.0
     model = _Model(ix, ix.n_times + 1, lb, ub, [], depth, dur)
     for a, b, lag in edges:
         model.row({b: 1.0, a: -1.0}, lag)
     for s in range(S):
-        _add_stage_cuts(model, costs, s, N)
         model.row({ix.C: 1.0, ix.t(s, "W", N - 1): -1.0}, costs.w[s])
-    for s in range(S):
-        _add_disjunctions(model, costs, s, N, caps[s], head, lst, dur)
+        zs = _add_disjunctions(model, s, N, caps[s], head, lst, dur)
+        _add_energy_cuts(model, s, N, caps[s], zs)
     return model
 
 
-def _add_stage_cuts(model: _Model, costs: Costs, s: int, N: int) -> None:
-    ix, f, b, w = model.ix, costs.f[s], costs.b[s], costs.w[s]
-    f0 = ix.t(s, "F", 0)
-    for i in range(N):
-        model.row({ix.C: 1.0, ix.t(s, "F", i): -1.0}, (N - i) * (f + b + w))
-        model.row({ix.C: 1.0, ix.t(s, "B", i): -1.0}, (N - i) * (b + w))
-        model.row({ix.t(s, "B", i): 1.0, f0: -1.0}, (i + 1) * f + i * b)
-        model.row({ix.t(s, "W", i): 1.0, f0: -1.0}, (i + 1) * (f + b) + i * w)
+def _add_disjunctions(model: _Model, s: int, N: int, cap: int, head, lst, dur) -> dict:
+    """Binaries z (Q_j runs before P_i) for each unordered pair, big-M rows, monotone cuts.
 
-
-def _add_disjunctions(model, costs, s, N, cap, head, lst, dur) -> None:
-    """Binaries z[i, j] (Q_j runs before P_i) for each unordered pair, big-M rows, monotone cuts."""
+    Returns {(P, i, Q, j): column} for the stage.
+    """
     ix = model.ix
+    zs: dict[tuple[str, int, str, int], int] = {}
     for P, Q in _PAIRS:
         z: dict[tuple[int, int], int] = {}
         for i in range(N):
             for j in range(i):
-                if P == "F" and Q == "B" and j <= i - cap:
+                if _fixed_before((P, i), (Q, j), cap) is not None:
                     continue  # fixed by the memory cap: B_j before F_i
                 col = model.n_cols
                 model.n_cols += 1
                 model.lb.append(0.0)
                 model.ub.append(1.0)
                 model.binaries.append((s, P, i, Q, j, col))
-                z[i, j] = col
+                z[i, j] = zs[P, i, Q, j] = col
                 p, q = ix.t(s, P, i), ix.t(s, Q, j)
                 m1 = max(0.0, lst[q] + dur[q] - head[p])  # largest t_Q + d_Q - t_P
                 m2 = max(0.0, lst[p] + dur[p] - head[q])  # largest t_P + d_P - t_Q
@@ -233,22 +290,81 @@ def _add_disjunctions(model, costs, s, N, cap, head, lst, dur) -> None:
                 model.row({z[i, j - 1]: 1.0, col: -1.0}, 0.0)
             if (i + 1, j) in z:
                 model.row({z[i + 1, j]: 1.0, col: -1.0}, 0.0)
+    return zs
+
+
+def _fixed_before(a: tuple[str, int], b: tuple[str, int], cap: int) -> bool | None:
+    """Whether op b runs before op a on a stage by FIFO, dependencies or the cap; None: a binary decides."""
+    (ka, ma), (kb, mb) = a, b
+    if ka == kb:
+        return mb < ma
+    if _K[ka] > _K[kb]:
+        r = _fixed_before(b, a, cap)
+        return None if r is None else not r
+    # a = P_i, b = Q_j with P earlier in F, B, W: P_i runs first if i <= j; the cap puts B_j first.
+    if ma <= mb:
+        return False
+    if ka == "F" and kb == "B" and mb <= ma - cap:
+        return True
+    return None
+
+
+def _before(a: tuple[str, int], b: tuple[str, int], cap: int, zs: dict) -> tuple[float, int | None, float]:
+    """[b runs before a] on one stage as ``const + sign * z`` -> (const, z column or None, sign)."""
+    fixed = _fixed_before(a, b, cap)
+    if fixed is not None:
+        return float(fixed), None, 0.0
+    if _K[a[0]] < _K[b[0]]:  # a = P_i, b = Q_j: z = 1 means Q_j first
+        return 0.0, zs[a[0], a[1], b[0], b[1]], 1.0
+    return 1.0, zs[b[0], b[1], a[0], a[1]], -1.0
+
+
+def _add_energy_cuts(model: _Model, s: int, N: int, cap: int, zs: dict) -> None:
+    """Per op a on stage s, everything on the stage before a fits in [t(F 0), t_a], everything after
+    it in [t_a + d_a, C]:  ``t_a >= t(F 0) + sum_b d_b [b before a]`` and
+    ``C >= t_a + d_a + sum_b d_b [b after a]``, with [.] a constant or a binary (FIFO, caps fix most).
+    """
+    ix = model.ix
+    ops = [(k, m) for k in KINDS for m in range(N)]
+    f0 = ix.t(s, "F", 0)
+    for a in ops:
+        ta, da = ix.t(s, *a), model.dur[ix.t(s, *a)]
+        pred: dict[int, float] = {ta: 1.0, f0: -1.0}
+        succ: dict[int, float] = {ix.C: 1.0, ta: -1.0}
+        pred_rhs, succ_rhs = 0.0, da
+        for b in ops:
+            if b == a:
+                continue
+            db = model.dur[ix.t(s, *b)]
+            const, col, sign = _before(a, b, cap, zs)
+            pred_rhs += db * const  # before: const + sign z
+            succ_rhs += db * (1.0 - const)  # after: (1 - const) - sign z
+            if col is not None and db:
+                pred[col] = pred.get(col, 0.0) - db * sign
+                succ[col] = succ.get(col, 0.0) + db * sign
+        if a != ("F", 0):
+            model.row(pred, pred_rhs)
+        model.row(succ, succ_rhs)
 
 
 # ----------------------------------------------------------------------------- warm start
 
 
-def fifo_relabel(schedule: Schedule, costs: Costs, N: int) -> Schedule:
-    """Same op slots, micro-batches renumbered per stage and kind in time order (see module doc)."""
-    tl = replay(schedule, costs, N)
+def fifo_relabel(schedule: Schedule) -> Schedule:
+    """The same orders with micro-batches renumbered per stage and kind by occurrence (per-kind FIFO).
+
+    A stage runs its row in order, so the k-th op of a kind in the row is the k-th slot of that kind
+    in time; by the argument in the module docstring the relabelled plan is valid, within the same
+    caps, and its replay is no slower.
+    """
     out: Schedule = []
-    for slots in tl.by_stage():
-        counter = {k: 0 for k in KINDS}
-        row = []
-        for sl in sorted(slots, key=lambda x: (x.start, x.end)):
-            row.append(Op(sl.op.kind, counter[sl.op.kind]))
-            counter[sl.op.kind] += 1
-        out.append(row)
+    for row in schedule:
+        seen = {k: 0 for k in KINDS}
+        new_row = []
+        for op in row:
+            new_row.append(Op(op.kind, seen[op.kind]))
+            seen[op.kind] += 1
+        out.append(new_row)
     return out
 
 
@@ -258,7 +374,7 @@ def _sequential(S: int, N: int) -> Schedule:
     return [list(row) for _ in range(S)]
 
 
-def incumbent(costs: Costs, N: int, caps: list[int], warm_start: Optional[Schedule]) -> tuple[Schedule, Timeline]:
+def incumbent(costs: Costs, N: int, caps: list[int], warm_start: Schedule | None) -> tuple[Schedule, Timeline]:
     """Best FIFO plan among the warm start, the list scheduler (Alg. 1 warm-up) and the sequential plan."""
     S = costs.stages
     cands = [_sequential(S, N)]
@@ -268,10 +384,10 @@ def incumbent(costs: Costs, N: int, caps: list[int], warm_start: Optional[Schedu
         pass
     if warm_start is not None:
         cands.append(warm_start)
-    best: Optional[tuple[Schedule, Timeline]] = None
+    best: tuple[Schedule, Timeline] | None = None
     for cand in cands:
         try:
-            fifo = fifo_relabel(cand, costs, N)
+            fifo = fifo_relabel(cand)
             tl = replay(fifo, costs, N)
         except ValueError:
             continue
@@ -302,7 +418,7 @@ def solution_vector(model: _Model, schedule: Schedule, tl: Timeline) -> list[flo
 # ----------------------------------------------------------------------------- solve
 
 
-def _check_caps(caps: Optional[list[int]], S: int, N: int) -> list[int]:
+def _check_caps(caps: list[int] | None, S: int, N: int) -> list[int]:
     if caps is None:
         return [N] * S
     if len(caps) != S:
@@ -361,9 +477,9 @@ def extract_schedule(model: _Model, x: list[float], N: int) -> Schedule:
 def solve_exact(
     costs: Costs,
     microbatches: int,
-    caps: Optional[list[int]] = None,
+    caps: list[int] | None = None,
     time_limit_s: float = 60.0,
-    warm_start: Optional[Schedule] = None,
+    warm_start: Schedule | None = None,
 ) -> ExactResult:
     """Minimum-makespan plan by MILP (module docstring), within ``time_limit_s``.
 
@@ -390,7 +506,7 @@ def solve_exact(
         objective = float(info.objective_function_value)
     else:  # no incumbent accepted (should not happen: we always pass one)
         schedule, objective = inc, inc_tl.iteration_ms
-    lower = float(info.mip_dual_bound) if optimal or has_primal else 0.0
+    lower = max(float(info.mip_dual_bound), model.lb[model.ix.C])  # -inf if stopped before the root LP
     tl = replay(schedule, costs, N)
     _check_result(schedule, tl, caps, objective, optimal)
     return ExactResult(
