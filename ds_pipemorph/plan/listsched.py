@@ -21,8 +21,8 @@ class Policy:
     priority: str = "BFW"  # steady-phase order of kinds
     # Only start a W if it ends before the next B or F is expected to arrive (W fills gaps only).
     w_fits_gap: bool = False
-    # Run a W before an available F when the downstream stage already holds this many F ahead.
-    f_lead: int = 0
+    # Stages that keep their W for when they have no forward left (the rest fill gaps with W).
+    late_w: frozenset = frozenset()
 
 
 def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
@@ -70,9 +70,11 @@ def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Po
                         continue
                     if k == "W" and policy.w_fits_gap and _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup):
                         continue
+                    if k == "W" and s in policy.late_w and f_done[s] < N:
+                        continue
                     choice = k
                     break
-                if choice is None and can["W"]:
+                if choice is None and can["W"] and not (s in policy.late_w and f_done[s] < N):
                     choice = "W"
             if choice is None:
                 continue
