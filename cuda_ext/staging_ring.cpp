@@ -2,12 +2,17 @@
 #include "staging_ring.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <sstream>
@@ -49,9 +54,24 @@ std::string fmt_seconds(double s) {
   return o.str();
 }
 
-// Spin about 20 us (a message that is about to arrive costs no syscall), then yield a few times, then sleep with
-// a doubling pause capped at 200 us: a waiter on this 2-core machine costs ~0 CPU after the first 50 us, and a
-// message is noticed at most ~200 us late.
+// Shared (not FUTEX_PRIVATE) futex on a word of the MAP_SHARED segment: the kernel keys it by the page, so the
+// two processes meet on it whatever their virtual addresses.
+long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
+}
+
+// Length of the spin phase of a wait: $PIPEMORPH_STAGING_SPIN_US (read once), default 20 us.
+std::chrono::microseconds spin_phase() {
+  static const std::chrono::microseconds us{[] {
+    const char* v = std::getenv("PIPEMORPH_STAGING_SPIN_US");
+    const long n = v ? std::strtol(v, nullptr, 10) : 20;
+    return std::clamp(n, 0L, 10000L);
+  }()};
+  return us;
+}
+
+// For attach() only (waiting for another process to create a segment): spin briefly, then sleep 10 us
+// doubling to 1 ms.
 class Backoff {
  public:
   void pause() {
@@ -62,7 +82,7 @@ class Backoff {
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
-      if (sleep_us_ < 200) sleep_us_ *= 2;
+      if (sleep_us_ < 1000) sleep_us_ *= 2;
     }
   }
 
@@ -90,6 +110,14 @@ Ring::~Ring() { close(); }
 
 void Ring::close() {
   if (base_ != nullptr) {
+    if (before_unmap_) {
+      try {
+        before_unmap_(base_, size_);
+      } catch (...) {
+        // close() runs in destructors: never throw. The mapping goes away regardless.
+      }
+      before_unmap_ = nullptr;
+    }
     munmap(base_, size_);
     base_ = nullptr;
     hdr_ = nullptr;
@@ -143,6 +171,7 @@ Ring* Ring::create(const std::string& name, uint32_t num_slots, uint64_t slot_ca
   for (uint32_t i = 0; i < num_slots; ++i) {
     auto* s = new (static_cast<char*>(base) + kPage + i * sizeof(SlotHeader)) SlotHeader();
     s->state.store(EMPTY, std::memory_order_relaxed);
+    s->waiters.store(0, std::memory_order_relaxed);
   }
   // Release: an attacher whose acquire load sees kMagic also sees every field written above.
   hdr->magic.store(kMagic, std::memory_order_release);
@@ -217,7 +246,7 @@ void* Ring::payload(uint32_t i) const {
 
 Slot Ring::make_slot(uint32_t i, uint64_t seq) const {
   SlotHeader* s = slot_header(i);
-  return Slot{i, seq, &s->meta, payload(i), &s->state};
+  return Slot{i, seq, &s->meta, payload(i), s};
 }
 
 uint32_t Ring::num_slots() const { check_open("query num_slots"); return hdr_->num_slots; }
@@ -232,23 +261,52 @@ uint64_t Ring::occupancy() const {
   return h >= t ? h - t : 0;
 }
 
+void Ring::store_and_wake(SlotHeader* slot, uint32_t value) {
+  slot->state.store(value, std::memory_order_release);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // Dekker with the waiter: see staging_ring.h
+  if (slot->waiters.load(std::memory_order_relaxed) != 0) futex(&slot->state, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
 bool Ring::wait_state(uint32_t i, uint32_t want, double timeout_s, const PollFn& poll) const {
-  std::atomic<uint32_t>& state = slot_header(i)->state;
+  SlotHeader* h = slot_header(i);
   // Acquire: pairs with the release store that set `want` (see staging_ring.h).
-  if (state.load(std::memory_order_acquire) == want) return true;
+  if (h->state.load(std::memory_order_acquire) == want) return true;
   const auto start = Clock::now();
+  const auto deadline = timeout_s < 0 ? Clock::time_point::max()
+                                      : start + std::chrono::duration_cast<Clock::duration>(
+                                                    std::chrono::duration<double>(timeout_s));
+  // Phase 1: spin ~20 us; a message that is about to arrive then costs no syscall.
+  const auto spin_until = start + spin_phase();
+  for (uint32_t k = 1;; ++k) {
+    PIPEMORPH_CPU_RELAX();
+    if (h->state.load(std::memory_order_acquire) == want) return true;
+    if ((k & 63) == 0 && Clock::now() >= spin_until) break;
+  }
+  // Phase 2: sleep on the futex, in pieces of at most 100 ms (timeout and poll checks).
+  h->waiters.fetch_add(1, std::memory_order_seq_cst);
+  struct Unregister {
+    SlotHeader* h;
+    ~Unregister() { h->waiters.fetch_sub(1, std::memory_order_relaxed); }
+  } unregister{h};
   auto next_poll = start + std::chrono::milliseconds(100);
-  Backoff backoff;
-  while (state.load(std::memory_order_acquire) != want) {
-    const auto now = Clock::now();
-    if (timeout_s >= 0 && std::chrono::duration<double>(now - start).count() >= timeout_s) return false;
+  while (true) {
+    // seq_cst (so also acquire): the other half of the Dekker pair with store_and_wake.
+    const uint32_t cur = h->state.load(std::memory_order_seq_cst);
+    if (cur == want) return true;
+    auto now = Clock::now();
+    if (now >= deadline) return false;
     if (poll && now >= next_poll) {
       poll();
+      now = Clock::now();
       next_poll = now + std::chrono::milliseconds(100);
     }
-    backoff.pause();
+    const auto wake = std::min(deadline, next_poll);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(wake - now).count();
+    if (ns <= 0) continue;
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    // Returns on FUTEX_WAKE, when the state no longer equals `cur` (EAGAIN), on timeout or on a signal.
+    futex(&h->state, FUTEX_WAIT, cur, &ts);
   }
-  return true;
 }
 
 Slot Ring::claim_write(uint64_t nbytes, double timeout_s, const PollFn& poll) {
@@ -267,7 +325,7 @@ Slot Ring::claim_write(uint64_t nbytes, double timeout_s, const PollFn& poll) {
                        "; message " + std::to_string(seq) + " was not pushed");
   }
   Slot s = make_slot(i, seq);
-  s.state->store(WRITING, std::memory_order_relaxed);  // only the producer looks at WRITING; no ordering needed
+  s.header->state.store(WRITING, std::memory_order_relaxed);  // only the producer looks at WRITING; no ordering needed
   s.meta->seq = seq;
   s.meta->nbytes = nbytes;
   hdr_->head.store(seq + 1, std::memory_order_relaxed);
@@ -296,8 +354,40 @@ bool Ring::wait_readable(double timeout_s, const PollFn& poll, bool throw_on_tim
 }
 
 void Ring::claim_read(const Slot& slot) {
-  slot.state->store(READING, std::memory_order_relaxed);  // the producer waits for EMPTY, READING needs no order
+  slot.header->state.store(READING, std::memory_order_relaxed);  // the producer waits for EMPTY, READING needs no order
   hdr_->tail.store(slot.seq + 1, std::memory_order_relaxed);
+}
+
+Slot Ring::claimed(uint64_t seq, uint32_t want) const {
+  check_open(want == WRITING ? "finish a write" : "finish a read");
+  const uint32_t i = uint32_t(seq % hdr_->num_slots);
+  SlotHeader* h = slot_header(i);
+  const uint32_t state = h->state.load(std::memory_order_relaxed);  // our own earlier store: no ordering needed
+  if (state != want || h->meta.seq != seq) {
+    throw std::runtime_error("staging ring '" + name_ + "': message " + std::to_string(seq) + " is not " +
+                             (want == WRITING ? "being written" : "being read") + " by this process (slot " +
+                             std::to_string(i) + " is " + state_name(state) + ", holding message " +
+                             std::to_string(h->meta.seq) + ")");
+  }
+  return make_slot(i, seq);
+}
+
+void Ring::abort_write(const Slot& slot) {
+  if (hdr_->head.load(std::memory_order_relaxed) != slot.seq + 1) {
+    throw std::runtime_error("staging ring '" + name_ + "': cannot abort message " + std::to_string(slot.seq) +
+                             ": later messages were claimed after it");
+  }
+  hdr_->head.store(slot.seq, std::memory_order_relaxed);
+  slot.header->state.store(EMPTY, std::memory_order_relaxed);  // nothing was written: nothing to order
+}
+
+void Ring::abort_read(const Slot& slot) {
+  if (hdr_->tail.load(std::memory_order_relaxed) != slot.seq + 1) {
+    throw std::runtime_error("staging ring '" + name_ + "': cannot put message " + std::to_string(slot.seq) +
+                             " back: later messages were claimed after it");
+  }
+  hdr_->tail.store(slot.seq, std::memory_order_relaxed);
+  slot.header->state.store(FULL, std::memory_order_relaxed);  // nothing was read; the payload is unchanged
 }
 
 }  // namespace staging

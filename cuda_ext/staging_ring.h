@@ -21,6 +21,12 @@
 //     messages precise and let the CUDA path hand the final store to a stream callback.
 //   * head / tail (messages claimed for writing / reading) are written only by their owner and read relaxed by
 //     anyone for occupancy; correctness never depends on them, only on the slot states.
+// Waiting: spin ~20 us ($PIPEMORPH_STAGING_SPIN_US), then sleep in futex(FUTEX_WAIT) on the state word itself (a shared futex: works across
+// processes), so a waiter costs no CPU and wakes as soon as the state changes. A waiter increments `waiters`
+// (seq_cst) before re-reading the state (seq_cst); a storer stores the state, issues a seq_cst fence, then reads
+// `waiters` and calls FUTEX_WAKE only if someone waits. This Dekker pair guarantees that either the waiter sees
+// the new state or the storer sees the waiter; FUTEX_WAIT's own in-kernel compare closes the last gap. Waits
+// are also cut into <= 100 ms pieces (timeouts, Python signal checks), so a missed wake could never hang.
 // This header does not include torch: the CUDA file includes it and compiles with plain nvcc.
 #pragma once
 
@@ -45,6 +51,7 @@ const char* state_name(uint32_t s);
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "cross-process atomics must be lock free");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "cross-process atomics must be lock free");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the state word doubles as a futex");
 
 // What travels with the payload so any dtype and shape can go through. dtype is an opaque code chosen by the
 // caller (the torch binding stores c10::ScalarType; both processes run the same torch).
@@ -58,8 +65,8 @@ struct SlotMeta {
 };
 
 struct alignas(64) SlotHeader {
-  std::atomic<uint32_t> state;
-  uint32_t reserved;
+  std::atomic<uint32_t> state;    // SlotState; also the futex word
+  std::atomic<uint32_t> waiters;  // processes blocked in FUTEX_WAIT on `state`
   SlotMeta meta;
   char pad[256 - 8 - sizeof(SlotMeta)];
 };
@@ -89,7 +96,7 @@ struct Slot {
   uint64_t seq;
   SlotMeta* meta;
   void* payload;
-  std::atomic<uint32_t>* state;
+  SlotHeader* header;
 };
 
 // Called about every 100 ms while waiting; may throw to abort the wait (the binding checks Python signals).
@@ -108,22 +115,38 @@ class Ring {
   Ring(const Ring&) = delete;
   Ring& operator=(const Ring&) = delete;
 
-  void close();  // unmaps; idempotent. Never unlinks.
+  void close();  // runs the before-unmap hook, then unmaps; idempotent. Never unlinks.
+  // Called once by close() with (base, bytes) before munmap; the CUDA binding uses it to wait for in-flight
+  // copies and cudaHostUnregister the mapping. Must not throw.
+  void set_before_unmap(std::function<void(void*, uint64_t)> hook) { before_unmap_ = std::move(hook); }
+  bool has_before_unmap() const { return static_cast<bool>(before_unmap_); }
   bool closed() const { return base_ == nullptr; }
 
   // Producer: waits (timeout_s < 0 = forever) for slot head % K to be EMPTY, marks it WRITING, advances head.
   // nbytes larger than the slot capacity is refused before waiting (std::length_error).
   Slot claim_write(uint64_t nbytes, double timeout_s, const PollFn& poll = nullptr);
-  // Producer: makes a claimed slot visible to the consumer (release store of FULL).
-  static void publish(std::atomic<uint32_t>* state) { state->store(FULL, std::memory_order_release); }
+  // Producer: makes a claimed slot visible to the consumer (release store of FULL, then wake a waiter).
+  // Safe from any thread, including a CUDA host function (no CUDA call, at most one futex syscall).
+  static void publish(SlotHeader* slot) { store_and_wake(slot, FULL); }
+
+  // Producer: undoes claim_write when the copy could not even be started (slot back to EMPTY, head back).
+  void abort_write(const Slot& slot);
 
   // Consumer: waits for slot tail % K to be FULL without claiming it (so a caller can look at the metadata and
   // refuse the message, which then stays in the ring). Returns false on timeout when throw_on_timeout is false.
   bool wait_readable(double timeout_s, const PollFn& poll, bool throw_on_timeout, Slot* out);
   // Consumer: claims the slot returned by wait_readable (FULL -> READING) and advances tail.
   void claim_read(const Slot& slot);
-  // Consumer: hands a slot back to the producer (release store of EMPTY).
-  static void release(std::atomic<uint32_t>* state) { state->store(EMPTY, std::memory_order_release); }
+  // Consumer: undoes claim_read when the copy could not even be started (slot back to FULL, tail back).
+  void abort_read(const Slot& slot);
+  // Consumer: hands a slot back to the producer (release store of EMPTY, then wake a waiter).
+  static void release(SlotHeader* slot) { store_and_wake(slot, EMPTY); }
+  // Release store of `value` into the slot state; wakes the peer if it sleeps on it (see the header comment).
+  static void store_and_wake(SlotHeader* slot, uint32_t value);
+
+  // Zero-copy ends of a claimed slot (the delegate sends from / receives into the slot itself, §5.2):
+  // the slot claimed for message seq must be in state `want`; returns it, or throws naming what is wrong.
+  Slot claimed(uint64_t seq, uint32_t want) const;
 
   const std::string& name() const { return name_; }
   uint32_t num_slots() const;
@@ -147,6 +170,7 @@ class Ring {
   void* base_;
   uint64_t size_;
   RingHeader* hdr_;
+  std::function<void(void*, uint64_t)> before_unmap_;
 };
 
 }  // namespace staging

@@ -5,7 +5,9 @@ Cache keying: the op NAME carries the DeepSpeed and torch versions (and the CUDA
 ``$TORCH_EXTENSIONS_DIR/<py>_<cpu|cuXY>/<NAME>`` and DeepSpeed keeps loaded ops in a dict keyed by NAME, so a
 build left by another DeepSpeed or torch version is never picked up (that stale cache is what breaks a job with
 an AttributeError). We do not set TORCH_EXTENSIONS_DIR: it is process-global and would also move DeepSpeed's own
-ops and any other extension the user builds. torch itself rebuilds when a source file or a flag changes.
+ops and any other extension the user builds (tests/conftest.py does set a version-keyed one for the test
+session; the two compose). torch rebuilds when a source file or a flag changes, ninja's depfiles when a header
+does. Sources are found next to the package (repo checkout or the ``../cuda_ext/*`` package data).
 """
 from __future__ import annotations
 
