@@ -3,19 +3,21 @@
 ``backward_input`` (B) computes the gradient w.r.t. the stage inputs and, on the way, captures the
 gradient arriving at every *frontier node*: a node on the input path (it leads to an input) with a
 child edge that leaves the input path towards a parameter (e.g. ``AddmmBackward`` of a Linear,
-whose ``mat1`` edge goes to the input and whose weight edge does not). ``backward_weight`` (W)
+whose ``mat1`` edge goes to the input and whose weight edge does not). ``WeightGradWork.run`` (W)
 re-enters the graph at exactly those nodes with the captured gradients and asks autograd for the
-parameter gradients only, so autograd evaluates only the parameter-side outputs of the frontier
-nodes and the parameter-only region below them: nothing of B is computed twice.
+parameters reachable from each group of them only, so autograd evaluates only the parameter-side
+outputs of the frontier nodes and the parameter-only region below them: nothing of B is computed
+twice.
 
 Parts of the graph that do not lead to any input (the whole graph of a first stage whose input
 needs no gradient, or an output that does not depend on the input) are entered at their output
 edges with the output gradients themselves: B does nothing for them and W is their backward.
 
-W accumulates into ``param.grad`` exactly like a normal backward (``grad = dw`` or ``grad += dw``),
-so gradient accumulation across micro-batches, tied weights and data-parallel reduction behave as
-with a fused backward. The stage outputs are never detached in place, so outputs that are views
-(``x.view(...)`` at the end of a stage) are fine.
+W accumulates into ``param.grad`` like autograd's AccumulateGrad (the first gradient is taken over
+or copied into the parameter's layout, later ones are added in place), so gradient accumulation
+across micro-batches, tied weights and data-parallel reduction behave as with a fused backward.
+The stage outputs are never detached in place, so outputs that are views (``x.view(...)`` at the
+end of a stage) are fine.
 """
 from __future__ import annotations
 
@@ -33,20 +35,26 @@ class _Group:
     edges: list = field(default_factory=list)  # GradientEdge into a frontier node or an output edge
     grads: list = field(default_factory=list)  # the gradient arriving at each edge
     params: list = field(default_factory=list)  # torch.nn.Parameter (or leaf tensor) reached
+    targets: list = field(default_factory=list)  # their GradientEdges (the AccumulateGrad nodes)
 
 
 @dataclass
 class WeightGradWork:
     """What B leaves for W of one micro-batch.
 
-    Kept alive until W: the frontier nodes (and through them the part of the autograd graph below
-    them, including the tensors saved for the weight gradients, e.g. each Linear's input), the
-    gradient captured at each frontier node (one activation-gradient-sized tensor per frontier
-    edge), and, for graph parts that do not lead to an input, the output edges and their output
-    gradients. Everything above the frontier (the output tensors, their loss, the input path)
-    is released by the caller after B. ``clamp`` marks the rare graph (a parameter reached both
-    from a frontier node's parameter side and from its input side, e.g. one module applied twice)
-    where W runs as one call that pins each frontier node to its captured gradient.
+    Kept alive until W, and why: the frontier nodes, because W re-enters the graph there; through
+    them the graph below them with its saved tensors (each Linear's input, which its weight
+    gradient needs, but also what input-path nodes further down saved, since autograd cannot free
+    part of a retained graph); the gradient captured at each frontier node (one
+    activation-gradient-sized tensor per entry edge); and, for graph parts off the input path, the
+    output edges and output gradients. The output tensors, the loss and the stage input are
+    released by the caller after B. W runs without ``retain_graph``, so it frees the saved
+    tensors of the nodes it runs, and dropping this object frees the rest.
+
+    ``clamp_nodes`` is only set for the rare graph where a parameter is reached both from a
+    frontier node's parameter side and through its input side (one module applied twice in a
+    stage): W then runs as one call with every frontier node pinned to its captured gradient.
+    That is still exact, but autograd re-runs the input-path nodes between frontier nodes.
     """
 
     groups: list
@@ -57,15 +65,10 @@ class WeightGradWork:
         handles = [n.register_prehook(lambda _g, saved=g: saved) for n, g in self.clamp_nodes]
         try:
             for grp in self.groups:
-                targets = tuple(get_gradient_edge(p) for p in grp.params)
-                dws = torch.autograd.grad(grp.edges, targets, grad_outputs=grp.grads, allow_unused=True)
+                dws = torch.autograd.grad(grp.edges, grp.targets, grad_outputs=grp.grads, allow_unused=True)
                 for p, dw in zip(grp.params, dws):
-                    if dw is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = dw
-                    else:
-                        p.grad += dw
+                    if dw is not None:
+                        _accumulate(p, dw)
         finally:
             for h in handles:
                 h.remove()
@@ -73,12 +76,14 @@ class WeightGradWork:
         self.clamp_nodes = []
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for t in x if isinstance(t, torch.Tensor)]
-    raise TypeError(f"expected a tensor or a tuple of tensors, got {type(x).__name__}")
+def _accumulate(p: torch.Tensor, dw: torch.Tensor) -> None:
+    """``p.grad += dw`` as autograd's AccumulateGrad does it: the first gradient is taken over when
+    its strides match the parameter's and copied into the parameter's layout otherwise (a weight
+    gradient often arrives transposed), later ones are added in place."""
+    if p.grad is None:
+        p.grad = dw if dw.stride() == p.stride() else torch.empty_like(p).copy_(dw)
+    else:
+        p.grad += dw
 
 
 def backward_input(
@@ -105,10 +110,10 @@ def backward_input(
     roots = [get_gradient_edge(t) for t in outs]
     input_nodes = {get_gradient_edge(inputs[i]).node for i in input_idx}
     params = [p for p in params if p.requires_grad]
-    param_bit = {}
-    for k, p in enumerate(params):
-        param_bit.setdefault(get_gradient_edge(p).node, 0)
-        param_bit[get_gradient_edge(p).node] |= 1 << k
+    param_edges = [get_gradient_edge(p) for p in params]
+    param_bit: dict[Node, int] = {}
+    for k, e in enumerate(param_edges):
+        param_bit[e.node] = param_bit.get(e.node, 0) | 1 << k
 
     # Post-order walk: per node, whether it leads to an input and which parameters lie below it.
     leads_in: dict[Node, bool] = {}
@@ -183,10 +188,11 @@ def backward_input(
             h.remove()
 
     def to_group(mask, ents) -> _Group:
-        grp = _Group(params=[p for k, p in enumerate(params) if mask >> k & 1])
+        picked = [k for k in range(len(params)) if mask >> k & 1]
+        grp = _Group(params=[params[k] for k in picked], targets=[param_edges[k] for k in picked])
         for ent, _, frontier in ents:
-            if frontier:
-                for slot, g in enumerate(captured[ent]):
+            if frontier:  # a node that got no gradient at all in B contributes nothing
+                for slot, g in enumerate(captured.get(ent, ())):
                     if g is not None:
                         grp.edges.append(GradientEdge(ent, slot))
                         grp.grads.append(g)
@@ -202,7 +208,7 @@ def backward_input(
         for m, e in groups:
             mask |= m
             ents += e
-        work = WeightGradWork([to_group(mask, ents)], [(n, captured[n]) for n in frontier_nodes])
+        work = WeightGradWork([to_group(mask, ents)], [(n, captured[n]) for n in frontier_nodes if n in captured])
     else:
         work = WeightGradWork([to_group(m, e) for m, e in groups if e])
     return dinputs, work

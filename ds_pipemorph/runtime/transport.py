@@ -1,17 +1,20 @@
 """Point-to-point messages between neighbouring stages: non-blocking, tagged, with timeouts.
 
-A message is a tuple of tensors of any dtypes and shapes. It travels as a small fixed-size header
-(count, then dtype id, ndim and shape per tensor) followed by one message per tensor, all tagged
-with (kind, micro-batch, part), so that sends and receives issued in any order match: the order of
-a plan never has to agree with its neighbour's. Sends never block (``isend``; completion is waited
+A message is a tensor or a tuple of tensors of any dtypes and shapes. It travels as one message per
+tensor, preceded by a small fixed-size header (structure, then dtype id, ndim and shape per tensor)
+whenever the receiver cannot know the layout yet, all tagged with (kind, micro-batch, part), so that
+sends and receives issued in any order match: the order of a plan never has to agree with its
+neighbour's. Sends never block (``isend``; completion is waited
 for once per iteration); receives wait with a timeout whose error names the rank, the op, the link
 and the peer. A later transport (``delegated``) and delay injection implement the same interface.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,20 +29,21 @@ KINDS = {"F": 1, "B": 2}  # activation, input gradient
 _PARTS = 64  # header + up to 63 tensors per message
 
 
-class TransportTimeout(RuntimeError):
-    """A wait on another process ran out of time."""
-
-
 class TransportError(RuntimeError):
-    """A message that cannot be sent or received as asked."""
+    """A message that cannot be sent or received as asked (the peer is gone, the link broke)."""
+
+
+class TransportTimeout(TransportError):
+    """A wait on another process ran out of time."""
 
 
 def tag(kind: str, micro_batch: int, part: int) -> int:
     return (KINDS[kind] << 24) | (micro_batch * _PARTS + part)
 
 
-def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    vals = [len(tensors)]
+def encode_header(tensors: Sequence[torch.Tensor], bare: bool) -> torch.Tensor:
+    """[bare tensor (1) or tuple (0), count, then dtype id, ndim, *shape per tensor]."""
+    vals = [int(bare), len(tensors)]
     for t in tensors:
         vals += [_DTYPE_ID[t.dtype], t.dim(), *t.shape]
     if len(vals) > HEADER_INTS or len(tensors) >= _PARTS:
@@ -50,14 +54,19 @@ def encode_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return head
 
 
-def decode_header(head: torch.Tensor) -> list[tuple[torch.dtype, list[int]]]:
+def decode_header(head: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, list[int]]]]:
     vals = head.tolist()
-    n, i, out = vals[0], 1, []
+    n, i, out = vals[1], 2, []
     for _ in range(n):
         dtype, nd = DTYPES[vals[i]], vals[i + 1]
         out.append((dtype, vals[i + 2: i + 2 + nd]))
         i += 2 + nd
-    return out
+    return bool(vals[0]), out
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 @dataclass
@@ -70,19 +79,26 @@ class _Pending:
 class DirectTransport:
     """Messages go straight through torch.distributed (gloo or NCCL) in the training process.
 
-    ``stage_ranks[s]`` is the global rank of stage ``s`` in this process's pipeline.
+    ``stage_ranks[s]`` is the global rank of stage ``s`` in this process's pipeline. With
+    ``static_shapes`` (DeepSpeed's ``dynamic_shape=False``) the layout of message (kind, mb) is
+    exchanged once and later receives are posted with their buffers ahead of time; a send whose
+    layout changed is refused naming the op. Without it every message carries its header.
     """
 
     name = "direct"
 
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, static_shapes: bool = True):
         self.rank, self.stage_id = rank, stage_id
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
+        self.static_shapes = static_shapes
         self._sends: list[_Pending] = []
-        self._headers: dict[tuple[str, int], tuple[object, torch.Tensor]] = {}
+        self._sends_lock = threading.Lock()  # wrappers (delay injection) may send from their own thread
+        self._posted: dict[tuple[str, int], tuple] = {}  # (kind, mb) -> ("header"|"data", ...)
+        self._sent_layout: dict[tuple[str, int], tuple] = {}  # what this rank told its peer
+        self._recv_layout: dict[tuple[str, int], tuple] = {}  # what the peer told this rank
 
     # -- naming -------------------------------------------------------------------------------
     def _peer(self, kind: str, sending: bool) -> int:
@@ -96,6 +112,14 @@ class DirectTransport:
         verb, prep = ("SEND", "to") if sending else ("RECV", "from")
         return f"{verb}_{kind}{mb} on link {link} {prep} stage {peer}"
 
+    @contextmanager
+    def _failing(self, what: str):
+        """Turn a broken link (peer crashed, connection closed) into one sentence naming the op."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise TransportError(f"rank {self.rank}: {what} failed: {_first_line(e)}") from e
+
     def _wait(self, work, what: str) -> None:
         try:
             ok = work.wait(timedelta(seconds=self.timeout_s))
@@ -103,52 +127,112 @@ class DirectTransport:
             if "timeout" in str(e).lower() or "timed out" in str(e).lower():
                 raise TransportTimeout(
                     f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what}") from None
-            raise TransportError(f"rank {self.rank}: {what} failed: {str(e).splitlines()[0]}") from e
+            raise TransportError(f"rank {self.rank}: {what} failed: {_first_line(e)}") from e
         if ok is False:
             raise TransportTimeout(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what}")
 
     # -- interface ----------------------------------------------------------------------------
     def post_recv(self, kind: str, mb: int) -> None:
-        """Post the receive of the header of message (kind, mb) ahead of time (idempotent)."""
+        """Post the receive of message (kind, mb) ahead of time (idempotent).
+
+        With static shapes and a known layout for (kind, mb), the tensors' receives are posted
+        at once; otherwise the header's receive is, and the tensors' once the header is in.
+        """
         key = (kind, mb)
-        if key in self._headers:
+        if key in self._posted:
             return
         src = self.stage_ranks[self._peer(kind, sending=False)]
-        head = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
-        self._headers[key] = (dist.irecv(head, src=src, tag=tag(kind, mb, 0)), head)
+        what = self._describe(kind, mb, sending=False)
+        layout = self._recv_layout.get(key) if self.static_shapes else None
+        with self._failing(what):
+            if layout is None:
+                head = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
+                self._posted[key] = ("header", dist.irecv(head, src=src, tag=tag(kind, mb, 0)), head)
+            else:
+                self._posted[key] = ("data", *self._post_tensors(kind, mb, src, layout))
 
-    def send(self, kind: str, mb: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Post header and tensors of message (kind, mb) without waiting for the receiver."""
+    def _post_tensors(self, kind: str, mb: int, src: int, layout) -> tuple[list, list]:
+        _, metas = layout
+        bufs, works = [], []
+        for part, (dtype, shape) in enumerate(metas, start=1):
+            t = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
+            works.append(dist.irecv(t, src=src, tag=tag(kind, mb, part)))
+            bufs.append(t)
+        return works, bufs
+
+    def send(self, kind: str, mb: int, payload: Union[torch.Tensor, Sequence[torch.Tensor]]) -> None:
+        """Post message (kind, mb) without waiting for the receiver.
+
+        ``payload`` is a tensor or a tuple of tensors; the receiver gets the same structure. The
+        header (layout) travels with the first message of each (kind, micro-batch), and with
+        every message when shapes are dynamic.
+        """
+        with self._sends_lock:
+            self._send(kind, mb, payload)
+
+    def _send(self, kind: str, mb: int, payload) -> None:
+        self._reap()
         dst = self.stage_ranks[self._peer(kind, sending=True)]
         what = self._describe(kind, mb, sending=True)
-        tensors = [t.detach().contiguous() for t in tensors]
-        head = encode_header(tensors).to(self.device)
-        self._sends.append(_Pending(dist.isend(head, dst=dst, tag=tag(kind, mb, 0)), head, what))
-        for part, t in enumerate(tensors, start=1):
-            self._sends.append(_Pending(dist.isend(t, dst=dst, tag=tag(kind, mb, part)), t, what))
+        bare = isinstance(payload, torch.Tensor)
+        tensors = [t.detach().contiguous() for t in ([payload] if bare else payload)]
+        layout = (bare, [(t.dtype, list(t.shape)) for t in tensors])
+        known = self._sent_layout.get((kind, mb)) if self.static_shapes else None
+        if known is not None and known != layout:
+            raise TransportError(
+                f"rank {self.rank}: {what} changed its tensors from {known[1]} to {layout[1]}; build the "
+                f"PipelineModule with dynamic_shape=True or call engine.reset_activation_shape() on every rank")
+        with self._failing(what):
+            if known is None:
+                head = encode_header(tensors, bare).to(self.device)
+                self._sends.append(_Pending(dist.isend(head, dst=dst, tag=tag(kind, mb, 0)), head, what))
+                self._sent_layout[(kind, mb)] = layout
+            for part, t in enumerate(tensors, start=1):
+                wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
+                self._sends.append(_Pending(dist.isend(wire, dst=dst, tag=tag(kind, mb, part)), wire, what))
 
-    def recv(self, kind: str, mb: int) -> tuple[torch.Tensor, ...]:
-        """Wait for message (kind, mb) and return its tensors (freshly allocated, never shared)."""
+    def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
         self.post_recv(kind, mb)
-        work, head = self._headers.pop((kind, mb))
+        key = (kind, mb)
+        posted = self._posted.pop(key)
         what = self._describe(kind, mb, sending=False)
-        self._wait(work, what)
-        src = self.stage_ranks[self._peer(kind, sending=False)]
-        out, works = [], []
-        for part, (dtype, shape) in enumerate(decode_header(head), start=1):
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            works.append(dist.irecv(t, src=src, tag=tag(kind, mb, part)))
-            out.append(t)
+        if posted[0] == "header":
+            _, work, head = posted
+            self._wait(work, what)
+            layout = decode_header(head)
+            self._recv_layout[key] = layout
+            with self._failing(what):
+                works, bufs = self._post_tensors(kind, mb, self.stage_ranks[self._peer(kind, sending=False)], layout)
+        else:
+            _, works, bufs = posted
+            layout = self._recv_layout[key]
         for w in works:
             self._wait(w, what)
-        return tuple(out)
+        bare, metas = layout
+        out = [t.bool() if dtype == torch.bool else t for t, (dtype, _) in zip(bufs, metas)]
+        return out[0] if bare else tuple(out)
+
+    def _reap(self) -> None:
+        """Forget sends the peer has received, so their tensors (activations) can be freed."""
+        self._sends = [p for p in self._sends if not p.work.is_completed()]
 
     def wait_sends(self) -> None:
         """Wait until the peers have received every message sent so far."""
-        pending, self._sends = self._sends, []
+        with self._sends_lock:
+            pending, self._sends = self._sends, []
         for p in pending:
             self._wait(p.work, p.what + " to be received")
 
     def close(self) -> None:
-        self._sends.clear()
-        self._headers.clear()
+        """Drop pending state (after an error, or at shutdown); no waiting."""
+        with self._sends_lock:
+            self._sends = []
+        self._posted.clear()
+
+    def reset_shapes(self) -> None:
+        """Forget the known layouts (every rank at once, between iterations): headers travel again."""
+        if self._posted:
+            raise TransportError(f"rank {self.rank}: cannot reset shapes while receives are posted")
+        self._sent_layout.clear()
+        self._recv_layout.clear()

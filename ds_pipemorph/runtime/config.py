@@ -1,0 +1,120 @@
+"""The ``"pipemorph"`` section of a ds_config (DESIGN.md), validated with pydantic.
+
+Unknown keys and wrong types are refused naming the key. Fields that later issues implement
+validate now; values that ask for something not built yet are refused by ``check_available``
+with one sentence, never silently ignored.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..fileio import describe
+
+
+class PipeMorphConfigError(ValueError):
+    """A ``pipemorph`` setting (or the plan it names) cannot be used; the message is one sentence."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MemoryConfig(_Strict):
+    # Cap on in-flight activations: one value for every stage or one per stage; None derives it
+    # from the micro-batch count.
+    max_inflight: Optional[Union[int, list[int]]] = None
+
+    @field_validator("max_inflight")
+    @classmethod
+    def _positive(cls, v):
+        for c in [v] if isinstance(v, int) else (v or []):
+            if c < 1:
+                raise ValueError(f"every stage must hold at least 1 activation, got {c}")
+        return v
+
+
+class AdaptConfig(_Strict):
+    enabled: bool = True
+    every_iterations: int = Field(1, ge=1)
+
+
+class DelegationConfig(_Strict):
+    mode: Literal["off", "auto", "always"] = "auto"
+    queues: int = Field(2, ge=1)
+
+
+class LinkInject(_Strict):
+    delay_ms: float = Field(0.0, ge=0)
+
+
+class InjectConfig(_Strict):
+    links: dict[str, LinkInject] = Field(default_factory=dict)
+    trace: Optional[str] = None
+
+    @field_validator("links")
+    @classmethod
+    def _link_keys(cls, v):
+        for k in v:
+            if not k.isdigit():
+                raise ValueError(f"link '{k}' is not a link index (write \"0\", \"1\", ...)")
+        return v
+
+
+class PipeMorphConfig(_Strict):
+    schedule: Literal["1f1b", "zb", "adaptive", "plan"] = "adaptive"
+    plan_file: Optional[str] = None
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    adapt: AdaptConfig = Field(default_factory=AdaptConfig)
+    delegation: DelegationConfig = Field(default_factory=DelegationConfig)
+    inject: InjectConfig = Field(default_factory=InjectConfig)
+    nvtx: bool = True
+    timeline: Optional[str] = None
+    # Seconds any wait on another rank may take before failing with a message naming the op.
+    timeout_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _plan_file(self) -> "PipeMorphConfig":
+        if self.schedule == "plan" and not self.plan_file:
+            raise ValueError("schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`")
+        if self.schedule != "plan" and self.plan_file:
+            raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
+        return self
+
+
+def parse_config(section) -> PipeMorphConfig:
+    """Validate the ``pipemorph`` section (a dict or None); raise PipeMorphConfigError naming the key."""
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise PipeMorphConfigError("ds_config 'pipemorph' must be a mapping of keys")
+    try:
+        cfg = PipeMorphConfig.model_validate(section)
+    except ValidationError as e:
+        raise PipeMorphConfigError(f"ds_config pipemorph: {describe(e)}") from None
+    check_available(cfg)
+    return cfg
+
+
+def check_available(cfg: PipeMorphConfig) -> None:
+    """Refuse settings that later issues implement (with one sentence) instead of ignoring them."""
+    if cfg.delegation.mode == "always":
+        raise PipeMorphConfigError(
+            "ds_config pipemorph.delegation.mode 'always' is not available yet (use 'off' or 'auto')")
+    if any(v.delay_ms > 0 for v in cfg.inject.links.values()):
+        raise PipeMorphConfigError("ds_config pipemorph.inject.links (delay injection) is not available yet")
+    if cfg.inject.trace is not None:
+        raise PipeMorphConfigError("ds_config pipemorph.inject.trace is not available yet")
+    if cfg.timeline is not None:
+        raise PipeMorphConfigError("ds_config pipemorph.timeline (Chrome trace) is not available yet")
+
+
+def pending_notes(cfg: PipeMorphConfig) -> list[str]:
+    """Settings accepted now that only take effect once their issue lands (logged at start-up)."""
+    notes = []
+    if cfg.schedule == "adaptive" and cfg.adapt.enabled:
+        notes.append("pipemorph.adapt: no runtime profiler yet, so the adaptive plan is not re-planned from measurements")
+    if cfg.delegation.mode == "auto":
+        notes.append("pipemorph.delegation 'auto': no straggler detector yet, so every link stays direct")
+    return notes

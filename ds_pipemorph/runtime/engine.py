@@ -1,0 +1,271 @@
+"""PipeMorphEngine: DeepSpeed's PipelineEngine running a plan with split backward and tagged p2p.
+
+Differences from the stock engine, all needed for orders other than DeepSpeed's own 1F1B:
+
+- the schedule is ``PipeMorphSchedule`` (one stage's plan), through the 0.19.8 ``_train_schedule``
+  hook; evaluation keeps DeepSpeed's own schedule and handlers;
+- B (``BackwardInputPass``) and W (``BackwardWeightPass``) split the backward without
+  recomputation (``bw_split``); all W of an iteration run before ``ReduceTiedGrads``;
+- received activations, received gradients, input gradients and the loss live per pipe buffer
+  (the stock engine shares one receive buffer, one gradient buffer and ``self.loss``);
+- messages go through a transport (``DirectTransport``): non-blocking sends, receives posted
+  one message ahead in plan order, a tag per (kind, micro-batch), a timeout on every wait;
+- every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
+  ``measured_peak_inflight`` is this stage's peak of in-flight activations in the last batch;
+- forwards may run out of micro-batch order (the data of an iteration is read in order and kept
+  until its F), and floating-point inputs of the first stage require grad so that B is the same
+  backward-to-the-input on every stage (its input gradient is dropped).
+
+Refused at start-up, with one sentence: fp16/bf16, ZeRO, activation checkpointing, tensor
+parallelism inside a stage (``unsupported_reason``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..plan.ops import Op
+from ..plan.simulate import Schedule
+from . import instructions as I
+from .bw_split import backward_input
+from .config import PipeMorphConfig, PipeMorphConfigError
+from .oprecords import OpRecorder
+from .schedule import PipeMorphSchedule
+from .transport import DirectTransport
+
+logger = logging.getLogger(__name__)
+
+
+def unsupported_reason(config_class, model) -> Optional[str]:
+    """One sentence if this DeepSpeed setup cannot run split-backward plans yet, else None."""
+    if config_class.float16_config.enabled or config_class.bfloat16_config.enabled:
+        return ("pipemorph trains in fp32 only for now: its split backward does not drive DeepSpeed's "
+                "fp16/bf16 loss scaling and master weights yet (remove the 'fp16'/'bf16' sections)")
+    if config_class.zero_optimization_stage > 0:
+        return "pipemorph does not support ZeRO yet (zero_optimization.stage must be 0)"
+    interval = max(config_class.pipeline.get("activation_checkpoint_interval", 0) or 0,
+                   getattr(model, "activation_checkpoint_interval", 0) or 0)
+    if interval > 0:
+        return ("pipemorph cannot split the backward of checkpointed activations: set "
+                "pipeline.activation_checkpoint_interval (and the PipelineModule's) to 0")
+    if model.mpu().get_slice_parallel_world_size() > 1:
+        return "pipemorph does not support tensor (slice) parallelism inside a stage yet"
+    return None
+
+
+class PipeMorphEngine(PipelineEngine):
+    """A PipelineEngine that executes a PipeMorph plan (``plan[s]`` is stage s's op order)."""
+
+    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule, **super_kwargs):
+        reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
+        if reason:
+            raise PipeMorphConfigError(reason)
+        super().__init__(*super_args, **super_kwargs)
+        if len(plan) != self.num_stages:
+            raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
+        self.pipemorph = pipemorph
+        self.plan = plan
+        self.stage_plan: list[Op] = list(plan[self.stage_id])
+        ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
+        self.transport = DirectTransport(self.global_rank, self.stage_id, ranks, pipemorph.timeout_s, self.device,
+                                         static_shapes=not self.dynamic_shape)
+        self.recorder = OpRecorder(pipemorph.nvtx)
+        self.measured_peak_inflight = 0
+        self._reset_iteration_state()
+
+    # -- state ----------------------------------------------------------------------------------
+    @property
+    def op_records(self):
+        """OpRecords (op, start_ns, end_ns on time.monotonic_ns) of the last train_batch."""
+        return self.recorder.records
+
+    def _reset_iteration_state(self) -> None:
+        self._batches: list = []  # this iteration's micro-batches, in data-iterator order
+        self._losses: dict[int, torch.Tensor] = {}  # buffer -> loss (last stage)
+        self._output_grads: dict[int, object] = {}  # buffer -> received gradient(s) of the outputs
+        self._input_grads: dict[int, object] = {}  # buffer -> gradient(s) to send upstream
+        self._weight_work: dict[int, object] = {}  # micro-batch -> WeightGradWork
+        self._recv_queue: dict[str, list[int]] = {"F": [], "B": []}  # receives not posted yet
+        self._inflight = 0
+        self.measured_peak_inflight = 0
+
+    def reset_activation_shape(self):
+        """DeepSpeed's hook for a change of activation shapes (e.g. curriculum): re-send layouts."""
+        super().reset_activation_shape()
+        if hasattr(self, "transport"):
+            self.transport.reset_shapes()
+
+    def _train_schedule(self):
+        n = max((op.mb for op in self.stage_plan), default=-1) + 1
+        if n != self.micro_batches:
+            raise PipeMorphConfigError(
+                f"stage {self.stage_id}: the plan has {n} micro-batches but the engine now runs "
+                f"{self.micro_batches} (gradient_accumulation_steps changed after start-up)")
+        return PipeMorphSchedule(self.stage_plan, self.micro_batches, self.num_stages, self.stage_id)
+
+    # -- execution ------------------------------------------------------------------------------
+    def _exec_schedule(self, pipe_schedule):
+        if not isinstance(pipe_schedule, PipeMorphSchedule):  # evaluation: DeepSpeed's own path
+            return self._exec_stock_schedule(pipe_schedule)
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        self._reset_iteration_state()
+        self.recorder.reset()
+        # Receives are posted one message ahead per kind, in the plan's order: the next activation
+        # and the next gradient this stage needs. One ahead (not all N) keeps the receive buffers
+        # at the plan's in-flight activations plus one.
+        self._recv_queue = {
+            "F": [op.mb for op in pipe_schedule.ops if op.kind == "F" and not self.is_first_stage()],
+            "B": [op.mb for op in pipe_schedule.ops if op.kind == "B" and not self.is_last_stage()],
+        }
+        for kind in ("F", "B"):
+            self._post_next_recv(kind)
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
+                self.recorder.run(I.op_text(cmd), handler, self, **cmd.kwargs)
+        if self._weight_work:
+            raise RuntimeError(f"stage {self.stage_id}: W never ran for micro-batches {sorted(self._weight_work)}")
+
+    def _post_next_recv(self, kind: str) -> None:
+        if self._recv_queue[kind]:
+            self.transport.post_recv(kind, self._recv_queue[kind].pop(0))
+
+    def _exec_stock_schedule(self, pipe_schedule):
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        for step_cmds in pipe_schedule:
+            for cmd in step_cmds:
+                PipelineEngine._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+
+    # -- handlers -------------------------------------------------------------------------------
+    def _exec_load_micro_batch(self, buffer_id, micro_batch):
+        while len(self._batches) <= micro_batch:  # plans may run forwards out of order
+            self._batches.append(self._next_batch())
+        batch = self._batches[micro_batch]
+        self._batches[micro_batch] = None  # loaded once per micro-batch: free it now
+        if self.is_first_stage():
+            loaded = _to_device(batch[0], self.device, detach=True)
+            # Floating-point inputs of the first stage require grad, as every other stage's input
+            # does: B then means the same on every stage (the backward down to the stage input) and
+            # the plan's B/W split of costs holds on stage 0 too. The input gradient is dropped.
+            for t in _as_list(loaded):
+                t.requires_grad_(t.is_floating_point())
+            self.pipe_buffers["inputs"][buffer_id] = loaded
+        if self.is_last_stage():
+            self.pipe_buffers["labels"][buffer_id] = _to_device(batch[1], self.device, detach=False)
+
+    def _exec_forward_pass(self, buffer_id, micro_batch):
+        self.tput_timer.start()
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        # Called on the module, not through DeepSpeedEngine.forward: that one hooks the outputs for
+        # torch-style ``out.backward()`` (timers, 1/GAS scaling on the last stage), which B and W
+        # do explicitly here. The module's own forward pre/post hooks still run.
+        outputs = self.module(inputs)
+        self._inflight += 1
+        self.measured_peak_inflight = max(self.measured_peak_inflight, self._inflight)
+        self.pipe_buffers["outputs"][buffer_id] = outputs
+        if self.is_last_stage():
+            if self._compute_loss and self.module.loss_fn is not None:
+                loss = self.module.loss_fn(outputs, self.pipe_buffers["labels"][buffer_id])
+            else:
+                loss = outputs
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise PipeMorphConfigError(
+                    f"stage {self.stage_id}: F{micro_batch} must produce a scalar loss tensor for B")
+            self._losses[buffer_id] = loss
+            self.fwd_outputs.append(loss.detach())
+            self.total_loss = loss.detach().clone() if self.total_loss is None else self.total_loss + loss.detach()
+            extra = self.module.get_additional_losses()
+            if extra is not None:
+                if self.total_additional_losses is None:
+                    self.total_additional_losses = {}
+                for name, value in extra.items():
+                    prev = self.total_additional_losses.get(name)
+                    self.total_additional_losses[name] = value.detach() if prev is None else prev + value.detach()
+
+    def _exec_send_activations(self, buffer_id, micro_batch):
+        self.transport.send("F", micro_batch, self.pipe_buffers["outputs"][buffer_id])
+
+    def _exec_recv_activations(self, buffer_id, micro_batch):
+        recvd = self.transport.recv("F", micro_batch)
+        self._post_next_recv("F")
+        for t in _as_list(recvd):
+            t.requires_grad_(t.is_floating_point())
+        self.pipe_buffers["inputs"][buffer_id] = recvd
+
+    def _exec_recv_grads(self, buffer_id, micro_batch):
+        self._output_grads[buffer_id] = self.transport.recv("B", micro_batch)
+        self._post_next_recv("B")
+
+    def _exec_backward_input(self, buffer_id, micro_batch):
+        if self.is_last_stage():
+            outs = [self._scale_loss_by_gas(self._losses.pop(buffer_id))]
+            grads = [None]
+        else:
+            outs = [t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()]
+            grads = _as_list(self._output_grads.pop(buffer_id))
+            if len(grads) != len(outs):
+                raise RuntimeError(f"stage {self.stage_id}: B{micro_batch} got {len(grads)} gradients "
+                                   f"for {len(outs)} floating-point outputs")
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        ins = _as_list(inputs)
+        self._running_engine_backward = True  # DeepSpeed's backward hooks check it
+        try:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            dins, work = backward_input(outs, grads, ins, params)
+        finally:
+            self._running_engine_backward = False
+        self._weight_work[micro_batch] = work
+        if not self.is_first_stage():
+            sent = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, dins) if t.is_floating_point()]
+            self._input_grads[buffer_id] = sent[0] if isinstance(inputs, torch.Tensor) else tuple(sent)
+        # The activation is released here (W keeps only what bw_split documents).
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["inputs"][buffer_id] = None
+        self.pipe_buffers["labels"][buffer_id] = None
+        self._inflight -= 1
+
+    def _exec_send_grads(self, buffer_id, micro_batch):
+        self.transport.send("B", micro_batch, self._input_grads.pop(buffer_id))
+
+    def _exec_backward_weight(self, micro_batch):
+        self._running_engine_backward = True
+        try:
+            self._weight_work.pop(micro_batch).run()
+        finally:
+            self._running_engine_backward = False
+
+    def _exec_wait_sends(self):
+        self.transport.wait_sends()
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        I.LoadMicroBatch: _exec_load_micro_batch,
+        I.ForwardPass: _exec_forward_pass,
+        I.BackwardInputPass: _exec_backward_input,
+        I.BackwardWeightPass: _exec_backward_weight,
+        I.SendActivation: _exec_send_activations,
+        I.RecvActivation: _exec_recv_activations,
+        I.SendGrad: _exec_send_grads,
+        I.RecvGrad: _exec_recv_grads,
+        I.WaitSends: _exec_wait_sends,
+    }
+
+
+def _as_list(x) -> list:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _to_device(x, device, detach: bool):
+    if torch.is_tensor(x):
+        x = x.to(device)
+        return x.clone().detach() if detach else x
+    if isinstance(x, (tuple, list)):
+        return tuple(_to_device(t, device, detach) for t in x)
+    raise TypeError(f"a batch holds tensors or tuples of tensors, got {type(x).__name__}")

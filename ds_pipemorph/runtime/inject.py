@@ -1,0 +1,191 @@
+"""Delay injection as a transport wrapper (testing only; never read by the detector or planner).
+
+DESIGN.md's model of a slow link: a FIFO with one message in flight; each message takes the link's
+delay c before the receiver can see it. On the ``direct`` path the training process blocks when it
+sends into a full FIFO (head-of-line blocking, as a saturated NCCL queue blocks the next kernel).
+A ``Lane`` is that FIFO: a thread that holds one message for c ms and then hands it to the real
+send. Delays are static per link or replayed from a trace in wall-clock time.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..fileio import BadInput, load_model
+
+
+class TracePoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    t: float = Field(ge=0, description="seconds since the first iteration started")
+    links_ms: list[float]
+
+    @field_validator("links_ms")
+    @classmethod
+    def _nonneg(cls, v):
+        for i, c in enumerate(v):
+            if c < 0:
+                raise ValueError(f"link {i} has a negative delay ({c} ms)")
+        return v
+
+
+class DelayTrace(BaseModel):
+    """A delay trace file: ``points: [{t: 0.0, links_ms: [0, 0, 30]}, {t: 1.5, ...}]``."""
+
+    model_config = ConfigDict(extra="forbid")
+    points: list[TracePoint] = Field(min_length=1)
+
+    @field_validator("points")
+    @classmethod
+    def _sorted(cls, v):
+        for a, b in zip(v, v[1:]):
+            if b.t < a.t:
+                raise ValueError(f"times must not decrease (t={b.t} comes after t={a.t})")
+        return v
+
+    def check_links(self, links: int, source: str) -> None:
+        for p in self.points:
+            if len(p.links_ms) != links:
+                raise BadInput(f"{source}: point t={p.t} has {len(p.links_ms)} delays, the job has {links} links")
+
+    def at(self, t: float) -> list[float]:
+        i = bisect.bisect_right([p.t for p in self.points], t) - 1
+        return list(self.points[max(i, 0)].links_ms)
+
+
+def load_trace(path: str, links: int) -> DelayTrace:
+    if not Path(path).is_file():
+        raise BadInput(f"inject.trace: cannot read '{path}'")
+    tr = load_model(path, DelayTrace)
+    tr.check_links(links, f"inject.trace {path}")
+    return tr
+
+
+class DelaySchedule:
+    """Current injected delay per link: static values, or a trace replayed from ``start()``."""
+
+    def __init__(self, static_ms: Sequence[float], trace: Optional[DelayTrace] = None):
+        self.static = list(static_ms)
+        self.trace = trace
+        self._t0: Optional[float] = None
+
+    def start(self) -> None:
+        if self._t0 is None:
+            self._t0 = time.monotonic()
+
+    def delay_ms(self, link: int) -> float:
+        if self.trace is None:
+            return self.static[link]
+        self.start()
+        return self.trace.at(time.monotonic() - self._t0)[link]
+
+
+class Lane:
+    """One FIFO with one message in flight: ``submit`` hands a message that becomes visible c ms later.
+
+    ``wait_free`` blocks until the message in flight (if any) has been delivered and returns the
+    seconds spent waiting: that is the head-of-line blocking the sender experiences.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._cv = threading.Condition()
+        self._job: Optional[tuple[float, Callable[[], None]]] = None
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"pipemorph-lane-{name}", daemon=True)
+        self._thread.start()
+
+    def wait_free(self, timeout_s: float) -> float:
+        t = time.monotonic()
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._job is None, timeout=timeout_s):
+                raise TimeoutError(f"{self.name}: the message in flight was not delivered within {timeout_s:g} s")
+            self._raise()
+        return time.monotonic() - t
+
+    def submit(self, delay_s: float, deliver: Callable[[], None]) -> None:
+        with self._cv:
+            self._raise()
+            assert self._job is None, "submit on a busy lane: call wait_free first"
+            self._job = (time.monotonic() + delay_s, deliver)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"{self.name}: delivering a delayed message failed: {err}") from err
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None or self._closed)
+                if self._closed and self._job is None:
+                    return
+                due, deliver = self._job
+            pause = due - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            try:
+                deliver()
+            except BaseException as e:  # handed to the training thread at its next send
+                self._error = e
+            with self._cv:
+                self._job = None
+                self._cv.notify_all()
+
+
+class DelayInjector:
+    """Wraps a transport (``send``/``recv``/``post_recv``/``wait_sends``) and delays its sends.
+
+    Only sends are delayed (the receiver simply sees the message later). ``blocked_s[link]``
+    accumulates the time the training process spent blocked on a full FIFO.
+    """
+
+    def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0):
+        self.inner = inner
+        self.stage_id = stage_id
+        self.delays = delays
+        self.timeout_s = timeout_s
+        self.blocked_s: dict[int, float] = {}
+        self.sent: dict[int, int] = {}
+        self._lanes: dict[int, Lane] = {}
+
+    def __getattr__(self, name):  # everything else is the inner transport's
+        return getattr(self.inner, name)
+
+    def _link(self, kind: str) -> int:
+        return self.stage_id if kind == "F" else self.stage_id - 1
+
+    def send(self, kind: str, mb: int, payload) -> None:
+        link = self._link(kind)
+        c = self.delays.delay_ms(link)
+        if c <= 0 and link not in self._lanes:
+            return self.inner.send(kind, mb, payload)
+        lane = self._lanes.get(link)
+        if lane is None:
+            lane = self._lanes[link] = Lane(f"stage {self.stage_id} link {link}")
+        self.blocked_s[link] = self.blocked_s.get(link, 0.0) + lane.wait_free(self.timeout_s)
+        self.sent[link] = self.sent.get(link, 0) + 1
+        lane.submit(c / 1000.0, lambda: self.inner.send(kind, mb, payload))
+
+    def wait_sends(self) -> None:
+        for lane in self._lanes.values():
+            lane.wait_free(self.timeout_s)
+        self.inner.wait_sends()
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.close()
+        self._lanes.clear()
+        self.inner.close()

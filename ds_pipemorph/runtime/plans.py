@@ -1,0 +1,79 @@
+"""The plan a job runs, from its ``pipemorph.schedule`` setting; errors are one sentence.
+
+``1f1b``: DeepSpeed's own 1F1B order, its fused backward written ``B m, W m`` (same results; the
+input gradient just leaves after B instead of after the whole backward). ``zb``: the list
+scheduler with ZB-H1 warm-up (S − s) or ``memory.max_inflight``. ``adaptive``: Alg. 1 warm-up
+from the memory caps and the list scheduler on a uniform cost model (the runtime profiler that
+re-plans from measurements is a later issue). ``plan``: a plan file, validated.
+"""
+from __future__ import annotations
+
+from ..fileio import BadInput, load_model
+from ..plan.baselines import deepspeed_1f1b, zb_h1_warmup
+from ..plan.listsched import list_schedule
+from ..plan.planfile import PlanFile
+from ..plan.profile import Costs
+from ..plan.simulate import Schedule
+from ..plan.validate import InvalidPlan, validate_schedule
+from ..plan.warmup import check_lemma1, initial_warmup
+from .config import PipeMorphConfig, PipeMorphConfigError
+
+DEFAULT_OP_MS = 10.0
+
+
+def caps(cfg: PipeMorphConfig, stages: int, microbatches: int) -> list[int]:
+    """Per-stage cap on in-flight activations from memory.max_inflight (default: N)."""
+    v = cfg.memory.max_inflight
+    if v is None:
+        return [microbatches] * stages
+    if isinstance(v, int):
+        v = [v] * stages
+    if len(v) != stages:
+        raise PipeMorphConfigError(
+            f"ds_config pipemorph.memory.max_inflight has {len(v)} values but the job has {stages} stages")
+    return [min(c, microbatches) for c in v]
+
+
+def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int) -> Schedule:
+    S, N = stages, microbatches
+    if cfg.schedule == "1f1b":
+        plan = deepspeed_1f1b(S, N)
+    elif cfg.schedule == "zb":
+        warmup = zb_h1_warmup(S, N) if cfg.memory.max_inflight is None else caps(cfg, S, N)
+        _check_warmup(warmup)
+        plan = list_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup)
+    elif cfg.schedule == "adaptive":
+        warmup = initial_warmup(caps(cfg, S, N))
+        plan = list_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup)
+    else:
+        plan = load_plan_file(cfg.plan_file, S, N)
+    try:
+        validate_schedule(plan, S, N)
+    except InvalidPlan as e:  # a planner bug, not a user error, but still one sentence
+        raise PipeMorphConfigError(f"the '{cfg.schedule}' plan is invalid: {e}") from None
+    return plan
+
+
+def load_plan_file(path: str, stages: int, microbatches: int) -> Schedule:
+    try:
+        pf = load_model(path, PlanFile)
+    except BadInput as e:
+        raise PipeMorphConfigError(f"ds_config pipemorph.plan_file {e}") from None
+    if pf.stages != stages:
+        raise PipeMorphConfigError(
+            f"plan file {path} is for {pf.stages} stages but the job has {stages} pipeline stages")
+    if pf.microbatches != microbatches:
+        raise PipeMorphConfigError(
+            f"plan file {path} is for {pf.microbatches} micro-batches but the job runs {microbatches} "
+            f"(gradient_accumulation_steps)")
+    try:
+        return pf.ops()
+    except InvalidPlan as e:
+        raise PipeMorphConfigError(f"plan file {path} is invalid: {e}") from None
+
+
+def _check_warmup(warmup: list[int]) -> None:
+    try:
+        check_lemma1(warmup)
+    except ValueError as e:
+        raise PipeMorphConfigError(f"ds_config pipemorph.memory.max_inflight cannot be a zb warm-up: {e}") from None

@@ -1,0 +1,44 @@
+"""Tiny pipeline models and data for the runtime tests (a few Linear/GELU layers per stage)."""
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+WIDTH = 16
+
+
+def mlp_layers(stages: int, per_stage: int = 2, tied: bool = False) -> list:
+    layers = []
+    if tied:  # the same Linear at both ends of the pipeline (first and last stage)
+        layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))
+    for _ in range(stages * per_stage):
+        layers += [LayerSpec(torch.nn.Linear, WIDTH, WIDTH), torch.nn.GELU()]
+    if tied:
+        layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))
+    return layers
+
+
+def build_model(stages: int, seed: int, tied: bool = False) -> PipelineModule:
+    torch.manual_seed(seed)
+    return PipelineModule(layers=mlp_layers(stages, tied=tied), num_stages=stages,
+                          loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+
+
+def batches(n: int, micro_batch_size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(micro_batch_size, WIDTH, generator=g), torch.randn(micro_batch_size, WIDTH, generator=g))
+            for _ in range(n)]
+
+
+def ds_config(micro_batches: int, dp: int = 1, micro_batch_size: int = 2, pipemorph: dict | None = None) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro_batch_size * micro_batches * dp,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "gradient_clipping": 0.5,
+        "steps_per_print": 10**9,
+    }
+    if pipemorph is not None:
+        cfg["pipemorph"] = pipemorph
+    return cfg

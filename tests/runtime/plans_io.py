@@ -1,0 +1,17 @@
+"""Writing plans as plan files (the DESIGN.md contract) for the engine to read."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ds_pipemorph.plan.ops import Op, format_stage
+from ds_pipemorph.plan.planfile import PlanFile
+from ds_pipemorph.plan.simulate import warmup_counts
+
+
+def write_plan(path: Path, plan: list[list[Op]], microbatches: int) -> str:
+    pf = PlanFile(stages=len(plan), microbatches=microbatches, warmup=warmup_counts(plan),
+                  schedule=[format_stage(r) for r in plan])
+    path.write_text(yaml.safe_dump(pf.model_dump(exclude_none=True), sort_keys=False))
+    return str(path)

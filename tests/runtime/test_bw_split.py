@@ -1,0 +1,104 @@
+"""B then W gives the gradients of one fused backward, for any module, without recomputation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_pipemorph.runtime.bw_split import backward_input
+
+
+class LinearThenView(torch.nn.Module):  # stage ends in a view, plus a parameter off the input path
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.pos = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return (self.lin(x) + self.pos).view(-1)
+
+
+class SameLinearTwice(torch.nn.Module):  # one weight reached from two frontier nodes
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+
+
+CASES = {
+    "mlp": (_mlp, lambda: torch.randn(4, 8)),
+    "embedding_first_stage": (lambda: torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)),
+                              lambda: torch.randint(0, 10, (4, 5))),
+    "view_output": (LinearThenView, lambda: torch.randn(4, 8)),
+    "shared_weight": (SameLinearTwice, lambda: torch.randn(4, 8)),
+    "transformer_block": (lambda: torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                          lambda: torch.randn(2, 5, 16)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_b_then_w_over_three_micro_batches_equals_fused_backward_with_accumulation(case):
+    torch.manual_seed(0)
+    make_module, make_input = CASES[case]
+    mod = make_module()
+    params = list(mod.parameters())
+    xs = [make_input() for _ in range(3)]
+    gys, ref_dx = [], []
+    for x in xs:
+        x = x.clone().requires_grad_(x.is_floating_point())
+        y = mod(x)
+        gy = torch.randn_like(y)
+        gys.append(gy)
+        y.backward(gy)
+        ref_dx.append(x.grad)
+    ref = [p.grad.clone() for p in params]
+    mod.zero_grad(set_to_none=True)
+    works = []
+    for x, gy, want in zip(xs, gys, ref_dx):
+        x = x.clone().requires_grad_(x.is_floating_point())
+        y = mod(x)
+        (dx,), work = backward_input([y], [gy], [x], params)
+        if want is not None:
+            torch.testing.assert_close(dx, want)
+        works.append(work)
+        del y, x  # the caller drops the activation after B
+    assert all(p.grad is None for p in params if xs[0].is_floating_point()), "B must not touch parameter grads"
+    for work in reversed(works):  # W in another order than B, as plans may do
+        work.run()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-6)
+
+
+def test_w_of_a_linear_stack_reenters_each_linear_once_and_never_the_input_path():
+    torch.manual_seed(0)
+    mod = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    y = mod(x)
+    _, work = backward_input([y], [torch.ones_like(y)], [x], list(mod.parameters()))
+    assert not work.clamp_nodes
+    assert len(work.groups) == 2  # one autograd call per Linear
+    assert all(type(e.node).__name__ == "AddmmBackward0" for g in work.groups for e in g.edges)
+    ran = []
+    hooks = [e.node.register_hook(lambda gi, go: ran.append(gi)) for g in work.groups for e in g.edges]
+    work.run()
+    for h in hooks:
+        h.remove()
+    # W computes only the weight-side outputs of addmm: the input-side slot stays None.
+    assert all(gi[1] is None for gi in ran)
+
+
+def test_first_stage_with_integer_input_has_no_input_gradient_and_w_is_its_whole_backward():
+    torch.manual_seed(0)
+    mod = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8))
+    tokens = torch.randint(0, 10, (4, 5))
+    y = mod(tokens)
+    (d,), work = backward_input([y], [torch.ones_like(y)], [tokens], list(mod.parameters()))
+    assert d is None
+    assert all(p.grad is None for p in mod.parameters())
+    work.run()
+    assert all(p.grad is not None for p in mod.parameters())

@@ -1,0 +1,83 @@
+"""The "pipemorph" ds_config section and the plans it selects, refused in one sentence when wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_pipemorph.plan.simulate import peak_inflight, warmup_counts
+from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
+from ds_pipemorph.runtime.plans import build_plan
+from ds_pipemorph.runtime.transport import decode_header, encode_header
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"schedule": "zbb"}, "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan'"),
+    ({"shedule": "zb"}, "ds_config pipemorph: unknown key 'shedule'"),
+    ({"memory": {"max_inflight": 0}}, "ds_config pipemorph: memory.max_inflight: every stage must hold at least 1 activation, got 0"),
+    ({"adapt": {"every_iterations": "often"}}, "ds_config pipemorph: adapt.every_iterations: Input should be a valid integer, unable to parse string as an integer"),
+    ({"delegation": {"mode": "sometimes"}}, "ds_config pipemorph: delegation.mode: Input should be 'off', 'auto' or 'always'"),
+    ({"inject": {"links": {"2": {"delay": 30}}}}, "ds_config pipemorph: unknown key 'inject.links.2.delay'"),
+    ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
+    ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
+])
+def test_bad_section_is_refused_naming_the_key(section, message):
+    with pytest.raises(PipeMorphConfigError) as e:
+        parse_config(section)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("section,what", [
+    ({"delegation": {"mode": "always"}}, "pipemorph.delegation.mode 'always' is not available yet"),
+    ({"inject": {"links": {"2": {"delay_ms": 30}}}}, "pipemorph.inject.links (delay injection) is not available yet"),
+    ({"inject": {"trace": "t.json"}}, "pipemorph.inject.trace is not available yet"),
+    ({"timeline": "out/trace.json"}, "pipemorph.timeline (Chrome trace) is not available yet"),
+])
+def test_settings_of_later_issues_validate_but_are_refused_rather_than_ignored(section, what):
+    with pytest.raises(PipeMorphConfigError, match=r"^ds_config " + what.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(section)
+
+
+def test_defaults_are_designs_and_accepted():
+    cfg = parse_config(None)
+    assert (cfg.schedule, cfg.delegation.mode, cfg.adapt.enabled, cfg.nvtx, cfg.timeline) == ("adaptive", "auto", True, True, None)
+
+
+def test_zb_uses_zb_h1_warmup_or_max_inflight():
+    assert warmup_counts(build_plan(parse_config({"schedule": "zb"}), 4, 12)) == [4, 3, 2, 1]
+    plan = build_plan(parse_config({"schedule": "zb", "memory": {"max_inflight": [6, 4, 2, 1]}}), 4, 12)
+    assert warmup_counts(plan) == [6, 4, 2, 1] and peak_inflight(plan) == [6, 4, 2, 1]
+
+
+def test_adaptive_uses_alg1_warmup_under_the_caps():
+    assert warmup_counts(build_plan(parse_config({"schedule": "adaptive"}), 4, 8)) == [8, 5, 3, 1]
+    capped = build_plan(parse_config({"schedule": "adaptive", "memory": {"max_inflight": 4}}), 4, 8)
+    assert max(peak_inflight(capped)) <= 4
+
+
+def test_max_inflight_per_stage_must_match_the_stage_count():
+    with pytest.raises(PipeMorphConfigError, match="^ds_config pipemorph.memory.max_inflight has 3 values but the job has 4 stages$"):
+        build_plan(parse_config({"schedule": "zb", "memory": {"max_inflight": [3, 2, 1]}}), 4, 8)
+
+
+def test_zb_warmup_that_grows_downstream_is_refused():
+    with pytest.raises(PipeMorphConfigError, match="Lemma 1"):
+        build_plan(parse_config({"schedule": "zb", "memory": {"max_inflight": [1, 2]}}), 2, 8)
+
+
+def test_plan_file_for_other_micro_batch_count_is_refused(tmp_path):
+    from ds_pipemorph.plan.baselines import zb_h1
+    from ds_pipemorph.plan.profile import Costs
+
+    from .plans_io import write_plan
+
+    path = write_plan(tmp_path / "p.yaml", zb_h1(Costs.uniform(2), 4), 4)
+    with pytest.raises(PipeMorphConfigError) as e:
+        build_plan(parse_config({"schedule": "plan", "plan_file": path}), 2, 8)
+    assert str(e.value) == f"plan file {path} is for 4 micro-batches but the job runs 8 (gradient_accumulation_steps)"
+
+
+def test_message_header_round_trips_dtypes_shapes_and_tuple_structure():
+    ts = [torch.zeros(2, 3), torch.ones(4, dtype=torch.int64), torch.zeros((), dtype=torch.bool), torch.zeros(1, 2, 3, 4)]
+    bare, metas = decode_header(encode_header(ts, bare=False))
+    assert not bare and metas == [(t.dtype, list(t.shape)) for t in ts]
+    assert decode_header(encode_header([torch.zeros(5, 7)], bare=True)) == (True, [(torch.float32, [5, 7])])

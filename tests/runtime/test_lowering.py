@@ -1,0 +1,102 @@
+"""Lowering a plan to DeepSpeed instructions, checked as data (no ranks)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+
+from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.simulate import peak_inflight
+from ds_pipemorph.runtime import instructions as I
+from ds_pipemorph.runtime.schedule import PipeMorphSchedule, lowered_text
+
+from .randplans import random_plan
+
+
+def _lower(plan, s, n):
+    return PipeMorphSchedule(plan[s], n, len(plan), s)
+
+
+def test_zb_h1_stage_1_of_4_lowers_to_recv_compute_send_and_ends_with_the_step():
+    plan = zb_h1(Costs.uniform(4), 4)
+    text = lowered_text(_lower(plan, 1, 4))
+    assert text[:9] == ["RECV_F0", "F0", "SEND_F0", "RECV_F1", "F1", "SEND_F1", "RECV_F2", "F2", "SEND_F2"]
+    assert text[9:12] == ["RECV_B0", "B0", "SEND_B0"]
+    assert text[-4:] == ["WaitSends", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+
+
+def test_first_stage_loads_and_never_receives_last_stage_loads_labels_and_never_sends_activations():
+    plan = zb_h1(Costs.uniform(3), 5)
+    first, last = lowered_text(_lower(plan, 0, 5)), lowered_text(_lower(plan, 2, 5))
+    assert not [t for t in first if t.startswith(("RECV_F", "SEND_B"))]
+    assert sorted(t for t in first if t.startswith("LOAD")) == [f"LOAD{m}" for m in range(5)]
+    assert not [t for t in last if t.startswith(("SEND_F", "RECV_B"))]
+    assert sorted(t for t in last if t.startswith("LOAD")) == [f"LOAD{m}" for m in range(5)]
+
+
+@pytest.mark.parametrize("stages,n", [(2, 1), (3, 6), (4, 8), (4, 12)])
+def test_every_op_appears_once_with_its_communication_in_plan_order(stages, n):
+    plan = list_schedule(Costs.uniform(stages), n, [min(n, stages - s + 1) for s in range(stages)])
+    for s in range(stages):
+        text = lowered_text(_lower(plan, s, n))
+        compute = [t for t in text if t[0] in "FBW" and t[1:].isdigit()]
+        assert compute == [str(op) for op in plan[s]]
+        sends = [t for t in text if t.startswith("SEND_")]
+        assert len(sends) == (s < stages - 1) * n + (s > 0) * n
+
+
+def test_buffers_equal_the_plans_peak_in_flight_and_are_never_shared_by_two_live_micro_batches():
+    rng = random.Random(3)
+    for _ in range(20):
+        plan, _caps = random_plan(4, 7, rng)
+        for s in range(4):
+            sched = _lower(plan, s, 7)
+            assert sched.num_pipe_buffers() == peak_inflight(plan)[s]
+            live: dict[int, int] = {}
+            for step in sched.steps():
+                for cmd in step:
+                    if isinstance(cmd, ForwardPass):
+                        assert cmd.buffer_id not in live.values()
+                        assert cmd.buffer_id < sched.num_pipe_buffers()
+                        live[cmd.micro_batch] = cmd.buffer_id
+                    elif isinstance(cmd, I.BackwardInputPass):
+                        assert live.pop(cmd.micro_batch) == cmd.buffer_id
+            assert not live
+
+
+@pytest.mark.parametrize("stages,n", [(2, 1), (2, 8), (4, 2), (4, 12)])
+def test_1f1b_plan_runs_deepspeeds_forward_backward_order_with_split_backward(stages, n):
+    plan = deepspeed_1f1b(stages, n)
+    for s in range(stages):
+        stock = []
+        for step in TrainSchedule(micro_batches=n, stages=stages, stage_id=s).steps():
+            stock += ["F" if isinstance(c, ForwardPass) else "BW" for c in step if isinstance(c, (ForwardPass, BackwardPass))]
+        ours = []
+        for step in _lower(plan, s, n).steps():
+            for c in step:
+                if isinstance(c, ForwardPass):
+                    ours.append("F")
+                elif isinstance(c, I.BackwardInputPass):
+                    ours.append("B")
+                elif isinstance(c, I.BackwardWeightPass):
+                    ours[-1] += "W"
+        assert ours == stock
+
+
+def test_op_text_names_instructions_like_the_plan():
+    assert I.op_text(ForwardPass(2, micro_batch=3)) == "F3"
+    assert I.op_text(I.BackwardInputPass(0, micro_batch=5)) == "B5"
+    assert I.op_text(I.BackwardWeightPass(micro_batch=5)) == "W5"
+    assert I.op_text(I.RecvGrad(1, micro_batch=4)) == "RECV_B4"
+    assert I.op_text(I.SendActivation(1, micro_batch=0)) == "SEND_F0"
+    assert I.op_text(I.OptimizerStep()) == "OptimizerStep"
+    assert repr(I.BackwardInputPass(1, micro_batch=2)) == "BackwardInputPass(buffer_id=1, micro_batch=2)"
+
+
+def test_one_micro_batch_on_one_stage_is_f_b_w_then_the_step():
+    text = lowered_text(PipeMorphSchedule([Op("F", 0), Op("B", 0), Op("W", 0)], 1, 1, 0))
+    assert text == ["LOAD0", "F0", "B0", "W0", "WaitSends", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]

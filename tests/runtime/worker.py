@@ -1,0 +1,111 @@
+"""Runs training jobs under torchrun and writes what they produced; the tests compare the files.
+
+    torchrun --standalone --nproc_per_node N tests/runtime/worker.py SPEC.json OUT_DIR
+
+SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp" or
+"gpt": the tiny_gpt recipe's model), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
+"pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
+instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
+rank late and record the timeouts this causes}.
+Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
+measured peak in-flight activations and the op texts run; or <name>.rank<r>.err with the message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ds_pipemorph  # noqa: E402
+from ds_pipemorph.runtime.transport import TransportError  # noqa: E402
+from models import batches, build_model, ds_config  # noqa: E402
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny_gpt")))
+from model import tiny_gpt  # noqa: E402
+
+GPT_VOCAB, GPT_SEQ = 23, 12
+
+
+def run_job(job: dict, out_dir: str, rank: int) -> None:
+    S, dp, N = job["stages"], job.get("dp", 1), job["micro_batches"]
+    steps = job.get("steps", 3)
+    if job.get("model") == "gpt":  # the recipe's tiny GPT: int tokens, attention, views, LayerNorm
+        torch.manual_seed(1234)
+        model = tiny_gpt(vocab=GPT_VOCAB, stages=S, d_model=32, heads=2, blocks=2 * S - 2, max_seq=GPT_SEQ)
+        model.dynamic_shape = bool(job.get("dynamic"))  # DeepSpeed's flag: shapes vary between micro-batches
+    else:
+        model = build_model(S, seed=1234, tied=job.get("tied", False))
+    cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
+    path = os.path.join(out_dir, f"{job['name']}.rank{rank}")
+    if job.get("pipemorph") is None:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:
+        try:
+            engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        except ValueError as e:
+            if not job.get("expect_error"):
+                raise
+            with open(path + ".err", "w") as f:
+                f.write(str(e))
+            return
+    if job.get("model") == "gpt":
+        g = torch.Generator().manual_seed(99 + engine.grid.data_parallel_id)
+        seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
+        ids = [torch.randint(0, GPT_VOCAB, (2, t + 1), generator=g) for t in seqs]
+        data = [(w[:, :-1], w[:, 1:]) for w in ids]
+    else:
+        data = batches(N * steps, 2, seed=99 + engine.grid.data_parallel_id)
+    it = iter(data)
+    losses, peaks, ops = [], [], []
+    stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
+    if stall.get("rank") == rank:
+        time.sleep(stall["seconds"])
+    for _ in range(steps):
+        try:
+            losses.append(float(engine.train_batch(it)))
+        except TransportError as e:
+            if not stall:
+                raise
+            with open(path + ".err", "w") as f:
+                f.write(str(e))
+            time.sleep(stall["seconds"] + 2 * job["pipemorph"]["timeout_s"])  # let the late rank time out too
+            return
+        peaks.append(getattr(engine, "measured_peak_inflight", None))
+        ops.append([r.op for r in getattr(engine, "op_records", [])])
+    eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
+    params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
+                "eval_loss": eval_loss}, path + ".pt")
+
+
+def main() -> int:
+    spec_path, out_dir = sys.argv[1], sys.argv[2]
+    jobs = json.load(open(spec_path))
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    code = 0
+    try:
+        for job in jobs:
+            run_job(job, out_dir, rank)
+            if job.get("expect_error"):
+                code = 2
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    finally:
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
