@@ -102,10 +102,6 @@ def check_available(cfg: PipeMorphConfig) -> None:
     if cfg.delegation.mode == "always":
         raise PipeMorphConfigError(
             "ds_config pipemorph.delegation.mode 'always' is not available yet (use 'off' or 'auto')")
-    if any(v.delay_ms > 0 for v in cfg.inject.links.values()):
-        raise PipeMorphConfigError("ds_config pipemorph.inject.links (delay injection) is not available yet")
-    if cfg.inject.trace is not None:
-        raise PipeMorphConfigError("ds_config pipemorph.inject.trace is not available yet")
     if cfg.timeline is not None:
         raise PipeMorphConfigError("ds_config pipemorph.timeline (Chrome trace) is not available yet")
 

@@ -32,6 +32,7 @@ from ..plan.simulate import Schedule
 from . import instructions as I
 from .bw_split import backward_input
 from .config import PipeMorphConfig, PipeMorphConfigError
+from .inject import DelayInjector, DelaySchedule
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .transport import DirectTransport
@@ -59,7 +60,8 @@ def unsupported_reason(config_class, model) -> Optional[str]:
 class PipeMorphEngine(PipelineEngine):
     """A PipelineEngine that executes a PipeMorph plan (``plan[s]`` is stage s's op order)."""
 
-    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule, **super_kwargs):
+    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
+                 delays: Optional[DelaySchedule] = None, **super_kwargs):
         reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
         if reason:
             raise PipeMorphConfigError(reason)
@@ -72,6 +74,8 @@ class PipeMorphEngine(PipelineEngine):
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.transport = DirectTransport(self.global_rank, self.stage_id, ranks, pipemorph.timeout_s, self.device,
                                          static_shapes=not self.dynamic_shape)
+        if delays is not None:  # testing only: a slow link, as DESIGN.md models it
+            self.transport = DelayInjector(self.transport, self.stage_id, delays, pipemorph.timeout_s)
         self.recorder = OpRecorder(pipemorph.nvtx)
         self.measured_peak_inflight = 0
         self._reset_iteration_state()

@@ -26,7 +26,9 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     from deepspeed.runtime.pipe.module import PipelineModule
 
     from .config import PipeMorphConfigError, parse_config, pending_notes
+    from ..fileio import BadInput
     from .engine import PipeMorphEngine
+    from .inject import delay_schedule
     from .plans import build_plan
 
     if not isinstance(model, PipelineModule):
@@ -54,13 +56,17 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     plan = build_plan(pm, model.num_stages, config_class.gradient_accumulation_steps)
+    try:
+        delays = delay_schedule(pm.inject, model.num_stages)
+    except BadInput as e:
+        raise PipeMorphConfigError(str(e)) from None
     if dist.get_rank() == 0:
         for note in pending_notes(pm):
             logger.warning(note)
     engine = PipeMorphEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=ds_mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_dict,
-                             config_class=config_class, pipemorph=pm, plan=plan)
+                             config_class=config_class, pipemorph=pm, plan=plan, delays=delays)
     deepspeed.zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -189,3 +189,22 @@ class DelayInjector:
             lane.close()
         self._lanes.clear()
         self.inner.close()
+
+
+def delay_schedule(inject_cfg, stages: int) -> Optional[DelaySchedule]:
+    """The ``pipemorph.inject`` section for a job of ``stages`` stages (None: nothing injected).
+
+    Raises BadInput with one sentence for a link the job does not have or an unreadable trace.
+    """
+    links = stages - 1
+    static = [0.0] * links
+    for key, link_cfg in inject_cfg.links.items():
+        i = int(key)
+        if i >= links:
+            raise BadInput(
+                f"ds_config pipemorph.inject.links names link {i}, but a {stages}-stage pipeline has links 0..{links - 1}")
+        static[i] = link_cfg.delay_ms
+    trace = load_trace(inject_cfg.trace, links) if inject_cfg.trace else None
+    if trace is None and not any(static):
+        return None
+    return DelaySchedule(static, trace)

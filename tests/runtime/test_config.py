@@ -28,13 +28,30 @@ def test_bad_section_is_refused_naming_the_key(section, message):
 
 @pytest.mark.parametrize("section,what", [
     ({"delegation": {"mode": "always"}}, "pipemorph.delegation.mode 'always' is not available yet"),
-    ({"inject": {"links": {"2": {"delay_ms": 30}}}}, "pipemorph.inject.links (delay injection) is not available yet"),
-    ({"inject": {"trace": "t.json"}}, "pipemorph.inject.trace is not available yet"),
     ({"timeline": "out/trace.json"}, "pipemorph.timeline (Chrome trace) is not available yet"),
 ])
 def test_settings_of_later_issues_validate_but_are_refused_rather_than_ignored(section, what):
     with pytest.raises(PipeMorphConfigError, match=r"^ds_config " + what.replace("(", r"\(").replace(")", r"\)")):
         parse_config(section)
+
+
+def test_injection_naming_a_missing_link_a_negative_delay_or_an_unreadable_trace_is_refused(tmp_path):
+    from ds_pipemorph.fileio import BadInput
+    from ds_pipemorph.runtime.inject import delay_schedule
+
+    with pytest.raises(BadInput, match=r"^ds_config pipemorph.inject.links names link 7, but a 4-stage pipeline has links 0..2$"):
+        delay_schedule(parse_config({"inject": {"links": {"7": {"delay_ms": 30}}}}).inject, 4)
+    with pytest.raises(PipeMorphConfigError, match=r"inject.links.2.delay_ms: Input should be greater than or equal to 0"):
+        parse_config({"inject": {"links": {"2": {"delay_ms": -5}}}})
+    with pytest.raises(BadInput, match=r"^inject.trace: cannot read"):
+        delay_schedule(parse_config({"inject": {"trace": str(tmp_path / "nope.yaml")}}).inject, 4)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("points: [{t: 0, links_ms: [1, 2]}]")
+    with pytest.raises(BadInput, match="has 2 delays, the job has 3 links"):
+        delay_schedule(parse_config({"inject": {"trace": str(bad)}}).inject, 4)
+    sched = delay_schedule(parse_config({"inject": {"links": {"2": {"delay_ms": 30}}}}).inject, 4)
+    assert [sched.delay_ms(i) for i in range(3)] == [0, 0, 30]
+    assert delay_schedule(parse_config({}).inject, 4) is None
 
 
 def test_defaults_are_designs_and_accepted():

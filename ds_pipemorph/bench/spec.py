@@ -1,0 +1,47 @@
+"""What one ``pipemorph bench`` run measures: the pipeline, the delay scenarios and the schedules."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEDULES = ("stock-1f1b", "zb", "pipemorph")
+LABELS = {  # short: the table must fit an 80-column terminal
+    "stock-1f1b": "stock 1F1B",
+    "zb": "static zb",
+    "pipemorph": "PipeMorph",
+}
+NOTES = {
+    "stock-1f1b": "DeepSpeed's own PipelineEngine and TrainSchedule, fused backward",
+    "zb": "PipeMorphEngine, ZB-H1 warm-up S-s (1F1B's memory), planned for no delay",
+    "pipemorph": "PipeMorphEngine, plan searched for the probed link delays, memory relaxed",
+}
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    links_ms: list[float]
+
+
+class BenchSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stages: int = Field(ge=2)
+    microbatches: int = Field(ge=1)
+    op_ms: float = Field(gt=0)
+    scenarios: list[Scenario] = Field(min_length=1)
+    schedules: list[str] = Field(min_length=1)
+    iterations: int = Field(ge=1)
+    warmup: int = Field(ge=0)
+    progress_file: str
+    out: str
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "BenchSpec":
+        for sc in self.scenarios:
+            if len(sc.links_ms) != self.stages - 1:
+                raise ValueError(f"scenario {sc.name}: {len(sc.links_ms)} delays for {self.stages - 1} links")
+            if any(c < 0 for c in sc.links_ms):
+                raise ValueError(f"scenario {sc.name}: delays must be >= 0 ms")
+        for s in self.schedules:
+            if s not in SCHEDULES:
+                raise ValueError(f"unknown schedule '{s}': choose from {', '.join(SCHEDULES)}")
+        return self

@@ -1,0 +1,51 @@
+"""`pipemorph bench` / `pipemorph demo`: the real engines run side by side and the table is written."""
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ds_pipemorph.bench.spec import BenchSpec, Scenario
+from ds_pipemorph_cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_runs_stock_zb_and_pipemorph_on_two_stages_with_a_slow_link(tmp_path):
+    out = tmp_path / "bench.json"
+    r = runner.invoke(app, ["bench", "--stages", "2", "--microbatches", "4", "--op-ms", "4", "--delays-ms", "0,12",
+                            "--iterations", "2", "--warmup", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())["results"]
+    assert {(x["scenario"], x["schedule"]) for x in res} == {
+        (sc, s) for sc in ("no_delay", "12ms_link0") for s in ("stock-1f1b", "zb", "pipemorph")}
+    for x in res:
+        assert len(x["iterations_ms"]) == 2 and all(t > 0 for t in x["iterations_ms"])
+        # Each iteration runs 4 micro-batches of F+B+W = 12 ms on every stage, at least.
+        assert x["median_ms"] >= 4 * 12
+    slow = {x["schedule"]: x for x in res if x["scenario"] == "12ms_link0"}
+    # The probe measured the injected delay (same-host clocks), and PipeMorph planned for it.
+    assert slow["pipemorph"]["probed_links_ms"][0] == pytest.approx(12, abs=4)
+    assert slow["pipemorph"]["predicted_ms"] <= slow["zb"]["predicted_ms"]
+    assert "speedup vs stock" in r.output
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--stages", "4", "--link", "5"], "--link: 5 is not a link of 4 stages"),
+        (["--delays-ms", "0,-3"], "--delays-ms: -3.0 is negative"),
+        (["--schedules", "zbb"], "unknown schedule 'zbb'"),
+    ],
+)
+def test_bad_bench_options_get_one_sentence_and_exit_2(tmp_path, args, needle):
+    r = runner.invoke(app, ["bench", *args, "--out", str(tmp_path / "b.json")])
+    assert r.exit_code == 2 and needle in r.output
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_spec_rejects_wrong_delay_counts():
+    with pytest.raises(ValueError, match="2 delays for 3 links"):
+        BenchSpec(stages=4, microbatches=4, op_ms=1, scenarios=[Scenario(name="x", links_ms=[0, 1])],
+                  schedules=["zb"], iterations=1, warmup=0, progress_file="p", out="o")
