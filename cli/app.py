@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from . import demo_cmd, plan_cmd, simulate_cmd, trace_cmd
+from . import bench_cmd, demo_cmd, plan_cmd, simulate_cmd, trace_cmd
 
 app = typer.Typer(
     name="pipemorph",
@@ -15,6 +15,7 @@ app = typer.Typer(
 app.command("plan")(plan_cmd.plan)
 app.command("simulate")(simulate_cmd.simulate)
 app.command("demo")(demo_cmd.demo)
+app.command("bench")(bench_cmd.bench)
 app.add_typer(trace_cmd.app, name="trace")
 
 
