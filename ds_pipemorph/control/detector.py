@@ -22,8 +22,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    floor_ms: float = 2.0  # measured delays below this are noise (loopback jitter, serialisation)
-    up_iterations: int = 1
+    floor_ms: float = 5.0  # measured delays below this are noise (jitter of a loaded host, serialisation)
+    up_iterations: int = 2  # a single slow iteration (a hiccup) does not change the plan
     down_iterations: int = 2
     recover_ratio: float = 0.5
     quantum_ms: float = 5.0

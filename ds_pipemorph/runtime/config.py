@@ -109,8 +109,6 @@ def check_available(cfg: PipeMorphConfig) -> None:
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:
     """Settings accepted now that only take effect once their issue lands (logged at start-up)."""
     notes = []
-    if cfg.schedule == "adaptive" and cfg.adapt.enabled:
-        notes.append("pipemorph.adapt: no runtime profiler yet, so the adaptive plan is not re-planned from measurements")
     if cfg.delegation.mode == "auto":
         notes.append("pipemorph.delegation 'auto': no straggler detector yet, so every link stays direct")
     return notes

@@ -32,7 +32,10 @@ from ..plan.simulate import Schedule
 from . import instructions as I
 from .bw_split import backward_input
 from .config import PipeMorphConfig, PipeMorphConfigError
+from ..plan.profile import Costs
+from .adapt import Adapter, estimate_clock_offsets
 from .inject import DelayInjector, DelaySchedule
+from .plans import DEFAULT_OP_MS, caps
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .transport import DirectTransport
@@ -72,8 +75,16 @@ class PipeMorphEngine(PipelineEngine):
         self.plan = plan
         self.stage_plan: list[Op] = list(plan[self.stage_id])
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
+        self.adapter: Optional[Adapter] = None
+        adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
         self.transport = DirectTransport(self.global_rank, self.stage_id, ranks, pipemorph.timeout_s, self.device,
                                          static_shapes=not self.dynamic_shape)
+        if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
+            self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
+                                   Costs.uniform(self.num_stages, DEFAULT_OP_MS),
+                                   caps(pipemorph, self.num_stages, self.micro_batches),
+                                   pipemorph.adapt.every_iterations,
+                                   estimate_clock_offsets(self.grid, self.stage_id, self.num_stages))
         if delays is not None:  # testing only: a slow link, as DESIGN.md models it
             self.transport = DelayInjector(self.transport, self.stage_id, delays, pipemorph.timeout_s)
         self.recorder = OpRecorder(pipemorph.nvtx)
@@ -135,6 +146,10 @@ class PipeMorphEngine(PipelineEngine):
                 self.recorder.run(I.op_text(cmd), handler, self, **cmd.kwargs)
         if self._weight_work:
             raise RuntimeError(f"stage {self.stage_id}: W never ran for micro-batches {sorted(self._weight_work)}")
+        if self.adapter is not None:
+            new_plan = self.adapter.after_iteration(self.recorder.records, self.transport)
+            if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch
+                self.plan, self.stage_plan = new_plan, list(new_plan[self.stage_id])
 
     def _post_next_recv(self, kind: str) -> None:
         if self._recv_queue[kind]:

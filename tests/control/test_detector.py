@@ -18,10 +18,15 @@ def run(det, series, tolerance_of=lambda target: [10.0 + t for t in target]):
     return events
 
 
-def test_delay_injected_at_iteration_5_is_acted_on_at_that_boundary():
+def test_delay_injected_at_iteration_5_is_acted_on_by_iteration_7():
     series = [[0.3, 0.2, 0.4]] * 5 + [[0.3, 0.2, 60.4]] * 10
     events = run(LinkDetector(3), series)
-    assert events == [(5, [0.0, 0.0, 65.0])]  # decided after iteration 5 -> new plan in iteration 6
+    assert events == [(6, [0.0, 0.0, 65.0])]  # decided after iteration 6 -> new plan in iteration 7
+
+
+def test_a_single_slow_iteration_is_a_hiccup_not_a_straggler():
+    series = [[0.3, 0.2, 0.4]] * 5 + [[0.3, 0.2, 60.4]] + [[0.3, 0.2, 0.4]] * 5
+    assert run(LinkDetector(3), series) == []
 
 
 def test_no_delay_means_no_replan_over_50_noisy_iterations():
@@ -33,14 +38,14 @@ def test_no_delay_means_no_replan_over_50_noisy_iterations():
 
 
 def test_delay_within_the_plans_tolerance_is_absorbed_not_replanned():
-    series = [[0.0, 8.0, 0.0]] * 10  # the plan tolerates 10 ms everywhere
+    series = [[0.0, 9.0, 0.0]] * 10  # the plan tolerates 10 ms everywhere
     assert run(LinkDetector(3), series) == []
 
 
 def test_recovered_link_returns_to_the_no_delay_plan_within_3_iterations():
     series = [[0.0, 0.0, 60.0]] * 5 + [[0.0, 0.0, 0.5]] * 6
     events = run(LinkDetector(3), series)
-    assert events[0] == (0, [0.0, 0.0, 60.0])
+    assert events[0] == (1, [0.0, 0.0, 60.0])
     it, target = events[1]
     assert target == [0.0, 0.0, 0.0]
     assert it - 5 <= 2  # decided after the 2nd calm iteration -> plan in force by the 3rd

@@ -1,0 +1,79 @@
+"""Runs the adaptive engine on an emulated 4-stage pipeline while the test changes a link's delay.
+
+    torchrun --standalone --nproc_per_node 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
+
+SPEC: {"iterations": K, "delays": {"<iteration>": [ms per link], ...}, "op_ms": t, "microbatches": N}.
+The delay injector is put around the engine's transport by this worker (test control only); the
+engine's control loop sees nothing but its own measurements. Also trains stock DeepSpeed on the
+same data so the test can compare parameters. Writes OUT_DIR/<name>.rank<r>.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
+
+import ds_pipemorph  # noqa: E402
+from ds_pipemorph.runtime.emulated import EmulatedStage  # noqa: E402
+from ds_pipemorph.runtime.inject import DelayInjector, DelaySchedule  # noqa: E402
+
+
+def build(spec, adaptive: bool):
+    torch.manual_seed(0)
+    t = spec["op_ms"]
+    model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, t, t, t) for _ in range(4)], num_stages=4,
+                           loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": spec["microbatches"],
+           "train_batch_size": spec["microbatches"], "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "gradient_clipping": 1.0, "steps_per_print": 10**9}
+    if not adaptive:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return engine
+    cfg["pipemorph"] = {"schedule": "adaptive", "memory": {"max_inflight": [8, 6, 4, 2]}, "delegation": {"mode": "off"},
+                        "nvtx": False}
+    engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def main(spec_path: str, out_dir: str) -> None:
+    spec = json.load(open(spec_path))
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec["microbatches"])]
+            for _ in range(spec["iterations"])]
+    results = {}
+    for name in ("adaptive", "stock"):
+        engine = build(spec, name == "adaptive")
+        sched = None
+        if name == "adaptive":
+            sched = DelaySchedule([0.0, 0.0, 0.0])
+            engine.transport = DelayInjector(engine.transport, engine.stage_id, sched, 60.0)
+        losses = []
+        for it in range(spec["iterations"]):
+            if sched is not None and str(it) in spec["delays"]:
+                sched.static = list(spec["delays"][str(it)])
+            losses.append(float(engine.train_batch(iter(data[it]))))
+        out = {"losses": losses, "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()}}
+        if name == "adaptive":
+            out["replans"] = [vars(r) for r in engine.adapter.replans]
+            out["measured"] = engine.adapter.measured
+            engine.transport.wait_sends()
+        results[name] = out
+        dist.barrier()
+    with open(os.path.join(out_dir, f"adapt.rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
