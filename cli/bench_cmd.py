@@ -8,7 +8,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -38,7 +37,7 @@ def bench(
     delays_ms: str = typer.Option("0,20", "--delays-ms", help="Delays to inject on the slow link, one scenario each."),
     link: int = typer.Option(0, help="The slow link (i joins stage i and i+1); -1 = the last one."),
     iterations: int = typer.Option(5, min=1, help="Measured iterations per schedule."),
-    warmup: int = typer.Option(1, min=0, help="Unmeasured iterations per schedule."),
+    warmup: int = typer.Option(4, min=0, help="Unmeasured iterations per schedule (PipeMorph re-plans in them)."),
     schedules: str = typer.Option(",".join(SCHEDULES), help="Which schedules to run."),
     out: Path = typer.Option(Path("out/bench.json"), "--out", help="Results as JSON."),
     timeout_s: float = typer.Option(1800.0, help="Give up on the run after this many seconds."),
@@ -112,9 +111,10 @@ def _print(spec: BenchSpec, result: dict) -> None:
             ratio = f"{stock / r['median_ms']:.2f}x" if stock else "-"
             t.add_row(sc.name, LABELS[r["schedule"]], f"{r['median_ms']:.0f}", f"{r['predicted_ms']:.0f}", ratio)
     console.print(t)
-    for sc in spec.scenarios:
-        probed = next(r["probed_links_ms"] for r in rows if r["scenario"] == sc.name)
-        console.print(f"{sc.name}: injected {sc.links_ms} ms, probed {probed} ms per link")
+    for r in rows:
+        for ev in r["replans"]:
+            console.print(f"{r['scenario']}: PipeMorph re-planned after iteration {ev['iteration']} for measured "
+                          f"{[None if v is None else round(v, 1) for v in ev['measured_ms']]} ms, warm-up {ev['warmup']}")
     for k in spec.schedules:
         console.print(f"{LABELS[k]}: {NOTES[k]}")
     console.print("predicted: the replay simulator's time for that schedule's plan under the injected delays")

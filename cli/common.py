@@ -69,12 +69,12 @@ def write_outputs(outputs: dict[str, "str | bytes"]) -> None:
         write_atomic(path, data)
 
 
-def timeline_outputs(tl, gantt: Optional[str], chrome: Optional[str], title: str) -> dict:
+def timeline_outputs(tl, gantt: Optional[str], chrome: Optional[str], title: str, links_ms=None) -> dict:
     out: dict = {}
     if gantt:
         from ds_pipemorph.trace.gantt import gantt_png
 
-        out[gantt] = gantt_png(tl, title)
+        out[gantt] = gantt_png(tl, title, links_ms)
     if chrome:
         from ds_pipemorph.trace.chrome import chrome_json
 

@@ -16,4 +16,4 @@ def demo(
     """4 stages x 12 micro-batches, 10 ms ops: stock DeepSpeed 1F1B vs static zb vs PipeMorph, with
     no delay and with a slow link 0, on the real engines (about a minute on 2 cores)."""
     bench(stages=4, microbatches=12, op_ms=10.0, delays_ms=f"0,{delay_ms:g}", link=0, iterations=iterations,
-          warmup=1, schedules="stock-1f1b,zb,pipemorph", out=out, timeout_s=1800.0)
+          warmup=4, schedules="stock-1f1b,zb,pipemorph", out=out, timeout_s=1800.0)

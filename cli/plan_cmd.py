@@ -48,7 +48,8 @@ def plan(
         pf = PlanFile.build(sched, prof)
         tl = replay(sched, costs, n)
         tols = link_tolerances(sched, costs, n)
-        outputs = timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), f"plan: {tl.iteration_ms:.1f} ms")
+        outputs = timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome),
+                                   f"plan for links_ms={[round(x, 1) for x in costs.links]}", costs.links)
         data = pf.model_dump(mode="json")
         if output:
             outputs[str(output)] = dump(data, output.suffix.lower() == ".json")

@@ -53,7 +53,8 @@ def simulate(
                 raise BadInput(f"--compare: unknown baseline '{name}'; choose from {', '.join(BASELINES)}")
             rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1")
         tl = rows["plan"]
-        write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), f"plan replayed: {tl.iteration_ms:.1f} ms"))
+        title = f"{plan_path.name} replayed, links_ms={[round(x, 1) for x in links]}"
+        write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title, links))
     result = {
         "iteration_ms": tl.iteration_ms,
         "bubble_rate": tl.bubble_rate,

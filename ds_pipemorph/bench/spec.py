@@ -12,7 +12,7 @@ LABELS = {  # short: the table must fit an 80-column terminal
 NOTES = {
     "stock-1f1b": "DeepSpeed's own PipelineEngine and TrainSchedule, fused backward",
     "zb": "PipeMorphEngine, ZB-H1 warm-up S-s (1F1B's memory), planned for no delay",
-    "pipemorph": "PipeMorphEngine, plan searched for the probed link delays, memory relaxed",
+    "pipemorph": "PipeMorphEngine, adaptive: Alg. 1 warm-up, then measures links and re-plans in-run",
 }
 
 

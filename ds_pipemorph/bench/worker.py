@@ -1,11 +1,11 @@
 """The rank side of ``pipemorph bench``: started by torchrun, one rank per stage, one host.
 
-For every scenario (a delay per link, injected as DESIGN.md models a slow link) it probes each
-link's one-way delay with timestamped messages (ranks share one host clock), then trains each
+For every scenario (a delay per link, injected as DESIGN.md models a slow link) it trains each
 schedule for ``warmup + iterations`` iterations on an emulated pipeline (F, B, W each take
 ``op_ms``, real tiny math) and records per iteration the time from a barrier before
-``train_batch`` to the last rank's return. The PipeMorph row is planned by ``search`` from the
-probed delays only (never from the injection settings). Rank 0 writes the results as JSON.
+``train_batch`` to the last rank's return. The PipeMorph row is the engine's ``adaptive`` schedule
+with its control loop: it measures ops and links itself and re-plans (never reading the injection
+settings); the warm-up iterations give it time to act. Rank 0 writes the results as JSON.
 """
 from __future__ import annotations
 
@@ -19,43 +19,13 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import load_model, write_atomic
-from ..plan.baselines import deepspeed_1f1b, zb_h1
-from ..plan.planfile import PlanFile
-from ..plan.profile import Costs, Profile
-from ..plan.search import search
+from ..plan.baselines import deepspeed_1f1b
+from ..plan.profile import Costs
 from ..plan.simulate import replay
-from ..runtime.inject import DelayInjector, DelaySchedule
-from ..runtime.transport import DirectTransport
+from ..runtime.inject import DelaySchedule
 from .spec import BenchSpec
 
-PROBES = 3
-
-
-def probe_links(spec: BenchSpec, delays: DelaySchedule) -> list[float]:
-    """One-way delay per link (median of PROBES stamped messages, paced by an echo)."""
-    rank, S = dist.get_rank(), spec.stages
-    tr = DelayInjector(DirectTransport(rank, rank, list(range(S)), 60.0), rank, delays, 60.0)
-    found = torch.zeros(S - 1, dtype=torch.float64)
-    for link in range(S - 1):
-        samples = []
-        for k in range(PROBES):
-            if rank == link:
-                tr.send("F", k, torch.tensor([time.monotonic()], dtype=torch.float64))
-                tr.recv("B", k)
-            elif rank == link + 1:
-                stamp = tr.recv("F", k)
-                samples.append((time.monotonic() - stamp.item()) * 1e3)
-                tr.send("B", k, torch.zeros(1))
-        if rank == link + 1:
-            found[link] = sorted(samples)[len(samples) // 2]
-        tr.wait_sends()
-        dist.barrier()
-    tr.close()
-    dist.all_reduce(found)
-    return [round(v, 3) for v in found.tolist()]
-
-
-def build_engine(spec: BenchSpec, schedule: str, links_ms: list[float], plan_path: str):
+def build_engine(spec: BenchSpec, schedule: str, links_ms: list[float]):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -74,7 +44,8 @@ def build_engine(spec: BenchSpec, schedule: str, links_ms: list[float], plan_pat
         return engine
     inject = {"links": {str(i): {"delay_ms": c} for i, c in enumerate(links_ms) if c > 0}}
     section = {"delegation": {"mode": "off"}, "adapt": {"enabled": False}, "inject": inject, "nvtx": False}
-    section.update({"schedule": "zb"} if schedule == "zb" else {"schedule": "plan", "plan_file": plan_path})
+    section["schedule"] = "zb" if schedule == "zb" else "adaptive"
+    section["adapt"] = {"enabled": schedule == "pipemorph"}
     cfg["pipemorph"] = section
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
@@ -95,24 +66,12 @@ def measure(spec: BenchSpec, engine) -> list[float]:
     return out
 
 
-def plan_for(spec: BenchSpec, probed: list[float], path: str) -> float:
-    """Rank 0 plans for the probed delays (memory relaxed: delegated staging holds activations)."""
-    prof = Profile(stages=spec.stages, microbatches=spec.microbatches,
-                   compute_ms={"forward": spec.op_ms, "backward_input": spec.op_ms, "backward_weight": spec.op_ms},
-                   links_ms=probed)
-    res = search(prof.costs(), spec.microbatches, budget_s=1.0, max_evals=3000)
-    pf = PlanFile.build(res.schedule, prof)
-    write_atomic(path, json.dumps(pf.model_dump(mode="json")))
-    return pf.predicted.iteration_ms
-
-
-def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, plan_path: str) -> float:
+def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
+    """The replay simulator's time for the plan the schedule ran last, under the injected delays."""
     S, N = spec.stages, spec.microbatches
     if schedule == "stock-1f1b":
         return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True).iteration_ms
-    if schedule == "zb":
-        return replay(zb_h1(Costs.uniform(S, spec.op_ms), N), costs, N).iteration_ms
-    return replay(load_model(plan_path, PlanFile).ops(), costs, N).iteration_ms
+    return replay(engine.plan, costs, N).iteration_ms
 
 
 def main(spec_path: str) -> None:
@@ -122,15 +81,9 @@ def main(spec_path: str) -> None:
     spec = load_model(spec_path, BenchSpec)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    tmp = os.path.dirname(os.path.abspath(spec.progress_file))  # the run's work directory
     results, step, total = [], 0, len(spec.scenarios) * len(spec.schedules)
     for sc in spec.scenarios:
         delays = DelaySchedule(sc.links_ms)
-        probed = probe_links(spec, delays)
-        plan_path = os.path.join(tmp, f"plan_{sc.name}.json")
-        if rank == 0 and "pipemorph" in spec.schedules:
-            plan_for(spec, probed, plan_path)
-        dist.barrier()
         costs = Costs.uniform(spec.stages, spec.op_ms, sc.links_ms)
         for schedule in spec.schedules:
             patch = None
@@ -138,8 +91,11 @@ def main(spec_path: str) -> None:
                 from ..runtime.stock_inject import install
 
                 patch = install(delays)
-            engine = build_engine(spec, schedule, sc.links_ms, plan_path)
+            engine = build_engine(spec, schedule, sc.links_ms)
             times = measure(spec, engine)
+            predicted = predicted_ms(spec, schedule, costs, engine)
+            adapter = getattr(engine, "adapter", None)
+            replans = [vars(r) for r in adapter.replans] if adapter is not None else []
             if patch:
                 patch["drain"]()
                 patch["uninstall"]()
@@ -148,10 +104,9 @@ def main(spec_path: str) -> None:
             dist.barrier()
             step += 1
             if rank == 0:
-                results.append({"scenario": sc.name, "links_ms": sc.links_ms, "probed_links_ms": probed,
-                                "schedule": schedule, "iterations_ms": times,
-                                "median_ms": sorted(times)[len(times) // 2],
-                                "predicted_ms": predicted_ms(spec, schedule, costs, plan_path)})
+                results.append({"scenario": sc.name, "links_ms": sc.links_ms, "schedule": schedule,
+                                "iterations_ms": times, "median_ms": sorted(times)[len(times) // 2],
+                                "predicted_ms": predicted, "replans": replans})
                 with open(spec.progress_file, "a") as f:
                     f.write(f"{step} {total} {sc.name} {schedule}\n")
     if rank == 0:

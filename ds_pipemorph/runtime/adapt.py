@@ -93,6 +93,7 @@ class Adapter:
         self.caps = caps
         self.every = every
         self.clock_offsets = clock_offsets
+        self._last = {"F": -1.0, "B": -1.0}  # latest probe of the link from upstream / downstream (ms)
         self.costs = costs
         self.detector = LinkDetector(stages - 1, detector)
         self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in link_tolerances(plan, costs, microbatches)])
@@ -138,24 +139,28 @@ class Adapter:
         return torch.tensor([float(self.stage_id), *med, *delays], dtype=torch.float64)
 
     def _probe(self, transport) -> list[float]:
-        """[delay of the activation from stage s-1, of the gradient from stage s+1] in ms (-1: none)."""
+        """[delay of the activation from stage s-1, of the gradient from stage s+1] in ms (-1: none).
+
+        One direction per iteration, alternating: every rank sends one stamped message the same way
+        and waits for the one coming to it, so no receiver is busy elsewhere when its probe lands.
+        A link's delay is the larger of its two directions' latest measurements.
+        """
         s, last = self.stage_id, self.S - 1
-        if s < last:
-            transport.post_recv("B", PROBE_MB)
-        if s > 0:
-            transport.post_recv("F", PROBE_MB)
-        now = time.monotonic_ns()
-        if s < last:
-            transport.send("F", PROBE_MB, torch.tensor([now], dtype=torch.int64))
-        if s > 0:
-            transport.send("B", PROBE_MB, torch.tensor([now], dtype=torch.int64))
-        out = [-1.0, -1.0]
-        for i, (kind, peer, ok) in enumerate((("F", s - 1, s > 0), ("B", s + 1, s < last))):
-            if ok:
-                sent = transport.recv(kind, PROBE_MB).item() + self.clock_offsets.get(peer, 0)
-                out[i] = max(0.0, (time.monotonic_ns() - sent) / 1e6)
+        kind = "F" if self.iteration % 2 == 0 else "B"
+        src, dst = (s - 1, s + 1) if kind == "F" else (s + 1, s - 1)
+        receives, sends = 0 <= src <= last, 0 <= dst <= last
+        if receives:
+            transport.post_recv(kind, PROBE_MB)
+        # Start together, so that every receiver is already waiting when its probe arrives: a
+        # message that came before its receiver looked would count the receiver's lateness.
+        dist.barrier()
+        if sends:
+            transport.send(kind, PROBE_MB, torch.tensor([time.monotonic_ns()], dtype=torch.int64))
+        if receives:
+            sent = transport.recv(kind, PROBE_MB).item() + self.clock_offsets.get(src, 0)
+            self._last[kind] = max(0.0, (time.monotonic_ns() - sent) / 1e6)
         transport.wait_sends()
-        return out
+        return [self._last["F"], self._last["B"]]
 
     def _per_stage(self, table: torch.Tensor):
         """Max over data-parallel replicas of each stage; per link the slower of its two directions."""

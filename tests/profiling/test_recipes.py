@@ -1,0 +1,73 @@
+"""recipes/gpu_cluster and recipes/stragglers: configs the engine accepts, docs in sync with them,
+traces that load."""
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config
+from ds_pipemorph.runtime.inject import load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "recipes" / "gpu_cluster"
+STRAG = ROOT / "recipes" / "stragglers"
+
+
+def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted keys of the pipemorph section, leaves only (``inject.links`` counts as a leaf)."""
+    out = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel) and name != "inject":
+            out += keys(sub, f"{prefix}{name}.")
+        elif name == "inject":
+            out += [f"inject.{k}" for k in sub.model_fields]
+        else:
+            out.append(prefix + name)
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_gpu_cluster_config_is_accepted_and_its_commented_copy_matches():
+    cfg = json.loads((GPU / "ds_config.json").read_text())
+    parsed = parse_config(cfg["pipemorph"])
+    assert parsed.schedule == "plan" and parsed.plan_file == "plan.yaml"
+    jsonc = re.sub(r"//[^\n]*", "", (GPU / "ds_config.commented.jsonc").read_text())
+    assert json.loads(jsonc) == cfg
+    # Every key (and every default) is in the README table and has a comment in the jsonc copy.
+    readme = (GPU / "README.md").read_text()
+    defaults = PipeMorphConfig().model_dump()
+    for key in keys(PipeMorphConfig):
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{key}` |")), None)
+        assert row is not None, f"README.md has no row for {key}"
+        value = defaults
+        for part in key.split("."):
+            value = value[part]
+        assert f"`{json.dumps(value)}`" in row, (key, value, row)
+    assert set(json.loads(jsonc)["pipemorph"]) == set(PipeMorphConfig.model_fields)
+
+
+@pytest.mark.timeout(30)
+def test_launch_script_parses():
+    assert subprocess.run(["bash", "-n", str(GPU / "launch.sh")]).returncode == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["ds_config.static.json", "ds_config.dynamic.json"])
+def test_straggler_configs_are_accepted_and_their_trace_loads(name):
+    pm = parse_config(json.loads((STRAG / name).read_text())["pipemorph"])
+    if pm.inject.trace:
+        tr = load_trace(str(ROOT / pm.inject.trace), 3)
+        assert tr.points[0].t == 0.0 and len(tr.points) > 100
+    else:
+        assert pm.inject.links["2"].delay_ms == 30
+
+
+@pytest.mark.timeout(30)
+def test_shipped_traces_load_for_four_stages():
+    for path in sorted(STRAG.glob("trace_*.yaml")):
+        tr = load_trace(str(path), 3)
+        assert all(c >= 0 for p in tr.points for c in p.links_ms)
