@@ -22,6 +22,7 @@ def simulate(
     links_ms: Optional[str] = typer.Option(None, "--links-ms", help="Delay per link in ms, e.g. 10,0,0."),
     compute_ms: Optional[str] = typer.Option(None, "--compute-ms", help="F/B/W ms for all stages (10/10/10) or per stage (10/10/10,12/12/8,...)."),
     compare: str = typer.Option(",".join(BASELINES), "--compare", help="Baselines planned for the plan's profile, replayed the same way ('' for none)."),
+    hol: bool = typer.Option(False, "--direct", help="Model slow links as direct ones: one message in flight, the sender blocks."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the replayed plan."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),
@@ -47,11 +48,11 @@ def simulate(
         costs = Costs(list(f), list(b), list(w), list(links))
         plan_costs = planned or costs
         names = [x.strip() for x in compare.split(",") if x.strip()]
-        rows = {"plan": replay(sched, costs, N, pf.fused)}
+        rows = {"plan": replay(sched, costs, N, pf.fused, hol)}
         for name in names:
             if name not in BASELINES:
                 raise BadInput(f"--compare: unknown baseline '{name}'; choose from {', '.join(BASELINES)}")
-            rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1")
+            rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1", hol)
         tl = rows["plan"]
         title = f"{plan_path.name} replayed, links_ms={[round(x, 1) for x in links]}"
         write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title, links))

@@ -13,8 +13,7 @@ import time
 from typing import Callable
 
 from .ops import Op
-from .profile import Costs
-from .simulate import Schedule, StuckSchedule, makespan, peak_inflight
+from .simulate import Schedule, StuckSchedule, peak_inflight
 
 EPS = 1e-9
 STALL = 400  # moves without improvement before a restart
@@ -23,18 +22,17 @@ KICK = 3  # random moves applied to the best order at a restart (iterated local 
 
 def improve(
     best: Schedule,
-    costs: Costs,
-    n: int,
     caps: list[int],
     deadline: float,
     seed: int,
     stop: Callable[[], bool],
-    count: Callable[[], None],
+    evaluate: Callable[[Schedule], float],
     lower_bound: float,
 ) -> tuple[Schedule, float, bool]:
+    """The best order found from ``best`` (``evaluate``: its iteration time; raises StuckSchedule)."""
     rng = random.Random(seed)
     cur = [list(r) for r in best]
-    cur_t = best_t = makespan(cur, costs, n)
+    cur_t = best_t = evaluate(cur)
     moved = False
     stall = 0
     while time.perf_counter() < deadline and cur_t > lower_bound + EPS and not stop():
@@ -48,9 +46,8 @@ def improve(
             continue
         cand = list(cur)
         cand[s] = row
-        count()
         try:
-            t = makespan(cand, costs, n)
+            t = evaluate(cand)
         except StuckSchedule:
             continue
         if t <= cur_t + EPS:
@@ -63,7 +60,7 @@ def improve(
         if stall > STALL:  # a long plateau: restart from a perturbed copy of the best
             cur = _perturb(best, caps, rng, KICK)
             try:
-                cur_t = makespan(cur, costs, n)
+                cur_t = evaluate(cur)
             except StuckSchedule:
                 cur, cur_t = [list(r) for r in best], best_t
             stall = 0

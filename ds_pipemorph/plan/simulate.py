@@ -71,7 +71,8 @@ def dependencies(stage: int, op: Op, stages: int):
 _KIDX = {"F": 0, "B": 1, "W": 2}
 
 
-def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False) -> Timeline:
+def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
+           hol: bool = False) -> Timeline:
     """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.
 
     ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
@@ -80,27 +81,35 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
     """
     S, N = len(schedule), microbatches
     slots: list[Slot] = []
-    t0, t1, busy = _run(schedule, costs, N, fused_backward, slots)
+    t0, t1, busy = _run(schedule, costs, N, fused_backward, slots, hol)
     work = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
     return Timeline(S, N, slots, t1 - t0, busy, peak_inflight(schedule), work)
 
 
-def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False) -> float:
+def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
+             hol: bool = False) -> float:
     """``replay(...).iteration_ms`` without building the timeline (the search's inner loop)."""
-    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None)
+    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, hol)
     return t1 - t0
 
 
-def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list]):
-    """Event-driven core of ``replay``: (first start, last end, busy ms per stage)."""
+def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list], hol: bool = False):
+    """Event-driven core of ``replay``: (first start, last end, busy ms per stage).
+
+    ``hol``: a link with delay c is a FIFO holding one message in flight (DESIGN.md's direct link):
+    a message departs when the previous one has arrived, and its sender is blocked until then.
+    Without it every message simply arrives c after it was sent (delegated or ideal links).
+    """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
     inf = float("inf")
     first, last_end = inf, 0.0
-    # end[s][kind][m]
-    end = [[[inf] * N for _ in range(3)] for _ in range(S)]
-    sent_b = [[inf] * N for _ in range(S)]  # when B m's input gradient leaves stage s
+    end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
+    arr_f = [[inf] * N for _ in range(S)]  # arrival at stage s+1 of the activation of F m on s
+    arr_b = [[inf] * N for _ in range(S)]  # arrival at stage s-1 of the gradient of B m on s
+    link_free = [[0.0, 0.0] for _ in range(S)]  # per stage: [downstream, upstream] FIFO free at
+    hold = [None] * S  # fused backward: (m, departure) blocking the stage after its W m
     times = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
     links = costs.links
     ptr = [0] * S
@@ -109,6 +118,15 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
     queue = deque(range(S))
     queued = [True] * S
     last = S - 1
+
+    def send(s: int, d: int, t_send: float, c: float) -> tuple[float, float]:
+        """(arrival, departure) of a message stage s sends at t_send in direction d (0 down, 1 up)."""
+        if hol and c > 0:
+            depart = t_send if t_send > link_free[s][d] else link_free[s][d]
+            link_free[s][d] = depart + c
+            return depart + c, depart
+        return t_send + c, t_send
+
     while queue:
         s = queue.popleft()
         queued[s] = False
@@ -120,10 +138,9 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
             k, m = op.kind, op.mb
             if k == "F":
                 if s > 0:
-                    r = end[s - 1][0][m]
-                    if r == inf:
+                    ready = arr_f[s - 1][m]
+                    if ready == inf:
                         break
-                    ready = r + links[s - 1]
                 else:
                     ready = 0.0
             elif k == "B":
@@ -131,10 +148,9 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
                 if ready == inf:
                     break
                 if s < last:
-                    r = sent_b[s + 1][m]
+                    r = arr_b[s + 1][m]
                     if r == inf:
                         break
-                    r += links[s]
                     if r > ready:
                         ready = r
             else:
@@ -145,11 +161,20 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
             dur = times[s][_KIDX[k]]
             fin = start + dur
             es[_KIDX[k]][m] = fin
-            if k == "B":
+            blocked_until = fin
+            if k == "F" and s < last:
+                arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
+            elif k == "B" and s > 0:
                 nxt = ptr[s] + 1
-                fuse = fused_backward and nxt < len(row) and row[nxt] == ("W", m)
-                sent_b[s][m] = fin + times[s][2] if fuse else fin
-            free[s] = fin
+                if fused_backward and nxt < len(row) and row[nxt] == ("W", m):
+                    arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
+                    hold[s] = (m, depart)
+                else:
+                    arr_b[s][m], blocked_until = send(s, 1, fin, links[s - 1])
+            elif k == "W" and hold[s] is not None and hold[s][0] == m:
+                blocked_until = max(fin, hold[s][1])
+                hold[s] = None
+            free[s] = blocked_until if blocked_until > fin else fin
             busy[s] += dur
             if start < first:
                 first = start

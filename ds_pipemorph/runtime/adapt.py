@@ -33,7 +33,10 @@ from ..plan.tolerance import link_tolerances
 logger = logging.getLogger(__name__)
 
 PROBE_MB = (1 << 18) - 1  # a micro-batch id no plan uses: probe messages get their own tags
-REPLAN_EVALS = 2000  # search effort per re-plan; an evaluation bound keeps every rank's plan identical
+REPLAN_EVALS = 2000
+# Links run on the direct transport: a slow one holds one message in flight and blocks its sender,
+# so plans are scored with that model (a burst of warm-up sends costs what it costs on the wire).
+HOL = True  # search effort per re-plan; an evaluation bound keeps every rank's plan identical
 _CLOCK_TAG = 3 << 24
 _PINGS = 5
 
@@ -96,7 +99,8 @@ class Adapter:
         self._last = {"F": -1.0, "B": -1.0}  # latest probe of the link from upstream / downstream (ms)
         self.costs = costs
         self.detector = LinkDetector(stages - 1, detector)
-        self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in link_tolerances(plan, costs, microbatches)])
+        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=HOL)
+        self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in tol])
         self.iteration = -1
         self.replans: list[Replan] = []
         self.measured: list[list[Optional[float]]] = []  # per iteration, per link
@@ -116,12 +120,13 @@ class Adapter:
         if target is None:
             return None
         costs = Costs(f, b, w, target)
-        plan = search(costs, self.N, self.caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS).schedule
+        plan = search(costs, self.N, self.caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS,
+                      hol=HOL).schedule
         self._check_same_everywhere(plan)
-        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1)]
+        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=HOL)]
         self.detector.adopt(target, tol)
         self.costs = costs
-        predicted = replay(plan, costs, self.N).iteration_ms
+        predicted = replay(plan, costs, self.N, hol=HOL).iteration_ms
         ev = Replan(self.iteration, links, target, predicted, warmup_counts(plan))
         self.replans.append(ev)
         if dist.get_rank() == 0:

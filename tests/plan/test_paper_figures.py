@@ -107,3 +107,16 @@ def test_plan_made_for_a_measured_delay_absorbs_it(stages, delay):
         costs = Costs.uniform(stages, 10.0, links)
         planned = search(costs, n, budget_s=10, max_evals=200)
         assert planned.iteration_ms - no_delay <= 1.1 * delay, (link, planned.iteration_ms, no_delay)
+
+
+def test_direct_link_model_blocks_the_sender_until_the_previous_message_arrived():
+    # 2 stages, F = 5 ms, 20 ms on link 0, stage 0 runs F0 F1 F2 first. With one message in flight,
+    # F1's activation leaves at 25 (when F0's has arrived) and stage 0 is blocked until then, so F2
+    # starts at 25, not 10; without the model every message just arrives 20 ms after its F.
+    costs = Costs([5.0, 5.0], [5.0, 5.0], [5.0, 5.0], [20.0])
+    sched = list_schedule(costs, 3, [3, 1])
+    start = lambda tl: {(x.stage, str(x.op)): x.start for x in tl.slots}  # noqa: E731
+    ideal, direct = start(replay(sched, costs, 3)), start(replay(sched, costs, 3, hol=True))
+    assert ideal[(0, "F2")] == 10.0 and direct[(0, "F2")] == 25.0
+    assert ideal[(1, "F1")] == 35.0 and direct[(1, "F1")] == 45.0  # after B0 (30-35) vs on arrival
+    assert replay(sched, costs, 3, hol=True).iteration_ms >= replay(sched, costs, 3).iteration_ms
