@@ -18,6 +18,7 @@ import hashlib
 import logging
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +49,7 @@ class Replan:
     target_ms: list[float]
     predicted_ms: float
     warmup: list[int]
+    plan: list[list[str]]
 
 
 def estimate_clock_offsets(grid, stage_id: int, stages: int) -> dict[int, int]:
@@ -96,7 +98,7 @@ class Adapter:
         self.caps = caps
         self.every = every
         self.clock_offsets = clock_offsets
-        self._last = {"F": -1.0, "B": -1.0}  # latest probe of the link from upstream / downstream (ms)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pipemorph-probe")
         self.costs = costs
         self.detector = LinkDetector(stages - 1, detector)
         tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=HOL)
@@ -127,7 +129,7 @@ class Adapter:
         self.detector.adopt(target, tol)
         self.costs = costs
         predicted = replay(plan, costs, self.N, hol=HOL).iteration_ms
-        ev = Replan(self.iteration, links, target, predicted, warmup_counts(plan))
+        ev = Replan(self.iteration, links, target, predicted, warmup_counts(plan), [[str(o) for o in r] for r in plan])
         self.replans.append(ev)
         if dist.get_rank() == 0:
             logger.warning("pipemorph: after iteration %d measured link delays %s ms -> re-planned for %s ms: "
@@ -146,26 +148,28 @@ class Adapter:
     def _probe(self, transport) -> list[float]:
         """[delay of the activation from stage s-1, of the gradient from stage s+1] in ms (-1: none).
 
-        One direction per iteration, alternating: every rank sends one stamped message the same way
-        and waits for the one coming to it, so no receiver is busy elsewhere when its probe lands.
-        A link's delay is the larger of its two directions' latest measurements.
+        Every rank sends one stamped message down and one up at the same moment (after a barrier)
+        and waits for its two incoming ones on two threads, each noting when its message is in; so
+        neither arrival is read late because the rank was waiting for the other one. (gloo's
+        ``is_completed`` only turns true inside ``wait``, so polling cannot do this.)
         """
         s, last = self.stage_id, self.S - 1
-        kind = "F" if self.iteration % 2 == 0 else "B"
-        src, dst = (s - 1, s + 1) if kind == "F" else (s + 1, s - 1)
-        receives, sends = 0 <= src <= last, 0 <= dst <= last
-        if receives:
+        incoming = [(kind, src) for kind, src in (("F", s - 1), ("B", s + 1)) if 0 <= src <= last]
+        for kind, _ in incoming:
             transport.post_recv(kind, PROBE_MB)
-        # Start together, so that every receiver is already waiting when its probe arrives: a
-        # message that came before its receiver looked would count the receiver's lateness.
         dist.barrier()
-        if sends:
-            transport.send(kind, PROBE_MB, torch.tensor([time.monotonic_ns()], dtype=torch.int64))
-        if receives:
-            sent = transport.recv(kind, PROBE_MB).item() + self.clock_offsets.get(src, 0)
-            self._last[kind] = max(0.0, (time.monotonic_ns() - sent) / 1e6)
+        waits = [self._pool.submit(_timed_recv, transport, kind) for kind, _ in incoming]
+        now = torch.tensor([time.monotonic_ns()], dtype=torch.int64)
+        if s < last:
+            transport.send("F", PROBE_MB, now)
+        if s > 0:
+            transport.send("B", PROBE_MB, now)
+        out = {"F": -1.0, "B": -1.0}
+        for (kind, src), fut in zip(incoming, waits):
+            sent, got = fut.result()
+            out[kind] = max(0.0, (got - sent - self.clock_offsets.get(src, 0)) / 1e6)
         transport.wait_sends()
-        return [self._last["F"], self._last["B"]]
+        return [out["F"], out["B"]]
 
     def _per_stage(self, table: torch.Tensor):
         """Max over data-parallel replicas of each stage; per link the slower of its two directions."""
@@ -186,6 +190,12 @@ class Adapter:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if t[0].item() != digest or -t[1].item() != digest:
             raise RuntimeError(f"rank {dist.get_rank()}: ranks computed different plans at iteration {self.iteration}")
+
+
+def _timed_recv(transport, kind: str) -> tuple[int, int]:
+    """(send stamp, arrival time) of this rank's incoming probe of ``kind``."""
+    stamp = transport.recv(kind, PROBE_MB)
+    return int(stamp.item()), time.monotonic_ns()
 
 
 def _round(ms: float, fallback: float) -> float:
