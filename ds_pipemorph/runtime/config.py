@@ -102,8 +102,6 @@ def check_available(cfg: PipeMorphConfig) -> None:
     if cfg.delegation.mode == "always":
         raise PipeMorphConfigError(
             "ds_config pipemorph.delegation.mode 'always' is not available yet (use 'off' or 'auto')")
-    if cfg.timeline is not None:
-        raise PipeMorphConfigError("ds_config pipemorph.timeline (Chrome trace) is not available yet")
 
 
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:

@@ -38,6 +38,7 @@ from .inject import DelayInjector, DelaySchedule
 from .plans import DEFAULT_OP_MS, caps
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
+from .timeline import TimelineWriter
 from .transport import DirectTransport
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class PipeMorphEngine(PipelineEngine):
                                    caps(pipemorph, self.num_stages, self.micro_batches),
                                    pipemorph.adapt.every_iterations,
                                    estimate_clock_offsets(self.grid, self.stage_id, self.num_stages))
+        self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         if delays is not None:  # testing only: a slow link, as DESIGN.md models it
             self.transport = DelayInjector(self.transport, self.stage_id, delays, pipemorph.timeout_s)
         self.recorder = OpRecorder(pipemorph.nvtx)
@@ -150,6 +152,8 @@ class PipeMorphEngine(PipelineEngine):
             new_plan = self.adapter.after_iteration(self.recorder.records, self.transport)
             if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch
                 self.plan, self.stage_plan = new_plan, list(new_plan[self.stage_id])
+        if self.timeline is not None:
+            self.timeline.after_iteration(self.recorder.records)
 
     def _post_next_recv(self, kind: str) -> None:
         if self._recv_queue[kind]:

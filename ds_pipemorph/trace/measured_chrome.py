@@ -101,6 +101,24 @@ def measured_to_chrome(trace: MeasuredTrace) -> dict:
     }
 
 
+def slices_nest_per_track(events: list[dict]) -> bool:
+    """True when the X slices on each (pid, tid) are disjoint or fully nested, never partially
+    overlapping: what trace viewers need to draw a track (checked by the tests on every writer)."""
+    by_track: dict = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_track.values():
+        stack: list = []
+        for s, e in sorted(spans, key=lambda x: (x[0], -x[1])):
+            while stack and stack[-1] <= s:
+                stack.pop()
+            if stack and e > stack[-1]:
+                return False
+            stack.append(e)
+    return True
+
+
 def chrome_json(trace: MeasuredTrace) -> str:
     return json.dumps(measured_to_chrome(trace)) + "\n"
 

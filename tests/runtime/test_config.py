@@ -28,7 +28,6 @@ def test_bad_section_is_refused_naming_the_key(section, message):
 
 @pytest.mark.parametrize("section,what", [
     ({"delegation": {"mode": "always"}}, "pipemorph.delegation.mode 'always' is not available yet"),
-    ({"timeline": "out/trace.json"}, "pipemorph.timeline (Chrome trace) is not available yet"),
 ])
 def test_settings_of_later_issues_validate_but_are_refused_rather_than_ignored(section, what):
     with pytest.raises(PipeMorphConfigError, match=r"^ds_config " + what.replace("(", r"\(").replace(")", r"\)")):

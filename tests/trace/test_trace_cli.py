@@ -7,6 +7,8 @@ import yaml
 from nsys_fixture import three_stage, two_stage
 from typer.testing import CliRunner
 
+from ds_pipemorph.trace.measured_chrome import slices_nest_per_track
+
 from ds_pipemorph_cli.app import app
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,23 +72,6 @@ def test_inspect_json_and_warnings_on_stderr(tmp_path):
     assert [x["iteration_ms"]["mean"] for x in obj["ranks"]] == [73.0, 62.0, 42.0]
     assert obj["pipeline"]["iteration_ms"]["mean"] == 73.0
     assert r.stderr.startswith("warning: no stage category")
-
-
-def slices_nest_per_track(events):
-    """True when X slices on each (pid, tid) are disjoint or fully nested, never partially overlapping."""
-    by_track = {}
-    for e in events:
-        if e["ph"] == "X":
-            by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
-    for spans in by_track.values():
-        stack = []
-        for s, e in sorted(spans, key=lambda x: (x[0], -x[1])):
-            while stack and stack[-1] <= s:
-                stack.pop()
-            if stack and e > stack[-1]:
-                return False
-            stack.append(e)
-    return True
 
 
 def test_inspect_chrome_is_a_valid_trace_with_matched_flows(tmp_path):
