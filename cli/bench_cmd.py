@@ -17,6 +17,7 @@ from ds_pipemorph.bench.spec import LABELS, NOTES, SCHEDULES, BenchSpec, Scenari
 from pydantic import ValidationError
 
 from ds_pipemorph.fileio import BadInput, describe
+from ds_pipemorph.procs import kill_group
 
 from .common import console, parse_floats, user_errors
 
@@ -69,7 +70,7 @@ def _run(spec: BenchSpec, spec_path: Path, work: Path, timeout_s: float) -> dict
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec.stages}",
            "-m", "ds_pipemorph.bench.worker", str(spec_path)]
     log = open(work / "ranks.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     total = len(spec.scenarios) * len(spec.schedules)
     progress_file = Path(spec.progress_file)
     t0 = time.monotonic()
@@ -78,7 +79,7 @@ def _run(spec: BenchSpec, spec_path: Path, work: Path, timeout_s: float) -> dict
         task = bar.add_task("starting ranks (DeepSpeed builds its CPU op on first use)", total=total)
         while proc.poll() is None:
             if time.monotonic() - t0 > timeout_s:
-                proc.kill()
+                kill_group(proc)
                 raise typer.Exit(_fail(f"the benchmark did not finish within {timeout_s:g} s", work))
             if progress_file.exists():
                 lines = progress_file.read_text().split("\n")

@@ -2,7 +2,6 @@
 recovers; no delay means no re-plan; re-planning never changes the numbers (vs stock DeepSpeed)."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.validate import parse_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
+from ds_pipemorph.procs import run_group
 
 HERE = Path(__file__).resolve().parent
 SECTION = {"schedule": "adaptive", "memory": {"max_inflight": [8, 6, 4, 2]}}  # as adapt_worker.py configures it
@@ -25,7 +25,7 @@ def launch(tmp_path, spec: dict, timeout: float) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            str(HERE / "adapt_worker.py"), str(tmp_path / "spec.json"), str(tmp_path)]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    p = run_group(cmd, timeout, cwd=REPO, env=env)
     out = tmp_path / "adapt.rank0.json"
     assert out.exists(), (p.stdout + p.stderr)[-4000:]
     return {r: json.loads((tmp_path / f"adapt.rank{r}.json").read_text()) for r in range(4)}

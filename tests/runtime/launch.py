@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from ds_pipemorph.procs import run_group
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -38,7 +38,7 @@ def launch(nproc: int, jobs: list[dict], out_dir: Path, timeout: float) -> Launc
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HERE / "worker.py"), str(spec), str(out_dir)]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    p = run_group(cmd, timeout, cwd=REPO, env=env)
     return Launch(p.returncode, p.stdout + p.stderr, out_dir)
 
 
