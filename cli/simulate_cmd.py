@@ -7,12 +7,11 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ds_pipemorph.fileio import BadInput, load_model
+from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.baselines import BASELINES, baseline
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import InvalidPlan
 
 from .common import console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
 
@@ -29,11 +28,7 @@ def simulate(
 ) -> None:
     """Replay a plan under the given delays and compute times and compare it with baselines."""
     with user_errors():
-        pf = load_model(plan_path, PlanFile)
-        try:
-            sched = pf.ops()
-        except InvalidPlan as e:
-            raise BadInput(f"{plan_path}: {e}") from None
+        pf, sched = PlanFile.read(plan_path)
         S, N = pf.stages, pf.microbatches
         planned = pf.costs()
         comp = parse_compute(compute_ms, S)

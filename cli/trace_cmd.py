@@ -7,10 +7,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ds_pipemorph.fileio import BadInput, load_model
+from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import InvalidPlan
 from ds_pipemorph.trace.compare import compare as compare_timelines
 from ds_pipemorph.trace.load import load_measured
 from ds_pipemorph.trace.measured import analyze, check_iteration, iteration_timeline
@@ -92,11 +91,7 @@ def compare(
 ) -> None:
     """Planned vs measured start offset and duration per op, order divergence and lateness per rank."""
     with user_errors():
-        pf = load_model(plan_path, PlanFile)
-        try:
-            sched = pf.ops()
-        except InvalidPlan as e:
-            raise BadInput(f"{plan_path}: {e}") from None
+        pf, sched = PlanFile.read(plan_path)
         costs = pf.costs()
         if costs is None:
             raise BadInput(f"{plan_path} carries no profile, so its planned op times are unknown")

@@ -36,16 +36,9 @@ def improve(
     moved = False
     stall = 0
     while time.perf_counter() < deadline and cur_t > lower_bound + EPS and not stop():
-        move = _random_move(cur, rng)
-        if move is None:
+        cand = _moved(cur, caps, rng)
+        if cand is None:
             continue
-        s, i, j = move
-        row = list(cur[s])
-        row.insert(j, row.pop(i))
-        if not _locally_valid(row) or peak_inflight([row])[0] > caps[s]:
-            continue
-        cand = list(cur)
-        cand[s] = row
         try:
             t = evaluate(cand)
         except StuckSchedule:
@@ -72,16 +65,26 @@ def _perturb(sched: Schedule, caps: list[int], rng: random.Random, k: int) -> Sc
     done = tries = 0
     while done < k and tries < 50 * k:
         tries += 1
-        mv = _random_move(out, rng)
-        if mv is None:
-            continue
-        s, i, j = mv
-        row = list(out[s])
-        row.insert(j, row.pop(i))
-        if _locally_valid(row) and peak_inflight([row])[0] <= caps[s]:
-            out[s] = row
-            done += 1
+        cand = _moved(out, caps, rng)
+        if cand is not None:
+            out, done = cand, done + 1
     return out
+
+
+def _moved(cur: Schedule, caps: list[int], rng: random.Random):
+    """A copy of ``cur`` with one random op shifted, if that keeps its stage locally valid and
+    within its cap (cross-stage cycles are caught by the caller's replay); else None."""
+    move = _random_move(cur, rng)
+    if move is None:
+        return None
+    s, i, j = move
+    row = list(cur[s])
+    row.insert(j, row.pop(i))
+    if not _locally_valid(row) or peak_inflight([row])[0] > caps[s]:
+        return None
+    cand = list(cur)
+    cand[s] = row
+    return cand
 
 
 def _random_move(cur: Schedule, rng: random.Random):

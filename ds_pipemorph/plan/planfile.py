@@ -5,6 +5,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..fileio import BadInput, load_model
 from .ops import format_stage
 from .profile import Costs, Profile
 from .simulate import Schedule, replay, warmup_counts
@@ -48,6 +49,15 @@ class PlanFile(BaseModel):
             if x != a:
                 raise InvalidPlan(f"warmup: stage {s} says {x} but its schedule runs {a} forwards before its first B")
         return sched
+
+    @classmethod
+    def read(cls, path) -> tuple["PlanFile", Schedule]:
+        """The plan file at ``path`` and its validated orders; BadInput names the file and the op."""
+        pf = load_model(path, cls)
+        try:
+            return pf, pf.ops()
+        except InvalidPlan as e:
+            raise BadInput(f"{path}: {e}") from None
 
     @property
     def fused(self) -> bool:
