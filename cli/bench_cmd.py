@@ -118,6 +118,6 @@ def _print(spec: BenchSpec, result: dict) -> None:
                           f"{[None if v is None else round(v, 1) for v in ev['measured_ms']]} ms, warm-up {ev['warmup']}")
     for k in spec.schedules:
         console.print(f"{LABELS[k]}: {NOTES[k]}")
-    console.print("predicted: the replay simulator's time for that schedule's plan under the injected delays, "
-                  "slow links modelled as direct links (one message in flight, the sender blocks)")
+    console.print("predicted: the replay simulator's time for that schedule's plan under the injected delays "
+                  "(direct slow links: one message in flight, the sender blocks)")
     console.print(f"results: {spec.out}")

@@ -3,16 +3,18 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEDULES = ("stock-1f1b", "zb", "pipemorph")
+SCHEDULES = ("stock-1f1b", "zb", "zb-delegated", "pipemorph")
 LABELS = {  # short: the table must fit an 80-column terminal
     "stock-1f1b": "stock 1F1B",
     "zb": "static zb",
+    "zb-delegated": "delegation only",
     "pipemorph": "PipeMorph",
 }
 NOTES = {
     "stock-1f1b": "DeepSpeed's own PipelineEngine and TrainSchedule, fused backward",
     "zb": "PipeMorphEngine, ZB-H1 warm-up S-s (1F1B's memory), planned for no delay",
-    "pipemorph": "PipeMorphEngine, adaptive: Alg. 1 warm-up, then measures links and re-plans in-run",
+    "zb-delegated": "static zb with every link delegated (staging rings + delegate processes), no re-plan",
+    "pipemorph": "adaptive: Alg. 1 warm-up, measures links in-run, re-plans, slow links go delegated",
 }
 
 

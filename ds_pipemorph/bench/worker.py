@@ -43,9 +43,9 @@ def build_engine(spec: BenchSpec, schedule: str, links_ms: list[float]):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         return engine
     inject = {"links": {str(i): {"delay_ms": c} for i, c in enumerate(links_ms) if c > 0}}
-    section = {"delegation": {"mode": "off"}, "adapt": {"enabled": False}, "inject": inject, "nvtx": False}
-    section["schedule"] = "zb" if schedule == "zb" else "adaptive"
-    section["adapt"] = {"enabled": schedule == "pipemorph"}
+    delegation = {"zb": "off", "zb-delegated": "always", "pipemorph": "auto"}[schedule]
+    section = {"schedule": "adaptive" if schedule == "pipemorph" else "zb", "delegation": {"mode": delegation},
+               "adapt": {"enabled": schedule == "pipemorph"}, "inject": inject, "nvtx": False}
     cfg["pipemorph"] = section
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
@@ -67,11 +67,15 @@ def measure(spec: BenchSpec, engine) -> list[float]:
 
 
 def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
-    """The replay simulator's time for the plan the schedule ran last, under the injected delays, with
-    slow links modelled as direct links (one message in flight, the sender blocks), as they run here."""
+    """The replay simulator's time for the plan the schedule ran last, under the injected delays; slow
+    links on the direct path are modelled as such (one message in flight, the sender blocks)."""
     S, N = spec.stages, spec.microbatches
     if schedule == "stock-1f1b":
         return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, hol=True).iteration_ms
+    if schedule == "zb-delegated":
+        return replay(engine.plan, costs, N).iteration_ms  # delegated links never block the sender
+    if schedule == "pipemorph":  # "auto": links the control loop moved to delegates do not block
+        return replay(engine.plan, costs, N, hol=engine.adapter._direct(engine.adapter.detector.planned_for)).iteration_ms
     return replay(engine.plan, costs, N, hol=True).iteration_ms
 
 
@@ -100,6 +104,7 @@ def main(spec_path: str) -> None:
             if patch:
                 patch["drain"]()
                 patch["uninstall"]()
+            engine.destroy()
             del engine
             gc.collect()
             dist.barrier()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from .baselines import zb_h1_warmup
 from .bounds import lower_bound_ms
@@ -118,7 +118,7 @@ def search(
     seed: int = 0,
     exact: Optional[bool] = None,
     max_evals: Optional[int] = None,
-    hol: bool = False,
+    hol: Union[bool, Sequence[bool]] = False,
 ) -> SearchResult:
     """The best schedule found within ``budget_s`` seconds and ``max_evals`` replays.
 
@@ -134,7 +134,8 @@ def search(
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
-    use_exact = (S * N <= EXACT_MAX_OPS and milp_available() and not hol) if exact is None else exact
+    hol_any = hol if isinstance(hol, bool) else any(h and c > 0 for h, c in zip(hol, costs.links))
+    use_exact = (S * N <= EXACT_MAX_OPS and milp_available() and not hol_any) if exact is None else exact
     if use_exact and not milp_available():
         raise ImportError("the exact planner needs highspy: pip install 'ds_pipemorph[milp]'")
     end = t0 + 0.95 * budget_s  # headroom for the final bookkeeping

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from .ops import Op
 from .profile import Costs
@@ -72,7 +72,7 @@ _KIDX = {"F": 0, "B": 1, "W": 2}
 
 
 def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
-           hol: bool = False) -> Timeline:
+           hol: Union[bool, Sequence[bool]] = False) -> Timeline:
     """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.
 
     ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
@@ -87,22 +87,24 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
 
 
 def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
-             hol: bool = False) -> float:
+             hol: Union[bool, Sequence[bool]] = False) -> float:
     """``replay(...).iteration_ms`` without building the timeline (the search's inner loop)."""
     t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, hol)
     return t1 - t0
 
 
-def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list], hol: bool = False):
+def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
+         hol: Union[bool, Sequence[bool]] = False):
     """Event-driven core of ``replay``: (first start, last end, busy ms per stage).
 
-    ``hol``: a link with delay c is a FIFO holding one message in flight (DESIGN.md's direct link):
-    a message departs when the previous one has arrived, and its sender is blocked until then.
-    Without it every message simply arrives c after it was sent (delegated or ideal links).
+    ``hol`` (one flag, or one per link): a link with delay c is a FIFO holding one message in
+    flight (DESIGN.md's direct link): a message departs when the previous one has arrived, and its
+    sender is blocked until then. Otherwise a message arrives c after it was sent (delegated links).
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
+    fifo = [bool(hol)] * (S - 1) if isinstance(hol, bool) else [bool(h) for h in hol]
     inf = float("inf")
     first, last_end = inf, 0.0
     end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
@@ -121,7 +123,7 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
 
     def send(s: int, d: int, t_send: float, c: float) -> tuple[float, float]:
         """(arrival, departure) of a message stage s sends at t_send in direction d (0 down, 1 up)."""
-        if hol and c > 0:
+        if c > 0 and fifo[s - d]:
             depart = t_send if t_send > link_free[s][d] else link_free[s][d]
             link_free[s][d] = depart + c
             return depart + c, depart

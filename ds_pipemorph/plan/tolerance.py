@@ -28,7 +28,7 @@ class LinkTolerance:
 
 def link_tolerances(
     schedule: Schedule, costs: Costs, microbatches: int, resolution_ms: float = 0.01, fused: bool = False,
-    hol: bool = False,
+    hol=False,
 ) -> list[LinkTolerance]:
     x = warmup_counts(schedule)
     eq1 = eq1_tolerance_ms(costs, x)

@@ -93,15 +93,16 @@ def estimate_clock_offsets(grid, stage_id: int, stages: int) -> dict[int, int]:
 class Adapter:
     def __init__(self, stages: int, microbatches: int, stage_id: int, plan: Schedule, costs: Costs,
                  caps: Optional[list[int]], every: int, clock_offsets: dict[int, int],
-                 detector: DetectorConfig = DetectorConfig()):
+                 delegation: str = "off", detector: DetectorConfig = DetectorConfig()):
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.caps = caps
         self.every = every
         self.clock_offsets = clock_offsets
+        self.delegation = delegation
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pipemorph-probe")
         self.costs = costs
         self.detector = LinkDetector(stages - 1, detector)
-        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=HOL)
+        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=self._direct([0.0] * (stages - 1)))
         self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in tol])
         self.iteration = -1
         self.replans: list[Replan] = []
@@ -122,19 +123,46 @@ class Adapter:
         if target is None:
             return None
         costs = Costs(f, b, w, target)
-        plan = search(costs, self.N, self.caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS,
-                      hol=HOL).schedule
+        direct = self._direct(target)
+        plan = search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
+                      max_evals=REPLAN_EVALS, hol=direct).schedule
         self._check_same_everywhere(plan)
-        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=HOL)]
+        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=direct)]
         self.detector.adopt(target, tol)
         self.costs = costs
-        predicted = replay(plan, costs, self.N, hol=HOL).iteration_ms
+        predicted = replay(plan, costs, self.N, hol=direct).iteration_ms
         ev = Replan(self.iteration, links, target, predicted, warmup_counts(plan), [[str(o) for o in r] for r in plan])
         self.replans.append(ev)
         if dist.get_rank() == 0:
             logger.warning("pipemorph: after iteration %d measured link delays %s ms -> re-planned for %s ms: "
                            "warm-up %s, predicted %.1f ms", ev.iteration, _fmt(links), target, ev.warmup, predicted)
         return plan
+
+    def _direct(self, target: list[float]) -> list[bool]:
+        """Per link, whether it runs direct under ``target``: there a slow link holds one message in
+        flight and blocks its sender, so plans and tolerances are computed with that model."""
+        if self.delegation == "always":
+            return [False] * len(target)
+        if self.delegation == "auto":
+            return [d <= 0 for d in target]
+        return [True] * len(target)
+
+    def link_modes(self) -> dict[int, str]:
+        """With delegation "auto": links planned for a delay go delegated, the others direct."""
+        if self.delegation != "auto":
+            return {}
+        return {i: ("delegated" if d > 0 else "direct") for i, d in enumerate(self.detector.planned_for)}
+
+    def _caps_for(self, target: list[float]) -> Optional[list[int]]:
+        """§4.2: stages next to a delegated slow link stage their activations in host memory, so their
+        cap is relaxed to N (the pipeline's micro-batch count)."""
+        if self.caps is None or self.delegation == "off":
+            return self.caps
+        caps = list(self.caps)
+        for i, d in enumerate(target):
+            if d > 0:
+                caps[i] = caps[i + 1] = self.N
+        return caps
 
     def _local(self, records, transport) -> torch.Tensor:
         dur = {"F": [], "B": [], "W": []}

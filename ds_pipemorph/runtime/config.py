@@ -99,14 +99,13 @@ def parse_config(section) -> PipeMorphConfig:
 
 def check_available(cfg: PipeMorphConfig) -> None:
     """Refuse settings that later issues implement (with one sentence) instead of ignoring them."""
-    if cfg.delegation.mode == "always":
-        raise PipeMorphConfigError(
-            "ds_config pipemorph.delegation.mode 'always' is not available yet (use 'off' or 'auto')")
+    return None
 
 
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:
     """Settings accepted now that only take effect once their issue lands (logged at start-up)."""
     notes = []
-    if cfg.delegation.mode == "auto":
-        notes.append("pipemorph.delegation 'auto': no straggler detector yet, so every link stays direct")
+    if cfg.delegation.mode == "auto" and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
+        notes.append("pipemorph.delegation 'auto' follows the straggler detector, which runs with schedule "
+                     "'adaptive' and adapt.enabled only: every link stays direct")
     return notes

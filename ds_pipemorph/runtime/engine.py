@@ -34,12 +34,12 @@ from .bw_split import backward_input
 from .config import PipeMorphConfig, PipeMorphConfigError
 from ..plan.profile import Costs
 from .adapt import Adapter, estimate_clock_offsets
-from .inject import DelayInjector, DelaySchedule
+from .inject import DelaySchedule
 from .plans import DEFAULT_OP_MS, caps
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
-from .transport import DirectTransport
+from .transports import build_transport
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +78,28 @@ class PipeMorphEngine(PipelineEngine):
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
-        self.transport = DirectTransport(self.global_rank, self.stage_id, ranks, pipemorph.timeout_s, self.device,
-                                         static_shapes=not self.dynamic_shape)
+        # Per link: direct (torch.distributed in this process) or delegated (staging ring + delegate
+        # processes); injected delays (testing only) sit on both paths as DESIGN.md models them.
+        self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
+                                         static_shapes=not self.dynamic_shape, delays=delays)
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
             self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
                                    Costs.uniform(self.num_stages, DEFAULT_OP_MS),
                                    caps(pipemorph, self.num_stages, self.micro_batches),
                                    pipemorph.adapt.every_iterations,
-                                   estimate_clock_offsets(self.grid, self.stage_id, self.num_stages))
+                                   estimate_clock_offsets(self.grid, self.stage_id, self.num_stages),
+                                   delegation=pipemorph.delegation.mode)
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
-        if delays is not None:  # testing only: a slow link, as DESIGN.md models it
-            self.transport = DelayInjector(self.transport, self.stage_id, delays, pipemorph.timeout_s)
         self.recorder = OpRecorder(pipemorph.nvtx)
         self.measured_peak_inflight = 0
         self._reset_iteration_state()
+
+    def destroy(self):
+        """Stop this rank's delegate processes (they also exit when the training process dies)."""
+        self.transport.close()
+        parent = getattr(super(), "destroy", None)
+        if parent is not None:
+            parent()
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -152,6 +160,8 @@ class PipeMorphEngine(PipelineEngine):
             new_plan = self.adapter.after_iteration(self.recorder.records, self.transport)
             if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch
                 self.plan, self.stage_plan = new_plan, list(new_plan[self.stage_id])
+                for link, mode in self.adapter.link_modes().items():  # slow links go delegated ("auto")
+                    self.transport.set_link_mode(link, mode)
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
 

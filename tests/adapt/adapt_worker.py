@@ -37,8 +37,8 @@ def build(spec, adaptive: bool):
     if not adaptive:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         return engine
-    cfg["pipemorph"] = {"schedule": "adaptive", "memory": {"max_inflight": [8, 6, 4, 2]}, "delegation": {"mode": "off"},
-                        "nvtx": False}
+    cfg["pipemorph"] = {"schedule": "adaptive", "memory": {"max_inflight": [8, 6, 4, 2]},
+                        "delegation": {"mode": spec.get("delegation", "off")}, "nvtx": False}
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -54,19 +54,24 @@ def main(spec_path: str, out_dir: str) -> None:
     for name in ("adaptive", "stock"):
         engine = build(spec, name == "adaptive")
         sched = None
-        if name == "adaptive":
+        if name == "adaptive":  # the delay schedule both paths of every link read (test control only)
             sched = DelaySchedule([0.0, 0.0, 0.0])
-            engine.transport = DelayInjector(engine.transport, engine.stage_id, sched, 60.0)
-        losses = []
+            engine.transport.direct = DelayInjector(engine.transport.direct, engine.stage_id, sched, 60.0)
+            engine.transport.delegated.delays = sched
+        losses, modes = [], []
         for it in range(spec["iterations"]):
             if sched is not None and str(it) in spec["delays"]:
                 sched.static = list(spec["delays"][str(it)])
             losses.append(float(engine.train_batch(iter(data[it]))))
+            if sched is not None:
+                modes.append([engine.transport.link_mode(i) for i in range(3)])
         out = {"losses": losses, "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()}}
         if name == "adaptive":
             out["replans"] = [vars(r) for r in engine.adapter.replans]
             out["measured"] = engine.adapter.measured
+            out["modes"] = modes
             engine.transport.wait_sends()
+            engine.destroy()
         results[name] = out
         dist.barrier()
     with open(os.path.join(out_dir, f"adapt.rank{rank}.json"), "w") as f:

@@ -65,3 +65,22 @@ def test_no_delay_means_zero_replans_over_50_iterations(tmp_path):
     res = launch(tmp_path, {"iterations": 50, "op_ms": 10, "microbatches": 4, "delays": {}}, 220)
     assert res[0]["adaptive"]["replans"] == []
     assert len(res[0]["adaptive"]["measured"]) == 50
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_stay_equal(tmp_path):
+    spec = {"iterations": 12, "op_ms": 10, "microbatches": 8, "delays": {"5": [0, 0, 40]}, "delegation": "auto"}
+    res = launch(tmp_path, spec, 220)
+    adaptive = res[0]["adaptive"]
+    up = adaptive["replans"][0]
+    assert up["iteration"] <= 6 and up["target_ms"][2] >= 40
+    modes = res[2]["adaptive"]["modes"]  # as stage 2, an end of link 2, routes it (stage 2: links 1 and 2)
+    # modes[k] is read after train_batch k, whose end is where the switch happens
+    assert all(m[1:] == ["direct", "direct"] for m in modes[: up["iteration"]])
+    assert all(m[1:] == ["direct", "delegated"] for m in modes[up["iteration"]:])
+    # Measured through the delegates afterwards (they hold the injected delay), still about 40 ms.
+    assert all(38 <= m[2] <= 50 for m in adaptive["measured"][up["iteration"] + 2:])
+    for r in range(4):
+        assert res[r]["adaptive"]["losses"] == pytest.approx(res[r]["stock"]["losses"], abs=1e-5)
+        assert max_diff(res[r]["adaptive"]["params"], res[r]["stock"]["params"]) <= 1e-5

@@ -26,14 +26,6 @@ def test_bad_section_is_refused_naming_the_key(section, message):
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("section,what", [
-    ({"delegation": {"mode": "always"}}, "pipemorph.delegation.mode 'always' is not available yet"),
-])
-def test_settings_of_later_issues_validate_but_are_refused_rather_than_ignored(section, what):
-    with pytest.raises(PipeMorphConfigError, match=r"^ds_config " + what.replace("(", r"\(").replace(")", r"\)")):
-        parse_config(section)
-
-
 def test_injection_naming_a_missing_link_a_negative_delay_or_an_unreadable_trace_is_refused(tmp_path):
     from ds_pipemorph.fileio import BadInput
     from ds_pipemorph.runtime.inject import delay_schedule

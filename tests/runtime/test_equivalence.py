@@ -129,10 +129,12 @@ def test_random_valid_plans_on_three_stages_run_without_deadlock_and_equal_stock
         jobs.append({"name": name, "stages": 3, "micro_batches": 6,
                      "pipemorph": {"schedule": "plan", "plan_file": path, "delegation": {"mode": "off"}}})
         checks.append((name, peak_inflight(plan), plan))
-    # A slow link changes timing, never results: the zb plan under 15 ms injected on link 1.
-    section = {"schedule": "zb", "delegation": {"mode": "off"}, "inject": {"links": {"1": {"delay_ms": 15}}}}
-    jobs.append({"name": "zb_injected_s3_n6", "stages": 3, "micro_batches": 6, "pipemorph": section})
-    checks.append(("zb_injected_s3_n6", _expected_peak(section, 3, 6), None))
+    # A slow link changes timing, never results: the zb plan under 15 ms injected on link 1, direct,
+    # and with every link delegated (staging rings + delegate processes, the delay in the delegates).
+    for mode in ("off", "always"):
+        section = {"schedule": "zb", "delegation": {"mode": mode}, "inject": {"links": {"1": {"delay_ms": 15}}}}
+        jobs.append({"name": f"zb_injected_{mode}_s3_n6", "stages": 3, "micro_batches": 6, "pipemorph": section})
+        checks.append((f"zb_injected_{mode}_s3_n6", _expected_peak(section, 3, 6), None))
     run = launch(3, jobs, tmp_path, timeout=180)
     for name, peak, plan in checks:
         _assert_equal_to_stock(run, name, "stock_s3_n6", 3, peak, plan)

@@ -1,0 +1,247 @@
+"""Main loop of one delegate process (PipeMorph §5.2): one queue of one link direction on one rank.
+
+A *sender* delegate owns the consumer end of a staging ring filled by its training process and the
+rank-0 end of a two-process Gloo group; a *receiver* delegate owns the rank-1 end of that group and
+the producer end of a staging ring its training process reads. The pair never touches the training
+processes' groups: it meets through its own rendezvous, a ``PrefixStore`` (one prefix per link,
+direction, queue and generation) over a ``TCPStore`` client of the job's MASTER_ADDR/MASTER_PORT.
+
+Wire protocol per ring entry (one piece of one message): sender sends ``[nbytes, tag]`` (int64),
+then the bytes straight from the ring slot, then waits for a one-int ack the receiver sends after it
+published the piece into its ring. So a queue has exactly one message in flight, and the sender
+frees its slot (and reports the message as delivered through ``acked``) only once the receiver
+holds it: nothing is lost when either delegate dies. The injected delay of the link is applied once
+per message, before its first piece leaves (a FIFO with one message in flight, as ``inject.Lane``).
+
+Failure handling: a delegate whose Gloo op fails (the peer died) exits with ``PEER_LOST`` after
+setting ``gen`` to the next generation; a watchdog thread also makes it exit that way as soon as the
+peer's replacement announces a newer generation in the store (a Gloo receive on a SIGKILLed peer may
+otherwise only fail at its timeout). The training process restarts any delegate that exited
+(fresh ring, same or next generation) and re-sends every unacknowledged message of that queue; the
+receiving training process drops duplicates by (message seq, piece). The watchdog also exits the
+process when the training process closes the transport (``stop``) or dies (parent pid changes).
+
+This module imports torch only (no deepspeed): the ring op is loaded from its built ``.so`` file.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+PIECE_BITS = 12  # a tag is (message seq << 24) | (pieces << 12) | piece
+MAX_PIECES = (1 << PIECE_BITS) - 1
+SLICE_S = 0.2  # waits on a ring are cut into slices so stop/parent death are noticed
+
+
+def make_tag(seq: int, pieces: int, piece: int) -> int:
+    return (seq << (2 * PIECE_BITS)) | (pieces << PIECE_BITS) | piece
+
+
+def split_tag(tag: int) -> tuple[int, int, int]:
+    """``(message seq, pieces in the message, piece index)``."""
+    mask = (1 << PIECE_BITS) - 1
+    return tag >> (2 * PIECE_BITS), (tag >> PIECE_BITS) & mask, tag & mask
+
+
+@dataclass
+class DelegateSpec:
+    """Everything a delegate needs; picklable (it crosses the spawn boundary)."""
+
+    role: str  # "send" | "recv"
+    rank: int  # global rank of the training process that owns this delegate
+    link: int
+    kind: str  # "F" | "B"
+    queue: int
+    ring_name: str
+    op_name: str
+    op_path: str
+    store_addr: str
+    store_port: int
+    prefix: str  # rendezvous prefix without the generation
+    parent_pid: int
+    timeout_s: float
+    delays_static: list | None = None  # sender only: DelaySchedule(static, trace) started at t0
+    delays_trace: Any = None
+    delays_t0: float | None = None
+
+    def what(self) -> str:
+        return f"rank {self.rank} {self.role} delegate of link {self.link} {self.kind} queue {self.queue}"
+
+
+def _load_op(name: str, path: str):
+    import torch  # noqa: F401  (the extension links against libtorch)
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_OP = None  # the ring op once loaded (the watchdog unlinks an orphaned ring with it)
+PEER_LOST = 3  # exit code: the peer delegate died or was replaced; ``gen`` holds the generation to meet next
+
+
+def _watchdog(spec: DelegateSpec, stop, gen) -> None:
+    """Exit when the transport closes, the training process dies, or the peer's replacement shows up
+    under a newer generation (a Gloo op on a dead peer may not fail until its timeout: the training
+    process restarts this delegate, which then meets the replacement)."""
+    import torch.distributed as dist
+
+    store, last = None, 0.0
+    while True:
+        if stop.value:
+            os._exit(0)
+        if os.getppid() != spec.parent_pid:  # the training process died without closing: unlink its ring
+            try:
+                if _OP is not None:
+                    _OP.unlink(spec.ring_name)
+                else:  # still starting up: POSIX shm names live in /dev/shm on Linux
+                    os.unlink(f"/dev/shm/{spec.ring_name}")
+            except Exception:  # noqa: BLE001  (already gone)
+                pass
+            os._exit(0)
+        now = time.monotonic()
+        if now - last > 0.2:
+            last = now
+            try:
+                if store is None:
+                    store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                                          timeout=timedelta(seconds=spec.timeout_s))
+                newer = f"{spec.prefix}/g{gen.value + 1}/up"
+                if store.check([newer]):
+                    gen.value += 1
+                    print(f"{spec.what()}: the peer was replaced (generation {gen.value}); exiting to be restarted",
+                          file=sys.stderr, flush=True)
+                    os._exit(PEER_LOST)
+            except Exception:  # noqa: BLE001  (the store is gone: the job is ending; stop/ppid decide)
+                store = None
+        time.sleep(0.05)
+
+
+class PeerLost(Exception):
+    """The Gloo pair broke (the peer delegate died)."""
+
+
+class _Pair:
+    """This delegate's end of the two-process Gloo group of one generation."""
+
+    def __init__(self, spec: DelegateSpec, gen):
+        self.spec, self.gen = spec, gen
+        self.me = 0 if spec.role == "send" else 1
+        self.peer = 1 - self.me
+
+    def connect(self) -> None:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.spec.store_addr, self.spec.store_port, is_master=False,
+                              timeout=timedelta(seconds=self.spec.timeout_s))
+        self.connected_gen = self.gen.value
+        prefix = f"{self.spec.prefix}/g{self.connected_gen}"
+        store.set(f"{prefix}/up", str(os.getpid()))  # announces this generation to a stale peer
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=self.me, world_size=2,
+                                timeout=timedelta(seconds=self.spec.timeout_s))
+
+
+def run_sender(spec: DelegateSpec, op, pair: _Pair, acked) -> None:
+    """Pop pieces from the training process's ring, delay each message, send it, wait for the ack."""
+    import torch
+    import torch.distributed as dist
+
+    from .inject import DelaySchedule
+
+    sched = DelaySchedule(spec.delays_static or [0.0] * (spec.link + 1), spec.delays_trace)
+    sched._t0 = spec.delays_t0  # same CLOCK_MONOTONIC epoch as the training process
+    ring = op.Ring.attach(spec.ring_name, spec.timeout_s)
+    ack = torch.zeros(1, dtype=torch.int64)
+    while True:
+        try:
+            view, tag, seq = ring.begin_read(SLICE_S)
+        except TimeoutError:
+            continue
+        msg, pieces, piece = split_tag(tag)
+        if piece == 0:
+            c = sched.delay_ms(spec.link)
+            if c > 0:
+                time.sleep(c / 1000.0)
+        flat = view.reshape(-1).view(torch.uint8) if view.numel() else view
+        try:
+            dist.send(torch.tensor([flat.numel(), tag], dtype=torch.int64), dst=pair.peer)
+            if flat.numel():
+                dist.send(flat, dst=pair.peer)
+            dist.recv(ack, src=pair.peer)
+        except RuntimeError as e:  # the receiver delegate died: the training process re-sends what was not acked
+            raise PeerLost(str(e)) from e
+        ring.end_read(seq)
+        if piece == pieces - 1:
+            acked.value = msg
+
+
+def run_receiver(spec: DelegateSpec, op, pair: _Pair) -> None:
+    """Receive pieces into free slots of the training process's ring ahead of need; ack each one."""
+    import torch
+    import torch.distributed as dist
+
+    ring = op.Ring.attach(spec.ring_name, spec.timeout_s)
+    desc = torch.zeros(2, dtype=torch.int64)
+    ack = torch.ones(1, dtype=torch.int64)
+    while True:
+        try:
+            dist.recv(desc, src=pair.peer)
+            n, tag = (int(v) for v in desc.tolist())
+            while True:  # the training process frees slots as it consumes; it may be busy for long
+                try:
+                    view, wseq = ring.begin_write(torch.uint8, [n], tag, SLICE_S)
+                    break
+                except TimeoutError:
+                    continue
+            try:
+                if n:
+                    dist.recv(view, src=pair.peer)
+            except BaseException:
+                ring.abort_write(wseq)
+                raise
+            ring.end_write(wseq)
+            dist.send(ack, dst=pair.peer)
+        except RuntimeError as e:  # the sender delegate died: its replacement re-sends what was not acked
+            raise PeerLost(str(e)) from e
+
+
+def main(spec: DelegateSpec, gen, stop, acked, ready) -> None:
+    """Entry point of the spawned process; ``ready`` is set once the pair's group is formed.
+
+    Exit codes: 0 stop or parent gone, ``PEER_LOST`` the pair broke (``gen`` = generation to meet
+    next), 1 anything else (printed). The training process restarts a delegate that exited non-zero.
+    """
+    threading.Thread(target=_watchdog, args=(spec, stop, gen), daemon=True, name="pipemorph-watchdog").start()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    global _OP
+    op = _OP = _load_op(spec.op_name, spec.op_path)
+    pair = _Pair(spec, gen)
+    try:
+        pair.connect()
+        ready.value = 1
+        if spec.role == "send":
+            run_sender(spec, op, pair, acked)
+        else:
+            run_receiver(spec, op, pair)
+    except PeerLost as e:
+        if not stop.value:
+            g = gen.value = max(gen.value, pair.connected_gen + 1)
+            print(f"{spec.what()}: peer lost ({str(e).splitlines()[0] if str(e) else 'closed'}); "
+                  f"exiting to meet its replacement as generation {g}", file=sys.stderr, flush=True)
+        os._exit(PEER_LOST)
+    except Exception as e:  # noqa: BLE001
+        if not stop.value:
+            print(f"{spec.what()} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                  file=sys.stderr, flush=True)
+        os._exit(1)
+

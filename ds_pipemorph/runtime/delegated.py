@@ -1,0 +1,458 @@
+"""``DelegatedTransport``: messages leave through host staging rings and delegate processes (PipeMorph §5.2).
+
+What each process owns:
+
+- The training process (this object) creates, per link direction it sends or receives on, ``queues``
+  staging rings and spawns one delegate per ring (spawn context, daemon, started once, reused across
+  iterations). ``send`` copies the message (a small header + every tensor's bytes, cut into pieces of
+  at most one slot) into the next send ring round-robin and returns: it waits only while every slot of
+  that ring is full. It keeps a reference to the payload until the receiving side has acknowledged the
+  message, so a message is never lost when a delegate dies: the dead delegate is restarted (next
+  generation, fresh ring) and every unacknowledged message of its queue is pushed again.
+- A sender delegate drains its ring, applies the injected delay of its link (one message in flight per
+  queue: k queues are k independent FIFOs) and sends over its own two-process Gloo group; the receiver
+  delegate on the neighbour rank fills the receiving training process's ring ahead of need
+  (``delegate_proc``).
+- ``recv(kind, mb)`` takes messages in sequence order, which is round-robin over the receive rings
+  (message n travels in queue n % k), stashes those for other (kind, mb) and drops duplicates by
+  (message seq, piece).
+
+Every wait is cut into short slices that check the delegate is alive and ends with a
+``TransportTimeout`` naming rank, op, link and queue. ``wait_sends`` returns once every message sent
+so far is held by the peer rank's receive ring (the delegated analogue of DirectTransport's).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from .delegate_proc import (
+    MAX_PIECES,
+    PEER_LOST,
+    SLICE_S,
+    DelegateSpec,
+    make_tag,
+    split_tag,
+)
+from .delegate_proc import main as delegate_main
+from .transport import (
+    HEADER_INTS,
+    KINDS,
+    TransportError,
+    TransportTimeout,
+    decode_header,
+    encode_header,
+)
+
+log = logging.getLogger("ds_pipemorph.delegated")
+
+PREFIX_INTS = 8  # [magic, seq, kind, mb, total bytes, pieces, 0, 0] before transport.encode_header's ints
+HEAD_BYTES = (PREFIX_INTS + HEADER_INTS) * 8  # 576, a multiple of the 64-byte alignment
+MAGIC = 0x504D444C  # "PMDL"
+ALIGN = 64
+_instances = itertools.count()
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU tensor (any dtype, 0-d included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class _Message:
+    seq: int
+    head: torch.Tensor  # int64 header
+    tensors: list  # contiguous CPU tensors (kept until acknowledged)
+    what: str
+
+
+def _layout(head: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor]], int]:
+    """Segments (offset, uint8 view) of the flat byte stream of a message, and its length."""
+    segs, off = [(0, _bytes_of(head))], HEAD_BYTES
+    for t in tensors:
+        b = _bytes_of(t)
+        segs.append((off, b))
+        off = _align(off + b.numel())
+    return segs, off
+
+
+def _copy_range(segs, a: int, b: int, piece: torch.Tensor, into_piece: bool) -> None:
+    """Copy the bytes [a, b) of the flat stream between the segments and ``piece`` (its bytes a..b)."""
+    for off, seg in segs:
+        lo, hi = max(a, off), min(b, off + seg.numel())
+        if lo >= hi:
+            continue
+        if into_piece:
+            piece[lo - a: hi - a].copy_(seg[lo - off: hi - off])
+        else:
+            seg[lo - off: hi - off].copy_(piece[lo - a: hi - a])
+
+
+@dataclass
+class _Queue:
+    """One ring and the delegate that serves it."""
+
+    index: int
+    ring: Any
+    proc: Any
+    gen: Any  # mp.Value: generation of the pair's rendezvous (the delegate sets the next one when its peer goes)
+    stop: Any
+    acked: Any  # mp.Value: last message seq the peer holds (sender queues)
+    ready: Any
+    old_rings: list = field(default_factory=list)  # receive side: rings of a dead delegate, drained first
+    unacked: deque = field(default_factory=deque)  # send side: _Message kept until acknowledged
+
+
+@dataclass
+class _Direction:
+    link: int
+    kind: str
+    sending: bool
+    queues: list
+    next_seq: int = 0  # send: next seq to assign; recv: next seq to take
+    stash: dict = field(default_factory=dict)  # recv: (kind, mb) -> payload
+    partial: dict | None = None  # recv: message being assembled
+
+
+class DelegatedTransport:
+    """Same interface as ``DirectTransport``; see the module docstring for who owns what.
+
+    ``delays`` (an ``inject.DelaySchedule``) is applied inside the sender delegates. Delegates of a
+    link direction are started on first use or by ``start_link``; both ends of a link must use the
+    same ``queues`` and create their transports in the same order (that order names the rendezvous).
+    """
+
+    name = "delegated"
+
+    def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
+                 device: torch.device | None = None, queues: int = 2, delays=None,
+                 slot_bytes: int = 4 << 20, num_slots: int = 8, session: str | None = None,
+                 store_addr: str | None = None, store_port: int | None = None):
+        if queues < 1:
+            raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
+        if slot_bytes < 4096:
+            raise ValueError(f"rank {rank}: staging slots must hold at least 4096 bytes, got {slot_bytes}")
+        self.rank, self.stage_id = rank, stage_id
+        self.stage_ranks = list(stage_ranks)
+        self.timeout_s = float(timeout_s)
+        self.device = device or torch.device("cpu")
+        self.k = queues
+        self.delays = delays
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.session = session or f"t{next(_instances)}"
+        self.store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = store_port or os.environ.get("MASTER_PORT")
+        if not port:
+            raise ValueError(f"rank {rank}: delegated transport needs the job's store: set MASTER_PORT (the "
+                             f"delegates meet through a TCPStore client on MASTER_ADDR:MASTER_PORT)")
+        self.store_port = int(port)
+        self.events: list[str] = []  # one line per delegate restart (also logged)
+        self.send_s: dict[int, float] = {}  # link -> seconds spent inside send (copy + full-ring waits)
+        self.sent: dict[int, int] = {}
+        self._dirs: dict[tuple[int, str, bool], _Direction] = {}
+        self._ctx = mp.get_context("spawn")
+        self._op = None
+        self._closed = False
+
+    # -- naming -------------------------------------------------------------------------------
+    def _link(self, kind: str, sending: bool) -> int:
+        down = (kind == "F") == sending
+        return self.stage_id if down else self.stage_id - 1
+
+    def _describe(self, kind: str, mb: int, sending: bool, queue: int | None = None) -> str:
+        down = (kind == "F") == sending
+        peer = self.stage_id + 1 if down else self.stage_id - 1
+        verb, prep = ("SEND", "to") if sending else ("RECV", "from")
+        q = "" if queue is None else f" queue {queue}"
+        return f"{verb}_{kind}{mb} on link {self._link(kind, sending)}{q} {prep} stage {peer}"
+
+    def _ring_name(self, link: int, kind: str, sending: bool, q: int, gen: int) -> str:
+        role = "s" if sending else "r"
+        return f"pm_{os.getpid()}_{self.session}_{link}{kind}{role}{q}_g{gen}"
+
+    # -- delegates ----------------------------------------------------------------------------
+    def _load_op(self):
+        if self._op is None:
+            from ..staging.ring import load_op
+
+            self._op = load_op(cuda=False)
+        return self._op
+
+    def _spawn(self, link: int, kind: str, sending: bool, q: int, gen_value: int, stop=None):
+        from ..staging.ring import StagingRing
+
+        op = self._load_op()
+        ring = StagingRing.create(self._ring_name(link, kind, sending, q, gen_value),
+                                  slot_bytes=self.slot_bytes, num_slots=self.num_slots, op=op)
+        gen = self._ctx.Value("q", gen_value, lock=False)  # single writer: the delegate
+        stop = stop if stop is not None else self._ctx.Value("b", 0, lock=False)  # single writer: this process
+        acked = self._ctx.Value("q", -1, lock=False)
+        ready = self._ctx.Value("b", 0, lock=False)
+        d = self.delays
+        spec = DelegateSpec(
+            role="send" if sending else "recv", rank=self.rank, link=link, kind=kind, queue=q,
+            ring_name=ring.name, op_name=op.__name__, op_path=op.__file__, store_addr=self.store_addr,
+            store_port=self.store_port, prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/q{q}",
+            parent_pid=os.getpid(), timeout_s=self.timeout_s,
+            delays_static=list(d.static) if (sending and d is not None) else None,
+            delays_trace=d.trace if (sending and d is not None) else None,
+            delays_t0=(d.start() or d._t0) if (sending and d is not None) else None)
+        proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready), daemon=True,
+                                 name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")
+        proc.start()
+        return ring, proc, gen, stop, acked, ready
+
+    def _direction(self, kind: str, sending: bool) -> _Direction:
+        link = self._link(kind, sending)
+        key = (link, kind, sending)
+        d = self._dirs.get(key)
+        if d is None:
+            if self._closed:
+                raise TransportError(f"rank {self.rank}: delegated transport is closed")
+            queues = []
+            for q in range(self.k):
+                ring, proc, gen, stop, acked, ready = self._spawn(link, kind, sending, q, 0)
+                queues.append(_Queue(q, ring, proc, gen, stop, acked, ready))
+            d = self._dirs[key] = _Direction(link, kind, sending, queues)
+        return d
+
+    def start_link(self, link: int) -> None:
+        """Start the delegates of every direction this rank uses on ``link`` (idempotent)."""
+        if link == self.stage_id:  # this rank sends activations down and receives gradients up
+            self._direction("F", True), self._direction("B", False)
+        elif link == self.stage_id - 1:
+            self._direction("F", False), self._direction("B", True)
+        else:
+            raise ValueError(f"rank {self.rank}: stage {self.stage_id} is not an end of link {link}")
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every started delegate has formed its Gloo pair (optional: sends never need it)."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        for d in self._dirs.values():
+            for q in d.queues:
+                while not q.ready.value:
+                    self._check_alive(d, q, f"waiting for the delegates of link {d.link} {d.kind}")
+                    if time.monotonic() > deadline:
+                        raise TransportTimeout(
+                            f"rank {self.rank}: the {'sender' if d.sending else 'receiver'} delegate of link "
+                            f"{d.link} {d.kind} queue {q.index} did not meet its peer within {timeout_s or self.timeout_s:g} s")
+                    time.sleep(0.01)
+
+    def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
+        return self._dirs[(link, kind, sending)].queues[queue].proc.pid
+
+    def _health(self, what: str) -> None:
+        """Restart every delegate of this rank that died (called from each slice of every wait, so a
+        dead delegate of another direction is noticed while this process waits on the peer)."""
+        for d in list(self._dirs.values()):
+            for q in d.queues:
+                self._check_alive(d, q, what)
+
+    def _check_alive(self, d: _Direction, q: _Queue, what: str) -> bool:
+        """Restart the delegate of ``q`` if it died; True if it did."""
+        if q.proc.is_alive():
+            return False
+        self._restart(d, q, what)
+        return True
+
+    def _restart(self, d: _Direction, q: _Queue, what: str) -> None:
+        old_pid, old_code = q.proc.pid, q.proc.exitcode
+        # A delegate that saw its peer go exits with PEER_LOST and has already set the generation to meet.
+        gen = q.gen.value if old_code == PEER_LOST else q.gen.value + 1
+        ring, proc, genv, _, acked, ready = self._spawn(d.link, d.kind, d.sending, q.index, gen, stop=q.stop)
+        if d.sending:
+            q.ring.close()
+            acked.value = q.acked.value
+            q.ring, q.proc, q.gen, q.acked, q.ready = ring, proc, genv, acked, ready
+            resend = list(q.unacked)
+            for m in resend:
+                self._push(d, q, m)
+        else:
+            q.old_rings.append(q.ring)
+            q.ring, q.proc, q.gen, q.ready = ring, proc, genv, ready
+            resend = []
+        why = "lost its peer" if old_code == PEER_LOST else f"died (exit code {old_code})"
+        line = (f"rank {self.rank}: link {d.link}: {'sender' if d.sending else 'receiver'} delegate of "
+                f"{d.kind} queue {q.index} (pid {old_pid}) {why} while {what}; restarted it "
+                f"as generation {gen}" + (f" and re-sent {len(resend)} unacknowledged messages" if d.sending else ""))
+        self.events.append(line)
+        log.warning(line)
+
+    # -- sending ------------------------------------------------------------------------------
+    def send(self, kind: str, mb: int, payload: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Copy message (kind, mb) into the next send ring and return (waits only on a full ring)."""
+        t0 = time.perf_counter()
+        d = self._direction(kind, True)
+        bare = isinstance(payload, torch.Tensor)
+        tensors = [t.detach().contiguous().cpu() for t in ([payload] if bare else payload)]
+        meta = encode_header(tensors, bare)
+        _, total = _layout(torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64), tensors)
+        pieces = max(1, -(-total // self.slot_bytes))
+        if pieces > MAX_PIECES:
+            raise TransportError(f"rank {self.rank}: {self._describe(kind, mb, True)}: a message of {total} bytes "
+                                 f"needs {pieces} staging slots of {self.slot_bytes} bytes (at most {MAX_PIECES})")
+        head = torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64)
+        head[:6] = torch.tensor([MAGIC, d.next_seq, KINDS[kind], mb, total, pieces])
+        head[PREFIX_INTS:] = meta
+        q = d.queues[d.next_seq % self.k]
+        self._check_alive(d, q, "sending")  # a waitpid(WNOHANG): microseconds
+        msg = _Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index))
+        d.next_seq += 1
+        self._prune(q)
+        q.unacked.append(msg)
+        self._push(d, q, msg)
+        self.send_s[d.link] = self.send_s.get(d.link, 0.0) + time.perf_counter() - t0
+        self.sent[d.link] = self.sent.get(d.link, 0) + 1
+
+    def _push(self, d: _Direction, q: _Queue, msg: _Message) -> None:
+        segs, total = _layout(msg.head, msg.tensors)
+        pieces = max(1, -(-total // self.slot_bytes))
+        ring = q.ring
+        for p in range(pieces):
+            a, b = p * self.slot_bytes, min(total, (p + 1) * self.slot_bytes)
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    with ring.writing(torch.uint8, [b - a], make_tag(msg.seq, pieces, p), timeout_s=SLICE_S) as view:
+                        _copy_range(segs, a, b, view, into_piece=True)
+                    break
+                except TimeoutError:
+                    if self._check_alive(d, q, f"{msg.what} waited for a free staging slot"):
+                        return  # the restart pushed every unacknowledged message, this one included
+                    if time.monotonic() > deadline:
+                        raise TransportTimeout(
+                            f"rank {self.rank}: {msg.what} timed out after {self.timeout_s:g} s waiting for a free "
+                            f"staging slot (the sender delegate is not draining ring {ring.name})") from None
+
+    def _prune(self, q: _Queue) -> None:
+        done = q.acked.value
+        while q.unacked and q.unacked[0].seq <= done:
+            q.unacked.popleft()
+
+    def wait_sends(self) -> None:
+        """Wait until the peer ranks' receive rings hold every message sent so far (restarting dead delegates)."""
+        for d in self._dirs.values():
+            if not d.sending:
+                continue
+            for q in d.queues:
+                deadline = time.monotonic() + self.timeout_s
+                last = time.monotonic()
+                while True:
+                    self._prune(q)
+                    if not q.unacked:
+                        break
+                    now = time.monotonic()
+                    if now - last > SLICE_S:
+                        last = now
+                        self._health(f"{q.unacked[0].what} waited to be delivered")
+                    if now > deadline:
+                        raise TransportTimeout(
+                            f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "
+                            f"{q.unacked[0].what} to be received ({len(q.unacked)} messages unacknowledged)")
+                    time.sleep(0.0002)
+
+    # -- receiving ----------------------------------------------------------------------------
+    def post_recv(self, kind: str, mb: int) -> None:
+        """Receiver delegates fill the rings ahead of need; this only makes sure they run."""
+        self._direction(kind, False)
+
+    def recv(self, kind: str, mb: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Wait for message (kind, mb); other messages that arrive first are stashed for their recv."""
+        d = self._direction(kind, False)
+        key = (kind, mb)
+        what = self._describe(kind, mb, False)
+        deadline = time.monotonic() + self.timeout_s
+        while key not in d.stash:
+            q = d.queues[d.next_seq % self.k]
+            if not self._take_piece(d, q, what):
+                if time.monotonic() > deadline:
+                    raise TransportTimeout(
+                        f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
+                        f"(next message {d.next_seq} is due in queue {q.index})")
+        bare, tensors = d.stash.pop(key)
+        if self.device.type != "cpu":
+            tensors = [t.to(self.device) for t in tensors]
+        return tensors[0] if bare else tuple(tensors)
+
+    def _take_piece(self, d: _Direction, q: _Queue, what: str) -> bool:
+        """Consume one piece from queue ``q`` (old rings of a dead delegate first); False if none came."""
+        while q.old_rings:
+            got = q.old_rings[0].try_pop()
+            if got is None:
+                q.old_rings.pop(0).close()
+                continue
+            self._piece(d, got[0], got[1], what)
+            return True
+        try:
+            with q.ring.reading(timeout_s=SLICE_S) as (view, tag):
+                self._piece(d, view, tag, what)
+            return True
+        except TimeoutError:
+            self._health(f"{what} waited for a message")
+            return False
+
+    def _piece(self, d: _Direction, view: torch.Tensor, tag: int, what: str) -> None:
+        seq, _, piece = split_tag(tag)
+        if seq < d.next_seq:
+            return  # a duplicate re-sent after a delegate restart
+        if seq > d.next_seq:
+            raise TransportError(f"rank {self.rank}: {what}: message {seq} arrived while message {d.next_seq} "
+                                 f"was due on link {d.link} (a message was lost)")
+        flat = view.reshape(-1).view(torch.uint8) if view.numel() else view.reshape(-1)
+        part = d.partial
+        if piece == 0:  # (again, if a delegate died in the middle of a message)
+            head = flat[:HEAD_BYTES].clone().view(torch.int64)
+            magic, hseq, kind_id, mb, total, npieces = head[:6].tolist()
+            if magic != MAGIC or hseq != seq:
+                raise TransportError(f"rank {self.rank}: {what}: corrupt header in link {d.link} message {seq}")
+            bare, metas = decode_header(head[PREFIX_INTS:])
+            tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in metas]
+            segs, _ = _layout(torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64), tensors)
+            kind = "F" if kind_id == KINDS["F"] else "B"
+            part = d.partial = dict(seq=seq, next=0, pieces=npieces, total=total, segs=segs[1:],
+                                    key=(kind, mb), bare=bare, tensors=tensors)
+        elif part is None or part["seq"] != seq or piece < part["next"]:
+            return  # a duplicate piece
+        if piece != part["next"]:
+            raise TransportError(f"rank {self.rank}: {what}: piece {piece} of link {d.link} message {seq} "
+                                 f"arrived while piece {part['next']} was due")
+        a = piece * self.slot_bytes
+        _copy_range(part["segs"], a, a + flat.numel(), flat, into_piece=False)
+        part["next"] = piece + 1
+        if part["next"] == part["pieces"]:
+            d.stash[part["key"]] = (part["bare"], part["tensors"])
+            d.partial = None
+            d.next_seq += 1
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def reset_shapes(self) -> None:
+        """Nothing to forget: every delegated message carries its layout."""
+
+    def close(self) -> None:
+        """Stop every delegate (they exit within ~50 ms) and unlink the rings; no waiting on the wire."""
+        self._closed = True
+        for d in self._dirs.values():
+            for q in d.queues:
+                q.stop.value = 1
+        for d in self._dirs.values():
+            for q in d.queues:
+                q.proc.join(timeout=2.0)
+                if q.proc.is_alive():
+                    q.proc.kill()
+                    q.proc.join(timeout=2.0)
+                for r in [q.ring, *q.old_rings]:
+                    r.close()
+        self._dirs.clear()

@@ -1,0 +1,115 @@
+"""Fault injection for failover tests (PipeMorph §5.3): transport wrappers configured by the caller.
+
+- ``FaultyLink`` wraps the direct path: on a link of ``link_fails_after`` = {link: K}, each direction
+  ("F" and "B") carries K messages and then fails for message K+1 onwards, on both ends (the sender's
+  K+1-th send and the receiver's K+1-th receive of that direction raise ``TransportError``), as a
+  broken RNIC would. Both ends agree on "K+1-th" because they count in issue order, which is
+  micro-batch order for every plan of this project.
+- ``DelegateKiller`` wraps a ``LinkRouter``: on the rank that sends activations over link L, right after
+  its N-th activation send on L, it SIGKILLs the sender delegate that carries that message (the message
+  is then usually not acknowledged yet, so recovery must re-send it); with ``kill_side="recv"``, on the
+  rank that receives them, right after its N-th activation receive, the receiver delegate that carries
+  the next one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+
+from .transport import TransportError
+
+log = logging.getLogger("ds_pipemorph.faults")
+
+
+@dataclass
+class Faults:
+    link_fails_after: dict[int, int] = field(default_factory=dict)  # link -> messages per direction before failing
+    kill_delegate: tuple[int, int] | None = None  # (link, after this many activation messages on it)
+    kill_side: str = "send"  # "send": the sender delegate on stage L; "recv": the receiver delegate on stage L+1
+
+
+class FaultyLink:
+    """Direct-path wrapper whose links in ``faults.link_fails_after`` break after K messages per direction."""
+
+    def __init__(self, inner, rank: int, stage_id: int, faults: Faults):
+        self.inner, self.rank, self.stage_id = inner, rank, stage_id
+        self.fails_after = dict(faults.link_fails_after)
+        self.count: dict[tuple[int, str], int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _link(self, kind: str, sending: bool) -> int:
+        down = (kind == "F") == sending
+        return self.stage_id if down else self.stage_id - 1
+
+    def _tick(self, kind: str, mb: int, sending: bool) -> None:
+        link = self._link(kind, sending)
+        if link not in self.fails_after:
+            return
+        n = self.count[(link, kind)] = self.count.get((link, kind), 0) + 1
+        if n > self.fails_after[link]:
+            op = f"{'SEND' if sending else 'RECV'}_{kind}{mb}"
+            raise TransportError(f"rank {self.rank}: {op} on link {link} failed: injected fault "
+                                 f"(link {link} fails after {self.fails_after[link]} {kind} messages)")
+
+    def post_recv(self, kind: str, mb: int) -> None:
+        if self._link(kind, False) in self.fails_after:
+            return  # ``recv`` posts it: a receive posted ahead on a link about to fail would dangle
+        self.inner.post_recv(kind, mb)
+
+    def send(self, kind: str, mb: int, payload) -> None:
+        self._tick(kind, mb, True)
+        self.inner.send(kind, mb, payload)
+
+    def recv(self, kind: str, mb: int):
+        self._tick(kind, mb, False)
+        return self.inner.recv(kind, mb)
+
+
+class DelegateKiller:
+    """Router wrapper: SIGKILL one delegate of link L after this rank's N-th activation message on L."""
+
+    def __init__(self, router, faults: Faults):
+        self.router = router
+        self.link, self.after = faults.kill_delegate
+        self.side = faults.kill_side
+        if self.side not in ("send", "recv"):
+            raise ValueError(f"kill_side must be 'send' or 'recv', not '{self.side}'")
+        self.count = 0
+        self.killed: int | None = None
+
+    def __getattr__(self, name):
+        return getattr(self.router, name)
+
+    def send(self, kind: str, mb: int, payload) -> None:
+        self.router.send(kind, mb, payload)
+        if kind == "F" and self.side == "send" and self.router.stage_id == self.link:
+            self._maybe_kill(sending=True, queue_of=lambda n, k: (n - 1) % k)
+
+    def recv(self, kind: str, mb: int):
+        out = self.router.recv(kind, mb)
+        if kind == "F" and self.side == "recv" and self.router.stage_id == self.link + 1:
+            self._maybe_kill(sending=False, queue_of=lambda n, k: n % k)
+        return out
+
+    def _maybe_kill(self, sending: bool, queue_of) -> None:
+        if self.killed is not None:
+            return
+        self.count += 1
+        if self.count < self.after:
+            return
+        if self.router.link_mode(self.link, "F") != "delegated":
+            raise TransportError(f"rank {self.router.rank}: kill_delegate names link {self.link}, "
+                                 f"which is not delegated at message {self.count}")
+        d = self.router.delegated
+        queue = queue_of(self.count, d.k)
+        self.killed = d.delegate_pid(self.link, "F", sending, queue)
+        os.kill(self.killed, signal.SIGKILL)
+        role = "sender" if sending else "receiver"
+        line = (f"rank {self.router.rank}: link {self.link}: injected fault: killed the {role} delegate of "
+                f"F queue {queue} (pid {self.killed}) after {self.count} messages")
+        self.router.events.append(line)
+        log.warning(line)

@@ -1,0 +1,167 @@
+"""``build_transport``: one transport per rank that routes each link direction to ``direct`` or ``delegated``.
+
+``LinkRouter`` owns a direct path (``DirectTransport``, wrapped by ``DelayInjector`` when delays are
+injected, and by ``faults.FaultyLink`` when faults are) and a ``DelegatedTransport`` whose delegates
+start only for the links that use it (injected delays are applied inside its sender delegates). Modes
+are kept per link direction ("F" and "B" of a link) so that a failure of one direction moves only that
+direction; ``set_link_mode`` moves both directions of a link at an iteration boundary.
+
+Failover (PipeMorph §5.3): a ``TransportError`` from the direct path of a direction that is not a
+timeout moves that direction to the delegated path for the failed message and every later one, on
+both ends (each end sees its own error for the same message: the fault is a property of the link),
+and logs one line naming the link.
+
+Config semantics: ``delegation.mode`` "off" = every link direct; "always" = every link delegated;
+"auto" = the caller's ``link_mode`` (the control plane's decision), every other link direct. Injected
+delays never choose the path by themselves (the detector, not the test harness, decides in "auto").
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from .delegated import DelegatedTransport
+from .inject import DelayInjector, DelaySchedule, load_trace
+from .transport import DirectTransport, TransportError, TransportTimeout
+
+log = logging.getLogger("ds_pipemorph.transports")
+
+MODES = ("direct", "delegated")
+
+
+class LinkRouter:
+    """Same interface as ``DirectTransport``; each (link, kind) goes through its current path."""
+
+    name = "router"
+
+    def __init__(self, rank: int, stage_id: int, direct, delegated: DelegatedTransport,
+                 link_mode: dict[int, str], failover: bool = True):
+        self.rank, self.stage_id = rank, stage_id
+        self.direct, self.delegated = direct, delegated
+        self.failover = failover
+        self.events: list[str] = []
+        self._mode: dict[tuple[int, str], str] = {}
+        for link, mode in link_mode.items():
+            self.set_link_mode(link, mode)
+
+    def _link(self, kind: str, sending: bool) -> int:
+        down = (kind == "F") == sending
+        return self.stage_id if down else self.stage_id - 1
+
+    def _my_links(self) -> list[int]:
+        return [link for link in (self.stage_id - 1, self.stage_id) if link >= 0]
+
+    def link_mode(self, link: int, kind: str = "F") -> str:
+        return self._mode.get((link, kind), "direct")
+
+    def set_link_mode(self, link: int, mode: str) -> None:
+        """Move both directions of ``link`` to ``mode`` (call on both ends, at the same iteration boundary,
+        after ``wait_sends``: every earlier message is then held by its receiver, so none is lost or reordered)."""
+        if mode not in MODES:
+            raise ValueError(f"rank {self.rank}: link {link} mode must be one of {MODES}, not '{mode}'")
+        if link not in self._my_links():
+            return  # not an end of this link: nothing to route
+        if mode == "delegated":
+            self.delegated.start_link(link)
+        for kind in ("F", "B"):
+            self._mode[(link, kind)] = mode
+
+    def _path(self, kind: str, sending: bool):
+        return self.delegated if self.link_mode(self._link(kind, sending), kind) == "delegated" else self.direct
+
+    def _fail_over(self, kind: str, sending: bool, mb: int, err: TransportError) -> None:
+        link = self._link(kind, sending)
+        line = (f"rank {self.rank}: link {link} direct path failed at {'SEND' if sending else 'RECV'}_{kind}{mb} "
+                f"({err}); this and every later {kind} message of link {link} go through the delegates")
+        self.events.append(line)
+        log.warning(line)
+        self._mode[(link, kind)] = "delegated"
+
+    def post_recv(self, kind: str, mb: int) -> None:
+        self._path(kind, False).post_recv(kind, mb)
+
+    def send(self, kind: str, mb: int, payload) -> None:
+        path = self._path(kind, True)
+        if path is self.delegated:
+            return path.send(kind, mb, payload)
+        try:
+            path.send(kind, mb, payload)
+        except TransportError as e:
+            if not self.failover or isinstance(e, TransportTimeout):
+                raise
+            self._fail_over(kind, True, mb, e)
+            self.delegated.send(kind, mb, payload)
+
+    def recv(self, kind: str, mb: int):
+        path = self._path(kind, False)
+        if path is self.delegated:
+            return path.recv(kind, mb)
+        try:
+            return path.recv(kind, mb)
+        except TransportError as e:
+            if not self.failover or isinstance(e, TransportTimeout):
+                raise
+            self._fail_over(kind, False, mb, e)
+            return self.delegated.recv(kind, mb)
+
+    def wait_sends(self) -> None:
+        self.direct.wait_sends()
+        self.delegated.wait_sends()
+
+    def reset_shapes(self) -> None:
+        self.direct.reset_shapes()
+        self.delegated.reset_shapes()
+
+    def close(self) -> None:
+        try:
+            self.direct.close()
+        finally:
+            self.delegated.close()
+
+
+def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], device: torch.device | None,
+                    link_mode: dict[int, str] | None = None, faults=None, static_shapes: bool = True,
+                    delays: DelaySchedule | None = None, **delegated_kw) -> LinkRouter:
+    """A ``LinkRouter`` for ``cfg`` (a ``PipeMorphConfig``): see the module docstring for the modes.
+
+    ``faults`` (a ``faults.Faults``) wraps the direct path and arms delegate kills (testing only).
+    ``delays`` overrides the schedule built from ``cfg.inject`` (e.g. the engine's own, already started).
+    ``delegated_kw`` go to ``DelegatedTransport`` (slot_bytes, num_slots, session, ...).
+    """
+    links = len(stage_ranks) - 1
+    timeout = float(cfg.timeout_s)
+    if delays is None:
+        static = [0.0] * links
+        for k, v in cfg.inject.links.items():
+            if int(k) >= links:
+                raise ValueError(f"inject.links names link {k}, the pipeline has links 0..{links - 1}")
+            static[int(k)] = v.delay_ms
+        trace = load_trace(cfg.inject.trace, links) if cfg.inject.trace else None
+        if any(c > 0 for c in static) or trace is not None:
+            delays = DelaySchedule(static, trace)
+    direct = DirectTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device, static_shapes=static_shapes)
+    if delays is not None:
+        direct = DelayInjector(direct, stage_id, delays, timeout_s=timeout)
+    if faults is not None:
+        from .faults import FaultyLink
+
+        direct = FaultyLink(direct, rank, stage_id, faults)
+    delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
+                                   queues=cfg.delegation.queues, delays=delays, **delegated_kw)
+    mode = cfg.delegation.mode
+    if mode == "off":
+        if any(m == "delegated" for m in (link_mode or {}).values()):
+            raise ValueError("delegation.mode 'off' refuses delegated links; use 'auto' or 'always'")
+        modes = {}
+    elif mode == "always":
+        modes = {i: "delegated" for i in range(links)}
+    else:
+        modes = dict(link_mode or {})
+    router = LinkRouter(rank, stage_id, direct, delegated, modes)
+    if faults is not None and faults.kill_delegate is not None:
+        from .faults import DelegateKiller
+
+        return DelegateKiller(router, faults)
+    return router

@@ -1,0 +1,162 @@
+"""Rank bodies of the delegated-transport tests (run in spawned processes through workers.run)."""
+import time
+
+import torch
+import torch.distributed as dist
+from workers import payload, same
+
+from ds_pipemorph.runtime.delegated import DelegatedTransport
+
+
+def roundtrip(rank, world, queues, order, slot_bytes):
+    """Stage 0 sends F0..F(n-1) (and receives B), stage 1 receives in ``order`` and sends B back."""
+    n = len(order)
+    tr = DelegatedTransport(rank, rank, list(range(world)), timeout_s=60.0, queues=queues, slot_bytes=slot_bytes)
+    ok = []
+    try:
+        for it in range(2):  # two iterations: mb numbers repeat, delegates are reused
+            if rank == 0:
+                for m in range(n):
+                    tr.send("F", m, payload("F", m + it))
+                for m in range(n):
+                    ok.append(same(tr.recv("B", m), payload("B", m + it)))
+            else:
+                for m in order:
+                    ok.append(same(tr.recv("F", m), payload("F", m + it)))
+                for m in range(n):
+                    tr.send("B", m, payload("B", m + it))
+            tr.wait_sends()
+        pids = [q.proc.pid for d in tr._dirs.values() for q in d.queues]
+    finally:
+        tr.close()
+    return dict(ok=ok, delegates=len(pids), events=tr.events)
+
+
+def _cfg(mode, delay_ms=0.0, queues=2, timeout_s=60.0):
+    from ds_pipemorph.runtime.config import PipeMorphConfig
+
+    links = {"0": {"delay_ms": delay_ms}} if delay_ms else {}
+    return PipeMorphConfig.model_validate(
+        {"delegation": {"mode": mode, "queues": queues}, "inject": {"links": links}, "timeout_s": timeout_s})
+
+
+def hol(rank, world, mode, delay_ms, sends, op_ms, rounds=1):
+    """Stage 0 issues ``sends`` activation sends spaced by ``op_ms`` of 'compute', ``rounds`` times;
+    returns the time each send took, per round (stage 1: arrival times and contents)."""
+    from ds_pipemorph.runtime.transports import build_transport
+
+    tr = build_transport(_cfg(mode, delay_ms), rank, rank, list(range(world)), None, {})
+    res = dict(took=[], issued=[], arrivals=[], ok=[])
+    try:
+        if mode == "always":
+            tr.delegated.wait_ready(60.0)  # start-up (spawning delegates) is not what is measured
+        for _ in range(rounds):
+            dist.barrier()
+            if rank == 0:
+                took = []
+                t_start = time.perf_counter()
+                for m in range(sends):
+                    time.sleep(op_ms / 1000.0)  # the op that produced the activation
+                    t = time.perf_counter()
+                    tr.send("F", m, torch.full((256,), float(m)))
+                    took.append(time.perf_counter() - t)
+                res["issued"].append(time.perf_counter() - t_start)
+                res["took"].append(took)
+            else:
+                arrivals = []
+                t0 = time.perf_counter()
+                for m in range(sends):
+                    x = tr.recv("F", m)
+                    arrivals.append(time.perf_counter() - t0)
+                    res["ok"].append(bool((x == m).all()))
+                res["arrivals"].append(arrivals)
+            tr.wait_sends()
+        return res
+    finally:
+        tr.close()
+
+
+def switching(rank, world, iterations_modes, n):
+    """Each iteration: stage 0 sends F0..F(n-1), stage 1 (after a pause) receives them and sends B back;
+    between iterations both ends switch link 0 to the next mode. Returns what arrived and by which path."""
+    from ds_pipemorph.runtime.transports import build_transport
+
+    tr = build_transport(_cfg("auto", delay_ms=5.0, queues=1), rank, rank, list(range(world)), None, {})
+    got = []
+    try:
+        for it, mode in enumerate(iterations_modes):
+            tr.set_link_mode(0, mode)
+            before = dict(tr.delegated.sent)
+            if rank == 0:
+                for m in range(n):
+                    tr.send("F", m, (torch.tensor([it, m]), torch.full((3,), m, dtype=torch.bfloat16)))
+                for m in range(n):
+                    b = tr.recv("B", m)
+                    got.append((it, "B", m, b.tolist()))
+            else:
+                time.sleep(0.05)  # the messages queue up while this stage 'computes'
+                for m in range(n):
+                    a, c = tr.recv("F", m)
+                    got.append((it, "F", m, a.tolist(), c.float().tolist()))
+                    tr.send("B", m, torch.tensor([it, m, 100]))
+            tr.wait_sends()
+            got.append((it, "delegated_sends", tr.delegated.sent.get(0, 0) - before.get(0, 0)))
+        return got
+    finally:
+        tr.close()
+
+
+def faulty(rank, world, mode, faults_kw, delay_ms, iterations, n, queues=2):
+    """Two-stage exchange under injected faults; returns what each recv got and the recovery log lines."""
+    from ds_pipemorph.runtime.faults import Faults
+    from ds_pipemorph.runtime.transports import build_transport
+
+    faults = Faults(**faults_kw)
+    tr = build_transport(_cfg(mode, delay_ms=delay_ms, queues=queues, timeout_s=40.0), rank, rank,
+                         list(range(world)), None, {},
+                         faults=faults)
+    ok = []
+    try:
+        for it in range(iterations):
+            if rank == 0:
+                for m in range(n):
+                    tr.send("F", m, payload("F", m + 10 * it))
+                for m in range(n):
+                    ok.append(same(tr.recv("B", m), payload("B", m + 10 * it)))
+            else:
+                for m in range(n):
+                    ok.append(same(tr.recv("F", m), payload("F", m + 10 * it)))
+                    tr.send("B", m, payload("B", m + 10 * it))
+            tr.wait_sends()
+        dl = tr.delegated
+        seqs = {f"{d.kind}{'s' if d.sending else 'r'}": d.next_seq for d in dl._dirs.values()}
+        leftovers = sum(len(d.stash) + (d.partial is not None) for d in dl._dirs.values())
+        return dict(ok=ok, events=list(tr.events) + list(dl.events), seqs=seqs, leftovers=leftovers,
+                    modes={k: tr.link_mode(0, k) for k in "FB"})
+    finally:
+        tr.close()
+
+
+def orphan_delegates(port, out, close):
+    """Start the delegates of link 0, report their pids, then close the transport or die without closing."""
+    import os
+
+    tr = DelegatedTransport(0, 0, [0, 1], timeout_s=30.0, queues=1, store_addr="127.0.0.1", store_port=port)
+    tr.start_link(0)
+    pids = [q.proc.pid for d in tr._dirs.values() for q in d.queues]
+    if close:
+        tr.close()
+        out.put((pids, [p for p in pids if _running(p)]))
+        return
+    out.put((pids, None))
+    out.close()
+    out.join_thread()  # flush before dying
+    os._exit(0)  # the training process dies: its delegates must notice and exit
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,44 @@
+"""Failover (PipeMorph §5.3): a broken direct link and a killed delegate lose and duplicate nothing."""
+import bodies
+import pytest
+from workers import launch
+
+N, ITERS = 6, 2
+
+
+@pytest.mark.timeout(150)
+def test_direct_link_failure_moves_the_link_to_delegates_and_every_message_arrives_once():
+    res = launch(2, bodies.faulty, "auto", {"link_fails_after": {0: 4}}, 0.0, ITERS, N, 1)
+    for r in (0, 1):
+        assert res[r]["ok"] == [True] * (ITERS * N)
+        assert res[r]["modes"] == {"F": "delegated", "B": "delegated"}
+        assert res[r]["leftovers"] == 0
+        assert any("link 0 direct path failed" in e for e in res[r]["events"]), res[r]["events"]
+    # Messages 5..12 of each direction went through the delegates, each exactly once.
+    assert res[0]["seqs"]["Fs"] == res[1]["seqs"]["Fr"] == ITERS * N - 4
+    assert res[1]["seqs"]["Bs"] == res[0]["seqs"]["Br"] == ITERS * N - 4
+
+
+@pytest.mark.timeout(150)
+def test_killed_sender_delegate_is_restarted_and_unacknowledged_messages_are_resent_once():
+    # 20 ms per message keeps messages in flight when the delegate is killed after the 3rd send.
+    res = launch(2, bodies.faulty, "always", {"kill_delegate": (0, 3)}, 20.0, ITERS, N)
+    for r in (0, 1):
+        assert res[r]["ok"] == [True] * (ITERS * N)
+        assert res[r]["leftovers"] == 0
+    ev = res[0]["events"]
+    assert any("killed the sender delegate" in e for e in ev), ev
+    assert any("link 0: sender delegate of F queue 0" in e and "restarted" in e for e in ev), ev
+    assert res[0]["seqs"]["Fs"] == res[1]["seqs"]["Fr"] == ITERS * N
+
+
+@pytest.mark.timeout(150)
+def test_killed_receiver_delegate_is_restarted_and_nothing_is_lost_or_duplicated():
+    res = launch(2, bodies.faulty, "always", {"kill_delegate": (0, 2), "kill_side": "recv"}, 20.0, ITERS, N)
+    for r in (0, 1):
+        assert res[r]["ok"] == [True] * (ITERS * N)
+        assert res[r]["leftovers"] == 0
+    ev = res[1]["events"]
+    assert any("killed the receiver delegate" in e for e in ev), ev
+    assert any("link 0: receiver delegate of F queue 0" in e and "restarted" in e for e in ev), ev
+    assert res[0]["seqs"]["Fs"] == res[1]["seqs"]["Fr"] == ITERS * N
