@@ -19,7 +19,7 @@ def test_bench_runs_stock_zb_and_pipemorph_on_two_stages_with_a_slow_link(tmp_pa
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())["results"]
     assert {(x["scenario"], x["schedule"]) for x in res} == {
-        (sc, s) for sc in ("no_delay", "12ms_link0") for s in ("stock-1f1b", "zb", "pipemorph")}
+        (sc, s) for sc in ("no_delay", "12ms_link0") for s in ("stock-1f1b", "zb", "zb-delegated", "pipemorph")}
     for x in res:
         assert len(x["iterations_ms"]) == 2 and all(t > 0 for t in x["iterations_ms"])
         # Each iteration runs 4 micro-batches of F+B+W = 12 ms on every stage, at least.
