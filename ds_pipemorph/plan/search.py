@@ -124,7 +124,7 @@ def search(
 
     ``exact``: run the MILP (``milp`` extra) on the rest of the budget, warm-started with the best
     order; ``None`` (default) does so when highspy is installed and stages x micro-batches is at most
-    ``EXACT_MAX_OPS``; the heuristics then get the first 15 % of the budget.
+    ``EXACT_MAX_OPS``; the heuristics then get the first 40 % of the budget.
 
     The result is deterministic for a given seed when ``max_evals`` is reached before the time
     budget (tests do that); with only a time budget a faster machine may search further.
@@ -139,7 +139,7 @@ def search(
     if use_exact and not milp_available():
         raise ImportError("the exact planner needs highspy: pip install 'ds_pipemorph[milp]'")
     end = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
-    deadline = t0 + 0.15 * budget_s if use_exact else end
+    deadline = t0 + 0.4 * budget_s if use_exact else end
     evaluated = 0
     trace: list[tuple[float, float]] = []
 
