@@ -49,3 +49,9 @@ def test_spec_rejects_wrong_delay_counts():
     with pytest.raises(ValueError, match="2 delays for 3 links"):
         BenchSpec(stages=4, microbatches=4, op_ms=1, scenarios=[Scenario(name="x", links_ms=[0, 1])],
                   schedules=["zb"], iterations=1, warmup=0, progress_file="p", out="o")
+
+
+@pytest.mark.parametrize("args", [["--iterations", "0"], ["--delay-ms", "-5"]])
+def test_bad_demo_options_exit_2(tmp_path, args):
+    r = runner.invoke(app, ["demo", *args, "--out", str(tmp_path / "d.json")])
+    assert r.exit_code == 2 and not (tmp_path / "d.json").exists()
