@@ -17,7 +17,7 @@ from ds_pipemorph.bench.spec import LABELS, NOTES, SCHEDULES, BenchSpec, Scenari
 from pydantic import ValidationError
 
 from ds_pipemorph.fileio import BadInput, describe
-from ds_pipemorph.procs import kill_group
+from ds_pipemorph.procs import kill_group, versioned_extensions_dir
 
 from .common import console, parse_floats, user_errors
 
@@ -66,7 +66,8 @@ def bench(
 
 
 def _run(spec: BenchSpec, spec_path: Path, work: Path, timeout_s: float) -> dict:
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec.stages}",
            "-m", "ds_pipemorph.bench.worker", str(spec_path)]
     log = open(work / "ranks.log", "w")

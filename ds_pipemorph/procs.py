@@ -29,3 +29,17 @@ def run_group(cmd: list[str], timeout: float, **popen_kw) -> subprocess.Complete
         kill_group(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def versioned_extensions_dir() -> str:
+    """A torch-extensions cache keyed by the DeepSpeed and torch versions: a cache built by another
+    DeepSpeed version breaks the next job with an AttributeError."""
+    from importlib import metadata
+
+    def ver(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "none"
+
+    return os.path.expanduser(f"~/.cache/torch_extensions/ds_pipemorph-ds{ver('deepspeed')}-torch{ver('torch')}")
