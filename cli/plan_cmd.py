@@ -27,7 +27,7 @@ def plan(
     seed: int = typer.Option(0, "--seed", help="Seed of the local search (results are deterministic per seed)."),
     exact: Optional[bool] = typer.Option(
         None, "--exact/--no-exact",
-        help="Run the exact MILP on half the budget (needs the milp extra). Default: on for small cases when installed.",
+        help="Also run the exact MILP (needs the milp extra). Default: on for small cases with --budget >= 3 when installed.",
     ),
     greedy: bool = typer.Option(False, "--greedy", help="Only the paper's single greedy pass (Alg. 1 + Alg. 3/4)."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the planned timeline."),
