@@ -49,24 +49,6 @@ class Timeline:
         t = self.iteration_ms
         return 0.0 if t <= 0 else (t - max(self.work_ms)) / t
 
-    def by_stage(self) -> list[list[Slot]]:
-        rows: list[list[Slot]] = [[] for _ in range(self.stages)]
-        for s in self.slots:
-            rows[s.stage].append(s)
-        return rows
-
-
-def dependencies(stage: int, op: Op, stages: int):
-    """(stage, kind, link) the op waits for; link is the index whose delay applies, or None."""
-    k, s = op.kind, stage
-    if k == "F":
-        return [(s - 1, "F", s - 1)] if s > 0 else []
-    if k == "B":
-        if s == stages - 1:
-            return [(s, "F", None)]
-        return [(s + 1, "B", s), (s, "F", None)]
-    return [(s, "B", None)]
-
 
 _KIDX = {"F": 0, "B": 1, "W": 2}
 

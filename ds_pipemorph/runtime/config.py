@@ -1,8 +1,8 @@
 """The ``"pipemorph"`` section of a ds_config (DESIGN.md), validated with pydantic.
 
-Unknown keys and wrong types are refused naming the key. Fields that later issues implement
-validate now; values that ask for something not built yet are refused by ``check_available``
-with one sentence, never silently ignored.
+Unknown keys and wrong types are refused naming the key. Settings accepted but without effect in
+the chosen schedule (``delegation: auto`` without the adaptive control loop) are named in a warning
+at start-up (``pending_notes``).
 """
 from __future__ import annotations
 
@@ -93,13 +93,7 @@ def parse_config(section) -> PipeMorphConfig:
         cfg = PipeMorphConfig.model_validate(section)
     except ValidationError as e:
         raise PipeMorphConfigError(f"ds_config pipemorph: {describe(e)}") from None
-    check_available(cfg)
     return cfg
-
-
-def check_available(cfg: PipeMorphConfig) -> None:
-    """Refuse settings that later issues implement (with one sentence) instead of ignoring them."""
-    return None
 
 
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:
