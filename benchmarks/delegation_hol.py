@@ -1,8 +1,9 @@
 """Head-of-line blocking on a slow last link: direct vs delegated transport, same ZB-H1 plan.
 
-A transport-level pipeline (the engine is not wired to ``build_transport`` yet): 4 ranks, each runs its
-stage's ZB-H1 plan (``ds_pipemorph.plan.baselines.zb_h1``, 12 micro-batches, planned for equal 10 ms
-ops and no delay) with emulated ops (10 ms per F/B/W: tiny real math, then sleep, holding no CPU) and
+A transport-level pipeline (the transports alone, without DeepSpeed around them; ``pipemorph bench``
+measures the same paths inside the engine): 4 ranks, each runs its stage's part of the engine's
+``zb`` plan (ZB-H1 warm-up, ``runtime.plans.build_plan``, 12 micro-batches, planned for equal 10 ms
+ops) with emulated ops (10 ms per F/B/W: tiny real math, then sleep, holding no CPU) and
 exchanges real activation/gradient tensors through ``transports.build_transport``; 30 ms are injected
 on the last link. Link modes rotate at iteration boundaries (``set_link_mode``) so that every mode sees
 the same machine load: ``direct`` (DelayInjector: FIFO with one message in flight), ``delegated-slow``
@@ -36,11 +37,12 @@ def free_port() -> int:
 
 
 def zb_plan(stages: int, microbatches: int, op_ms: float) -> list[list[tuple[str, int]]]:
-    from ds_pipemorph.plan.baselines import zb_h1
-    from ds_pipemorph.plan.profile import Costs
+    """The plan the engine runs for ``schedule: zb`` (planned for 10 ms ops; ``op_ms`` is the same)."""
+    from ds_pipemorph.runtime.config import parse_config
+    from ds_pipemorph.runtime.plans import build_plan
 
-    costs = Costs(f=[op_ms] * stages, b=[op_ms] * stages, w=[op_ms] * stages, links=[0.0] * (stages - 1))
-    return [[(op.kind, op.mb) for op in row] for row in zb_h1(costs, microbatches)]
+    return [[(op.kind, op.mb) for op in row] for row in build_plan(parse_config({"schedule": "zb"}), stages,
+                                                                    microbatches)]
 
 
 def _op(ms: float, x):
@@ -202,7 +204,7 @@ def main() -> None:
                 ["delay ms", "mode", "iter ms", "send ms/msg slow link (median)", "(mean)", "(max)",
                  "blocked ms/iter", "load 1-min"], table)
     write_json(a.out, dict(benchmark="delegation_hol", pipeline="transport-level (engine not wired yet)",
-                           plan="zb_h1(costs 10/10/10 ms, no delay), 12 micro-batches", stages=STAGES,
+                           plan="the engine's zb plan (ZB-H1 warm-up, build_plan), 12 micro-batches", stages=STAGES,
                            op_ms=OP_MS, queues=a.queues, message_kib=a.act_kb, rounds=a.rounds, runs=runs,
                            events=sorted(events)))
 

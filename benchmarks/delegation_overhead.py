@@ -1,6 +1,6 @@
 """Overhead of the delegated path when nothing is slow: every link delegated vs every link direct.
 
-Same transport-level pipeline as ``delegation_hol.py`` (4 ranks, ZB-H1 plan, 12 micro-batches,
+Same transport-level pipeline as ``delegation_hol.py`` (4 ranks, the engine's zb plan, 12 micro-batches,
 emulated 10 ms F/B/W ops, real tensors exchanged through ``transports.build_transport``), no delay,
 activations (and gradients) of 1 MiB and 16 MiB. The two modes alternate at iteration boundaries
 (``set_link_mode``) so they share the machine's load; the ratio of median iteration times is
@@ -49,8 +49,8 @@ def main() -> None:
                 f"medians over {a.rounds} iterations per mode",
                 ["message MiB", "direct ms", "delegated ms", "ratio (medians)", "ratio (paired median)",
                  "load 1-min"], table)
-    write_json(a.out, dict(benchmark="delegation_overhead", pipeline="transport-level (engine not wired yet)",
-                           plan="zb_h1(costs 10/10/10 ms), 12 micro-batches", stages=STAGES, op_ms=OP_MS,
+    write_json(a.out, dict(benchmark="delegation_overhead", pipeline="transport-level (the transports without DeepSpeed; pipemorph bench measures them in the engine)",
+                           plan="the engine's zb plan (ZB-H1 warm-up, build_plan), 12 micro-batches", stages=STAGES, op_ms=OP_MS,
                            queues=a.queues, rounds=a.rounds, runs=runs, target="delegated <= 1.05 x direct"))
 
 

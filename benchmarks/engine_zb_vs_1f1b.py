@@ -25,6 +25,10 @@ from pathlib import Path
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 ENGINES = ("stock_1f1b", "pipemorph_zb", "pipemorph_adaptive")  # adaptive: extra row, Alg. 1 warm-up
+# Where an emulated op's 10 ms start (runtime/emulated.py): "instruction" = when the engine began
+# the instruction (its Python overlaps the op, as it overlaps launched kernels on a GPU; headline);
+# "op" = when the emulated math starts (every microsecond of engine work adds: the strict ruler).
+ANCHORS = ("instruction", "op")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -70,10 +74,13 @@ def build(kind: str):
 
 
 def time_compute_ops(engine) -> list:
-    """Wrap the engine's compute handlers (F, B, W, fused backward) to record [start, end] ns."""
+    """Wrap the engine's compute handlers (F, B, W, fused backward) to record [start, end] ns; stock
+    DeepSpeed's also publish their start, as PipeMorphEngine's recorder does (``oprecords``), so
+    that the emulated ops anchor their time the same way in both engines."""
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
     from ds_pipemorph.runtime.instructions import BackwardInputPass, BackwardWeightPass
+    from ds_pipemorph.runtime.emulated import anchor_stock_engine
 
     spans: list = []
 
@@ -85,7 +92,9 @@ def time_compute_ops(engine) -> list:
         return run
 
     kinds = (ForwardPass, BackwardPass, BackwardInputPass, BackwardWeightPass)
-    engine._INSTRUCTION_MAP = {k: (timed(v) if k in kinds else v) for k, v in type(engine)._INSTRUCTION_MAP.items()}
+    if not hasattr(engine, "recorder"):  # stock DeepSpeed: publish instruction starts as ours does
+        anchor_stock_engine(engine)
+    engine._INSTRUCTION_MAP = {k: (timed(v) if k in kinds else v) for k, v in engine._INSTRUCTION_MAP.items()}
     return spans
 
 
@@ -199,48 +208,62 @@ def main() -> int:
         "pipemorph_adaptive": replay(build_plan(parse_config({"schedule": "adaptive"}), STAGES, MICROBATCHES),
                                      costs, MICROBATCHES).iteration_ms,
     }
-    results, op_spans = {}, {}
+    from ds_pipemorph.runtime import emulated
+
+    results = {a: {} for a in ANCHORS}
+    op_spans = {a: {} for a in ANCHORS}
     for kind in ENGINES:
         engine = build(kind)
-        results[kind], op_spans[kind] = measure(engine, args.warmup, args.iters)
-        dist.barrier()
+        for anchor in ANCHORS:  # the same engine under both rulers, one after the other
+            emulated.ANCHOR = anchor
+            results[anchor][kind], op_spans[anchor][kind] = measure(engine, args.warmup, args.iters)
+            dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return 0
     block = block_in_subprocess(512, 128, 20, caching_malloc=False)
     block_cached = block_in_subprocess(512, 128, 20, caching_malloc=True)
     small = block_in_subprocess(256, 64, 40, caching_malloc=False)
-    med = {k: statistics.median(v) for k, v in results.items()}
-    med_ops = {k: statistics.median(v) for k, v in op_spans.items()}
-    report = {
-        "stages": STAGES, "microbatches": MICROBATCHES, "op_ms": OP_MS, "link_delay_ms": 0,
-        "iterations_measured": args.iters,
-        "engines": {k: {"predicted_ms": predicted[k], "median_ms": round(med[k], 3),
-                        "over_predicted": round(med[k] / predicted[k], 4),
-                        "iterations_ms": [round(x, 3) for x in results[k]],
-                        "op_span_median_ms": round(med_ops[k], 3),
-                        "op_span_over_predicted": round(med_ops[k] / predicted[k], 4),
-                        "op_spans_ms": [round(x, 3) for x in op_spans[k]]} for k in results},
-        "op_span_stock_over_ours": round(med_ops["stock_1f1b"] / med_ops["pipemorph_zb"], 4),
-        "ours_over_predicted": round(med["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
-        "stock_over_ours": round(med["stock_1f1b"] / med["pipemorph_zb"], 4),
+    report = {"stages": STAGES, "microbatches": MICROBATCHES, "op_ms": OP_MS, "link_delay_ms": 0,
+              "iterations_measured": args.iters, "anchors": {}}
+    for anchor in ANCHORS:
+        med = {k: statistics.median(v) for k, v in results[anchor].items()}
+        med_ops = {k: statistics.median(v) for k, v in op_spans[anchor].items()}
+        report["anchors"][anchor] = {
+            "engines": {k: {"predicted_ms": predicted[k], "median_ms": round(med[k], 3),
+                            "over_predicted": round(med[k] / predicted[k], 4),
+                            "iterations_ms": [round(x, 3) for x in results[anchor][k]],
+                            "op_span_median_ms": round(med_ops[k], 3),
+                            "op_span_over_predicted": round(med_ops[k] / predicted[k], 4),
+                            "op_spans_ms": [round(x, 3) for x in op_spans[anchor][k]]} for k in med},
+            "op_span_stock_over_ours": round(med_ops["stock_1f1b"] / med_ops["pipemorph_zb"], 4),
+            "ours_over_predicted": round(med["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
+            "ours_op_span_over_predicted": round(med_ops["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
+            "stock_over_ours": round(med["stock_1f1b"] / med["pipemorph_zb"], 4),
+        }
+        print(f"\nemulated ops anchored at the {anchor} start")
+        print(f"{'engine':<20}{'predicted ms':>14}{'median ms':>12}{'min ms':>10}{'max ms':>10}{'op span ms':>12}")
+        for k, v in results[anchor].items():
+            print(f"{k:<20}{predicted[k]:>14.1f}{med[k]:>12.1f}{min(v):>10.1f}{max(v):>10.1f}{med_ops[k]:>12.1f}")
+        r = report["anchors"][anchor]
+        print(f"ours / predicted = {r['ours_over_predicted']:.4f} (op span {r['ours_op_span_over_predicted']:.4f}; "
+              f"target <= 1.03);  stock / ours = {r['stock_over_ours']:.4f} (target >= 1.10)")
+    print("(median/min/max: barrier to the last rank's return from train_batch; op span: DESIGN.md's "
+          "iteration time, first F/B/W start to last F/B/W end over all ranks)")
+    head = report["anchors"]["instruction"]
+    report.update({
+        "ours_over_predicted": head["ours_over_predicted"], "stock_over_ours": head["stock_over_ours"],
         "transformer_block_split": block,
         "transformer_block_split_caching_malloc": block_cached,
         "small_transformer_block_split": small,
         "targets": {"ours_over_predicted_max": 1.03, "stock_over_ours_min": 1.10, "split_over_fused_max": 1.05},
-    }
+    })
     report["targets_met"] = {
-        "ours_over_predicted": report["ours_over_predicted"] <= 1.03,
-        "stock_over_ours": report["stock_over_ours"] >= 1.10,
+        "ours_over_predicted": head["ours_over_predicted"] <= 1.03,
+        "ours_over_predicted_strict": report["anchors"]["op"]["ours_over_predicted"] <= 1.03,
+        "stock_over_ours": head["stock_over_ours"] >= 1.10,
         "split_over_fused": block["ratio"] <= 1.05,
     }
-    print(f"\n{'engine':<20}{'predicted ms':>14}{'median ms':>12}{'min ms':>10}{'max ms':>10}{'op span ms':>12}")
-    for k, v in results.items():
-        print(f"{k:<20}{predicted[k]:>14.1f}{med[k]:>12.1f}{min(v):>10.1f}{max(v):>10.1f}{med_ops[k]:>12.1f}")
-    print("(median/min/max: barrier to the last rank's return from train_batch; op span: DESIGN.md's "
-          "iteration time, first F/B/W start to last F/B/W end over all ranks)")
-    print(f"ours / predicted = {report['ours_over_predicted']:.4f} (target <= 1.03)")
-    print(f"stock / ours     = {report['stock_over_ours']:.4f} (target >= 1.10)")
     for b in (block, block_cached, small):
         print(f"{b['block']}, {b['malloc']}: fused {b['fused_ms']:.2f} ms, B {b['b_ms']:.2f} + W {b['w_ms']:.2f} "
               f"= {b['b_plus_w_ms']:.2f} ms, ratio {b['ratio']:.4f} (min/min {b['ratio_of_minimums']:.4f}; "

@@ -1,6 +1,8 @@
 """What one ``pipemorph bench`` run measures: the pipeline, the delay scenarios and the schedules."""
 from __future__ import annotations
 
+from typing import Optional
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEDULES = ("stock-1f1b", "zb", "zb-delegated", "pipemorph")
@@ -19,9 +21,13 @@ NOTES = {
 
 
 class Scenario(BaseModel):
+    """One delay setting: static delays per link, or a delay trace replayed from each row's first
+    iteration (then ``links_ms`` holds the trace's mean delays, which the predicted column uses)."""
+
     model_config = ConfigDict(extra="forbid")
     name: str
     links_ms: list[float]
+    trace: Optional[str] = None
 
 
 class BenchSpec(BaseModel):

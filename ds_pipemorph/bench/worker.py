@@ -5,7 +5,15 @@ schedule for ``warmup + iterations`` iterations on an emulated pipeline (F, B, W
 ``op_ms``, real tiny math) and records per iteration the time from a barrier before
 ``train_batch`` to the last rank's return. The PipeMorph row is the engine's ``adaptive`` schedule
 with its control loop: it measures ops and links itself and re-plans (never reading the injection
-settings); the warm-up iterations give it time to act. Rank 0 writes the results as JSON.
+settings); the warm-up iterations give it time to act, and its row also reports what that control
+loop cost (``profiler_overhead``). Rank 0 writes the results as JSON.
+
+A scenario with a delay trace replays it on every row from t = 0 at that row's first iteration
+(warm-up included): one epoch for all ranks, taken by rank 0 after a barrier and broadcast (one
+host: one monotonic clock), set on the engine's delay schedule (its delegates read it from there)
+and on the stock engine's patch alike. Should delegates that started with the engine (the
+delegation-only row) have taken an epoch already, that one stays, and how far it was before the
+first iteration is reported (``trace_skew_s``, 0 when every row starts together).
 """
 from __future__ import annotations
 
@@ -22,15 +30,16 @@ from ..fileio import load_model, write_atomic
 from ..plan.baselines import deepspeed_1f1b
 from ..plan.profile import Costs
 from ..plan.simulate import replay
-from ..runtime.inject import DelaySchedule
-from .spec import BenchSpec
+from ..runtime.inject import DelaySchedule, load_trace
+from .spec import BenchSpec, Scenario
 
-def build_engine(spec: BenchSpec, schedule: str, links_ms: list[float]):
+
+def build_engine(spec: BenchSpec, schedule: str, sc: Scenario):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.runtime.emulated import EmulatedStage
+    from ds_pipemorph.runtime.emulated import EmulatedStage, anchor_stock_engine
 
     torch.manual_seed(0)
     t = spec.op_ms
@@ -41,14 +50,40 @@ def build_engine(spec: BenchSpec, schedule: str, links_ms: list[float]):
            "steps_per_print": 10**9}
     if schedule == "stock-1f1b":
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        anchor_stock_engine(engine)  # emulated ops count from the instruction's start, as in ours
         return engine
-    inject = {"links": {str(i): {"delay_ms": c} for i, c in enumerate(links_ms) if c > 0}}
+    if sc.trace:
+        inject = {"trace": sc.trace}
+    else:
+        inject = {"links": {str(i): {"delay_ms": c} for i, c in enumerate(sc.links_ms) if c > 0}}
     delegation = {"zb": "off", "zb-delegated": "always", "pipemorph": "auto"}[schedule]
     section = {"schedule": "adaptive" if schedule == "pipemorph" else "zb", "delegation": {"mode": delegation},
                "adapt": {"enabled": schedule == "pipemorph"}, "inject": inject, "nvtx": False}
     cfg["pipemorph"] = section
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
+
+
+def start_trace(engine, stock: DelaySchedule | None, delegates_started: bool) -> float:
+    """Put t = 0 of the delay trace here, on every rank (collective). Delegates started with the engine
+    (``delegates_started``) copied its epoch already: that one stays (both paths of a link must agree)
+    and the seconds it leads by are returned, max over ranks (else 0)."""
+    dist.barrier()
+    epoch = torch.tensor([time.monotonic()], dtype=torch.float64)
+    dist.broadcast(epoch, 0)
+    t0 = epoch.item()
+    skew = 0.0
+    transport = getattr(engine, "transport", None)
+    schedules = {id(d): d for d in (stock, getattr(getattr(transport, "direct", None), "delays", None),
+                                    getattr(getattr(transport, "delegated", None), "delays", None)) if d is not None}
+    for d in schedules.values():
+        if delegates_started and d._t0 is not None:
+            skew = max(skew, t0 - d._t0)
+        else:  # a send during start-up may have started it: the trace starts now
+            d._t0 = t0
+    lead = torch.tensor([skew], dtype=torch.float64)
+    dist.all_reduce(lead, op=dist.ReduceOp.MAX)
+    return lead.item()
 
 
 def measure(spec: BenchSpec, engine) -> list[float]:
@@ -72,11 +107,21 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
     S, N = spec.stages, spec.microbatches
     if schedule == "stock-1f1b":
         return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, hol=True).iteration_ms
-    if schedule == "zb-delegated":
-        return replay(engine.plan, costs, N).iteration_ms  # delegated links never block the sender
-    if schedule == "pipemorph":  # "auto": links the control loop moved to delegates do not block
-        return replay(engine.plan, costs, N, hol=engine.adapter._direct(engine.adapter.detector.planned_for)).iteration_ms
+    if schedule == "zb-delegated":  # every link: k FIFOs served by delegates, the sender never blocks
+        return replay(engine.plan, costs, N, hol=engine.transport.delegated.k).iteration_ms
+    if schedule == "pipemorph":  # "auto": links the control loop moved to delegates, with their queues
+        return replay(engine.plan, costs, N, hol=engine.adapter.model(engine.adapter.detector.planned_for)).iteration_ms
     return replay(engine.plan, costs, N, hol=True).iteration_ms
+
+
+def ratios_to_pipemorph(results: list[dict]) -> dict:
+    """Per scenario with a PipeMorph row: every schedule's mean iteration time over PipeMorph's."""
+    out = {}
+    for name in dict.fromkeys(r["scenario"] for r in results):
+        mine = {r["schedule"]: r for r in results if r["scenario"] == name}
+        if "pipemorph" in mine:
+            out[name] = {k: round(r["mean_ms"] / mine["pipemorph"]["mean_ms"], 3) for k, r in mine.items()}
+    return out
 
 
 def main(spec_path: str) -> None:
@@ -88,19 +133,22 @@ def main(spec_path: str) -> None:
     rank = dist.get_rank()
     results, step, total = [], 0, len(spec.scenarios) * len(spec.schedules)
     for sc in spec.scenarios:
-        delays = DelaySchedule(sc.links_ms)
-        costs = Costs.uniform(spec.stages, spec.op_ms, sc.links_ms)
+        trace = load_trace(sc.trace, spec.stages - 1) if sc.trace else None
+        costs = Costs.uniform(spec.stages, spec.op_ms, sc.links_ms)  # a trace's: its mean delays
         for schedule in spec.schedules:
-            patch = None
-            if schedule == "stock-1f1b" and any(sc.links_ms):
+            patch, stock_delays = None, None
+            if schedule == "stock-1f1b" and (trace is not None or any(sc.links_ms)):
                 from ..runtime.stock_inject import install
 
-                patch = install(delays)
-            engine = build_engine(spec, schedule, sc.links_ms)
+                stock_delays = DelaySchedule(sc.links_ms if trace is None else [0.0] * (spec.stages - 1), trace)
+                patch = install(stock_delays)
+            engine = build_engine(spec, schedule, sc)
+            skew = start_trace(engine, stock_delays, schedule == "zb-delegated") if trace is not None else 0.0
             times = measure(spec, engine)
             predicted = predicted_ms(spec, schedule, costs, engine)
             adapter = getattr(engine, "adapter", None)
             replans = [vars(r) for r in adapter.replans] if adapter is not None else []
+            overhead = adapter.overhead_report() if adapter is not None else None
             if patch:
                 patch["drain"]()
                 patch["uninstall"]()
@@ -110,13 +158,19 @@ def main(spec_path: str) -> None:
             dist.barrier()
             step += 1
             if rank == 0:
-                results.append({"scenario": sc.name, "links_ms": sc.links_ms, "schedule": schedule,
-                                "iterations_ms": times, "median_ms": sorted(times)[len(times) // 2],
-                                "predicted_ms": predicted, "replans": replans})
+                row = {"scenario": sc.name, "links_ms": sc.links_ms, "trace": sc.trace, "schedule": schedule,
+                       "iterations_ms": times, "median_ms": sorted(times)[len(times) // 2],
+                       "mean_ms": sum(times) / len(times), "predicted_ms": predicted, "replans": replans}
+                if trace is not None:
+                    row["trace_skew_s"] = round(skew, 3)
+                if overhead is not None:
+                    row["profiler_overhead"] = overhead
+                results.append(row)
                 with open(spec.progress_file, "a") as f:
                     f.write(f"{step} {total} {sc.name} {schedule}\n")
     if rank == 0:
-        write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "results": results}, indent=2))
+        write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "results": results,
+                                           "ratios": ratios_to_pipemorph(results)}, indent=2))
     dist.barrier()
     dist.destroy_process_group()
 

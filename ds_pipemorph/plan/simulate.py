@@ -54,7 +54,7 @@ _KIDX = {"F": 0, "B": 1, "W": 2}
 
 
 def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
-           hol: Union[bool, Sequence[bool]] = False) -> Timeline:
+           hol: Union[bool, int, Sequence[Union[bool, int]]] = False) -> Timeline:
     """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.
 
     ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
@@ -69,24 +69,30 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
 
 
 def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
-             hol: Union[bool, Sequence[bool]] = False) -> float:
+             hol: Union[bool, int, Sequence[Union[bool, int]]] = False) -> float:
     """``replay(...).iteration_ms`` without building the timeline (the search's inner loop)."""
     t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, hol)
     return t1 - t0
 
 
 def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
-         hol: Union[bool, Sequence[bool]] = False):
+         hol: Union[bool, int, Sequence[Union[bool, int]]] = False):
     """Event-driven core of ``replay``: (first start, last end, busy ms per stage).
 
-    ``hol`` (one flag, or one per link): a link with delay c is a FIFO holding one message in
-    flight (DESIGN.md's direct link): a message departs when the previous one has arrived, and its
-    sender is blocked until then. Otherwise a message arrives c after it was sent (delegated links).
+    ``hol`` (one value, or one per link) is the link model of DESIGN.md. ``True``: a direct link,
+    one FIFO holding one message in flight: a message departs when the previous one has arrived,
+    and its sender is blocked until then. An int k >= 1: a delegated link, k independent FIFOs
+    (message n of a direction travels in FIFO n % k, as the delegated transport sends them), and
+    the sender never waits. ``False``: pure latency, a message arrives c after it was sent.
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    fifo = [bool(hol)] * (S - 1) if isinstance(hol, bool) else [bool(h) for h in hol]
+    model = [hol] * (S - 1) if isinstance(hol, (bool, int)) else list(hol)
+    fifo = [h is True for h in model]  # direct: one message in flight, the sender blocks
+    queues = [0 if isinstance(h, bool) else int(h) for h in model]  # delegated: k FIFOs
+    qfree = [[[0.0] * max(q, 1) for q in queues] for _ in range(2)]  # [direction][link][fifo]
+    qnext = [[0] * (S - 1) for _ in range(2)]  # [direction][link]: the next message's number
     inf = float("inf")
     first, last_end = inf, 0.0
     end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
@@ -105,10 +111,19 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
 
     def send(s: int, d: int, t_send: float, c: float) -> tuple[float, float]:
         """(arrival, departure) of a message stage s sends at t_send in direction d (0 down, 1 up)."""
-        if c > 0 and fifo[s - d]:
+        link = s - d
+        if c > 0 and fifo[link]:
             depart = t_send if t_send > link_free[s][d] else link_free[s][d]
             link_free[s][d] = depart + c
             return depart + c, depart
+        if c > 0 and queues[link]:
+            n = qnext[d][link]
+            qnext[d][link] = n + 1
+            lane = qfree[d][link]
+            i = n % queues[link]
+            depart = t_send if t_send > lane[i] else lane[i]
+            lane[i] = depart + c
+            return depart + c, t_send
         return t_send + c, t_send
 
     while queue:

@@ -1,25 +1,37 @@
 """The control loop inside the engine (PipeMorph §6): measure, detect, re-plan — no oracle.
 
 After every iteration each rank contributes what it measured itself: the median F, B and W times
-of its stage (from the op records) and the one-way delay of its links, probed at the iteration
-boundary: every rank sends one stamped message down and one up through the engine's own transport
-(so a slow or delegated link is measured as training uses it) and the receivers subtract the send
-stamp, corrected by the clock offset between the two neighbours estimated at start-up. (Stamping
-every training message was tried first: on gloo a message's receive can complete late because it
-queues behind the process group's other pending operations, which read as link delay.) The
-numbers are all-gathered, so every rank feeds the identical detector the identical input; when it
+of its stage (from the op records) and, per message of the iteration, when its sends ended and when
+its receives started and ended (the op records again: nothing extra travels, and a slow or
+delegated link is measured as training uses it). Every message's transit is then the receive's end
+minus the send's end, corrected by the clock offset between the two neighbours estimated at start-up;
+each message's value is at least its true transit (a receive that started after the message was in
+reads late), so the smallest over an iteration is the link's delay, and it is exact whenever one
+receive was waiting when its message came, which the first activation of an iteration always is.
+Per direction, values from receives that waited are preferred; a link's delay is the slower of its
+directions. (An earlier version probed every link at every boundary with a stamped message after a
+barrier; on a slow link that cost the link's delay per iteration, and a probe put into a one-message
+direct FIFO delays the next real message.) The numbers are all-gathered, so every rank feeds the
+identical detector the identical input; when it
 asks for a re-plan, every rank runs the same deterministic search (bounded by evaluations, not by
 time) and adopts the same plan at the next iteration. A hash of the plan is compared across ranks
 to prove it. Nothing here reads the injection settings.
+
+Its own cost is measured as it runs (``overhead.Overhead``, one per iteration boundary and rank:
+wall time in each part of this code, plus the per-op timestamps at a cost calibrated at start-up)
+and shipped with the next iteration's all-gather, so every rank can report the cost on the
+critical path (``overhead_report``; rank 0 logs it every ``LOG_EVERY`` iterations and in
+``close``). With ``profile_out`` rank 0 writes the smoothed measurements as a profile file
+(``profile_export``) at every re-plan and in ``close``.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Optional
 
 import torch
@@ -27,19 +39,25 @@ import torch.distributed as dist
 
 from ..control.detector import DetectorConfig, LinkDetector
 from ..plan.profile import Costs
+from ..plan.queues import queues_needed
 from ..plan.search import search
 from ..plan.simulate import Schedule, replay, warmup_counts
 from ..plan.tolerance import link_tolerances
+from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
+from .profile_export import ProfileExport
 
 logger = logging.getLogger(__name__)
 
-PROBE_MB = (1 << 18) - 1  # a micro-batch id no plan uses: probe messages get their own tags
 REPLAN_EVALS = 2000
+WAITED_NS = 200_000  # a receive that lasted this long was waiting when its message came: exact transit
 # Links run on the direct transport: a slow one holds one message in flight and blocks its sender,
 # so plans are scored with that model (a burst of warm-up sends costs what it costs on the wire).
 HOL = True  # search effort per re-plan; an evaluation bound keeps every rank's plan identical
 _CLOCK_TAG = 3 << 24
 _PINGS = 5
+LOG_EVERY = 100  # rank 0 logs the profiler's overhead every this many iterations (and in close())
+_LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, W, upstream rank, downstream rank
+_TIMES = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")  # per-message blocks after the overhead (see _message_times)
 
 
 @dataclass
@@ -93,50 +111,136 @@ def estimate_clock_offsets(grid, stage_id: int, stages: int) -> dict[int, int]:
 class Adapter:
     def __init__(self, stages: int, microbatches: int, stage_id: int, plan: Schedule, costs: Costs,
                  caps: Optional[list[int]], every: int, clock_offsets: dict[int, int],
-                 delegation: str = "off", detector: DetectorConfig = DetectorConfig()):
+                 delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
+                 profile_out: Optional[str] = None, neighbours: tuple[int, int] = (-1, -1),
+                 queues: tuple[int, int] = (2, 2)):
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.caps = caps
         self.every = every
         self.clock_offsets = clock_offsets
         self.delegation = delegation
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pipemorph-probe")
+        self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline (-1: none)
+        self.min_queues, self.max_queues = queues  # delegate FIFOs per delegated link direction
+        self.link_queues = [self.min_queues] * (stages - 1)  # what each link has (or gets when delegated)
         self.costs = costs
         self.detector = LinkDetector(stages - 1, detector)
-        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=self._direct([0.0] * (stages - 1)))
+        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=self.model([0.0] * (stages - 1)))
         self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in tol])
         self.iteration = -1
         self.replans: list[Replan] = []
         self.measured: list[list[Optional[float]]] = []  # per iteration, per link
+        self.overheads: list[Overhead] = []  # this rank's, per iteration boundary
+        self.overhead_book = OverheadBook()  # every rank's, one iteration behind
+        self._stamp_ns = stamp_cost_ns()
+        self._last_enter: Optional[int] = None
+        self.profile_out = profile_out
+        self.rank = dist.get_rank()
+        self.export = ProfileExport(stages, microbatches, caps)
+        self._closed = False
+        atexit.register(self.close)  # the profile and the overhead line also when nobody calls close()
 
-    def after_iteration(self, records, transport) -> Optional[Schedule]:
+    def after_iteration(self, records, device_ms: Optional[dict[str, float]] = None) -> Optional[Schedule]:
         """Called on every rank at the same iteration boundary; returns the new plan or None."""
+        enter = time.perf_counter_ns()
+        period = -1.0 if self._last_enter is None else (enter - self._last_enter) / 1e6
+        self._last_enter = enter
         self.iteration += 1
-        mine = self._local(records, transport)
+        oh = Overhead(stamps=len(records) * self._stamp_ns / 1e6)
+        prev = self.overheads[-1] if self.overheads else None
+        mine = self._local(records, oh, device_ms)
+        shipped = list(astuple(prev)) if prev is not None else [-1.0] * len(OVERHEAD_FIELDS)
+        t = time.perf_counter_ns()
+        times = self._message_times(records)
+        oh.links = _ms_since(t)
+        mine = torch.cat([mine, torch.tensor([*shipped, period], dtype=torch.float64), times])
+        t = time.perf_counter_ns()
+        dist.barrier()  # waiting for the last rank to finish its iteration is not the loop's cost
+        oh.sync = _ms_since(t)
+        t = time.perf_counter_ns()
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        table = torch.stack(everyone)  # rows: [stage, f, b, w, delay in (link s-1), delay in (link s)]
-        f, b, w, links = self._per_stage(table)
+        table = torch.stack(everyone)  # rows: [stage, f, b, w, up rank, down rank, overhead..., period, times...]
+        oh.exchange = _ms_since(t)
+        try:
+            if prev is not None:
+                self.overhead_book.add(table[:, _LOCAL:_LOCAL + len(OVERHEAD_FIELDS) + 1])
+            return self._decide(table, oh)
+        finally:
+            oh.other = max(0.0, _ms_since(enter) - (oh.counted() - oh.stamps) - oh.sync)
+            self.overheads.append(oh)
+            if self.rank == 0 and self.iteration and self.iteration % LOG_EVERY == 0:
+                self._log_overhead()
+
+    def _decide(self, table: torch.Tensor, oh: Overhead) -> Optional[Schedule]:
+        t = time.perf_counter_ns()
+        raw_f, raw_b, raw_w = self._raw_per_stage(table)
+        oh.stats += _ms_since(t)
+        t = time.perf_counter_ns()
+        links = self._link_delays(table)
+        oh.links += _ms_since(t)
+        t = time.perf_counter_ns()
+        f, b, w = (self._rounded(raw, old) for raw, old in ((raw_f, self.costs.f), (raw_b, self.costs.b),
+                                                             (raw_w, self.costs.w)))
         self.measured.append(links)
+        if self.iteration > 0:  # the first iteration exchanges layouts and warms up: not representative
+            self.export.add(raw_f, raw_b, raw_w, links)
+        oh.stats += _ms_since(t)
         if self.iteration == 0 or (self.iteration + 1) % self.every:
-            return None  # the first iteration exchanges layouts and warms up: not representative
+            return None
+        t = time.perf_counter_ns()
         target = self.detector.observe(links)
+        oh.detect = _ms_since(t)
         if target is None:
             return None
+        t = time.perf_counter_ns()
         costs = Costs(f, b, w, target)
         direct = self._direct(target)
         plan = search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
                       max_evals=REPLAN_EVALS, hol=direct).schedule
         self._check_same_everywhere(plan)
-        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=direct)]
+        model = self._size_queues(plan, costs, direct)
+        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=model)]
         self.detector.adopt(target, tol)
         self.costs = costs
-        predicted = replay(plan, costs, self.N, hol=direct).iteration_ms
+        predicted = replay(plan, costs, self.N, hol=model).iteration_ms
         ev = Replan(self.iteration, links, target, predicted, warmup_counts(plan), [[str(o) for o in r] for r in plan])
         self.replans.append(ev)
-        if dist.get_rank() == 0:
+        oh.replan = _ms_since(t)
+        if self.rank == 0:
             logger.warning("pipemorph: after iteration %d measured link delays %s ms -> re-planned for %s ms: "
                            "warm-up %s, predicted %.1f ms", ev.iteration, _fmt(links), target, ev.warmup, predicted)
+            t = time.perf_counter_ns()
+            self._write_profile(f"re-plan after iteration {ev.iteration}")
+            oh.export = _ms_since(t)
         return plan
+
+    def _write_profile(self, note: str) -> None:
+        """Rank 0: the smoothed measurements to ``profile_out`` (nothing without it or before any measurement)."""
+        if self.profile_out and self.export.ready():
+            try:
+                self.export.write(self.profile_out, note)
+            except OSError as e:  # a full disk must not stop training: say so once per write
+                logger.warning("pipemorph: cannot write profile_out %s (%s)", self.profile_out, e)
+
+    def overhead_report(self) -> Optional[dict]:
+        """The profiler's cost per iteration (``OverheadBook.report``); None before the third iteration."""
+        return self.overhead_book.report(len(self.replans), self._stamp_ns)
+
+    def _log_overhead(self) -> None:
+        r = self.overhead_report()
+        if r is not None:
+            logger.warning("pipemorph: %s", OverheadBook.describe(r))
+
+    def close(self) -> None:
+        """End of training (idempotent; also at interpreter exit): rank 0 writes ``profile_out`` and logs
+        the profiler's overhead."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self.rank == 0:  # the process group may be gone already (at exit): nothing here needs it
+            self._write_profile(f"end of training, after {self.iteration + 1} iterations")
+            self._log_overhead()
 
     def _direct(self, target: list[float]) -> list[bool]:
         """Per link, whether it runs direct under ``target``: there a slow link holds one message in
@@ -147,8 +251,28 @@ class Adapter:
             return [d <= 0 for d in target]
         return [True] * len(target)
 
+    def model(self, target: list[float]) -> list:
+        """The simulator's link model (``simulate.replay``'s ``hol``) under ``target``: True for a
+        direct link, the queue count of a delegated one."""
+        return [True if d else k for d, k in zip(self._direct(target), self.link_queues)]
+
+    def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list:
+        """Give each delegated link the fewest queues (at least what it has, at most ``max_queues``)
+        with which its delegates keep pace with ``plan`` (``plan.queues.queues_needed``); returns the
+        link model with those counts. The same numbers on every rank: the same decision."""
+        model: list = [True if d else False for d in direct]
+        for i, d in enumerate(direct):
+            if not d:
+                model[i] = self.link_queues[i] = queues_needed(
+                    plan, costs, self.N, i, hol=model, lo=self.link_queues[i], hi=max(self.link_queues[i],
+                                                                                      self.max_queues))
+        return model
+
     def link_modes(self) -> dict[int, str]:
-        """With delegation "auto": links planned for a delay go delegated, the others direct."""
+        """Links planned for a delay go delegated under "auto", the others direct; every link is
+        delegated under "always" (listed so that its queue count can grow); nothing under "off"."""
+        if self.delegation == "always":
+            return {i: "delegated" for i in range(self.S - 1)}
         if self.delegation != "auto":
             return {}
         return {i: ("delegated" if d > 0 else "direct") for i, d in enumerate(self.detector.planned_for)}
@@ -164,53 +288,92 @@ class Adapter:
                 caps[i] = caps[i + 1] = self.N
         return caps
 
-    def _local(self, records, transport) -> torch.Tensor:
+    def _local(self, records, oh: Overhead, device_ms: Optional[dict[str, float]] = None) -> torch.Tensor:
+        """[stage, median F, B, W (ms; device times from CUDA events where given), upstream, downstream rank]."""
+        t = time.perf_counter_ns()
         dur = {"F": [], "B": [], "W": []}
-        for r in records:
-            if r.op[:1] in dur and r.op[1:].isdigit():
-                dur[r.op[0]].append((r.end_ns - r.start_ns) / 1e6)
+        if device_ms is not None:
+            for op, ms in device_ms.items():
+                dur[op[0]].append(ms)
+        else:
+            for r in records:
+                if r.op[:1] in dur and r.op[1:].isdigit():
+                    dur[r.op[0]].append((r.end_ns - r.start_ns) / 1e6)
         med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in "FBW"]
-        delays = self._probe(transport)
-        return torch.tensor([float(self.stage_id), *med, *delays], dtype=torch.float64)
+        oh.stats = _ms_since(t)
+        return torch.tensor([float(self.stage_id), *med, *map(float, self.neighbours)], dtype=torch.float64)
 
-    def _probe(self, transport) -> list[float]:
-        """[delay of the activation from stage s-1, of the gradient from stage s+1] in ms (-1: none).
+    def _message_times(self, records) -> torch.Tensor:
+        """Per message of this iteration, on this rank's clock shifted to each neighbour's where that
+        neighbour reads it: blocks of N for [SEND_F end, SEND_B end, RECV_F start, RECV_F end, RECV_B
+        start, RECV_B end] (ns, -1 = none), then this rank's clock minus its upstream and downstream
+        neighbour's."""
+        N = self.N
+        out = torch.full((6 * N + 2,), -1.0, dtype=torch.float64)
+        base = {"SEND_F": 0, "SEND_B": N, "RECV_F": 2 * N, "RECV_B": 4 * N}
+        for r in records:
+            head, _, mb = r.op.rpartition("_")
+            key = f"{head}_{mb[:1]}"
+            if key not in base or not mb[1:].isdigit() or int(mb[1:]) >= N:
+                continue
+            m = int(mb[1:])
+            if key.startswith("SEND"):
+                out[base[key] + m] = r.end_ns
+            else:
+                out[base[key] + 2 * m] = r.start_ns
+                out[base[key] + 2 * m + 1] = r.end_ns
+        up, down = self.stage_id - 1, self.stage_id + 1
+        out[6 * N] = float(self.clock_offsets.get(up, 0))
+        out[6 * N + 1] = float(self.clock_offsets.get(down, 0))
+        return out
 
-        Every rank sends one stamped message down and one up at the same moment (after a barrier)
-        and waits for its two incoming ones on two threads, each noting when its message is in; so
-        neither arrival is read late because the rank was waiting for the other one. (gloo's
-        ``is_completed`` only turns true inside ``wait``, so polling cannot do this.)
+    def _link_delays(self, table: torch.Tensor) -> list[Optional[float]]:
+        """Per link, the slower direction's smallest message transit in ms (None: no message seen).
+
+        Receiver rows pair with their sender's row by global rank (``neighbours``), so each pipeline
+        of a data-parallel job is measured on its own; the slowest replica counts.
         """
-        s, last = self.stage_id, self.S - 1
-        incoming = [(kind, src) for kind, src in (("F", s - 1), ("B", s + 1)) if 0 <= src <= last]
-        for kind, _ in incoming:
-            transport.post_recv(kind, PROBE_MB)
-        dist.barrier()
-        waits = [self._pool.submit(_timed_recv, transport, kind) for kind, _ in incoming]
-        now = torch.tensor([time.monotonic_ns()], dtype=torch.int64)
-        if s < last:
-            transport.send("F", PROBE_MB, now)
-        if s > 0:
-            transport.send("B", PROBE_MB, now)
-        out = {"F": -1.0, "B": -1.0}
-        for (kind, src), fut in zip(incoming, waits):
-            sent, got = fut.result()
-            out[kind] = max(0.0, (got - sent - self.clock_offsets.get(src, 0)) / 1e6)
-        transport.wait_sends()
-        return [out["F"], out["B"]]
+        N, times0 = self.N, _LOCAL + len(OVERHEAD_FIELDS) + 1
+        rows = {int(r): table[r] for r in range(table.shape[0])}
+        per_link: list[list[tuple[bool, float]]] = [[] for _ in range(self.S - 1)]
+        for r, row in rows.items():
+            s = int(row[0].item())
+            t = row[times0:].tolist()
+            for kind, sender, link, off_col, send_base, recv_base in (
+                    ("F", int(row[4].item()), s - 1, 6 * N, 0, 2 * N),
+                    ("B", int(row[5].item()), s, 6 * N + 1, N, 4 * N)):
+                if sender < 0 or sender not in rows:
+                    continue
+                sent = rows[sender][times0 + send_base: times0 + send_base + N].tolist()
+                offset = t[off_col]  # this (receiving) rank's clock minus the sender's
+                clean, bound = [], []
+                for m in range(N):
+                    start, end = t[recv_base + 2 * m], t[recv_base + 2 * m + 1]
+                    if sent[m] < 0 or end < 0:
+                        continue
+                    transit = max(0.0, (end - offset - sent[m]) / 1e6)
+                    (clean if end - start >= WAITED_NS else bound).append(transit)
+                if clean or bound:  # every value bounds its own message's transit from above
+                    per_link[link].append((bool(clean), min(clean + bound)))
+        out: list[Optional[float]] = []
+        for samples in per_link:
+            clean = [v for ok, v in samples if ok]
+            if clean:
+                out.append(round(max(clean), 3))
+            elif samples:  # no receive waited: each value only bounds the transit from above
+                out.append(round(min(v for _, v in samples), 3))
+            else:
+                out.append(None)
+        return out
 
-    def _per_stage(self, table: torch.Tensor):
-        """Max over data-parallel replicas of each stage; per link the slower of its two directions."""
-        S = self.S
-        rows = [table[table[:, 0] == s] for s in range(S)]
-        f = [_round(r[:, 1].max().item(), self.costs.f[s]) for s, r in enumerate(rows)]
-        b = [_round(r[:, 2].max().item(), self.costs.b[s]) for s, r in enumerate(rows)]
-        w = [_round(r[:, 3].max().item(), self.costs.w[s]) for s, r in enumerate(rows)]
-        links: list[Optional[float]] = []
-        for i in range(S - 1):
-            vals = [v for v in (rows[i + 1][:, 4].max().item(), rows[i][:, 5].max().item()) if v >= 0]
-            links.append(round(max(vals), 3) if vals else None)
-        return f, b, w, links
+    def _raw_per_stage(self, table: torch.Tensor):
+        """F, B and W per stage: the max over data-parallel replicas (-1: op not seen)."""
+        rows = [table[table[:, 0] == s] for s in range(self.S)]
+        return tuple([r[:, col].max().item() for r in rows] for col in (1, 2, 3))
+
+    @staticmethod
+    def _rounded(raw: list[float], previous: list[float]) -> list[float]:
+        return [_round(ms, old) for ms, old in zip(raw, previous)]
 
     def _check_same_everywhere(self, plan: Schedule) -> None:
         digest = int.from_bytes(hashlib.sha256(repr(plan).encode()).digest()[:7], "big")
@@ -220,10 +383,8 @@ class Adapter:
             raise RuntimeError(f"rank {dist.get_rank()}: ranks computed different plans at iteration {self.iteration}")
 
 
-def _timed_recv(transport, kind: str) -> tuple[int, int]:
-    """(send stamp, arrival time) of this rank's incoming probe of ``kind``."""
-    stamp = transport.recv(kind, PROBE_MB)
-    return int(stamp.item()), time.monotonic_ns()
+def _ms_since(t_ns: int) -> float:
+    return (time.perf_counter_ns() - t_ns) / 1e6
 
 
 def _round(ms: float, fallback: float) -> float:

@@ -42,16 +42,49 @@ class AdaptConfig(_Strict):
 
 class DelegationConfig(_Strict):
     mode: Literal["off", "auto", "always"] = "auto"
-    queues: int = Field(2, ge=1)
+    queues: int = Field(2, ge=1)  # delegate FIFOs per link direction at the start
+    # The control loop gives a delegated link more queues, up to this many, when its delay needs them
+    # to keep pace with the stages (§5.2: k FIFOs carry k messages per delay); = queues: never grows.
+    max_queues: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _max_at_least_queues(self):
+        if self.max_queues < self.queues:
+            raise ValueError(f"delegation.max_queues ({self.max_queues}) must be at least delegation.queues "
+                             f"({self.queues})")
+        return self
 
 
 class LinkInject(_Strict):
     delay_ms: float = Field(0.0, ge=0)
 
 
+class KillDelegateInject(_Strict):
+    link: int = Field(ge=0)
+    after: int = Field(ge=1)  # activation messages on the link before the kill
+    side: Literal["send", "recv"] = "send"
+
+
+class FaultsInject(_Strict):
+    # link -> K: each direction of the link's direct path carries K messages, then fails (runtime.faults)
+    link_fails_after: dict[str, int] = Field(default_factory=dict)
+    kill_delegate: Optional[KillDelegateInject] = None
+
+    @field_validator("link_fails_after")
+    @classmethod
+    def _fail_keys(cls, v):
+        for k, n in v.items():
+            if not k.isdigit():
+                raise ValueError(f"link '{k}' is not a link index (write \"0\", \"1\", ...)")
+            if n < 0:
+                raise ValueError(f"link {k} cannot fail after a negative number of messages ({n})")
+        return v
+
+
 class InjectConfig(_Strict):
     links: dict[str, LinkInject] = Field(default_factory=dict)
     trace: Optional[str] = None
+    faults: Optional[FaultsInject] = None  # testing only: failover (PipeMorph §5.3)
 
     @field_validator("links")
     @classmethod
@@ -71,8 +104,18 @@ class PipeMorphConfig(_Strict):
     inject: InjectConfig = Field(default_factory=InjectConfig)
     nvtx: bool = True
     timeline: Optional[str] = None
+    # Path: with the adaptive control loop, rank 0 writes the smoothed measurements there as a profile
+    # file (DESIGN.md; input of `pipemorph plan`) at every re-plan and at the end of training.
+    profile_out: Optional[str] = None
     # Seconds any wait on another rank may take before failing with a message naming the op.
     timeout_s: float = Field(300.0, gt=0)
+
+    @field_validator("profile_out")
+    @classmethod
+    def _a_path(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("profile_out must be a file path (or null)")
+        return v
 
     @model_validator(mode="after")
     def _plan_file(self) -> "PipeMorphConfig":
@@ -80,6 +123,10 @@ class PipeMorphConfig(_Strict):
             raise ValueError("schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`")
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
+        faults = self.inject.faults
+        if faults is not None and faults.kill_delegate is not None and self.delegation.mode != "always":
+            raise ValueError("inject.faults.kill_delegate needs delegation.mode 'always' (the delegate it kills "
+                             "must exist at that message)")
         return self
 
 
@@ -102,4 +149,7 @@ def pending_notes(cfg: PipeMorphConfig) -> list[str]:
     if cfg.delegation.mode == "auto" and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
         notes.append("pipemorph.delegation 'auto' follows the straggler detector, which runs with schedule "
                      "'adaptive' and adapt.enabled only: every link stays direct")
+    if cfg.profile_out and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
+        notes.append(f"pipemorph.profile_out is written by the control loop, which runs with schedule 'adaptive' "
+                     f"and adapt.enabled only: {cfg.profile_out} will not be written")
     return notes

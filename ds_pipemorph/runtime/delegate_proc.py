@@ -11,7 +11,9 @@ then the bytes straight from the ring slot, then waits for a one-int ack the rec
 published the piece into its ring. So a queue has exactly one message in flight, and the sender
 frees its slot (and reports the message as delivered through ``acked``) only once the receiver
 holds it: nothing is lost when either delegate dies. The injected delay of the link is applied once
-per message, before its first piece leaves (a FIFO with one message in flight, as ``inject.Lane``).
+per message, before its first piece leaves (a FIFO with one message in flight, as ``inject.Lane``),
+and looked up at that moment: the static delay its training process currently has for the link, or
+the trace's delay at the time elapsed since the training process's origin (both in shared memory).
 
 Failure handling: a delegate whose Gloo op fails (the peer died) exits with ``PEER_LOST`` after
 setting ``gen`` to the next generation; a watchdog thread also makes it exit that way as soon as the
@@ -26,6 +28,7 @@ This module imports torch only (no deepspeed): the ring op is loaded from its bu
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 import threading
@@ -66,9 +69,7 @@ class DelegateSpec:
     prefix: str  # rendezvous prefix without the generation
     parent_pid: int
     timeout_s: float
-    delays_static: list | None = None  # sender only: DelaySchedule(static, trace) started at t0
-    delays_trace: Any = None
-    delays_t0: float | None = None
+    delays_trace: Any = None  # sender only: the training process's inject.DelayTrace, if it replays one
 
     def what(self) -> str:
         return f"rank {self.rank} {self.role} delegate of link {self.link} {self.kind} queue {self.queue}"
@@ -93,11 +94,15 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
     process restarts this delegate, which then meets the replacement)."""
     import torch.distributed as dist
 
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()  # the training process (also under a fork server)
     store, last = None, 0.0
     while True:
         if stop.value:
             os._exit(0)
-        if os.getppid() != spec.parent_pid:  # the training process died without closing: unlink its ring
+        gone = not parent.is_alive() if parent is not None else os.getppid() != spec.parent_pid
+        if gone:  # the training process died without closing: unlink its ring
             try:
                 if _OP is not None:
                     _OP.unlink(spec.ring_name)
@@ -148,15 +153,24 @@ class _Pair:
                                 timeout=timedelta(seconds=self.spec.timeout_s))
 
 
-def run_sender(spec: DelegateSpec, op, pair: _Pair, acked) -> None:
+def delay_now_ms(spec: DelegateSpec, delays) -> float:
+    """The injected delay of the link for the message about to leave: ``delays`` = (origin, static) as
+    the training process last published them (``time.monotonic`` is one clock for every process)."""
+    if delays is None:
+        return 0.0
+    origin, static = delays
+    if spec.delays_trace is None:
+        return static[spec.link]
+    t0 = origin.value
+    elapsed = 0.0 if math.isnan(t0) else max(0.0, time.monotonic() - t0)
+    return spec.delays_trace.at(elapsed)[spec.link]
+
+
+def run_sender(spec: DelegateSpec, op, pair: _Pair, acked, delays) -> None:
     """Pop pieces from the training process's ring, delay each message, send it, wait for the ack."""
     import torch
     import torch.distributed as dist
 
-    from .inject import DelaySchedule
-
-    sched = DelaySchedule(spec.delays_static or [0.0] * (spec.link + 1), spec.delays_trace)
-    sched._t0 = spec.delays_t0  # same CLOCK_MONOTONIC epoch as the training process
     ring = op.Ring.attach(spec.ring_name, spec.timeout_s)
     ack = torch.zeros(1, dtype=torch.int64)
     while True:
@@ -166,7 +180,7 @@ def run_sender(spec: DelegateSpec, op, pair: _Pair, acked) -> None:
             continue
         msg, pieces, piece = split_tag(tag)
         if piece == 0:
-            c = sched.delay_ms(spec.link)
+            c = delay_now_ms(spec, delays)
             if c > 0:
                 time.sleep(c / 1000.0)
         flat = view.reshape(-1).view(torch.uint8) if view.numel() else view
@@ -212,8 +226,9 @@ def run_receiver(spec: DelegateSpec, op, pair: _Pair) -> None:
             raise PeerLost(str(e)) from e
 
 
-def main(spec: DelegateSpec, gen, stop, acked, ready) -> None:
-    """Entry point of the spawned process; ``ready`` is set once the pair's group is formed.
+def main(spec: DelegateSpec, gen, stop, acked, ready, delays=None) -> None:
+    """Entry point of the spawned process; ``ready`` is set once the pair's group is formed; ``delays``
+    (sender only) = (origin, static delays) shared with the training process.
 
     Exit codes: 0 stop or parent gone, ``PEER_LOST`` the pair broke (``gen`` = generation to meet
     next), 1 anything else (printed). The training process restarts a delegate that exited non-zero.
@@ -230,7 +245,7 @@ def main(spec: DelegateSpec, gen, stop, acked, ready) -> None:
         pair.connect()
         ready.value = 1
         if spec.role == "send":
-            run_sender(spec, op, pair, acked)
+            run_sender(spec, op, pair, acked, delays)
         else:
             run_receiver(spec, op, pair)
     except PeerLost as e:

@@ -3,16 +3,22 @@
 What each process owns:
 
 - The training process (this object) creates, per link direction it sends or receives on, ``queues``
-  staging rings and spawns one delegate per ring (spawn context, daemon, started once, reused across
-  iterations). ``send`` copies the message (a small header + every tensor's bytes, cut into pieces of
+  staging rings and starts one delegate per ring (from a fork server that preloaded torch: see
+  ``_delegate_context``; daemon, started once, reused across iterations; ``start_link`` may restart
+  a link's delegates with more queues at an iteration boundary). ``send`` copies the message (a small header + every tensor's bytes, cut into pieces of
   at most one slot) into the next send ring round-robin and returns: it waits only while every slot of
   that ring is full. It keeps a reference to the payload until the receiving side has acknowledged the
   message, so a message is never lost when a delegate dies: the dead delegate is restarted (next
-  generation, fresh ring) and every unacknowledged message of its queue is pushed again.
+  generation, fresh ring) and every unacknowledged message of its queue is pushed again. The copy
+  itself runs in a copy thread (``copier.Copier``, the CPU stand-in for §5.2's copy stream), in send
+  order, while the training thread goes on; ``wait_sends`` waits for it.
 - A sender delegate drains its ring, applies the injected delay of its link (one message in flight per
   queue: k queues are k independent FIFOs) and sends over its own two-process Gloo group; the receiver
   delegate on the neighbour rank fills the receiving training process's ring ahead of need
-  (``delegate_proc``).
+  (``delegate_proc``). The delay is looked up per message, when the delegate sends it: the training
+  process shares its current static delays and its trace origin (``DelaySchedule.start()``, set by its
+  first message) with its delegates through shared memory, so a trace replays on the same clock on
+  both paths and a static delay changed at runtime reaches delegates that are already running.
 - ``recv(kind, mb)`` takes messages in sequence order, which is round-robin over the receive rings
   (message n travels in queue n % k), stashes those for other (kind, mb) and drops duplicates by
   (message seq, piece).
@@ -20,12 +26,19 @@ What each process owns:
 Every wait is cut into short slices that check the delegate is alive and ends with a
 ``TransportTimeout`` naming rank, op, link and queue. ``wait_sends`` returns once every message sent
 so far is held by the peer rank's receive ring (the delegated analogue of DirectTransport's).
+
+Threads: ``send`` may run in another thread than ``recv`` (the failover of a delayed link re-sends
+from its delivery thread). A lock covers sending,
+starting directions and restarting delegates; the receiving side of a direction belongs to one thread
+at a time, and its waits on a ring run outside the lock.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -43,6 +56,7 @@ from .delegate_proc import (
     make_tag,
     split_tag,
 )
+from .copier import Copier
 from .delegate_proc import main as delegate_main
 from .transport import (
     HEADER_INTS,
@@ -60,6 +74,16 @@ HEAD_BYTES = (PREFIX_INTS + HEADER_INTS) * 8  # 576, a multiple of the 64-byte a
 MAGIC = 0x504D444C  # "PMDL"
 ALIGN = 64
 _instances = itertools.count()
+
+
+def _delegate_context():
+    """Where delegates come from: a fork server that has imported torch and the delegate code once,
+    so a delegate starts in a fraction of a second instead of importing torch afresh (seconds, tens
+    of seconds on a loaded host: too long to switch a slow link at an iteration boundary). Each
+    delegate is still a fresh fork of a process that never ran CUDA or training threads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ds_pipemorph.runtime.delegate_proc"])
+    return ctx
 
 
 def _align(n: int) -> int:
@@ -163,9 +187,14 @@ class DelegatedTransport:
         self.send_s: dict[int, float] = {}  # link -> seconds spent inside send (copy + full-ring waits)
         self.sent: dict[int, int] = {}
         self._dirs: dict[tuple[int, str, bool], _Direction] = {}
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _delegate_context()
+        self._link_k: dict[int, int] = {}  # link -> queues per direction, where not self.k
+        self._link_epoch: dict[int, int] = {}  # link -> times its delegates were restarted to grow
         self._op = None
         self._closed = False
+        self._lock = threading.RLock()
+        self._copier = Copier(self._push_locked, f"rank {rank} staging copies")
+        self._shared_delays = None  # (origin mp.Value, static mp.Array): what sender delegates read per message
 
     # -- naming -------------------------------------------------------------------------------
     def _link(self, kind: str, sending: bool) -> int:
@@ -201,42 +230,113 @@ class DelegatedTransport:
         stop = stop if stop is not None else self._ctx.Value("b", 0, lock=False)  # single writer: this process
         acked = self._ctx.Value("q", -1, lock=False)
         ready = self._ctx.Value("b", 0, lock=False)
-        d = self.delays
         spec = DelegateSpec(
             role="send" if sending else "recv", rank=self.rank, link=link, kind=kind, queue=q,
             ring_name=ring.name, op_name=op.__name__, op_path=op.__file__, store_addr=self.store_addr,
-            store_port=self.store_port, prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/q{q}",
+            store_port=self.store_port,
+            prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/e{self._link_epoch.get(link, 0)}/q{q}",
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
-            delays_static=list(d.static) if (sending and d is not None) else None,
-            delays_trace=d.trace if (sending and d is not None) else None,
-            delays_t0=(d.start() or d._t0) if (sending and d is not None) else None)
-        proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready), daemon=True,
+            delays_trace=self.delays.trace if (sending and self.delays is not None) else None)
+        delays = self._delay_state() if sending else None
+        proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready, delays), daemon=True,
                                  name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")
         proc.start()
         return ring, proc, gen, stop, acked, ready
+
+    def _delay_state(self):
+        """(origin, static delays) in shared memory, created once; every sender delegate reads them."""
+        if self._shared_delays is None:
+            origin = self._ctx.Value("d", math.nan, lock=False)  # single writer: this process
+            static = self._ctx.Array("d", max(1, len(self.stage_ranks) - 1), lock=False)
+            self._shared_delays = (origin, static)
+            self._publish_delays(start=False)
+        return self._shared_delays
+
+    def _publish_delays(self, start: bool = True) -> None:
+        """Hand the current static delays and the trace origin (started by the first message, unless
+        ``start`` is False) to the delegates: before each message is pushed, and at their spawn."""
+        d = self.delays
+        if d is None or self._shared_delays is None:
+            return
+        origin, static = self._shared_delays
+        t0 = d.start() if start else d.origin
+        if t0 is not None:
+            origin.value = t0
+        for i, c in enumerate(d.static[: len(static)]):
+            static[i] = c
 
     def _direction(self, kind: str, sending: bool) -> _Direction:
         link = self._link(kind, sending)
         key = (link, kind, sending)
         d = self._dirs.get(key)
         if d is None:
-            if self._closed:
-                raise TransportError(f"rank {self.rank}: delegated transport is closed")
-            queues = []
-            for q in range(self.k):
-                ring, proc, gen, stop, acked, ready = self._spawn(link, kind, sending, q, 0)
-                queues.append(_Queue(q, ring, proc, gen, stop, acked, ready))
-            d = self._dirs[key] = _Direction(link, kind, sending, queues)
+            with self._lock:
+                d = self._dirs.get(key)
+                if d is not None:
+                    return d
+                if self._closed:
+                    raise TransportError(f"rank {self.rank}: delegated transport is closed")
+                queues = []
+                for q in range(self._link_k.get(link, self.k)):
+                    ring, proc, gen, stop, acked, ready = self._spawn(link, kind, sending, q, 0)
+                    queues.append(_Queue(q, ring, proc, gen, stop, acked, ready))
+                d = self._dirs[key] = _Direction(link, kind, sending, queues)
         return d
 
-    def start_link(self, link: int) -> None:
-        """Start the delegates of every direction this rank uses on ``link`` (idempotent)."""
+    def start_link(self, link: int, queues: int | None = None) -> None:
+        """Start the delegates of every direction this rank uses on ``link`` (idempotent), with
+        ``queues`` FIFOs per direction (default: the transport's). Asking for more queues than a
+        running direction has restarts its delegates with that many: call it on both ends at the
+        same iteration boundary, after ``wait_sends``, when no message of the link is in flight.
+        A direction never shrinks (its queues cost nothing while idle)."""
         if link == self.stage_id:  # this rank sends activations down and receives gradients up
-            self._direction("F", True), self._direction("B", False)
+            keys = (("F", True), ("B", False))
         elif link == self.stage_id - 1:
-            self._direction("F", False), self._direction("B", True)
+            keys = (("F", False), ("B", True))
         else:
             raise ValueError(f"rank {self.rank}: stage {self.stage_id} is not an end of link {link}")
+        if queues is not None:
+            self._copier.drain(self.timeout_s)  # a restart needs every message of the link in its ring
+            if queues < 1:
+                raise ValueError(f"rank {self.rank}: link {link} needs at least 1 queue, got {queues}")
+            with self._lock:
+                if queues > self._link_k.get(link, self.k):
+                    self._link_k[link] = queues
+                    self._link_epoch[link] = self._link_epoch.get(link, 0) + 1  # fresh rendezvous keys
+                    for kind, sending in keys:
+                        d = self._dirs.get((link, kind, sending))
+                        if d is not None and len(d.queues) < queues:
+                            self._stop_direction(d, f"growing to {queues} queues")
+        for kind, sending in keys:
+            self._direction(kind, sending)
+
+    def queues_of(self, link: int) -> int:
+        """FIFOs per direction that ``link`` uses (or will use when it starts)."""
+        return self._link_k.get(link, self.k)
+
+    def _stop_direction(self, d: _Direction, why: str) -> None:
+        """Stop a direction's delegates (nothing of it in flight) so that it starts afresh, its
+        message numbering included."""
+        if d.sending:
+            for q in d.queues:
+                self._prune(q)
+                if q.unacked:
+                    raise TransportError(f"rank {self.rank}: link {d.link} {d.kind}: cannot restart its delegates "
+                                         f"({why}) while {len(q.unacked)} messages are unacknowledged")
+        elif d.stash or d.partial:
+            raise TransportError(f"rank {self.rank}: link {d.link} {d.kind}: cannot restart its delegates ({why}) "
+                                 f"while received messages wait to be taken")
+        for q in d.queues:
+            q.stop.value = 1
+        for q in d.queues:
+            q.proc.join(timeout=10)
+            if q.proc.is_alive():
+                q.proc.kill()
+            for ring in (q.ring, *q.old_rings):
+                ring.close()
+        del self._dirs[(d.link, d.kind, d.sending)]
+        log.info("rank %d: link %d %s %s delegates stopped (%s)", self.rank, d.link, d.kind,
+                 "sender" if d.sending else "receiver", why)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every started delegate has formed its Gloo pair (optional: sends never need it)."""
@@ -244,7 +344,8 @@ class DelegatedTransport:
         for d in self._dirs.values():
             for q in d.queues:
                 while not q.ready.value:
-                    self._check_alive(d, q, f"waiting for the delegates of link {d.link} {d.kind}")
+                    with self._lock:
+                        self._check_alive(d, q, f"waiting for the delegates of link {d.link} {d.kind}")
                     if time.monotonic() > deadline:
                         raise TransportTimeout(
                             f"rank {self.rank}: the {'sender' if d.sending else 'receiver'} delegate of link "
@@ -257,9 +358,10 @@ class DelegatedTransport:
     def _health(self, what: str) -> None:
         """Restart every delegate of this rank that died (called from each slice of every wait, so a
         dead delegate of another direction is noticed while this process waits on the peer)."""
-        for d in list(self._dirs.values()):
-            for q in d.queues:
-                self._check_alive(d, q, what)
+        with self._lock:
+            for d in list(self._dirs.values()):
+                for q in d.queues:
+                    self._check_alive(d, q, what)
 
     def _check_alive(self, d: _Direction, q: _Queue, what: str) -> bool:
         """Restart the delegate of ``q`` if it died; True if it did."""
@@ -294,8 +396,14 @@ class DelegatedTransport:
     # -- sending ------------------------------------------------------------------------------
     def send(self, kind: str, mb: int, payload: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Copy message (kind, mb) into the next send ring and return (waits only on a full ring)."""
+        with self._lock:
+            self._send(kind, mb, payload)
+
+    def _send(self, kind: str, mb: int, payload) -> None:
         t0 = time.perf_counter()
+        self._copier.check()
         d = self._direction(kind, True)
+        self._publish_delays()
         bare = isinstance(payload, torch.Tensor)
         tensors = [t.detach().contiguous().cpu() for t in ([payload] if bare else payload)]
         meta = encode_header(tensors, bare)
@@ -307,15 +415,20 @@ class DelegatedTransport:
         head = torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64)
         head[:6] = torch.tensor([MAGIC, d.next_seq, KINDS[kind], mb, total, pieces])
         head[PREFIX_INTS:] = meta
-        q = d.queues[d.next_seq % self.k]
+        q = d.queues[d.next_seq % len(d.queues)]
         self._check_alive(d, q, "sending")  # a waitpid(WNOHANG): microseconds
         msg = _Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index))
         d.next_seq += 1
         self._prune(q)
         q.unacked.append(msg)
-        self._push(d, q, msg)
+        self._copier.submit(d, q, msg)  # the copy into the ring runs beside the next op (§5.2)
         self.send_s[d.link] = self.send_s.get(d.link, 0.0) + time.perf_counter() - t0
         self.sent[d.link] = self.sent.get(d.link, 0) + 1
+
+    def _push_locked(self, d: _Direction, q: _Queue, msg: _Message) -> None:
+        with self._lock:
+            if not self._closed:
+                self._push(d, q, msg)
 
     def _push(self, d: _Direction, q: _Queue, msg: _Message) -> None:
         segs, total = _layout(msg.head, msg.tensors)
@@ -344,16 +457,18 @@ class DelegatedTransport:
 
     def wait_sends(self) -> None:
         """Wait until the peer ranks' receive rings hold every message sent so far (restarting dead delegates)."""
-        for d in self._dirs.values():
+        self._copier.drain(self.timeout_s)
+        for d in list(self._dirs.values()):
             if not d.sending:
                 continue
             for q in d.queues:
                 deadline = time.monotonic() + self.timeout_s
                 last = time.monotonic()
                 while True:
-                    self._prune(q)
-                    if not q.unacked:
-                        break
+                    with self._lock:
+                        self._prune(q)
+                        if not q.unacked:
+                            break
                     now = time.monotonic()
                     if now - last > SLICE_S:
                         last = now
@@ -376,7 +491,7 @@ class DelegatedTransport:
         what = self._describe(kind, mb, False)
         deadline = time.monotonic() + self.timeout_s
         while key not in d.stash:
-            q = d.queues[d.next_seq % self.k]
+            q = d.queues[d.next_seq % len(d.queues)]
             if not self._take_piece(d, q, what):
                 if time.monotonic() > deadline:
                     raise TransportTimeout(
@@ -443,7 +558,9 @@ class DelegatedTransport:
 
     def close(self) -> None:
         """Stop every delegate (they exit within ~50 ms) and unlink the rings; no waiting on the wire."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
+        self._copier.stop()
         for d in self._dirs.values():
             for q in d.queues:
                 q.stop.value = 1

@@ -88,14 +88,22 @@ class PipeMorphEngine(PipelineEngine):
                                    caps(pipemorph, self.num_stages, self.micro_batches),
                                    pipemorph.adapt.every_iterations,
                                    estimate_clock_offsets(self.grid, self.stage_id, self.num_stages),
-                                   delegation=pipemorph.delegation.mode)
+                                   delegation=pipemorph.delegation.mode, profile_out=pipemorph.profile_out,
+                                   neighbours=(ranks[self.stage_id - 1] if self.stage_id > 0 else -1,
+                                               ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else -1),
+                                   queues=(pipemorph.delegation.queues, pipemorph.delegation.max_queues))
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
-        self.recorder = OpRecorder(pipemorph.nvtx)
+        events = None
+        if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
+            events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        self.recorder = OpRecorder(pipemorph.nvtx, events)
         self.measured_peak_inflight = 0
         self._reset_iteration_state()
 
     def destroy(self):
         """Stop this rank's delegate processes (they also exit when the training process dies)."""
+        if self.adapter is not None:  # rank 0: the final profile_out and the profiler's overhead line
+            self.adapter.close()
         self.transport.close()
         parent = getattr(super(), "destroy", None)
         if parent is not None:
@@ -157,11 +165,11 @@ class PipeMorphEngine(PipelineEngine):
         if self._weight_work:
             raise RuntimeError(f"stage {self.stage_id}: W never ran for micro-batches {sorted(self._weight_work)}")
         if self.adapter is not None:
-            new_plan = self.adapter.after_iteration(self.recorder.records, self.transport)
+            new_plan = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
             if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch
                 self.plan, self.stage_plan = new_plan, list(new_plan[self.stage_id])
                 for link, mode in self.adapter.link_modes().items():  # slow links go delegated ("auto")
-                    self.transport.set_link_mode(link, mode)
+                    self.transport.set_link_mode(link, mode, queues=self.adapter.link_queues[link])
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
 

@@ -4,7 +4,8 @@
   ("F" and "B") carries K messages and then fails for message K+1 onwards, on both ends (the sender's
   K+1-th send and the receiver's K+1-th receive of that direction raise ``TransportError``), as a
   broken RNIC would. Both ends agree on "K+1-th" because they count in issue order, which is
-  micro-batch order for every plan of this project.
+  micro-batch order for every plan of this project. It sits under the delay injection, next to the
+  wire: on a delayed link the send fails in the delivery thread, after the delay.
 - ``DelegateKiller`` wraps a ``LinkRouter``: on the rank that sends activations over link L, right after
   its N-th activation send on L, it SIGKILLs the sender delegate that carries that message (the message
   is then usually not acknowledged yet, so recovery must re-send it); with ``kill_side="recv"``, on the
@@ -18,6 +19,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
+from .config import PipeMorphConfigError
 from .transport import TransportError
 
 log = logging.getLogger("ds_pipemorph.faults")
@@ -28,6 +30,29 @@ class Faults:
     link_fails_after: dict[int, int] = field(default_factory=dict)  # link -> messages per direction before failing
     kill_delegate: tuple[int, int] | None = None  # (link, after this many activation messages on it)
     kill_side: str = "send"  # "send": the sender delegate on stage L; "recv": the receiver delegate on stage L+1
+
+
+def faults_from_config(faults_cfg, stages: int) -> Faults | None:
+    """``Faults`` from the ``pipemorph.inject.faults`` section (None: none configured).
+
+    Raises PipeMorphConfigError with one sentence for a link the job does not have.
+    """
+    if faults_cfg is None:
+        return None
+    links = stages - 1
+
+    def check(link: int, key: str) -> int:
+        if link >= links:
+            raise PipeMorphConfigError(f"ds_config pipemorph.inject.faults.{key} names link {link}, but a "
+                                       f"{stages}-stage pipeline has links 0..{links - 1}")
+        return link
+
+    fails = {check(int(k), "link_fails_after"): n for k, n in faults_cfg.link_fails_after.items()}
+    kill = faults_cfg.kill_delegate
+    if kill is None:
+        return Faults(link_fails_after=fails) if fails else None
+    return Faults(link_fails_after=fails, kill_delegate=(check(kill.link, "kill_delegate"), kill.after),
+                  kill_side=kill.side)
 
 
 class FaultyLink:

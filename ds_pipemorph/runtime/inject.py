@@ -5,6 +5,11 @@ delay c before the receiver can see it. On the ``direct`` path the training proc
 sends into a full FIFO (head-of-line blocking, as a saturated NCCL queue blocks the next kernel).
 A ``Lane`` is that FIFO: a thread that holds one message for c ms and then hands it to the real
 send. Delays are static per link or replayed from a trace in wall-clock time.
+
+When the real send fails in the lane's thread, the message was not delivered: ``DelayInjector``
+hands a ``DeliveryError`` (a ``TransportError`` carrying that message) to its ``on_failure`` hook at
+once (the router fails the link over and re-sends the message there, so the peer waiting for it is
+not stuck), and raises it again at its next ``send`` or ``wait_sends`` on that link.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Callable, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..fileio import BadInput, load_model
+from .transport import TransportError, TransportTimeout
 
 
 class TracePoint(BaseModel):
@@ -53,7 +59,10 @@ class DelayTrace(BaseModel):
                 raise BadInput(f"{source}: point t={p.t} has {len(p.links_ms)} delays, the job has {links} links")
 
     def at(self, t: float) -> list[float]:
-        i = bisect.bisect_right([p.t for p in self.points], t) - 1
+        times = self.__dict__.get("_times")
+        if times is None:  # once: a sender looks the delay up per message
+            times = self.__dict__["_times"] = [p.t for p in self.points]
+        i = bisect.bisect_right(times, t) - 1
         return list(self.points[max(i, 0)].links_ms)
 
 
@@ -66,29 +75,52 @@ def load_trace(path: str, links: int) -> DelayTrace:
 
 
 class DelaySchedule:
-    """Current injected delay per link: static values, or a trace replayed from ``start()``."""
+    """Current injected delay per link: static values, or a trace replayed from ``start()``.
+
+    The trace's clock starts at the first ``start()`` or ``delay_ms()``: in training, the router's first
+    message operation (the start of the rank's first iteration). Delegate processes read the origin
+    and the static delays that their training process last published (``delegated``).
+    """
 
     def __init__(self, static_ms: Sequence[float], trace: Optional[DelayTrace] = None):
         self.static = list(static_ms)
         self.trace = trace
         self._t0: Optional[float] = None
 
-    def start(self) -> None:
+    @property
+    def origin(self) -> Optional[float]:
+        """The trace's t = 0 on ``time.monotonic`` (None until started)."""
+        return self._t0
+
+    def start(self) -> float:
+        """Start the trace's clock now unless it runs already; returns its origin (``time.monotonic``)."""
         if self._t0 is None:
             self._t0 = time.monotonic()
+        return self._t0
 
     def delay_ms(self, link: int) -> float:
         if self.trace is None:
             return self.static[link]
-        self.start()
-        return self.trace.at(time.monotonic() - self._t0)[link]
+        return self.trace.at(time.monotonic() - self.start())[link]
+
+
+class DeliveryError(TransportError):
+    """The real send of a delayed message failed in its lane's thread: ``message`` = (kind, mb, payload)
+    was not delivered; ``recovered`` is set once it went through another path (the delegates)."""
+
+    def __init__(self, text: str, kind: str, mb: int, payload):
+        super().__init__(text)
+        self.message = (kind, mb, payload)
+        self.recovered = False
 
 
 class Lane:
     """One FIFO with one message in flight: ``submit`` hands a message that becomes visible c ms later.
 
     ``wait_free`` blocks until the message in flight (if any) has been delivered and returns the
-    seconds spent waiting: that is the head-of-line blocking the sender experiences.
+    seconds spent waiting: that is the head-of-line blocking the sender experiences. An error of a
+    delivery is raised by the next ``submit`` or ``wait_free``: a ``TransportError`` as it is, any
+    other as a ``TransportError`` naming the lane.
     """
 
     def __init__(self, name: str):
@@ -104,7 +136,7 @@ class Lane:
         t = time.monotonic()
         with self._cv:
             if not self._cv.wait_for(lambda: self._job is None, timeout=timeout_s):
-                raise TimeoutError(f"{self.name}: the message in flight was not delivered within {timeout_s:g} s")
+                raise TransportTimeout(f"{self.name}: the message in flight was not delivered within {timeout_s:g} s")
             self._raise()
         return time.monotonic() - t
 
@@ -122,9 +154,12 @@ class Lane:
         self._thread.join(timeout=5)
 
     def _raise(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"{self.name}: delivering a delayed message failed: {err}") from err
+        if self._error is None:
+            return
+        err, self._error = self._error, None
+        if isinstance(err, TransportError):
+            raise err
+        raise TransportError(f"{self.name}: delivering a delayed message failed: {err}") from err
 
     def _run(self) -> None:
         while True:
@@ -138,7 +173,7 @@ class Lane:
                 time.sleep(pause)
             try:
                 deliver()
-            except BaseException as e:  # handed to the training thread at its next send
+            except BaseException as e:  # handed to the training thread at its next call
                 self._error = e
             with self._cv:
                 self._job = None
@@ -149,14 +184,18 @@ class DelayInjector:
     """Wraps a transport (``send``/``recv``/``post_recv``/``wait_sends``) and delays its sends.
 
     Only sends are delayed (the receiver simply sees the message later). ``blocked_s[link]``
-    accumulates the time the training process spent blocked on a full FIFO.
+    accumulates the time the training process spent blocked on a full FIFO. ``on_failure``, if set,
+    is called in the lane's thread with the ``DeliveryError`` of a message whose real send failed
+    (see the module docstring); the error is raised again at the next call on that link all the same.
     """
 
-    def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0):
+    def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0,
+                 on_failure: Optional[Callable[[DeliveryError], None]] = None):
         self.inner = inner
         self.stage_id = stage_id
         self.delays = delays
         self.timeout_s = timeout_s
+        self.on_failure = on_failure
         self.blocked_s: dict[int, float] = {}
         self.sent: dict[int, int] = {}
         self._lanes: dict[int, Lane] = {}
@@ -177,7 +216,23 @@ class DelayInjector:
             lane = self._lanes[link] = Lane(f"stage {self.stage_id} link {link}")
         self.blocked_s[link] = self.blocked_s.get(link, 0.0) + lane.wait_free(self.timeout_s)
         self.sent[link] = self.sent.get(link, 0) + 1
-        lane.submit(c / 1000.0, lambda: self.inner.send(kind, mb, payload))
+        lane.submit(c / 1000.0, lambda: self._deliver(kind, mb, payload))
+
+    def _deliver(self, kind: str, mb: int, payload) -> None:
+        """The real send, in the lane's thread; a failure becomes a ``DeliveryError`` holding the message."""
+        try:
+            self.inner.send(kind, mb, payload)
+        except TransportTimeout:
+            raise
+        except Exception as e:  # whatever broke, the message was not delivered
+            text = str(e) if isinstance(e, TransportError) else f"stage {self.stage_id}: SEND_{kind}{mb} failed: {e}"
+            err = DeliveryError(f"{text} (in the delivery thread, after its injected delay)", kind, mb, payload)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(err)
+                except Exception as again:  # not recovered: the next call tries again (and raises if it fails)
+                    raise err from again
+            raise err from e
 
     def wait_sends(self) -> None:
         for lane in self._lanes.values():

@@ -1,7 +1,7 @@
 """``build_transport``: one transport per rank that routes each link direction to ``direct`` or ``delegated``.
 
-``LinkRouter`` owns a direct path (``DirectTransport``, wrapped by ``DelayInjector`` when delays are
-injected, and by ``faults.FaultyLink`` when faults are) and a ``DelegatedTransport`` whose delegates
+``LinkRouter`` owns a direct path (``DirectTransport``, under ``faults.FaultyLink`` when faults are
+injected, under ``DelayInjector`` when delays are) and a ``DelegatedTransport`` whose delegates
 start only for the links that use it (injected delays are applied inside its sender delegates). Modes
 are kept per link direction ("F" and "B" of a link) so that a failure of one direction moves only that
 direction; ``set_link_mode`` moves both directions of a link at an iteration boundary.
@@ -9,7 +9,12 @@ direction; ``set_link_mode`` moves both directions of a link at an iteration bou
 Failover (PipeMorph §5.3): a ``TransportError`` from the direct path of a direction that is not a
 timeout moves that direction to the delegated path for the failed message and every later one, on
 both ends (each end sees its own error for the same message: the fault is a property of the link),
-and logs one line naming the link.
+and logs one line naming the link. A failed direction stays delegated (``set_link_mode`` does not
+move it back). On a delayed link the real send happens later, in the delay's delivery thread: a
+failure there (``inject.DeliveryError``) is failed over from that thread at once, re-sending the
+undelivered message through the delegates before any later one (the peer may be blocked on it while
+this rank waits for the peer), and surfaces again at the next call, where it is already handled.
+The router's lock orders that thread's re-send against the training thread's later sends.
 
 Config semantics: ``delegation.mode`` "off" = every link direct; "always" = every link delegated;
 "auto" = the caller's ``link_mode`` (the control plane's decision), every other link direct. Injected
@@ -18,12 +23,14 @@ delays never choose the path by themselves (the detector, not the test harness, 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from .delegated import DelegatedTransport
-from .inject import DelayInjector, DelaySchedule, load_trace
+from .faults import DelegateKiller, FaultyLink, faults_from_config
+from .inject import DelayInjector, DelaySchedule, DeliveryError, load_trace
 from .transport import DirectTransport, TransportError, TransportTimeout
 
 log = logging.getLogger("ds_pipemorph.transports")
@@ -43,6 +50,11 @@ class LinkRouter:
         self.failover = failover
         self.events: list[str] = []
         self._mode: dict[tuple[int, str], str] = {}
+        self._failed: set[tuple[int, str]] = set()  # directions whose direct path failed: delegated for good
+        self._lock = threading.RLock()
+        self._delays = getattr(direct, "delays", None)  # started at the first message (the trace's t = 0)
+        if failover and isinstance(direct, DelayInjector):
+            direct.on_failure = self._recover
         for link, mode in link_mode.items():
             self.set_link_mode(link, mode)
 
@@ -56,28 +68,55 @@ class LinkRouter:
     def link_mode(self, link: int, kind: str = "F") -> str:
         return self._mode.get((link, kind), "direct")
 
-    def set_link_mode(self, link: int, mode: str) -> None:
+    def set_link_mode(self, link: int, mode: str, queues: int | None = None) -> None:
         """Move both directions of ``link`` to ``mode`` (call on both ends, at the same iteration boundary,
-        after ``wait_sends``: every earlier message is then held by its receiver, so none is lost or reordered)."""
+        after ``wait_sends``: every earlier message is then held by its receiver, so none is lost or reordered).
+        ``queues``: delegate FIFOs per direction of a delegated link (grows a running link's, never shrinks)."""
         if mode not in MODES:
             raise ValueError(f"rank {self.rank}: link {link} mode must be one of {MODES}, not '{mode}'")
         if link not in self._my_links():
             return  # not an end of this link: nothing to route
         if mode == "delegated":
-            self.delegated.start_link(link)
-        for kind in ("F", "B"):
-            self._mode[(link, kind)] = mode
+            self.delegated.start_link(link, queues)
+        with self._lock:
+            for kind in ("F", "B"):
+                if (link, kind) not in self._failed:
+                    self._mode[(link, kind)] = mode
 
     def _path(self, kind: str, sending: bool):
-        return self.delegated if self.link_mode(self._link(kind, sending), kind) == "delegated" else self.direct
+        if self._delays is not None:
+            self._delays.start()
+        with self._lock:
+            mode = self.link_mode(self._link(kind, sending), kind)
+        return self.delegated if mode == "delegated" else self.direct
 
     def _fail_over(self, kind: str, sending: bool, mb: int, err: TransportError) -> None:
         link = self._link(kind, sending)
-        line = (f"rank {self.rank}: link {link} direct path failed at {'SEND' if sending else 'RECV'}_{kind}{mb} "
-                f"({err}); this and every later {kind} message of link {link} go through the delegates")
-        self.events.append(line)
-        log.warning(line)
-        self._mode[(link, kind)] = "delegated"
+        with self._lock:
+            if (link, kind) in self._failed:
+                return
+            line = (f"rank {self.rank}: link {link} direct path failed at {'SEND' if sending else 'RECV'}_{kind}{mb} "
+                    f"({err}); this and every later {kind} message of link {link} go through the delegates")
+            self.events.append(line)
+            log.warning(line)
+            self._mode[(link, kind)] = "delegated"
+            self._failed.add((link, kind))
+
+    def _recover(self, err: DeliveryError) -> None:
+        """Fail over the direction of a message whose delayed delivery failed and re-send it through the
+        delegates, once (from the delivery thread, or at the next call if that did not happen)."""
+        kind, mb, payload = err.message
+        with self._lock:
+            if err.recovered:
+                return
+            # Sent before the direction moves: if this send fails, later messages still meet this error
+            # on the direct path and retry it first, so the order holds.
+            self.delegated.send(kind, mb, payload)
+            self._fail_over(kind, True, mb, err)
+            err.recovered = True
+
+    def _failing_over(self, err: TransportError) -> bool:
+        return self.failover and not isinstance(err, TransportTimeout)
 
     def post_recv(self, kind: str, mb: int) -> None:
         self._path(kind, False).post_recv(kind, mb)
@@ -89,9 +128,12 @@ class LinkRouter:
         try:
             path.send(kind, mb, payload)
         except TransportError as e:
-            if not self.failover or isinstance(e, TransportTimeout):
+            if not self._failing_over(e):
                 raise
-            self._fail_over(kind, True, mb, e)
+            if isinstance(e, DeliveryError):  # an earlier message of this direction: it goes first
+                self._recover(e)
+            else:
+                self._fail_over(kind, True, mb, e)
             self.delegated.send(kind, mb, payload)
 
     def recv(self, kind: str, mb: int):
@@ -101,13 +143,20 @@ class LinkRouter:
         try:
             return path.recv(kind, mb)
         except TransportError as e:
-            if not self.failover or isinstance(e, TransportTimeout):
+            if not self._failing_over(e):
                 raise
             self._fail_over(kind, False, mb, e)
             return self.delegated.recv(kind, mb)
 
     def wait_sends(self) -> None:
-        self.direct.wait_sends()
+        while True:  # each failed delivery is raised once; the other lanes are waited for on the next pass
+            try:
+                self.direct.wait_sends()
+                break
+            except DeliveryError as e:
+                if not self.failover:
+                    raise
+                self._recover(e)
         self.delegated.wait_sends()
 
     def reset_shapes(self) -> None:
@@ -126,7 +175,8 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
                     delays: DelaySchedule | None = None, **delegated_kw) -> LinkRouter:
     """A ``LinkRouter`` for ``cfg`` (a ``PipeMorphConfig``): see the module docstring for the modes.
 
-    ``faults`` (a ``faults.Faults``) wraps the direct path and arms delegate kills (testing only).
+    ``faults`` (a ``faults.Faults``; default: from ``cfg.inject.faults``) wraps the direct path and arms
+    delegate kills (testing only).
     ``delays`` overrides the schedule built from ``cfg.inject`` (e.g. the engine's own, already started).
     ``delegated_kw`` go to ``DelegatedTransport`` (slot_bytes, num_slots, session, ...).
     """
@@ -141,13 +191,13 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
         trace = load_trace(cfg.inject.trace, links) if cfg.inject.trace else None
         if any(c > 0 for c in static) or trace is not None:
             delays = DelaySchedule(static, trace)
+    if faults is None:
+        faults = faults_from_config(cfg.inject.faults, len(stage_ranks))
     direct = DirectTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device, static_shapes=static_shapes)
+    if faults is not None:
+        direct = FaultyLink(direct, rank, stage_id, faults)
     if delays is not None:
         direct = DelayInjector(direct, stage_id, delays, timeout_s=timeout)
-    if faults is not None:
-        from .faults import FaultyLink
-
-        direct = FaultyLink(direct, rank, stage_id, faults)
     delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
                                    queues=cfg.delegation.queues, delays=delays, **delegated_kw)
     mode = cfg.delegation.mode
@@ -161,7 +211,5 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
         modes = dict(link_mode or {})
     router = LinkRouter(rank, stage_id, direct, delegated, modes)
     if faults is not None and faults.kill_delegate is not None:
-        from .faults import DelegateKiller
-
         return DelegateKiller(router, faults)
     return router

@@ -10,47 +10,16 @@ change, each with every link's delay), so ``pipemorph.inject.trace`` in a ds_con
     python recipes/stragglers/make_trace.py --stages 4 --slow all --rate B --duration-s 60 -o trace.yaml
     python recipes/stragglers/make_trace.py --stages 4 --slow 2 --interval-ms 500,1000 --seed 3 -o t.yaml
 
-Same arguments and seed, same file.
+Same arguments and seed, same file. The generator is ``ds_pipemorph.bench.traces`` (``pipemorph bench
+--dynamic`` writes the three paper cases with it).
 """
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 from typing import Optional, Sequence
 
-import yaml
-
-RATES = {"A": (50.0, 100.0), "B": (100.0, 200.0), "C": (200.0, 400.0)}
-
-
-def make_trace(links: int, slow: Sequence[int], duration_s: float, interval_ms: tuple[float, float],
-               mean_ms: float = 30.0, sd_ms: float = 10.0, seed: int = 0) -> dict:
-    """The trace as a mapping: sorted change points, each with every link's delay in ms."""
-    if links < 1:
-        raise ValueError(f"a pipeline of {links + 1} stages has no link")
-    bad = [i for i in slow if not 0 <= i < links]
-    if bad:
-        raise ValueError(f"slow link {bad[0]} does not exist: links are 0..{links - 1}")
-    a, b = interval_ms
-    if not 0 < a <= b:
-        raise ValueError(f"interval U({a:g}, {b:g}) ms needs 0 < a <= b")
-    if duration_s <= 0 or mean_ms < 0 or sd_ms < 0:
-        raise ValueError("duration, mean and sd must be positive (mean and sd may be 0)")
-    rng = random.Random(seed)
-    changes: dict[float, dict[int, float]] = {0.0: {}}
-    for link in sorted(set(slow)):  # each link has its own stream of draws, in link order
-        t = 0.0
-        while t < duration_s:
-            changes.setdefault(round(t, 6), {})[link] = round(max(0.0, rng.gauss(mean_ms, sd_ms)), 3)
-            t += rng.uniform(a, b) / 1000.0
-    current = [0.0] * links
-    points = []
-    for t in sorted(changes):
-        for link, c in changes[t].items():
-            current[link] = c
-        points.append({"t": round(t, 4), "links_ms": list(current)})
-    return {"points": points}
+from ds_pipemorph.bench.traces import RATES, make_trace, trace_text  # noqa: F401 (make_trace: re-exported)
 
 
 def _slow(text: str, links: int) -> list[int]:
@@ -87,9 +56,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    head = (f"# make_trace.py --stages {args.stages} --slow {args.slow} --interval-ms {interval[0]:g},{interval[1]:g} "
-            f"--duration-s {args.duration_s:g} --mean-ms {args.mean_ms:g} --sd-ms {args.sd_ms:g} --seed {args.seed}\n")
-    text = head + yaml.safe_dump(trace, sort_keys=False, default_flow_style=None, width=200)
+    text = trace_text(trace, f"make_trace.py --stages {args.stages} --slow {args.slow} --interval-ms "
+                             f"{interval[0]:g},{interval[1]:g} --duration-s {args.duration_s:g} --mean-ms "
+                             f"{args.mean_ms:g} --sd-ms {args.sd_ms:g} --seed {args.seed}")
     if args.output:
         from ds_pipemorph.fileio import write_atomic
 

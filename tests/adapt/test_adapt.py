@@ -45,7 +45,7 @@ def test_delay_at_iteration_5_is_acted_on_by_7_and_recovery_returns_to_the_no_de
     up, down = replans
     assert up["iteration"] <= 6  # decided after iteration 5 or 6: the new plan runs by iteration 7
     assert up["target_ms"][2] >= 40 and up["target_ms"][:2] == [0.0, 0.0]
-    assert 38 <= up["measured_ms"][2] <= 50  # measured by the engine's own probes, not read from the settings
+    assert 38 <= up["measured_ms"][2] <= 50  # measured from the engine's own messages, not read from the settings
     # The new plan beats the one it replaces under the measured delay (direct-link model, as it runs).
     initial = build_plan(parse_config(SECTION), 4, 8)
     costs = Costs.uniform(4, 10.0, up["target_ms"])

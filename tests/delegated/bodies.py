@@ -32,12 +32,44 @@ def roundtrip(rank, world, queues, order, slot_bytes):
     return dict(ok=ok, delegates=len(pids), events=tr.events)
 
 
-def _cfg(mode, delay_ms=0.0, queues=2, timeout_s=60.0):
+def _cfg(mode, delay_ms=0.0, queues=2, timeout_s=60.0, trace=None):
     from ds_pipemorph.runtime.config import PipeMorphConfig
 
     links = {"0": {"delay_ms": delay_ms}} if delay_ms else {}
-    return PipeMorphConfig.model_validate(
-        {"delegation": {"mode": mode, "queues": queues}, "inject": {"links": links}, "timeout_s": timeout_s})
+    return PipeMorphConfig.model_validate({"delegation": {"mode": mode, "queues": queues},
+                                           "inject": {"links": links, "trace": trace}, "timeout_s": timeout_s})
+
+
+def trace_latency(rank, world, modes, trace, total_s):
+    """Per mode: stage 0 sends stamped activations one at a time (each waits until received) for
+    ``total_s`` seconds of the trace's clock; returns, on stage 1, (sent at t, delivery latency) per message."""
+    from ds_pipemorph.runtime.transports import build_transport
+
+    out = {}
+    for mode in modes:
+        tr = build_transport(_cfg(mode, queues=1, trace=trace), rank, rank, list(range(world)), None, {})
+        try:
+            if mode == "always":
+                tr.delegated.wait_ready(60.0)
+            dist.barrier()
+            got, m, last = [], 0, False
+            while not last:
+                if rank == 0:
+                    origin = tr.delegated.delays.origin
+                    t = 0.0 if origin is None else time.monotonic() - origin
+                    last = t > total_s
+                    tr.send("F", m, torch.tensor([time.monotonic(), t, float(last)], dtype=torch.float64))
+                    tr.wait_sends()
+                else:
+                    stamp, t, flag = tr.recv("F", m).tolist()
+                    got.append((t, time.monotonic() - stamp))
+                    last = bool(flag)
+                m += 1
+            out[mode] = got
+            dist.barrier()
+        finally:
+            tr.close()
+    return out
 
 
 def hol(rank, world, mode, delay_ms, sends, op_ms, rounds=1):
@@ -84,8 +116,9 @@ def switching(rank, world, iterations_modes, n):
     tr = build_transport(_cfg("auto", delay_ms=5.0, queues=1), rank, rank, list(range(world)), None, {})
     got = []
     try:
-        for it, mode in enumerate(iterations_modes):
-            tr.set_link_mode(0, mode)
+        for it, spec in enumerate(iterations_modes):
+            mode, _, queues = spec.partition(":")  # "delegated:3": with 3 queues (grown at this boundary)
+            tr.set_link_mode(0, mode, int(queues) if queues else None)
             before = dict(tr.delegated.sent)
             if rank == 0:
                 for m in range(n):
@@ -101,6 +134,8 @@ def switching(rank, world, iterations_modes, n):
                     tr.send("B", m, torch.tensor([it, m, 100]))
             tr.wait_sends()
             got.append((it, "delegated_sends", tr.delegated.sent.get(0, 0) - before.get(0, 0)))
+            got.append((it, "queues", tr.delegated.queues_of(0),
+                        sum(len(d.queues) for d in tr.delegated._dirs.values())))
         return got
     finally:
         tr.close()

@@ -42,3 +42,20 @@ def test_killed_receiver_delegate_is_restarted_and_nothing_is_lost_or_duplicated
     assert any("killed the receiver delegate" in e for e in ev), ev
     assert any("link 0: receiver delegate of F queue 0" in e and "restarted" in e for e in ev), ev
     assert res[0]["seqs"]["Fs"] == res[1]["seqs"]["Fr"] == ITERS * N
+
+
+@pytest.mark.timeout(150)
+def test_delayed_link_failing_in_the_delivery_thread_fails_over_at_once_on_both_ends():
+    # 15 ms on link 0, so the real send happens in the delay's delivery thread, and it fails for the last
+    # F (and B) message of the first iteration. Right after sending F5, stage 0 waits for B0..B5, and
+    # stage 1 sends B5 only once F5 arrived: F5 must be re-sent through the delegates from the delivery
+    # thread itself (at stage 0's next call it would be too late: both ends would wait until timeout).
+    res = launch(2, bodies.faulty, "auto", {"link_fails_after": {0: 5}}, 15.0, ITERS, N, 1)
+    for r, kind in ((0, "F"), (1, "B")):
+        assert res[r]["ok"] == [True] * (ITERS * N)
+        assert res[r]["modes"] == {"F": "delegated", "B": "delegated"}
+        assert res[r]["leftovers"] == 0
+        sent = [e for e in res[r]["events"] if f"direct path failed at SEND_{kind}5" in e]
+        assert len(sent) == 1 and "in the delivery thread" in sent[0], res[r]["events"]
+    assert res[0]["seqs"]["Fs"] == res[1]["seqs"]["Fr"] == ITERS * N - 5
+    assert res[1]["seqs"]["Bs"] == res[0]["seqs"]["Br"] == ITERS * N - 5

@@ -1,10 +1,11 @@
-"""A link switches direct -> delegated -> direct at iteration boundaries with nothing lost or reordered."""
+"""A link switches direct -> delegated -> direct at iteration boundaries, and grows its delegate queues,
+with nothing lost or reordered."""
 import bodies
 import pytest
 from workers import launch
 
 N = 6
-MODES = ["direct", "delegated", "direct", "delegated"]
+MODES = ["direct", "delegated", "direct", "delegated", "delegated:3", "direct", "delegated"]
 
 
 @pytest.mark.timeout(150)
@@ -21,4 +22,7 @@ def test_switch_at_boundaries_keeps_every_message_once_and_in_content():
     # Each iteration used the path it was switched to (counted on the sending side of each direction).
     for r in (0, 1):
         used = [g[2] for g in res[r] if g[1] == "delegated_sends"]
-        assert used == [N if m == "delegated" else 0 for m in MODES]
+        assert used == [N if m.startswith("delegated") else 0 for m in MODES]
+        # queue=1 at first; growing to 3 restarts both directions' delegates with 3 queues, kept after
+        queues = [(g[2], g[3]) for g in res[r] if g[1] == "queues"]
+        assert queues == [(1, 0), (1, 2), (1, 2), (1, 2), (3, 6), (3, 6), (3, 6)]

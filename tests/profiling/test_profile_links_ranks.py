@@ -2,6 +2,7 @@
 written files must show link 2 about 30 ms slower than the others, in under a minute."""
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -54,10 +55,13 @@ def test_four_ranks_find_the_injected_30ms_on_link_2(tmp_path):
             assert sorted(got["samples_ms"], key=int) == ["4096", "262144", "4194304"]
             assert all(len(v) == 5 for v in got["samples_ms"].values())
             assert got["fit"]["latency_ms"] >= 0
-            bandwidths.append(got["fit"]["bandwidth_gbps"])
-    # A size dependence is visible (a positive bandwidth) on most of the 6 link directions; on a
-    # loaded 2-core machine one of them may drown in scheduling noise.
-    assert all(b is None or b > 0 for b in bandwidths) and sum(b is not None for b in bandwidths) >= 4
+            med = {k: statistics.median(v) for k, v in got["samples_ms"].items()}
+            bandwidths.append((got["fit"]["bandwidth_gbps"], med["4194304"] > med["4096"]))
+    # A fitted bandwidth is positive; a size dependence (4 MB slower than 4 KB) is visible on most of
+    # the 6 link directions (the fit itself may give up on a direction whose small-message times
+    # drown in scheduling noise on a loaded 2-core machine).
+    assert all(b is None or b > 0 for b, _ in bandwidths)
+    assert sum(bigger for _, bigger in bandwidths) >= 4, bandwidths
     slow = rep["links"][2]
     assert "latency" in slow["slow"]
     # One-way times include the injected delay in both directions.

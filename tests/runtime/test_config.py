@@ -17,6 +17,7 @@ from ds_pipemorph.runtime.transport import decode_header, encode_header
     ({"adapt": {"every_iterations": "often"}}, "ds_config pipemorph: adapt.every_iterations: Input should be a valid integer, unable to parse string as an integer"),
     ({"delegation": {"mode": "sometimes"}}, "ds_config pipemorph: delegation.mode: Input should be 'off', 'auto' or 'always'"),
     ({"inject": {"links": {"2": {"delay": 30}}}}, "ds_config pipemorph: unknown key 'inject.links.2.delay'"),
+    ({"delegation": {"queues": 4, "max_queues": 3}}, "ds_config pipemorph: delegation: delegation.max_queues (3) must be at least delegation.queues (4)"),
     ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
     ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
 ])

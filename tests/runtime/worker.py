@@ -8,7 +8,9 @@ SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}.
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
-measured peak in-flight activations and the op texts run; or <name>.rank<r>.err with the message.
+measured peak in-flight activations, the op texts run and the transport's recovery log lines
+(failover, delegate restarts); or <name>.rank<r>.err with the message. The transport (and its
+delegate processes) is closed at the end of each job.
 """
 from __future__ import annotations
 
@@ -84,8 +86,12 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         ops.append([r.op for r in getattr(engine, "op_records", [])])
     eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    transport = getattr(engine, "transport", None)
+    events = [] if transport is None else list(transport.events) + list(transport.delegated.events)
+    if transport is not None:
+        transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
-                "eval_loss": eval_loss}, path + ".pt")
+                "eval_loss": eval_loss, "events": events}, path + ".pt")
 
 
 def main() -> int:

@@ -1,0 +1,120 @@
+"""The control loop's profile export (``profile_out``) and its overhead report, on the real engine and
+in isolation."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from ds_pipemorph.fileio import load_model
+from ds_pipemorph.plan.profile import Profile
+from ds_pipemorph.procs import run_group
+from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config, pending_notes
+from ds_pipemorph.runtime.overhead import OVERHEAD_FIELDS, OverheadBook
+from ds_pipemorph.runtime.profile_export import ProfileExport
+from ds_pipemorph_cli.app import app
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_profile_out_holds_the_measured_op_times_and_link_delays_and_plans(tmp_path):
+    spec = {"iterations": 8, "op_ms": 6, "microbatches": 4, "links_ms": [0, 30]}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(HERE / "export_worker.py"), str(tmp_path / "spec.json"), str(tmp_path)]
+    p = run_group(cmd, 170, cwd=REPO, env=env)
+    log = p.stdout + p.stderr
+    assert (tmp_path / "export.json").exists(), log[-4000:]
+    res = json.loads((tmp_path / "export.json").read_text())
+    assert res["replans"] and res["replans"][0]["target_ms"][1] >= 30  # the loop saw the slow link itself
+
+    for name in ("profile.replan.yaml", "profile.yaml"):  # written at the re-plan, then at the end
+        prof = load_model(tmp_path / name, Profile)
+        assert prof.stages == 3 and prof.microbatches == 4
+        for key in ("forward", "backward_input", "backward_weight"):  # emulated ops take 6 ms (+ overhead)
+            assert all(5.0 <= v <= 12.0 for v in getattr(prof.compute_ms, key)), (name, prof.compute_ms)
+        assert prof.links_ms[0] < 5.0 and 24.0 <= prof.links_ms[1] <= 45.0, (name, prof.links_ms)
+        assert prof.memory.max_inflight == [4, 4, 4]
+    text = (tmp_path / "profile.yaml").read_text()
+    assert text.startswith("# measured by the pipemorph control loop: end of training, after 8 iterations")
+    assert not list(tmp_path.glob(".profile.yaml.*"))  # written atomically: no temporary left
+
+    out = tmp_path / "plan.yaml"  # the exported profile is a valid input of `pipemorph plan`
+    r = CliRunner().invoke(app, ["plan", str(tmp_path / "profile.yaml"), "-o", str(out), "--budget", "0.3"])
+    assert r.exit_code == 0, r.output
+    plan = yaml.safe_load(out.read_text())
+    assert plan["profile"]["links_ms"] == prof.links_ms and plan["stages"] == 3
+
+    # The overhead: from the second boundary on, all but the last, every part measured on every rank.
+    oh = res["overhead"]
+    assert oh["iterations"] == spec["iterations"] - 2
+    assert 0 < oh["ms_per_iteration"] < oh["iteration_ms"] and 0 < oh["pct_of_iteration"] < 100
+    assert oh["ms_per_iteration"] == pytest.approx(
+        sum(v for k, v in oh["parts_ms"].items() if k != "sync"), rel=0.01)  # the costliest rank's parts
+    # Link delays come from the op records (no probe crosses the 30 ms link): the steady cost stays
+    # far below the link's delay per iteration.
+    assert oh["steady_ms_per_iteration"] < 20
+    assert oh["parts_ms"]["stamps"] > 0 and oh["stamp_ns_per_op"] > 0
+    assert oh["replans"] == len(res["replans"]) and oh["max_ms"] >= oh["parts_ms"]["replan"] > 0
+    assert all(o["links"] > 0 and o["exchange"] > 0 for o in res["own"])
+    assert "pipemorph: profiler overhead" in log and "ms per iteration" in log  # rank 0's line at the end
+
+
+def test_export_smooths_with_running_medians_and_refuses_before_any_measurement(tmp_path):
+    ex = ProfileExport(2, 4, [4, 2])
+    with pytest.raises(ValueError, match="nothing to export"):
+        ex.profile()
+    for d in (0.0, 31.0, 29.0, 300.0):  # one hiccup among the last three does not show
+        ex.add([10, 11], [10, -1 if d == 300 else 12], [5, 5], [d])
+    prof = ex.profile()
+    assert prof.links_ms == [31.0]
+    assert prof.compute_ms.forward == [10, 11] and prof.compute_ms.backward_input == [10, 12]
+    ex.add([10, 11], [10, 12], [5, 5], [None])  # no probe: the previous values stay
+    assert ex.profile().links_ms == [31.0]
+    ex.write(str(tmp_path / "p.yaml"), "a test")
+    assert load_model(tmp_path / "p.yaml", Profile).memory.max_inflight == [4, 2]
+
+
+def test_profile_out_key_is_validated_and_named_when_it_would_not_be_written():
+    assert parse_config({"profile_out": "out/p.yaml"}).profile_out == "out/p.yaml"
+    with pytest.raises(PipeMorphConfigError, match="profile_out must be a file path"):
+        parse_config({"profile_out": " "})
+    with pytest.raises(PipeMorphConfigError, match="profile_out"):
+        parse_config({"profile_out": 3})
+    notes = pending_notes(parse_config({"schedule": "zb", "delegation": {"mode": "off"}, "profile_out": "p.yaml"}))
+    assert notes == ["pipemorph.profile_out is written by the control loop, which runs with schedule 'adaptive' "
+                     "and adapt.enabled only: p.yaml will not be written"]
+
+
+def test_overhead_report_counts_the_costliest_rank_per_boundary_and_not_the_wait_for_the_last_rank():
+    book = OverheadBook()
+    n = len(OVERHEAD_FIELDS)
+
+    def row(**parts):
+        vals = [parts.get(k, 0.0) for k in OVERHEAD_FIELDS]
+        return vals + [parts.get("period", 100.0)]
+
+    book.add(torch.tensor([row(links=99.0), row()]))  # the first boundary sets up the exchange: left out
+    book.add(torch.tensor([row(links=1.0, exchange=3.0, sync=50.0), row(links=3.0, exchange=0.5, replan=2.0)]))
+    book.add(torch.tensor([row(links=1.0, exchange=1.0, period=200.0), row(stats=1.0, period=190.0)]))
+    r = book.report(replans=1, stamp_ns=500.0)
+    # boundary 1: rank 1 costs 5.5 ms (rank 0: 4 ms; its 50 ms of waiting are not counted); boundary 2: rank 0, 2 ms
+    assert r["iterations"] == 2 and r["ms_per_iteration"] == pytest.approx(3.75)
+    assert r["steady_ms_per_iteration"] == pytest.approx(2.0) and r["max_ms"] == pytest.approx(5.5)
+    assert r["replan_ms_each"] == pytest.approx(2.0)
+    assert r["iteration_ms"] == pytest.approx(150.0) and r["pct_of_iteration"] == pytest.approx(2.5)
+    assert r["steady_pct_of_iteration"] == pytest.approx(2.0 / 150 * 100, abs=0.01)
+    assert r["parts_ms"]["links"] == pytest.approx(2.0) and r["parts_ms"]["sync"] == 0.0
+    assert len(r["parts_ms"]) == n
+    line = OverheadBook.describe(r)
+    assert "profiler overhead 3.75 ms per iteration (2.50% of a 150 ms iteration); without re-plans 2.00 ms" in line
+    assert "2 ms per re-plan" in line
+    assert OverheadBook().report(0, 1.0) is None
