@@ -6,10 +6,8 @@ its receives started and ended (the op records again: nothing extra travels, and
 delegated link is measured as training uses it). Every message's transit is then the receive's end
 minus the send's end, corrected by the clock offset between the two neighbours estimated at start-up;
 each message's value is at least its true transit (a receive that started after the message was in
-reads late), so the smallest over an iteration is the link's delay, and it is exact whenever one
-receive was waiting when its message came, which the first activation of an iteration always is.
-Per direction, values from receives that waited are preferred; a link's delay is the slower of its
-directions. (An earlier version probed every link at every boundary with a stamped message after a
+reads late), so the smallest over an iteration (both directions) is the link's delay: exact, since
+the first activation of an iteration always finds its receiver waiting. (An earlier version probed every link at every boundary with a stamped message after a
 barrier; on a slow link that cost the link's delay per iteration, and a probe put into a one-message
 direct FIFO delays the next real message.) The numbers are all-gathered, so every rank feeds the
 identical detector the identical input; when it
@@ -49,7 +47,6 @@ from .profile_export import ProfileExport
 logger = logging.getLogger(__name__)
 
 REPLAN_EVALS = 2000
-WAITED_NS = 200_000  # a receive that lasted this long was waiting when its message came: exact transit
 # Links run on the direct transport: a slow one holds one message in flight and blocks its sender,
 # so plans are scored with that model (a burst of warm-up sends costs what it costs on the wire).
 HOL = True  # search effort per re-plan; an evaluation bound keeps every rank's plan identical
@@ -328,43 +325,35 @@ class Adapter:
         return out
 
     def _link_delays(self, table: torch.Tensor) -> list[Optional[float]]:
-        """Per link, the slower direction's smallest message transit in ms (None: no message seen).
+        """Per link, the smallest message transit of the iteration in ms (None: no message seen).
 
+        Every value bounds its own message's transit from above (a receive that started after its
+        message came reads late; a message sent before its receive was posted may wait for it), and
+        the first activation of an iteration is exact: its receiver has been waiting for it since
+        the iteration began. So the minimum over both directions is the link's delay. (A link slow
+        in one direction only reads as its faster direction: the plan's model has one delay per link.)
         Receiver rows pair with their sender's row by global rank (``neighbours``), so each pipeline
         of a data-parallel job is measured on its own; the slowest replica counts.
         """
         N, times0 = self.N, _LOCAL + len(OVERHEAD_FIELDS) + 1
         rows = {int(r): table[r] for r in range(table.shape[0])}
-        per_link: list[list[tuple[bool, float]]] = [[] for _ in range(self.S - 1)]
+        per_replica: list[dict[int, float]] = [{} for _ in range(self.S - 1)]  # link -> {receiver rank: min}
         for r, row in rows.items():
             s = int(row[0].item())
             t = row[times0:].tolist()
-            for kind, sender, link, off_col, send_base, recv_base in (
-                    ("F", int(row[4].item()), s - 1, 6 * N, 0, 2 * N),
-                    ("B", int(row[5].item()), s, 6 * N + 1, N, 4 * N)):
+            for sender, link, off_col, send_base, recv_base in (
+                    (int(row[4].item()), s - 1, 6 * N, 0, 2 * N),
+                    (int(row[5].item()), s, 6 * N + 1, N, 4 * N)):
                 if sender < 0 or sender not in rows:
                     continue
                 sent = rows[sender][times0 + send_base: times0 + send_base + N].tolist()
                 offset = t[off_col]  # this (receiving) rank's clock minus the sender's
-                clean, bound = [], []
-                for m in range(N):
-                    start, end = t[recv_base + 2 * m], t[recv_base + 2 * m + 1]
-                    if sent[m] < 0 or end < 0:
-                        continue
-                    transit = max(0.0, (end - offset - sent[m]) / 1e6)
-                    (clean if end - start >= WAITED_NS else bound).append(transit)
-                if clean or bound:  # every value bounds its own message's transit from above
-                    per_link[link].append((bool(clean), min(clean + bound)))
-        out: list[Optional[float]] = []
-        for samples in per_link:
-            clean = [v for ok, v in samples if ok]
-            if clean:
-                out.append(round(max(clean), 3))
-            elif samples:  # no receive waited: each value only bounds the transit from above
-                out.append(round(min(v for _, v in samples), 3))
-            else:
-                out.append(None)
-        return out
+                vals = [max(0.0, (t[recv_base + 2 * m + 1] - offset - sent[m]) / 1e6)
+                        for m in range(N) if sent[m] >= 0 and t[recv_base + 2 * m + 1] >= 0]
+                if vals:  # one pipeline's link, seen from either end: keep the smaller
+                    key = min(r, sender)
+                    per_replica[link][key] = min(per_replica[link].get(key, float("inf")), min(vals))
+        return [round(max(v.values()), 3) if v else None for v in per_replica]
 
     def _raw_per_stage(self, table: torch.Tensor):
         """F, B and W per stage: the max over data-parallel replicas (-1: op not seen)."""

@@ -34,12 +34,15 @@ at a time, and its waits on a ring run outside the lock.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import os
+import sys
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +87,20 @@ def _delegate_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "ds_pipemorph.runtime.delegate_proc"])
     return ctx
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start a delegate without re-running the training script in it: multiprocessing imports the
+    parent's ``__main__`` in every spawned or fork-server child, and a training script without an
+    ``if __name__ == "__main__"`` guard would then start training again inside the delegate. The
+    delegate needs only this package, so the child is told there is no main module to import."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _align(n: int) -> int:
@@ -240,7 +257,8 @@ class DelegatedTransport:
         delays = self._delay_state() if sending else None
         proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready, delays), daemon=True,
                                  name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")
-        proc.start()
+        with _main_module_hidden():
+            proc.start()
         return ring, proc, gen, stop, acked, ready
 
     def _delay_state(self):
