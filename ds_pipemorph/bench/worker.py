@@ -148,6 +148,9 @@ def main(spec_path: str) -> None:
             predicted = predicted_ms(spec, schedule, costs, engine)
             adapter = getattr(engine, "adapter", None)
             replans = [vars(r) for r in adapter.replans] if adapter is not None else []
+            kept = [{"iteration": i, "target_ms": tg} for i, tg in adapter.kept] if adapter is not None else []
+            switch_ms = [None] * dist.get_world_size()  # every rank's: a rank switches only its own links
+            dist.all_gather_object(switch_ms, getattr(engine, "switch_ms", []))
             overhead = adapter.overhead_report() if adapter is not None else None
             if patch:
                 patch["drain"]()
@@ -161,6 +164,9 @@ def main(spec_path: str) -> None:
                 row = {"scenario": sc.name, "links_ms": sc.links_ms, "trace": sc.trace, "schedule": schedule,
                        "iterations_ms": times, "median_ms": sorted(times)[len(times) // 2],
                        "mean_ms": sum(times) / len(times), "predicted_ms": predicted, "replans": replans}
+                if adapter is not None:
+                    row["plans_kept"] = kept  # re-plan decisions that kept the plan in force (near the bound)
+                    row["switch_ms"] = switch_ms  # (iteration, ms) moving links between transports after re-plans
                 if trace is not None:
                     row["trace_skew_s"] = round(skew, 3)
                 if overhead is not None:

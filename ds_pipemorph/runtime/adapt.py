@@ -3,17 +3,18 @@
 After every iteration each rank contributes what it measured itself: the median F, B and W times
 of its stage (from the op records) and, per message of the iteration, when its sends ended and when
 its receives started and ended (the op records again: nothing extra travels, and a slow or
-delegated link is measured as training uses it). Every message's transit is then the receive's end
-minus the send's end, corrected by the clock offset between the two neighbours estimated at start-up;
-each message's value is at least its true transit (a receive that started after the message was in
-reads late), so the smallest over an iteration (both directions) is the link's delay: exact, since
-the first activation of an iteration always finds its receiver waiting. (An earlier version probed every link at every boundary with a stamped message after a
-barrier; on a slow link that cost the link's delay per iteration, and a probe put into a one-message
-direct FIFO delays the next real message.) The numbers are all-gathered, so every rank feeds the
-identical detector the identical input; when it
-asks for a re-plan, every rank runs the same deterministic search (bounded by evaluations, not by
-time) and adopts the same plan at the next iteration. A hash of the plan is compared across ranks
-to prove it. Nothing here reads the injection settings.
+delegated link is measured as training uses it). Every message's receive end minus its send end,
+corrected by the clock offset between the two neighbours estimated at start-up, bounds its transit
+from above, and is exact when the receiver was waiting before the message left; the link's delay is
+the median of the exact samples of the iteration (both directions), see ``_link_delays``. (An
+earlier version probed every link at every boundary with a stamped message after a barrier; on a
+slow link that cost the link's delay per iteration, and a probe put into a one-message direct FIFO
+delays the next real message.) The numbers are all-gathered, so every rank feeds the identical
+detector the identical input; when it asks for a re-plan, rank 0 alone plans (a deterministic
+search bounded by evaluations, not by time, or keeps the plan in force when, under the new delays
+on the same slow links, it is within 2 % of the lower bound) and broadcasts the decision, which
+every rank adopts at the next iteration. (Every rank planning the same thing cost four times the
+CPU on a shared host, and the slowest rank set the pace.) Nothing here reads the injection settings.
 
 Its own cost is measured as it runs (``overhead.Overhead``, one per iteration boundary and rank:
 wall time in each part of this code, plus the per-op timestamps at a cost calibrated at start-up)
@@ -25,7 +26,6 @@ critical path (``overhead_report``; rank 0 logs it every ``LOG_EVERY`` iteration
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import statistics
 import time
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..control.detector import DetectorConfig, LinkDetector
+from ..plan.bounds import lower_bound_ms
 from ..plan.profile import Costs
 from ..plan.queues import queues_needed
 from ..plan.search import search
@@ -47,6 +48,8 @@ from .profile_export import ProfileExport
 logger = logging.getLogger(__name__)
 
 REPLAN_EVALS = 2000
+GROW_GAIN = 0.05  # add delegate queues to a running link only for a gain above this share of the iteration
+KEEP_WITHIN = 0.02  # keep the plan in force when it is this close to the lower bound under new delays
 # Links run on the direct transport: a slow one holds one message in flight and blocks its sender,
 # so plans are scored with that model (a burst of warm-up sends costs what it costs on the wire).
 HOL = True  # search effort per re-plan; an evaluation bound keeps every rank's plan identical
@@ -125,6 +128,8 @@ class Adapter:
         self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in tol])
         self.iteration = -1
         self.replans: list[Replan] = []
+        self.kept: list[tuple[int, list[float]]] = []  # (iteration, target) where the plan in force was kept
+        self.plan_in_force = plan
         self.measured: list[list[Optional[float]]] = []  # per iteration, per link
         self.overheads: list[Overhead] = []  # this rank's, per iteration boundary
         self.overhead_book = OverheadBook()  # every rank's, one iteration behind
@@ -191,15 +196,17 @@ class Adapter:
             return None
         t = time.perf_counter_ns()
         costs = Costs(f, b, w, target)
-        direct = self._direct(target)
-        plan = search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
-                      max_evals=REPLAN_EVALS, hol=direct).schedule
-        self._check_same_everywhere(plan)
-        model = self._size_queues(plan, costs, direct)
-        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=model)]
+        decision = [self._plan(costs, target) if self.rank == 0 else None]
+        dist.broadcast_object_list(decision, src=0)  # one planner: the others wait idle, not planning too
+        plan, queues, tol, predicted = decision[0]
+        self.link_queues = list(queues)
         self.detector.adopt(target, tol)
         self.costs = costs
-        predicted = replay(plan, costs, self.N, hol=model).iteration_ms
+        if plan is None:  # the plan in force is as good as a new one would be: keep it
+            self.kept.append((self.iteration, target))
+            oh.replan = _ms_since(t)
+            return None
+        self.plan_in_force = plan
         ev = Replan(self.iteration, links, target, predicted, warmup_counts(plan), [[str(o) for o in r] for r in plan])
         self.replans.append(ev)
         oh.replan = _ms_since(t)
@@ -210,6 +217,27 @@ class Adapter:
             self._write_profile(f"re-plan after iteration {ev.iteration}")
             oh.export = _ms_since(t)
         return plan
+
+    def _plan(self, costs: Costs, target: list[float]):
+        """Rank 0's re-plan for ``target``: (plan or None to keep the one in force, queues per link,
+        tolerance per link, predicted ms). The plan in force is kept when, under the new delays, it
+        is within ``KEEP_WITHIN`` of the lower bound (no search could gain more than that); else the
+        deterministic search (bounded by evaluations) runs and delegated links get the queues the
+        new plan needs."""
+        direct = self._direct(target)
+        caps = self._caps_for(target)
+        same_links = [d > 0 for d in target] == [d > 0 for d in self.detector.planned_for]
+        if same_links:  # same transports and caps: the plan in force still fits them
+            current = self.model(target)
+            kept = replay(self.plan_in_force, costs, self.N, hol=current).iteration_ms
+            if kept <= (1 + KEEP_WITHIN) * lower_bound_ms(costs, self.N, caps):
+                tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=0.1, hol=current)
+                return None, self.link_queues, [t.replay_ms for t in tol], kept
+        plan = search(costs, self.N, caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS,
+                      hol=direct).schedule
+        model = self._size_queues(plan, costs, direct)
+        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=model)]
+        return plan, self.link_queues, tol, replay(plan, costs, self.N, hol=model).iteration_ms
 
     def _write_profile(self, note: str) -> None:
         """Rank 0: the smoothed measurements to ``profile_out`` (nothing without it or before any measurement)."""
@@ -255,14 +283,23 @@ class Adapter:
 
     def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list:
         """Give each delegated link the fewest queues (at least what it has, at most ``max_queues``)
-        with which its delegates keep pace with ``plan`` (``plan.queues.queues_needed``); returns the
-        link model with those counts. The same numbers on every rank: the same decision."""
+        with which its delegates keep pace with ``plan`` (``plan.queues.queues_needed``), but grow a
+        running link only when that gains more than ``GROW_GAIN`` of the iteration: new delegates
+        start while training runs (processes, rings, a rendezvous), which on a loaded host costs
+        more than a small gain. Returns the link model with those counts."""
         model: list = [True if d else False for d in direct]
         for i, d in enumerate(direct):
             if not d:
-                model[i] = self.link_queues[i] = queues_needed(
-                    plan, costs, self.N, i, hol=model, lo=self.link_queues[i], hi=max(self.link_queues[i],
-                                                                                      self.max_queues))
+                model[i] = queues_needed(plan, costs, self.N, i, hol=model, lo=self.link_queues[i],
+                                         hi=max(self.link_queues[i], self.max_queues))
+        for i, d in enumerate(direct):
+            if not d and model[i] > self.link_queues[i]:
+                now = replay(plan, costs, self.N, hol=[*model[:i], self.link_queues[i], *model[i + 1:]]).iteration_ms
+                grown = replay(plan, costs, self.N, hol=model).iteration_ms
+                if grown > (1 - GROW_GAIN) * now:
+                    model[i] = self.link_queues[i]
+            if not d:
+                self.link_queues[i] = model[i]
         return model
 
     def link_modes(self) -> dict[int, str]:
@@ -325,19 +362,24 @@ class Adapter:
         return out
 
     def _link_delays(self, table: torch.Tensor) -> list[Optional[float]]:
-        """Per link, the smallest message transit of the iteration in ms (None: no message seen).
+        """Per link, its delay in this iteration in ms (None: no message seen).
 
-        Every value bounds its own message's transit from above (a receive that started after its
-        message came reads late; a message sent before its receive was posted may wait for it), and
-        the first activation of an iteration is exact: its receiver has been waiting for it since
-        the iteration began. So the minimum over both directions is the link's delay. (A link slow
-        in one direction only reads as its faster direction: the plan's model has one delay per link.)
-        Receiver rows pair with their sender's row by global rank (``neighbours``), so each pipeline
-        of a data-parallel job is measured on its own; the slowest replica counts.
+        A message's receive end minus its send end (clocks aligned) bounds its transit from above: a
+        receive that started after the message came reads late. It is exact when the receive started
+        before the send ended: the receiver was waiting all along (as for the first activation of an
+        iteration). (A receive that merely took a while is no proof: on a loaded host a process is
+        descheduled after its message came.) The link's delay is the median
+        of the exact samples of both directions: the delay under a static delay, and a typical one
+        (not the luckiest message) when the delay changes within the iteration. Without an exact
+        sample it is the smallest bound. (A link slow in one direction only reads as a mix of both:
+        the plan's model has one delay per link.) Receiver rows pair with their sender's row by
+        global rank (``neighbours``), so each pipeline of a data-parallel job is measured on its
+        own; the slowest replica counts.
         """
         N, times0 = self.N, _LOCAL + len(OVERHEAD_FIELDS) + 1
         rows = {int(r): table[r] for r in range(table.shape[0])}
-        per_replica: list[dict[int, float]] = [{} for _ in range(self.S - 1)]  # link -> {receiver rank: min}
+        per_replica: list[dict[int, list]] = [{} for _ in range(self.S - 1)]  # link -> {pipeline: [exact, bounds]}
+        fifos = [None if m is True else m for m in self.model(self.detector.planned_for)]  # as this iteration ran
         for r, row in rows.items():
             s = int(row[0].item())
             t = row[times0:].tolist()
@@ -348,12 +390,13 @@ class Adapter:
                     continue
                 sent = rows[sender][times0 + send_base: times0 + send_base + N].tolist()
                 offset = t[off_col]  # this (receiving) rank's clock minus the sender's
-                vals = [max(0.0, (t[recv_base + 2 * m + 1] - offset - sent[m]) / 1e6)
-                        for m in range(N) if sent[m] >= 0 and t[recv_base + 2 * m + 1] >= 0]
-                if vals:  # one pipeline's link, seen from either end: keep the smaller
-                    key = min(r, sender)
-                    per_replica[link][key] = min(per_replica[link].get(key, float("inf")), min(vals))
-        return [round(max(v.values()), 3) if v else None for v in per_replica]
+                exact, bounds = per_replica[link].setdefault(min(r, sender), ([], []))
+                add_transits(exact, bounds, sent, t[recv_base: recv_base + 2 * N], offset, fifos[link])
+        out: list[Optional[float]] = []
+        for v in per_replica:
+            est = [link_delay_ms(exact, bounds) for exact, bounds in v.values() if bounds]
+            out.append(round(max(est), 3) if est else None)
+        return out
 
     def _raw_per_stage(self, table: torch.Tensor):
         """F, B and W per stage: the max over data-parallel replicas (-1: op not seen)."""
@@ -364,12 +407,35 @@ class Adapter:
     def _rounded(raw: list[float], previous: list[float]) -> list[float]:
         return [_round(ms, old) for ms, old in zip(raw, previous)]
 
-    def _check_same_everywhere(self, plan: Schedule) -> None:
-        digest = int.from_bytes(hashlib.sha256(repr(plan).encode()).digest()[:7], "big")
-        t = torch.tensor([digest, -digest], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t[0].item() != digest or -t[1].item() != digest:
-            raise RuntimeError(f"rank {dist.get_rank()}: ranks computed different plans at iteration {self.iteration}")
+
+def add_transits(exact: list, bounds: list, sent: list, recv: list, offset: float,
+                 fifos: Optional[int] = None) -> None:
+    """One direction of a link in one iteration: per message m, ``sent[m]`` is its send's end and
+    ``recv[2m]``, ``recv[2m+1]`` its receive's start and end (ns; -1: none), the receiver's clock
+    being ``offset`` ns ahead of the sender's. Appends every transit in ms to ``bounds`` and the
+    exact ones (the receive started before the send ended) also to ``exact``.
+
+    ``fifos``: the link is delegated with that many FIFOs, whose sender does not wait: a message
+    may then queue behind the one before it in its FIFO (``fifos`` messages earlier), which is not
+    the link's delay. Its sample counts as exact only when that one had surely arrived (was
+    received) before it was sent."""
+    for m, s in enumerate(sent):
+        start, end = recv[2 * m], recv[2 * m + 1]
+        if s < 0 or end < 0:
+            continue
+        transit = max(0.0, (end - offset - s) / 1e6)
+        bounds.append(transit)
+        if start - offset > s:  # the receiver was not waiting before the message left
+            continue
+        j = m - (fifos or 0)  # round robin: the message before it in its FIFO (sends go in micro-batch order)
+        if fifos is not None and j >= 0 and sent[j] >= 0 and not 0 <= recv[2 * j + 1] - offset <= s:
+            continue  # it may have queued behind that one
+        exact.append(transit)
+
+
+def link_delay_ms(exact: list, bounds: list) -> float:
+    """The median exact transit, else the smallest bound."""
+    return statistics.median(exact) if exact else min(bounds)
 
 
 def _ms_since(t_ns: int) -> float:

@@ -45,14 +45,21 @@ class DelegationConfig(_Strict):
     queues: int = Field(2, ge=1)  # delegate FIFOs per link direction at the start
     # The control loop gives a delegated link more queues, up to this many, when its delay needs them
     # to keep pace with the stages (§5.2: k FIFOs carry k messages per delay); = queues: never grows.
-    max_queues: int = Field(8, ge=1)
+    # Their delegates start with the link's first (so growing is a switch, not a start). Default:
+    # max(queues, 4).
+    max_queues: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _max_at_least_queues(self):
-        if self.max_queues < self.queues:
+        if self.max_queues is not None and self.max_queues < self.queues:
             raise ValueError(f"delegation.max_queues ({self.max_queues}) must be at least delegation.queues "
                              f"({self.queues})")
         return self
+
+    @property
+    def queue_cap(self) -> int:
+        """Queues a delegated link may grow to (and starts delegates for)."""
+        return self.max_queues if self.max_queues is not None else max(self.queues, 4)
 
 
 class LinkInject(_Strict):

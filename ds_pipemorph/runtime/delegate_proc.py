@@ -85,6 +85,10 @@ def _load_op(name: str, path: str):
 
 
 _OP = None  # the ring op once loaded (the watchdog unlinks an orphaned ring with it)
+# The pair's store client once connected; the watchdog shares it (a TCPStore client serialises its
+# calls). One client per delegate, not two: torch's TCPStore client can take 5 s to connect when
+# many connect at once (measured here: every 25th client of a process, and bursts of clients).
+_STORE = None
 PEER_LOST = 3  # exit code: the peer delegate died or was replaced; ``gen`` holds the generation to meet next
 
 
@@ -92,12 +96,10 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
     """Exit when the transport closes, the training process dies, or the peer's replacement shows up
     under a newer generation (a Gloo op on a dead peer may not fail until its timeout: the training
     process restarts this delegate, which then meets the replacement)."""
-    import torch.distributed as dist
-
     import multiprocessing
 
     parent = multiprocessing.parent_process()  # the training process (also under a fork server)
-    store, last = None, 0.0
+    last = 0.0
     while True:
         if stop.value:
             os._exit(0)
@@ -112,20 +114,17 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
                 pass
             os._exit(0)
         now = time.monotonic()
-        if now - last > 0.2:
+        if now - last > 1.0 and _STORE is not None:  # nothing to watch before the pair met (1 Hz: idle queues poll too)
             last = now
             try:
-                if store is None:
-                    store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
-                                          timeout=timedelta(seconds=spec.timeout_s))
                 newer = f"{spec.prefix}/g{gen.value + 1}/up"
-                if store.check([newer]):
+                if _STORE.check([newer]):
                     gen.value += 1
                     print(f"{spec.what()}: the peer was replaced (generation {gen.value}); exiting to be restarted",
                           file=sys.stderr, flush=True)
                     os._exit(PEER_LOST)
             except Exception:  # noqa: BLE001  (the store is gone: the job is ending; stop/ppid decide)
-                store = None
+                pass
         time.sleep(0.05)
 
 
@@ -151,6 +150,8 @@ class _Pair:
         store.set(f"{prefix}/up", str(os.getpid()))  # announces this generation to a stale peer
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=self.me, world_size=2,
                                 timeout=timedelta(seconds=self.spec.timeout_s))
+        global _STORE
+        _STORE = store
 
 
 def delay_now_ms(spec: DelegateSpec, delays) -> float:

@@ -21,7 +21,11 @@ What each process owns:
   both paths and a static delay changed at runtime reaches delegates that are already running.
 - ``recv(kind, mb)`` takes messages in sequence order, which is round-robin over the receive rings
   (message n travels in queue n % k), stashes those for other (kind, mb) and drops duplicates by
-  (message seq, piece).
+  (message seq, piece). A receive posted ahead (``post_recv``, as the engine does one message ahead
+  in plan order) lets a prefetch thread of that direction copy the message out of its ring as soon
+  as it arrives, while the training thread computes (the CPU stand-in for §5.2's host-to-device copy
+  on a copy stream); it copies only messages posted ahead, so at an iteration boundary, when every
+  posted message was taken, it is idle and nothing of the next iteration is read early.
 
 Every wait is cut into short slices that check the delegate is alive and ends with a
 ``TransportTimeout`` naming rank, op, link and queue. ``wait_sends`` returns once every message sent
@@ -29,8 +33,9 @@ so far is held by the peer rank's receive ring (the delegated analogue of Direct
 
 Threads: ``send`` may run in another thread than ``recv`` (the failover of a delayed link re-sends
 from its delivery thread). A lock covers sending,
-starting directions and restarting delegates; the receiving side of a direction belongs to one thread
-at a time, and its waits on a ring run outside the lock.
+starting directions and restarting delegates; the receiving side of a direction is served by one
+thread at a time (the training thread in ``recv`` or the direction's prefetch thread: the ``busy``
+flag under the direction's condition), and its waits on a ring run outside every lock.
 """
 from __future__ import annotations
 
@@ -164,8 +169,20 @@ class _Direction:
     sending: bool
     queues: list
     next_seq: int = 0  # send: next seq to assign; recv: next seq to take
+    active: int = 0  # queues in use (a prefix of ``queues``; the rest are started and idle)
+    base_seq: int = 0  # the first message of the current queue count: seq s goes to (s - base_seq) % active
     stash: dict = field(default_factory=dict)  # recv: (kind, mb) -> payload
     partial: dict | None = None  # recv: message being assembled
+    # recv side, shared with the prefetch thread (under ``cv``):
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    posted: dict = field(default_factory=dict)  # (kind, mb) posted or asked for and not yet returned (ordered)
+    announced: int = 0  # messages posted so far: the prefetcher assembles messages next_seq < announced
+    busy: bool = False  # a thread is taking a piece from a ring
+    error: BaseException | None = None  # the prefetcher's failure, raised by the next recv
+    prefetcher: threading.Thread | None = None
+
+    def queue_for(self, seq: int):
+        return self.queues[(seq - self.base_seq) % self.active]
 
 
 class DelegatedTransport:
@@ -179,7 +196,7 @@ class DelegatedTransport:
     name = "delegated"
 
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
-                 device: torch.device | None = None, queues: int = 2, delays=None,
+                 device: torch.device | None = None, queues: int = 2, max_queues: int | None = None, delays=None,
                  slot_bytes: int = 4 << 20, num_slots: int = 8, session: str | None = None,
                  store_addr: str | None = None, store_port: int | None = None):
         if queues < 1:
@@ -191,6 +208,7 @@ class DelegatedTransport:
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
         self.k = queues
+        self.max_k = max(queues, max_queues or queues)  # delegates started per direction (growing needs no start)
         self.delays = delays
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         self.session = session or f"t{next(_instances)}"
@@ -206,12 +224,19 @@ class DelegatedTransport:
         self._dirs: dict[tuple[int, str, bool], _Direction] = {}
         self._ctx = _delegate_context()
         self._link_k: dict[int, int] = {}  # link -> queues per direction, where not self.k
-        self._link_epoch: dict[int, int] = {}  # link -> times its delegates were restarted to grow
         self._op = None
         self._closed = False
         self._lock = threading.RLock()
         self._copier = Copier(self._push_locked, f"rank {rank} staging copies")
         self._shared_delays = None  # (origin mp.Value, static mp.Array): what sender delegates read per message
+
+    def prepare(self) -> None:
+        """Start the fork server now (it imports torch: seconds, tens of seconds on a loaded host), so
+        that the first link switched to the delegates does not wait for it. Returns at once."""
+        from multiprocessing import forkserver
+
+        with _main_module_hidden():
+            forkserver.ensure_running()
 
     # -- naming -------------------------------------------------------------------------------
     def _link(self, kind: str, sending: bool) -> int:
@@ -251,7 +276,7 @@ class DelegatedTransport:
             role="send" if sending else "recv", rank=self.rank, link=link, kind=kind, queue=q,
             ring_name=ring.name, op_name=op.__name__, op_path=op.__file__, store_addr=self.store_addr,
             store_port=self.store_port,
-            prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/e{self._link_epoch.get(link, 0)}/q{q}",
+            prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/q{q}",
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
             delays_trace=self.delays.trace if (sending and self.delays is not None) else None)
         delays = self._delay_state() if sending else None
@@ -295,18 +320,21 @@ class DelegatedTransport:
                 if self._closed:
                     raise TransportError(f"rank {self.rank}: delegated transport is closed")
                 queues = []
-                for q in range(self._link_k.get(link, self.k)):
+                active = self._link_k.get(link, self.k)
+                for q in range(max(active, self.max_k)):
                     ring, proc, gen, stop, acked, ready = self._spawn(link, kind, sending, q, 0)
                     queues.append(_Queue(q, ring, proc, gen, stop, acked, ready))
-                d = self._dirs[key] = _Direction(link, kind, sending, queues)
+                d = self._dirs[key] = _Direction(link, kind, sending, queues, active=active)
         return d
 
     def start_link(self, link: int, queues: int | None = None) -> None:
         """Start the delegates of every direction this rank uses on ``link`` (idempotent), with
-        ``queues`` FIFOs per direction (default: the transport's). Asking for more queues than a
-        running direction has restarts its delegates with that many: call it on both ends at the
-        same iteration boundary, after ``wait_sends``, when no message of the link is in flight.
-        A direction never shrinks (its queues cost nothing while idle)."""
+        ``queues`` FIFOs per direction in use (default: the transport's). A direction starts
+        ``max_queues`` delegates at once; asking for more queues than a running direction uses
+        spreads messages from the next one on over more of them (starting more delegates beside
+        the running ones only beyond ``max_queues``; nothing restarts): call it on both ends at the
+        same iteration boundary, when the receiver has taken every message sent so far. A
+        direction never shrinks (idle queues cost an idle process and untouched shared memory)."""
         if link == self.stage_id:  # this rank sends activations down and receives gradients up
             keys = (("F", True), ("B", False))
         elif link == self.stage_id - 1:
@@ -314,17 +342,15 @@ class DelegatedTransport:
         else:
             raise ValueError(f"rank {self.rank}: stage {self.stage_id} is not an end of link {link}")
         if queues is not None:
-            self._copier.drain(self.timeout_s)  # a restart needs every message of the link in its ring
             if queues < 1:
                 raise ValueError(f"rank {self.rank}: link {link} needs at least 1 queue, got {queues}")
             with self._lock:
                 if queues > self._link_k.get(link, self.k):
                     self._link_k[link] = queues
-                    self._link_epoch[link] = self._link_epoch.get(link, 0) + 1  # fresh rendezvous keys
                     for kind, sending in keys:
                         d = self._dirs.get((link, kind, sending))
-                        if d is not None and len(d.queues) < queues:
-                            self._stop_direction(d, f"growing to {queues} queues")
+                        if d is not None and d.active < queues:
+                            self._grow(d, queues)
         for kind, sending in keys:
             self._direction(kind, sending)
 
@@ -332,29 +358,20 @@ class DelegatedTransport:
         """FIFOs per direction that ``link`` uses (or will use when it starts)."""
         return self._link_k.get(link, self.k)
 
-    def _stop_direction(self, d: _Direction, why: str) -> None:
-        """Stop a direction's delegates (nothing of it in flight) so that it starts afresh, its
-        message numbering included."""
-        if d.sending:
-            for q in d.queues:
-                self._prune(q)
-                if q.unacked:
-                    raise TransportError(f"rank {self.rank}: link {d.link} {d.kind}: cannot restart its delegates "
-                                         f"({why}) while {len(q.unacked)} messages are unacknowledged")
-        elif d.stash or d.partial:
-            raise TransportError(f"rank {self.rank}: link {d.link} {d.kind}: cannot restart its delegates ({why}) "
-                                 f"while received messages wait to be taken")
-        for q in d.queues:
-            q.stop.value = 1
-        for q in d.queues:
-            q.proc.join(timeout=10)
-            if q.proc.is_alive():
-                q.proc.kill()
-            for ring in (q.ring, *q.old_rings):
-                ring.close()
-        del self._dirs[(d.link, d.kind, d.sending)]
-        log.info("rank %d: link %d %s %s delegates stopped (%s)", self.rank, d.link, d.kind,
-                 "sender" if d.sending else "receiver", why)
+    def _grow(self, d: _Direction, queues: int) -> None:
+        """Add delegates to a running direction so that it has ``queues``; both ends switch the
+        mapping of messages to queues at the same message (the next one), which they agree on
+        because the receiver holds everything sent so far. Messages already in a queue stay there
+        (a restart after a delegate dies re-sends them into the same queue)."""
+        if not d.sending and (d.stash or d.partial or d.busy):
+            raise TransportError(f"rank {self.rank}: link {d.link} {d.kind}: cannot add delegate queues while "
+                                 f"received messages wait to be taken (call it at an iteration boundary)")
+        for q in range(len(d.queues), queues):
+            ring, proc, gen, stop, acked, ready = self._spawn(d.link, d.kind, d.sending, q, 0)
+            d.queues.append(_Queue(q, ring, proc, gen, stop, acked, ready))
+        d.active, d.base_seq = queues, d.next_seq
+        log.info("rank %d: link %d %s %s: %d delegate queues from message %d", self.rank, d.link, d.kind,
+                 "sender" if d.sending else "receiver", queues, d.next_seq)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every started delegate has formed its Gloo pair (optional: sends never need it)."""
@@ -433,7 +450,7 @@ class DelegatedTransport:
         head = torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64)
         head[:6] = torch.tensor([MAGIC, d.next_seq, KINDS[kind], mb, total, pieces])
         head[PREFIX_INTS:] = meta
-        q = d.queues[d.next_seq % len(d.queues)]
+        q = d.queue_for(d.next_seq)
         self._check_alive(d, q, "sending")  # a waitpid(WNOHANG): microseconds
         msg = _Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index))
         d.next_seq += 1
@@ -499,8 +516,43 @@ class DelegatedTransport:
 
     # -- receiving ----------------------------------------------------------------------------
     def post_recv(self, kind: str, mb: int) -> None:
-        """Receiver delegates fill the rings ahead of need; this only makes sure they run."""
-        self._direction(kind, False)
+        """Receiver delegates fill the rings ahead of need; posting the receive also lets the
+        direction's prefetch thread copy the message out of its ring as soon as it is in."""
+        d = self._direction(kind, False)
+        with d.cv:
+            self._announce(d, (kind, mb))
+            if d.prefetcher is None and not self._closed:
+                d.prefetcher = threading.Thread(target=self._prefetch_loop, args=(d,), daemon=True,
+                                                name=f"rank {self.rank} link {d.link} {d.kind} prefetch")
+                d.prefetcher.start()
+
+    @staticmethod
+    def _announce(d: _Direction, key: tuple) -> None:
+        """Count message ``key`` as expected (once until it is returned); caller holds ``d.cv``."""
+        if key not in d.posted:
+            d.posted[key] = None
+            d.announced += 1
+            d.cv.notify_all()
+
+    def _prefetch_loop(self, d: _Direction) -> None:
+        """Assemble posted messages into the stash as they arrive (off the training thread)."""
+        while True:
+            with d.cv:
+                while not self._closed and d.error is None and (d.busy or d.next_seq >= d.announced):
+                    d.cv.wait(SLICE_S)
+                if self._closed or d.error is not None:
+                    return
+                d.busy = True
+                kind, mb = next(iter(d.posted), (d.kind, -1))
+            try:
+                self._take_piece(d, d.queue_for(d.next_seq), self._describe(kind, mb, False))
+            except BaseException as e:  # noqa: BLE001  (raised by the next recv)
+                with d.cv:
+                    d.error = e
+            finally:
+                with d.cv:
+                    d.busy = False
+                    d.cv.notify_all()
 
     def recv(self, kind: str, mb: int) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Wait for message (kind, mb); other messages that arrive first are stashed for their recv."""
@@ -508,14 +560,30 @@ class DelegatedTransport:
         key = (kind, mb)
         what = self._describe(kind, mb, False)
         deadline = time.monotonic() + self.timeout_s
-        while key not in d.stash:
-            q = d.queues[d.next_seq % len(d.queues)]
-            if not self._take_piece(d, q, what):
+        while True:
+            with d.cv:
+                self._announce(d, key)
+                while d.error is None and key not in d.stash and d.busy:
+                    d.cv.wait(SLICE_S)  # the prefetcher is taking a piece: perhaps this message's
+                    if time.monotonic() > deadline:
+                        break
+                if d.error is not None:
+                    raise d.error
+                if key in d.stash:
+                    bare, tensors = d.stash.pop(key)
+                    del d.posted[key]
+                    break
                 if time.monotonic() > deadline:
                     raise TransportTimeout(
                         f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} "
-                        f"(next message {d.next_seq} is due in queue {q.index})")
-        bare, tensors = d.stash.pop(key)
+                        f"(next message {d.next_seq} is due in queue {d.queue_for(d.next_seq).index})")
+                d.busy = True
+            try:
+                self._take_piece(d, d.queue_for(d.next_seq), what)
+            finally:
+                with d.cv:
+                    d.busy = False
+                    d.cv.notify_all()
         if self.device.type != "cpu":
             tensors = [t.to(self.device) for t in tensors]
         return tensors[0] if bare else tuple(tensors)
@@ -579,6 +647,12 @@ class DelegatedTransport:
         with self._lock:
             self._closed = True
         self._copier.stop()
+        for d in self._dirs.values():
+            with d.cv:
+                d.cv.notify_all()
+        for d in self._dirs.values():  # a prefetcher finishes its piece (one ring wait slice) and exits
+            if d.prefetcher is not None:
+                d.prefetcher.join(timeout=4 * SLICE_S)
         for d in self._dirs.values():
             for q in d.queues:
                 q.stop.value = 1

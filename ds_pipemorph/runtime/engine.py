@@ -22,6 +22,7 @@ parallelism inside a stage (``unsupported_reason``).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -91,13 +92,14 @@ class PipeMorphEngine(PipelineEngine):
                                    delegation=pipemorph.delegation.mode, profile_out=pipemorph.profile_out,
                                    neighbours=(ranks[self.stage_id - 1] if self.stage_id > 0 else -1,
                                                ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else -1),
-                                   queues=(pipemorph.delegation.queues, pipemorph.delegation.max_queues))
+                                   queues=(pipemorph.delegation.queues, pipemorph.delegation.queue_cap))
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
             events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         self.recorder = OpRecorder(pipemorph.nvtx, events)
         self.measured_peak_inflight = 0
+        self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         self._reset_iteration_state()
 
     def destroy(self):
@@ -168,8 +170,10 @@ class PipeMorphEngine(PipelineEngine):
             new_plan = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
             if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch
                 self.plan, self.stage_plan = new_plan, list(new_plan[self.stage_id])
+                t = time.perf_counter()
                 for link, mode in self.adapter.link_modes().items():  # slow links go delegated ("auto")
                     self.transport.set_link_mode(link, mode, queues=self.adapter.link_queues[link])
+                self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
 

@@ -199,7 +199,8 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
     if delays is not None:
         direct = DelayInjector(direct, stage_id, delays, timeout_s=timeout)
     delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
-                                   queues=cfg.delegation.queues, delays=delays, **delegated_kw)
+                                   queues=cfg.delegation.queues, max_queues=cfg.delegation.queue_cap, delays=delays,
+                                   **delegated_kw)
     mode = cfg.delegation.mode
     if mode == "off":
         if any(m == "delegated" for m in (link_mode or {}).values()):
@@ -210,6 +211,8 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
     else:
         modes = dict(link_mode or {})
     router = LinkRouter(rank, stage_id, direct, delegated, modes)
+    if mode != "off":  # the fork server imports torch now, not when the first link goes delegated
+        delegated.prepare()
     if faults is not None and faults.kill_delegate is not None:
         return DelegateKiller(router, faults)
     return router

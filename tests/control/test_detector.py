@@ -21,7 +21,7 @@ def run(det, series, tolerance_of=lambda target: [10.0 + t for t in target]):
 def test_delay_injected_at_iteration_5_is_acted_on_by_iteration_7():
     series = [[0.3, 0.2, 0.4]] * 5 + [[0.3, 0.2, 60.4]] * 10
     events = run(LinkDetector(3), series)
-    assert events == [(6, [0.0, 0.0, 65.0])]  # decided after iteration 6 -> new plan in iteration 7
+    assert events == [(6, [0.0, 0.0, 61.0])]  # decided after iteration 6 -> new plan in iteration 7
 
 
 def test_a_single_slow_iteration_is_a_hiccup_not_a_straggler():

@@ -32,6 +32,39 @@ def roundtrip(rank, world, queues, order, slot_bytes):
     return dict(ok=ok, delegates=len(pids), events=tr.events)
 
 
+def prefetch(rank, world, n, slot_bytes):
+    """Stage 1 posts F0..F(n-1) ahead, then idles: the prefetch thread must assemble every posted
+    message (and no other) without a recv; recv then only hands them over, intact. Stage 0 sends
+    n + 1 messages; the last one was never posted and must stay in its ring until asked for (at an
+    iteration boundary nothing of the next iteration may be read early)."""
+    tr = DelegatedTransport(rank, rank, list(range(world)), timeout_s=60.0, queues=2, slot_bytes=slot_bytes)
+    out = {}
+    try:
+        if rank == 0:
+            for m in range(n + 1):
+                tr.send("F", m, payload("F", m))
+            tr.wait_sends()
+        else:
+            for m in range(n):
+                tr.post_recv("F", m)
+            d = tr._direction("F", False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with d.cv:
+                    if len(d.stash) == n and not d.busy:
+                        break
+                time.sleep(0.01)
+            time.sleep(0.3)  # time for a wrong prefetch of the unposted message to show
+            with d.cv:
+                out["stashed_before_recv"] = sorted(m for _, m in d.stash)
+            out["ok"] = [same(tr.recv("F", m), payload("F", m)) for m in range(n)]
+            out["unposted_ok"] = same(tr.recv("F", n), payload("F", n))
+        dist.barrier()
+    finally:
+        tr.close()
+    return out
+
+
 def _cfg(mode, delay_ms=0.0, queues=2, timeout_s=60.0, trace=None):
     from ds_pipemorph.runtime.config import PipeMorphConfig
 
@@ -135,7 +168,8 @@ def switching(rank, world, iterations_modes, n):
             tr.wait_sends()
             got.append((it, "delegated_sends", tr.delegated.sent.get(0, 0) - before.get(0, 0)))
             got.append((it, "queues", tr.delegated.queues_of(0),
-                        sum(len(d.queues) for d in tr.delegated._dirs.values())))
+                        sum(d.active for d in tr.delegated._dirs.values())))
+            got.append((it, "pids", {key: [q.proc.pid for q in d.queues] for key, d in tr.delegated._dirs.items()}))
         return got
     finally:
         tr.close()

@@ -23,6 +23,12 @@ def test_switch_at_boundaries_keeps_every_message_once_and_in_content():
     for r in (0, 1):
         used = [g[2] for g in res[r] if g[1] == "delegated_sends"]
         assert used == [N if m.startswith("delegated") else 0 for m in MODES]
-        # queue=1 at first; growing to 3 restarts both directions' delegates with 3 queues, kept after
+        # queue=1 in use at first; growing to 3 uses three per direction, kept after
         queues = [(g[2], g[3]) for g in res[r] if g[1] == "queues"]
         assert queues == [(1, 0), (1, 2), (1, 2), (1, 2), (3, 6), (3, 6), (3, 6)]
+        # ... whose delegates (max(queues, 4) per direction) started with the link: nothing starts
+        # or restarts to grow
+        pids = [g[2] for g in res[r] if g[1] == "pids"]
+        for key, first in pids[1].items():
+            assert len(first) == 4 and all(p[key] == first for p in pids[1:]), f"rank {r}: delegates of {key} changed"
+
