@@ -24,6 +24,7 @@ setup(
         "rich>=13",
         "PyYAML>=6",
         "nvtx>=0.2.10",
+        "psutil>=5.9",  # network interfaces (delegation.interfaces); also a DeepSpeed requirement
     ],
     extras_require={
         "plot": ["matplotlib>=3.7"],

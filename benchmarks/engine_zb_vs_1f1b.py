@@ -4,7 +4,9 @@
 real math, ``ds_pipemorph.runtime.emulated``), no link delay. Iteration time is measured the same
 way for both engines: from the barrier before ``train_batch`` to the last rank's return (headline),
 and as DESIGN.md's iteration time (first op start to last op end, over all ranks); medians over
-several iterations after warm-up. Also measures, on a real transformer block (with glibc's default
+several iterations after warm-up. The same plan run by a plain torch.distributed loop, without
+DeepSpeed or our engine (``_bare_runner.py``), is measured in the same run: this machine's floor
+for any runtime, printed next to the engines. Also measures, on a real transformer block (with glibc's default
 malloc and with one that keeps freed memory, as GPU caching allocators do; and on a small block,
 where fixed per-call costs weigh more), B + W time against one fused backward. Prints a table and writes JSON.
 
@@ -24,7 +26,9 @@ import time
 from pathlib import Path
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
-ENGINES = ("stock_1f1b", "pipemorph_zb", "pipemorph_adaptive")  # adaptive: extra row, Alg. 1 warm-up
+# adaptive: extra row, Alg. 1 warm-up; bare_zb: the zb plan run by plain torch.distributed, no
+# DeepSpeed and no engine (_bare_runner.py): this machine's floor for any runtime
+ENGINES = ("stock_1f1b", "pipemorph_zb", "pipemorph_adaptive", "bare_zb")
 # Where an emulated op's 10 ms start (runtime/emulated.py): "instruction" = when the engine began
 # the instruction (its Python overlaps the op, as it overlaps launched kernels on a GPU; headline);
 # "op" = when the emulated math starts (every microsecond of engine work adds: the strict ruler).
@@ -58,6 +62,15 @@ def build(kind: str):
     import ds_pipemorph
     from ds_pipemorph.runtime.emulated import EmulatedStage
 
+    if kind == "bare_zb":
+        import torch.distributed as dist
+        from _bare_runner import BareRunner
+
+        from ds_pipemorph.runtime.config import parse_config
+        from ds_pipemorph.runtime.plans import build_plan
+
+        plan = build_plan(parse_config({"schedule": "zb"}), STAGES, MICROBATCHES)
+        return BareRunner(plan, dist.get_rank(), STAGES, 8, OP_MS)
     torch.manual_seed(0)
     model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, OP_MS, OP_MS, OP_MS) for _ in range(STAGES)],
                            num_stages=STAGES, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
@@ -91,6 +104,8 @@ def time_compute_ops(engine) -> list:
             spans.append((t0, time.monotonic_ns()))
         return run
 
+    if hasattr(engine, "compute_spans"):  # the bare runner times its ops itself
+        return engine.compute_spans
     kinds = (ForwardPass, BackwardPass, BackwardInputPass, BackwardWeightPass)
     if not hasattr(engine, "recorder"):  # stock DeepSpeed: publish instruction starts as ours does
         anchor_stock_engine(engine)
@@ -124,32 +139,40 @@ def measure(engine, warmup: int, iters: int) -> tuple[list[float], list[float]]:
 
 
 def transformer_block_split_vs_fused(d_model: int, seq: int, reps: int = 12) -> dict:
-    """B + W against one fused backward on a real transformer block (medians of interleaved reps)."""
+    """B + W against one fused backward on a real transformer block (medians of interleaved reps),
+    with the minor page faults each takes (memory the allocator had returned to the OS)."""
+    import resource
+
     import torch
 
     from ds_pipemorph.runtime.bw_split import backward_input
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     blk = torch.nn.TransformerEncoderLayer(d_model, d_model // 64, 4 * d_model, dropout=0.0, batch_first=True)
     params = list(blk.parameters())
-    fused, b_t, w_t = [], [], []
+    fused, b_t, w_t, f_pf, s_pf = [], [], [], [], []
     for _ in range(reps + 2):
         x = torch.randn(4, seq, d_model, requires_grad=True)
         y = blk(x)
         gy = torch.randn_like(y)
-        t = time.perf_counter()
+        pf, t = faults(), time.perf_counter()
         y.backward(gy)
         fused.append(time.perf_counter() - t)
+        f_pf.append(faults() - pf)
         x = torch.randn(4, seq, d_model, requires_grad=True)
         y = blk(x)
-        t = time.perf_counter()
+        pf, t = faults(), time.perf_counter()
         _, work = backward_input([y], [gy], [x], params)
         t1 = time.perf_counter()
         del y
         work.run()
         b_t.append(t1 - t)
         w_t.append(time.perf_counter() - t1)
+        s_pf.append(faults() - pf)
     med = lambda v: statistics.median(v[2:]) * 1e3  # noqa: E731
     split = [b + w for b, w in zip(b_t[2:], w_t[2:])]
     total = statistics.median(split) * 1e3
@@ -159,7 +182,8 @@ def transformer_block_split_vs_fused(d_model: int, seq: int, reps: int = 12) -> 
                      f"batch 4 x seq {seq}, 1 thread",
             "reps": reps, "fused_ms": round(med(fused), 3), "b_ms": round(med(b_t), 3), "w_ms": round(med(w_t), 3),
             "b_plus_w_ms": round(total, 3), "ratio": round(total / med(fused), 4),
-            "ratio_of_minimums": round(min(split) / min(fused[2:]), 4)}
+            "ratio_of_minimums": round(min(split) / min(fused[2:]), 4),
+            "page_faults_fused": statistics.median(f_pf[2:]), "page_faults_split": statistics.median(s_pf[2:])}
 
 
 # glibc returns large freed blocks to the OS, so tensors the split keeps alive a little longer
@@ -189,6 +213,7 @@ def main() -> int:
         return relaunch()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import deepspeed
     import torch.distributed as dist
 
@@ -208,6 +233,7 @@ def main() -> int:
         "pipemorph_adaptive": replay(build_plan(parse_config({"schedule": "adaptive"}), STAGES, MICROBATCHES),
                                      costs, MICROBATCHES).iteration_ms,
     }
+    predicted["bare_zb"] = predicted["pipemorph_zb"]
     from ds_pipemorph.runtime import emulated
 
     results = {a: {} for a in ANCHORS}
@@ -240,6 +266,8 @@ def main() -> int:
             "ours_over_predicted": round(med["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
             "ours_op_span_over_predicted": round(med_ops["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
             "stock_over_ours": round(med["stock_1f1b"] / med["pipemorph_zb"], 4),
+            "bare_over_predicted": round(med["bare_zb"] / predicted["bare_zb"], 4),
+            "ours_over_bare": round(med["pipemorph_zb"] / med["bare_zb"], 4),
         }
         print(f"\nemulated ops anchored at the {anchor} start")
         print(f"{'engine':<20}{'predicted ms':>14}{'median ms':>12}{'min ms':>10}{'max ms':>10}{'op span ms':>12}")
@@ -248,6 +276,8 @@ def main() -> int:
         r = report["anchors"][anchor]
         print(f"ours / predicted = {r['ours_over_predicted']:.4f} (op span {r['ours_op_span_over_predicted']:.4f}; "
               f"target <= 1.03);  stock / ours = {r['stock_over_ours']:.4f} (target >= 1.10)")
+        print(f"this machine's floor: the zb plan without DeepSpeed or engine / predicted = "
+              f"{r['bare_over_predicted']:.4f}; ours / that floor = {r['ours_over_bare']:.4f}")
     print("(median/min/max: barrier to the last rank's return from train_batch; op span: DESIGN.md's "
           "iteration time, first F/B/W start to last F/B/W end over all ranks)")
     head = report["anchors"]["instruction"]
@@ -267,7 +297,8 @@ def main() -> int:
     for b in (block, block_cached, small):
         print(f"{b['block']}, {b['malloc']}: fused {b['fused_ms']:.2f} ms, B {b['b_ms']:.2f} + W {b['w_ms']:.2f} "
               f"= {b['b_plus_w_ms']:.2f} ms, ratio {b['ratio']:.4f} (min/min {b['ratio_of_minimums']:.4f}; "
-              f"target <= 1.05)")
+              f"target <= 1.05); page faults per backward: fused {b['page_faults_fused']:g}, "
+              f"B + W {b['page_faults_split']:g}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

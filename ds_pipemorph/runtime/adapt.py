@@ -53,8 +53,6 @@ KEEP_WITHIN = 0.02  # keep the plan in force when it is this close to the lower 
 # Links run on the direct transport: a slow one holds one message in flight and blocks its sender,
 # so plans are scored with that model (a burst of warm-up sends costs what it costs on the wire).
 HOL = True  # search effort per re-plan; an evaluation bound keeps every rank's plan identical
-_CLOCK_TAG = 3 << 24
-_PINGS = 5
 LOG_EVERY = 100  # rank 0 logs the profiler's overhead every this many iterations (and in close())
 _LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, W, upstream rank, downstream rank
 _TIMES = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")  # per-message blocks after the overhead (see _message_times)
@@ -68,44 +66,6 @@ class Replan:
     predicted_ms: float
     warmup: list[int]
     plan: list[list[str]]
-
-
-def estimate_clock_offsets(grid, stage_id: int, stages: int) -> dict[int, int]:
-    """Clock offset (this rank's monotonic clock minus the neighbour's) per neighbouring stage.
-
-    NTP-style ping-pong on each link in turn (the sample with the smallest round trip wins). On one
-    host the offsets come out near zero; across hosts they make the send-time stamps comparable.
-    """
-    out: dict[int, int] = {}
-    for link in range(stages - 1):
-        if stage_id not in (link, link + 1):
-            continue
-        peer_stage = link + 1 if stage_id == link else link
-        peer = grid.stage_to_global(peer_stage)
-        best = None
-        buf = torch.zeros(2, dtype=torch.int64)
-        for _ in range(_PINGS):
-            if stage_id == link:  # initiator
-                t0 = time.monotonic_ns()
-                dist.send(torch.tensor([t0, 0], dtype=torch.int64), peer, tag=_CLOCK_TAG)
-                dist.recv(buf, peer, tag=_CLOCK_TAG)
-                t3 = time.monotonic_ns()
-                t1, t2 = buf.tolist()
-                rtt = (t3 - t0) - (t2 - t1)
-                offset = ((t1 - t0) + (t2 - t3)) // 2  # peer clock minus mine
-                if best is None or rtt < best[0]:
-                    best = (rtt, offset)
-            else:
-                dist.recv(buf, peer, tag=_CLOCK_TAG)
-                t1 = time.monotonic_ns()
-                dist.send(torch.tensor([t1, time.monotonic_ns()], dtype=torch.int64), peer, tag=_CLOCK_TAG)
-        if stage_id == link:
-            out[peer_stage] = -best[1]
-            dist.send(torch.tensor([best[1], 0], dtype=torch.int64), peer, tag=_CLOCK_TAG)
-        else:
-            dist.recv(buf, peer, tag=_CLOCK_TAG)
-            out[peer_stage] = int(buf[0].item())
-    return out
 
 
 class Adapter:

@@ -48,6 +48,17 @@ class DelegationConfig(_Strict):
     # Their delegates start with the link's first (so growing is a switch, not a start). Default:
     # max(queues, 4).
     max_queues: Optional[int] = Field(None, ge=1)
+    # Network interfaces for the delegates' Gloo groups, in turn (§5.3): a delegate pair that meets
+    # again after its connection broke (generation g) uses interfaces[g % len]; None: Gloo's default.
+    # Each rank checks at start-up that its host has them.
+    interfaces: Optional[list[str]] = None
+
+    @field_validator("interfaces")
+    @classmethod
+    def _interface_names(cls, v):
+        if v is not None and (not v or any(not isinstance(n, str) or not n.strip() for n in v)):
+            raise ValueError("must be a non-empty list of network interface names, e.g. [\"eth0\", \"eth1\"]")
+        return v
 
     @model_validator(mode="after")
     def _max_at_least_queues(self):

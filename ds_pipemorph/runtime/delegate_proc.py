@@ -7,13 +7,15 @@ processes' groups: it meets through its own rendezvous, a ``PrefixStore`` (one p
 direction, queue and generation) over a ``TCPStore`` client of the job's MASTER_ADDR/MASTER_PORT.
 
 Wire protocol per ring entry (one piece of one message): sender sends ``[nbytes, tag]`` (int64),
-then the bytes straight from the ring slot, then waits for a one-int ack the receiver sends after it
-published the piece into its ring. So a queue has exactly one message in flight, and the sender
-frees its slot (and reports the message as delivered through ``acked``) only once the receiver
-holds it: nothing is lost when either delegate dies. The injected delay of the link is applied once
-per message, before its first piece leaves (a FIFO with one message in flight, as ``inject.Lane``),
-and looked up at that moment: the static delay its training process currently has for the link, or
-the trace's delay at the time elapsed since the training process's origin (both in shared memory).
+then the bytes straight from the ring slot, and frees the slot; after the last piece of a message it
+waits for a one-int ack the receiver sends once it published that piece into its ring. So a queue
+has exactly one message in flight, its pieces stream back to back (no round trip per piece), and the
+sender reports the message as delivered (``acked``) only once the receiver holds all of it: nothing
+is lost when either delegate dies (the training process keeps every message until it is acked).
+The injected delay of the link is applied once per message, before its first piece leaves (a FIFO
+with one message in flight, as ``inject.Lane``), and looked up at that moment: the static delay its
+training process currently has for the link, or the trace's delay at the time elapsed since the
+training process's origin (both in shared memory).
 
 Failure handling: a delegate whose Gloo op fails (the peer died) exits with ``PEER_LOST`` after
 setting ``gen`` to the next generation; a watchdog thread also makes it exit that way as soon as the
@@ -70,9 +72,31 @@ class DelegateSpec:
     parent_pid: int
     timeout_s: float
     delays_trace: Any = None  # sender only: the training process's inject.DelayTrace, if it replays one
+    interfaces: tuple = ()  # network interfaces in turn per generation (delegation.interfaces); () = Gloo's default
+
+    def interface(self, gen: int) -> str | None:
+        """The network interface of generation ``gen`` (both ends of a pair meet in the same one)."""
+        return self.interfaces[gen % len(self.interfaces)] if self.interfaces else None
 
     def what(self) -> str:
         return f"rank {self.rank} {self.role} delegate of link {self.link} {self.kind} queue {self.queue}"
+
+
+def missing_interfaces(names) -> str | None:
+    """One sentence if this host lacks one of ``names`` (``delegation.interfaces``) or it has no IP
+    address (Gloo binds to the interface's address), else None."""
+    import socket
+
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    usable = [n for n, a in addrs.items() if any(x.family in (socket.AF_INET, socket.AF_INET6) for x in a)]
+    for n in names:
+        if n not in usable:
+            why = "has no IP address on" if n in addrs else "does not exist on"
+            return (f"ds_config pipemorph.delegation.interfaces names '{n}', which {why} this host "
+                    f"({socket.gethostname()}); interfaces with an address here: {', '.join(sorted(usable))}")
+    return None
 
 
 def _load_op(name: str, path: str):
@@ -148,6 +172,9 @@ class _Pair:
         self.connected_gen = self.gen.value
         prefix = f"{self.spec.prefix}/g{self.connected_gen}"
         store.set(f"{prefix}/up", str(os.getpid()))  # announces this generation to a stale peer
+        iface = self.spec.interface(self.connected_gen)
+        if iface is not None:  # Gloo reads it when the group is created (one group per process)
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=self.me, world_size=2,
                                 timeout=timedelta(seconds=self.spec.timeout_s))
         global _STORE
@@ -168,7 +195,7 @@ def delay_now_ms(spec: DelegateSpec, delays) -> float:
 
 
 def run_sender(spec: DelegateSpec, op, pair: _Pair, acked, delays) -> None:
-    """Pop pieces from the training process's ring, delay each message, send it, wait for the ack."""
+    """Pop pieces from the training process's ring, delay each message, send it, wait for its ack."""
     import torch
     import torch.distributed as dist
 
@@ -189,16 +216,17 @@ def run_sender(spec: DelegateSpec, op, pair: _Pair, acked, delays) -> None:
             dist.send(torch.tensor([flat.numel(), tag], dtype=torch.int64), dst=pair.peer)
             if flat.numel():
                 dist.send(flat, dst=pair.peer)
-            dist.recv(ack, src=pair.peer)
+            ring.end_read(seq)
+            if piece == pieces - 1:
+                dist.recv(ack, src=pair.peer)
         except RuntimeError as e:  # the receiver delegate died: the training process re-sends what was not acked
             raise PeerLost(str(e)) from e
-        ring.end_read(seq)
         if piece == pieces - 1:
             acked.value = msg
 
 
 def run_receiver(spec: DelegateSpec, op, pair: _Pair) -> None:
-    """Receive pieces into free slots of the training process's ring ahead of need; ack each one."""
+    """Receive pieces into free slots of the training process's ring ahead of need; ack each message."""
     import torch
     import torch.distributed as dist
 
@@ -222,7 +250,9 @@ def run_receiver(spec: DelegateSpec, op, pair: _Pair) -> None:
                 ring.abort_write(wseq)
                 raise
             ring.end_write(wseq)
-            dist.send(ack, dst=pair.peer)
+            _, pieces, piece = split_tag(tag)
+            if piece == pieces - 1:
+                dist.send(ack, dst=pair.peer)
         except RuntimeError as e:  # the sender delegate died: its replacement re-sends what was not acked
             raise PeerLost(str(e)) from e
 

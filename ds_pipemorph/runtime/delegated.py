@@ -198,7 +198,8 @@ class DelegatedTransport:
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
                  device: torch.device | None = None, queues: int = 2, max_queues: int | None = None, delays=None,
                  slot_bytes: int = 4 << 20, num_slots: int = 8, session: str | None = None,
-                 store_addr: str | None = None, store_port: int | None = None):
+                 store_addr: str | None = None, store_port: int | None = None,
+                 interfaces: Sequence[str] | None = None):
         if queues < 1:
             raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
         if slot_bytes < 4096:
@@ -218,6 +219,7 @@ class DelegatedTransport:
             raise ValueError(f"rank {rank}: delegated transport needs the job's store: set MASTER_PORT (the "
                              f"delegates meet through a TCPStore client on MASTER_ADDR:MASTER_PORT)")
         self.store_port = int(port)
+        self.interfaces = tuple(interfaces or ())
         self.events: list[str] = []  # one line per delegate restart (also logged)
         self.send_s: dict[int, float] = {}  # link -> seconds spent inside send (copy + full-ring waits)
         self.sent: dict[int, int] = {}
@@ -278,7 +280,8 @@ class DelegatedTransport:
             store_port=self.store_port,
             prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/q{q}",
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
-            delays_trace=self.delays.trace if (sending and self.delays is not None) else None)
+            delays_trace=self.delays.trace if (sending and self.delays is not None) else None,
+            interfaces=self.interfaces)
         delays = self._delay_state() if sending else None
         proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready, delays), daemon=True,
                                  name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")
@@ -424,7 +427,9 @@ class DelegatedTransport:
         why = "lost its peer" if old_code == PEER_LOST else f"died (exit code {old_code})"
         line = (f"rank {self.rank}: link {d.link}: {'sender' if d.sending else 'receiver'} delegate of "
                 f"{d.kind} queue {q.index} (pid {old_pid}) {why} while {what}; restarted it "
-                f"as generation {gen}" + (f" and re-sent {len(resend)} unacknowledged messages" if d.sending else ""))
+                f"as generation {gen}" + (f" on interface {self.interfaces[gen % len(self.interfaces)]}"
+                                          if self.interfaces else "")
+                + (f" and re-sent {len(resend)} unacknowledged messages" if d.sending else ""))
         self.events.append(line)
         log.warning(line)
 

@@ -34,7 +34,8 @@ from . import instructions as I
 from .bw_split import backward_input
 from .config import PipeMorphConfig, PipeMorphConfigError
 from ..plan.profile import Costs
-from .adapt import Adapter, estimate_clock_offsets
+from .adapt import Adapter
+from .clocks import estimate_clock_offsets
 from .inject import DelaySchedule
 from .plans import DEFAULT_OP_MS, caps
 from .oprecords import OpRecorder

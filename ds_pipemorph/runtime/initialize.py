@@ -60,6 +60,12 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
         delays = delay_schedule(pm.inject, model.num_stages)
     except BadInput as e:
         raise PipeMorphConfigError(str(e)) from None
+    if pm.delegation.mode != "off" and pm.delegation.interfaces:
+        from .delegate_proc import missing_interfaces
+
+        missing = missing_interfaces(pm.delegation.interfaces)
+        if missing:
+            raise PipeMorphConfigError(missing)
     if dist.get_rank() == 0:
         for note in pending_notes(pm):
             logger.warning(note)

@@ -200,7 +200,7 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
         direct = DelayInjector(direct, stage_id, delays, timeout_s=timeout)
     delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
                                    queues=cfg.delegation.queues, max_queues=cfg.delegation.queue_cap, delays=delays,
-                                   **delegated_kw)
+                                   interfaces=cfg.delegation.interfaces, **delegated_kw)
     mode = cfg.delegation.mode
     if mode == "off":
         if any(m == "delegated" for m in (link_mode or {}).values()):

@@ -74,7 +74,7 @@ def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_s
     res = launch(tmp_path, spec, 220)
     adaptive = res[0]["adaptive"]
     up = adaptive["replans"][0]
-    assert up["iteration"] <= 6 and up["target_ms"][2] >= 40
+    assert up["iteration"] <= 6 and up["target_ms"][2] >= 40, adaptive["measured"]
     modes = res[2]["adaptive"]["modes"]  # as stage 2, an end of link 2, routes it (stage 2: links 1 and 2)
     # modes[k] is read after train_batch k, whose end is where the switch happens
     assert all(m[1:] == ["direct", "direct"] for m in modes[: up["iteration"]])

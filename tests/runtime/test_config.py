@@ -18,6 +18,8 @@ from ds_pipemorph.runtime.transport import decode_header, encode_header
     ({"delegation": {"mode": "sometimes"}}, "ds_config pipemorph: delegation.mode: Input should be 'off', 'auto' or 'always'"),
     ({"inject": {"links": {"2": {"delay": 30}}}}, "ds_config pipemorph: unknown key 'inject.links.2.delay'"),
     ({"delegation": {"queues": 4, "max_queues": 3}}, "ds_config pipemorph: delegation: delegation.max_queues (3) must be at least delegation.queues (4)"),
+    ({"delegation": {"interfaces": []}}, 'ds_config pipemorph: delegation.interfaces: must be a non-empty list of network interface names, e.g. ["eth0", "eth1"]'),
+    ({"delegation": {"interfaces": "eth0"}}, "ds_config pipemorph: delegation.interfaces: Input should be a valid list"),
     ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
     ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
 ])

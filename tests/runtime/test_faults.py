@@ -25,20 +25,40 @@ TOL = 1e-6
 STAGES, N, STEPS = 3, 4, 3
 
 
-def _section(mode: str, delays: dict, faults: dict | None = None) -> dict:
+def _section(mode: str, delays: dict, faults: dict | None = None, interfaces: list | None = None) -> dict:
     inject = {"links": {k: {"delay_ms": v} for k, v in delays.items()}}
     if faults is not None:
         inject["faults"] = faults
+    delegation = {"mode": mode, "queues": 1 if mode == "auto" else 2}
+    if interfaces:
+        delegation["interfaces"] = interfaces
     return {"schedule": "zb", "adapt": {"enabled": False}, "nvtx": False, "timeout_s": 120,
-            "delegation": {"mode": mode, "queues": 1 if mode == "auto" else 2}, "inject": inject}
+            "delegation": delegation, "inject": inject}
+
+
+def _second_interface() -> str:
+    """An interface with an address other than the loopback, if this host has one (else the loopback)."""
+    import socket
+
+    import psutil
+
+    up = psutil.net_if_stats()
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        if name != "lo" and up.get(name) and up[name].isup and any(a.family == socket.AF_INET for a in addrs):
+            return name
+    return "lo"
+
+
+# The killed sender's pair meets again as generation 1 on the second interface of this list.
+INTERFACES = ["lo", _second_interface()]
 
 
 DIRECT, DELEGATED = ("auto", {"1": 10.0}), ("always", {"0": 10.0, "1": 10.0})
-JOBS = {  # name: (config, faults, fault-free reference)
+JOBS = {  # name: (config, faults, fault-free reference[, delegation.interfaces])
     "direct_ref": (DIRECT, None, None),
     "link_fails": (DIRECT, {"link_fails_after": {"0": 5, "1": 6}}, "direct_ref"),
     "delegated_ref": (DELEGATED, None, None),
-    "kill_sender": (DELEGATED, {"kill_delegate": {"link": 1, "after": 6}}, "delegated_ref"),
+    "kill_sender": (DELEGATED, {"kill_delegate": {"link": 1, "after": 6}}, "delegated_ref", INTERFACES),
     "kill_receiver": (DELEGATED, {"kill_delegate": {"link": 0, "after": 5, "side": "recv"}}, "delegated_ref"),
 }
 # Per faulted job and stage: log lines that must appear (each names the op where the fault hit).
@@ -71,10 +91,10 @@ def _ran_every_op_once(ops: list[str]) -> bool:
 @pytest.mark.timeout(400)
 def test_link_failure_mid_iteration_and_killed_delegates_lose_and_repeat_nothing(tmp_path):
     jobs = [{"name": name, "stages": STAGES, "micro_batches": N, "steps": STEPS,
-             "pipemorph": _section(*cfg, faults)} for name, (cfg, faults, _) in JOBS.items()]
+             "pipemorph": _section(*cfg, faults, *rest[1:])} for name, (cfg, faults, *rest) in JOBS.items()]
     run = launch(STAGES, jobs, tmp_path, timeout=380)
     res = {name: {_result(run, name, r)["stage"]: _result(run, name, r) for r in range(STAGES)} for name in JOBS}
-    for name, (_, _, ref_name) in JOBS.items():
+    for name, (_, _, ref_name, *_) in JOBS.items():
         for stage, got in res[name].items():
             assert len(got["losses"]) == STEPS, f"{name} stage {stage}: {got['losses']}"
             assert all(_ran_every_op_once(step) for step in got["ops"]), f"{name} stage {stage}: {got['ops']}"
@@ -90,8 +110,9 @@ def test_link_failure_mid_iteration_and_killed_delegates_lose_and_repeat_nothing
     failed_sends = {s: [e for e in res["link_fails"][s]["events"] if "direct path failed at SEND" in e] for s in range(3)}
     assert all("in the delivery thread" in e for s in (1, 2) for e in failed_sends[s] if "link 1 " in e)
     assert not any("in the delivery thread" in e for e in failed_sends[0] + failed_sends[1] if "link 0 " in e)
-    # The killed sender delegate was restarted (re-sending what its peer had not acknowledged).
-    assert any("restarted it as generation 1" in e for e in res["kill_sender"][1]["events"])
+    # The killed sender delegate was restarted (re-sending what its peer had not acknowledged), and
+    # its pair met again on the next configured interface (§5.3: reconnect on another interface).
+    assert any(f"restarted it as generation 1 on interface {INTERFACES[1]}" in e for e in res["kill_sender"][1]["events"])
 
 
 def test_fault_settings_are_read_from_the_inject_section_and_bad_links_are_refused():

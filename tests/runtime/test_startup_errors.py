@@ -13,7 +13,7 @@ from .plans_io import write_plan
 
 
 @pytest.mark.timeout(200)
-def test_unknown_schedule_wrong_stage_count_and_missing_w_fail_on_every_rank(tmp_path):
+def test_unknown_schedule_wrong_stage_count_missing_w_and_unknown_interface_fail_on_every_rank(tmp_path):
     three = write_plan(tmp_path / "three_stages.yaml", zb_h1(Costs.uniform(3), 8), 8)
     four = tmp_path / "missing_w5.yaml"
     write_plan(four, zb_h1(Costs.uniform(4), 8), 8)
@@ -25,6 +25,7 @@ def test_unknown_schedule_wrong_stage_count_and_missing_w_fail_on_every_rank(tmp
         {**base, "name": "zbb", "pipemorph": {"schedule": "zbb"}},
         {**base, "name": "three", "pipemorph": {"schedule": "plan", "plan_file": three}},
         {**base, "name": "missing_w5", "pipemorph": {"schedule": "plan", "plan_file": str(four)}},
+        {**base, "name": "no_such_nic", "pipemorph": {"schedule": "zb", "delegation": {"interfaces": ["lo", "nic9"]}}},
     ]
     run = launch(4, jobs, tmp_path, timeout=180)
     assert run.returncode != 0
@@ -33,6 +34,8 @@ def test_unknown_schedule_wrong_stage_count_and_missing_w_fail_on_every_rank(tmp
             "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan'")
         assert run.error("three", r) == f"plan file {three} is for 3 stages but the job has 4 pipeline stages"
         assert run.error("missing_w5", r) == f"plan file {four} is invalid: stage 1: W5 is missing"
+        assert run.error("no_such_nic", r).startswith(
+            "ds_config pipemorph.delegation.interfaces names 'nic9', which does not exist on this host")
     assert not list(tmp_path.glob("*.pt")), "a job trained although its config is bad"
 
 
