@@ -90,6 +90,17 @@ def run_iteration(tr, stage: int, plan_row, act_numel: int, op_ms: float, slow_l
     return slow_sends
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores of this machine, from /proc/stat (Linux; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
 def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: int, warmup: int,
               delay_ms: float, act_numel: int, op_ms: float, queues: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -109,7 +120,7 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
     plan = zb_plan(world, MICROBATCHES, op_ms)[rank]
     layouts = {"direct": {}, "delegated-slow": {slow: "delegated"},
                "delegated-all": {i: "delegated" for i in range(world - 1)}}
-    results = {m: {"iter_s": [], "send_s": []} for m in modes}
+    results = {m: {"iter_s": [], "send_s": [], "cpu_busy": []} for m in modes}
     try:
         for rnd in range(warmup + rounds):
             for mode in modes:
@@ -117,14 +128,16 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
                     tr.set_link_mode(link, layouts[mode].get(link, "direct"))
                 tr.delegated.wait_ready(120.0)
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = cpu_times(), time.perf_counter()
                 sends = run_iteration(tr, rank, plan, act_numel, op_ms, slow)
-                dt = time.perf_counter() - t0
+                dt, c1 = time.perf_counter() - t0, cpu_times()
                 t = torch.tensor([dt])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if rnd >= warmup:
                     results[mode]["iter_s"].append(float(t))
                     results[mode]["send_s"].extend(sends)
+                    # share of the machine's cores busy during this rank's iteration (any process)
+                    results[mode]["cpu_busy"].append((c1[0] - c0[0]) / max(1, c1[1] - c0[1]))
         out.put((rank, results, list(tr.events) + list(tr.delegated.events)))
     finally:
         tr.close()

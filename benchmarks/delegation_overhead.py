@@ -39,16 +39,19 @@ def main() -> None:
         ratio = med["delegated-all"] / med["direct"]
         # Per-round ratios (the two modes of one round ran back to back) are less sensitive to load drift.
         paired = statistics.median(g / d for d, g in zip(it["direct"], it["delegated-all"]))
+        # Share of this machine's cores busy (any process) during rank 0's iterations: near 1 means
+        # the run is bound by CPU, where every extra copy of the delegated path shows in full.
+        busy = {m: round(statistics.median(per_rank[0][0][m]["cpu_busy"]), 3) for m in modes}
         load_after = load()
         runs.append(dict(message_mib=mib, iteration_ms={m: [ms(x) for x in v] for m, v in it.items()},
                          median_ms={m: ms(v) for m, v in med.items()}, ratio_of_medians=round(ratio, 4),
-                         median_paired_ratio=round(paired, 4), load_before=load_before, load_after=load_after))
+                         median_paired_ratio=round(paired, 4), cpu_busy_median=busy, load_before=load_before, load_after=load_after))
         table.append([mib, ms(med["direct"]), ms(med["delegated-all"]), f"{ratio:.3f}", f"{paired:.3f}",
-                      f"{load_before[0]} -> {load_after[0]}"])
+                      f"{busy['direct']:.0%} / {busy['delegated-all']:.0%}", f"{load_before[0]} -> {load_after[0]}"])
     print_table(f"ZB-H1, {STAGES} stages x {MICROBATCHES} mb, {OP_MS:g} ms ops, no delay, {a.queues} queues, "
                 f"medians over {a.rounds} iterations per mode",
                 ["message MiB", "direct ms", "delegated ms", "ratio (medians)", "ratio (paired median)",
-                 "load 1-min"], table)
+                 "CPU busy direct / delegated", "load 1-min"], table)
     write_json(a.out, dict(benchmark="delegation_overhead", pipeline="transport-level (the transports without DeepSpeed; pipemorph bench measures them in the engine)",
                            plan="the engine's zb plan (ZB-H1 warm-up, build_plan), 12 micro-batches", stages=STAGES, op_ms=OP_MS,
                            queues=a.queues, rounds=a.rounds, runs=runs, target="delegated <= 1.05 x direct"))
