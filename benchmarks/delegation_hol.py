@@ -101,8 +101,20 @@ def cpu_times() -> tuple[int, int]:
     return sum(vals) - idle, sum(vals)
 
 
+def page_faults() -> int:
+    """Page faults of the whole machine so far, from /proc/vmstat (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("pgfault "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: int, warmup: int,
-              delay_ms: float, act_numel: int, op_ms: float, queues: int) -> None:
+              delay_ms: float, act_numel: int, op_ms: float, queues: int, delegation: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -114,13 +126,13 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
     dist.init_process_group("gloo", rank=rank, world_size=world)
     slow = world - 2
     links = {str(slow): {"delay_ms": delay_ms}} if delay_ms > 0 else {}
-    cfg = PipeMorphConfig.model_validate({"delegation": {"mode": "auto", "queues": queues},
+    cfg = PipeMorphConfig.model_validate({"delegation": {"mode": "auto", "queues": queues, **(delegation or {})},
                                           "inject": {"links": links}, "timeout_s": 120.0})
     tr = build_transport(cfg, rank, rank, list(range(world)), None, {})
     plan = zb_plan(world, MICROBATCHES, op_ms)[rank]
     layouts = {"direct": {}, "delegated-slow": {slow: "delegated"},
                "delegated-all": {i: "delegated" for i in range(world - 1)}}
-    results = {m: {"iter_s": [], "send_s": [], "cpu_busy": []} for m in modes}
+    results = {m: {"iter_s": [], "send_s": [], "cpu_busy": [], "page_faults": []} for m in modes}
     try:
         for rnd in range(warmup + rounds):
             for mode in modes:
@@ -128,9 +140,9 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
                     tr.set_link_mode(link, layouts[mode].get(link, "direct"))
                 tr.delegated.wait_ready(120.0)
                 dist.barrier()
-                c0, t0 = cpu_times(), time.perf_counter()
+                p0, c0, t0 = page_faults(), cpu_times(), time.perf_counter()
                 sends = run_iteration(tr, rank, plan, act_numel, op_ms, slow)
-                dt, c1 = time.perf_counter() - t0, cpu_times()
+                dt, c1, p1 = time.perf_counter() - t0, cpu_times(), page_faults()
                 t = torch.tensor([dt])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if rnd >= warmup:
@@ -138,6 +150,7 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
                     results[mode]["send_s"].extend(sends)
                     # share of the machine's cores busy during this rank's iteration (any process)
                     results[mode]["cpu_busy"].append((c1[0] - c0[0]) / max(1, c1[1] - c0[1]))
+                    results[mode]["page_faults"].append(p1 - p0)
         out.put((rank, results, list(tr.events) + list(tr.delegated.events)))
     finally:
         tr.close()
@@ -145,14 +158,15 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
         dist.destroy_process_group()
 
 
-def launch(modes, rounds, warmup, delay_ms, act_numel, op_ms, queues, timeout=900.0):
+def launch(modes, rounds, warmup, delay_ms, act_numel, op_ms, queues, timeout=900.0, delegation=None):
+    """``delegation``: more keys of the ds_config's ``pipemorph.delegation`` (e.g. ``slot_mb``)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, STAGES, port, out, modes, rounds, warmup, delay_ms, act_numel,
-                                                 op_ms, queues)) for r in range(STAGES)]
+                                                 op_ms, queues, delegation)) for r in range(STAGES)]
     for p in procs:
         p.start()
     per_rank = {}

@@ -27,13 +27,20 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--queues", type=int, default=2)
+    ap.add_argument("--slot-mib", type=int, default=None,
+                    help="delegation.slot_mb (default: the config's); smaller than a message = several pieces")
+    ap.add_argument("--slots", type=int, default=None, help="delegation.slots (default: the config's)")
     ap.add_argument("--out", default="out/delegation_overhead.json")
     a = ap.parse_args()
     modes = ["direct", "delegated-all"]
+    from ds_pipemorph.runtime.config import PipeMorphConfig
+
+    slot_mb = a.slot_mib or PipeMorphConfig().delegation.slot_mb
     runs, table = [], []
     for mib in a.sizes_mib:
         load_before = load()
-        per_rank = launch(modes, a.rounds, a.warmup, 0.0, mib * (1 << 20) // 4, OP_MS, a.queues)
+        per_rank = launch(modes, a.rounds, a.warmup, 0.0, mib * (1 << 20) // 4, OP_MS, a.queues,
+                          delegation={k: v for k, v in (("slot_mb", a.slot_mib), ("slots", a.slots)) if v})
         it = {m: per_rank[0][0][m]["iter_s"] for m in modes}
         med = {m: statistics.median(v) for m, v in it.items()}
         ratio = med["delegated-all"] / med["direct"]
@@ -42,19 +49,21 @@ def main() -> None:
         # Share of this machine's cores busy (any process) during rank 0's iterations: near 1 means
         # the run is bound by CPU, where every extra copy of the delegated path shows in full.
         busy = {m: round(statistics.median(per_rank[0][0][m]["cpu_busy"]), 3) for m in modes}
+        faults = {m: statistics.median(per_rank[0][0][m]["page_faults"]) for m in modes}  # whole machine
         load_after = load()
         runs.append(dict(message_mib=mib, iteration_ms={m: [ms(x) for x in v] for m, v in it.items()},
                          median_ms={m: ms(v) for m, v in med.items()}, ratio_of_medians=round(ratio, 4),
-                         median_paired_ratio=round(paired, 4), cpu_busy_median=busy, load_before=load_before, load_after=load_after))
+                         median_paired_ratio=round(paired, 4), cpu_busy_median=busy, page_faults_median=faults, load_before=load_before, load_after=load_after))
         table.append([mib, ms(med["direct"]), ms(med["delegated-all"]), f"{ratio:.3f}", f"{paired:.3f}",
-                      f"{busy['direct']:.0%} / {busy['delegated-all']:.0%}", f"{load_before[0]} -> {load_after[0]}"])
+                      f"{busy['direct']:.0%} / {busy['delegated-all']:.0%}",
+                      f"{faults['direct']:.0f} / {faults['delegated-all']:.0f}", f"{load_before[0]} -> {load_after[0]}"])
     print_table(f"ZB-H1, {STAGES} stages x {MICROBATCHES} mb, {OP_MS:g} ms ops, no delay, {a.queues} queues, "
-                f"medians over {a.rounds} iterations per mode",
+                f"{slot_mb} MiB staging slots, medians over {a.rounds} iterations per mode",
                 ["message MiB", "direct ms", "delegated ms", "ratio (medians)", "ratio (paired median)",
-                 "CPU busy direct / delegated", "load 1-min"], table)
+                 "CPU busy direct / delegated", "page faults direct / delegated", "load 1-min"], table)
     write_json(a.out, dict(benchmark="delegation_overhead", pipeline="transport-level (the transports without DeepSpeed; pipemorph bench measures them in the engine)",
                            plan="the engine's zb plan (ZB-H1 warm-up, build_plan), 12 micro-batches", stages=STAGES, op_ms=OP_MS,
-                           queues=a.queues, rounds=a.rounds, runs=runs, target="delegated <= 1.05 x direct"))
+                           queues=a.queues, slot_mb=slot_mb, rounds=a.rounds, runs=runs, target="delegated <= 1.05 x direct"))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Each iteration the runtime reports the measured one-way delay of every link (the median over that
 iteration's messages). The detector compares it with what the current plan tolerates:
 
-* up: a link whose delay exceeds the plan's tolerance (and the noise floor) for ``up_iterations``
-  iterations in a row gets a new target delay, rounded up to ``quantum_ms`` so that small drifts
-  do not produce new plans;
+* up: a link whose delay exceeds the plan's tolerance (and the noise floor) by more than
+  ``up_margin`` of it for ``up_iterations`` iterations in a row gets a new target delay, rounded up
+  to ``quantum_ms``; the margin keeps a link that jitters around its planned delay (40.6 ms, then
+  41.6 ms on a plan for 41) from being re-planned for every millisecond;
 * down: a link planned for a delay whose measured delay stays below ``recover_ratio`` of it for
   ``down_iterations`` iterations in a row gets the measured delay as its target (0 below the floor),
   which returns the pipeline to the no-delay plan once the link has recovered.
@@ -29,10 +30,14 @@ class DetectorConfig:
     # Targets round up to this: coarse steps plan for more delay than measured (35 ms for 30.2 cost ~3 %
     # of the iteration at 4 x 12); jitter is held off by up_iterations and the plan's tolerance instead.
     quantum_ms: float = 1.0
+    # A delay this share above what the plan in force absorbs is jitter, not a slower link: beyond
+    # the tolerance each extra ms costs at most about a ms per slow hop, while a re-plan costs a
+    # search and a switch of every rank.
+    up_margin: float = 0.05
 
     def __post_init__(self):
-        if self.floor_ms < 0 or self.quantum_ms <= 0:
-            raise ValueError("floor_ms must be >= 0 and quantum_ms > 0")
+        if self.floor_ms < 0 or self.quantum_ms <= 0 or self.up_margin < 0:
+            raise ValueError("floor_ms must be >= 0, quantum_ms > 0 and up_margin >= 0")
         if self.up_iterations < 1 or self.down_iterations < 1:
             raise ValueError("up_iterations and down_iterations must be >= 1")
         if not 0 < self.recover_ratio < 1:
@@ -65,7 +70,7 @@ class LinkDetector:
         for i, d in enumerate(measured_ms):
             if d is None:
                 continue
-            if d > max(cfg.floor_ms, self.tolerance[i], self.planned_for[i]):
+            if d > max(cfg.floor_ms, (1 + cfg.up_margin) * max(self.tolerance[i], self.planned_for[i])):
                 self._up[i] += 1
             else:
                 self._up[i] = 0

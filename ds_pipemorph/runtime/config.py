@@ -52,6 +52,11 @@ class DelegationConfig(_Strict):
     # again after its connection broke (generation g) uses interfaces[g % len]; None: Gloo's default.
     # Each rank checks at start-up that its host has them.
     interfaces: Optional[list[str]] = None
+    # Staging ring per delegate queue: ``slots`` slots of ``slot_mb`` MiB. A message larger than a
+    # slot travels in pieces, and every piece costs the delegates round trips on the wire; a slot's
+    # pages are only allocated (and, on a GPU, only worth it) up to the largest message it carried.
+    slot_mb: int = Field(64, ge=1)
+    slots: int = Field(4, ge=2)
 
     @field_validator("interfaces")
     @classmethod

@@ -268,8 +268,14 @@ class DelegatedTransport:
         from ..staging.ring import StagingRing
 
         op = self._load_op()
-        ring = StagingRing.create(self._ring_name(link, kind, sending, q, gen_value),
-                                  slot_bytes=self.slot_bytes, num_slots=self.num_slots, op=op)
+        try:
+            ring = StagingRing.create(self._ring_name(link, kind, sending, q, gen_value),
+                                      slot_bytes=self.slot_bytes, num_slots=self.num_slots, op=op)
+        except RuntimeError as e:
+            if "large enough" not in str(e):
+                raise
+            raise TransportError(f"rank {self.rank}: link {link}: {e}; or lower ds_config "
+                                 f"pipemorph.delegation.slot_mb / slots") from None
         gen = self._ctx.Value("q", gen_value, lock=False)  # single writer: the delegate
         stop = stop if stop is not None else self._ctx.Value("b", 0, lock=False)  # single writer: this process
         acked = self._ctx.Value("q", -1, lock=False)

@@ -200,7 +200,9 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
         direct = DelayInjector(direct, stage_id, delays, timeout_s=timeout)
     delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
                                    queues=cfg.delegation.queues, max_queues=cfg.delegation.queue_cap, delays=delays,
-                                   interfaces=cfg.delegation.interfaces, **delegated_kw)
+                                   interfaces=cfg.delegation.interfaces,
+                                   **{"slot_bytes": cfg.delegation.slot_mb << 20, "num_slots": cfg.delegation.slots,
+                                      **delegated_kw})
     mode = cfg.delegation.mode
     if mode == "off":
         if any(m == "delegated" for m in (link_mode or {}).values()):

@@ -61,3 +61,12 @@ def test_jitter_around_a_planned_delay_does_not_flap():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="recover_ratio"):
         DetectorConfig(recover_ratio=1.5)
+
+
+def test_a_link_jittering_around_its_planned_delay_is_not_re_planned_but_a_slower_one_is():
+    """Seen in the engine: 40.8 ms -> a plan for 41 that absorbs 41, then 41.6 ms re-planned for 42."""
+    exact = lambda target: list(target)  # noqa: E731  (a plan absorbs exactly what it was made for)
+    series = [[0.3, 0.2, 40.8]] * 2 + [[0.3, 0.2, 41.6], [0.3, 0.2, 42.9]] * 5
+    assert run(LinkDetector(3), series, exact) == [(1, [0.0, 0.0, 41.0])]
+    series += [[0.3, 0.2, 43.2]] * 2  # 5.4 % above the plan: a slower link
+    assert run(LinkDetector(3), series, exact) == [(1, [0.0, 0.0, 41.0]), (13, [0.0, 0.0, 44.0])]
