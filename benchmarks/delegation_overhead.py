@@ -4,21 +4,27 @@ Same transport-level pipeline as ``delegation_hol.py`` (4 ranks, the engine's zb
 emulated 10 ms F/B/W ops, real tensors exchanged through ``transports.build_transport``), no delay,
 activations (and gradients) of 1 MiB and 16 MiB. The two modes alternate at iteration boundaries
 (``set_link_mode``) so they share the machine's load; the ratio of median iteration times is
-reported (target: delegated at most 5 % slower).
+reported (target: delegated at most 5 % slower). Each size runs under glibc's default malloc and
+under settings that keep freed memory (``--allocators``): with the default, fresh 16 MiB tensors
+fault in their pages on every message, which slows the direct path more than the delegated one.
 
     DS_ACCELERATOR=cpu python benchmarks/delegation_overhead.py [--rounds 8] [--out out/delegation_overhead.json]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _util import print_table, write_json
+from _util import CACHING_MALLOC, print_table, write_json
 from delegation_hol import MICROBATCHES, OP_MS, STAGES, launch, load, ms
+
+
+ALLOCATORS = {"glibc": {}, "caching": CACHING_MALLOC}
 
 
 def main() -> None:
@@ -30,6 +36,9 @@ def main() -> None:
     ap.add_argument("--slot-mib", type=int, default=None,
                     help="delegation.slot_mb (default: the config's); smaller than a message = several pieces")
     ap.add_argument("--slots", type=int, default=None, help="delegation.slots (default: the config's)")
+    ap.add_argument("--allocators", default="glibc,caching",
+                    help="glibc (this machine's default malloc), caching (keeps freed memory, as GPU caching "
+                         "allocators do: no page faults to hide the copies behind)")
     ap.add_argument("--out", default="out/delegation_overhead.json")
     a = ap.parse_args()
     modes = ["direct", "delegated-all"]
@@ -37,7 +46,12 @@ def main() -> None:
 
     slot_mb = a.slot_mib or PipeMorphConfig().delegation.slot_mb
     runs, table = [], []
-    for mib in a.sizes_mib:
+    for alloc, mib in [(al, mib) for al in a.allocators.split(",") for mib in a.sizes_mib]:
+        if alloc not in ALLOCATORS:
+            raise SystemExit(f"--allocators: unknown '{alloc}', use {', '.join(ALLOCATORS)}")
+        for k in CACHING_MALLOC:  # the rank processes are spawned: they start with this environment
+            os.environ.pop(k, None)
+        os.environ.update(ALLOCATORS[alloc])
         load_before = load()
         per_rank = launch(modes, a.rounds, a.warmup, 0.0, mib * (1 << 20) // 4, OP_MS, a.queues,
                           delegation={k: v for k, v in (("slot_mb", a.slot_mib), ("slots", a.slots)) if v})
@@ -51,15 +65,15 @@ def main() -> None:
         busy = {m: round(statistics.median(per_rank[0][0][m]["cpu_busy"]), 3) for m in modes}
         faults = {m: statistics.median(per_rank[0][0][m]["page_faults"]) for m in modes}  # whole machine
         load_after = load()
-        runs.append(dict(message_mib=mib, iteration_ms={m: [ms(x) for x in v] for m, v in it.items()},
+        runs.append(dict(allocator=alloc, message_mib=mib, iteration_ms={m: [ms(x) for x in v] for m, v in it.items()},
                          median_ms={m: ms(v) for m, v in med.items()}, ratio_of_medians=round(ratio, 4),
                          median_paired_ratio=round(paired, 4), cpu_busy_median=busy, page_faults_median=faults, load_before=load_before, load_after=load_after))
-        table.append([mib, ms(med["direct"]), ms(med["delegated-all"]), f"{ratio:.3f}", f"{paired:.3f}",
+        table.append([alloc, mib, ms(med["direct"]), ms(med["delegated-all"]), f"{ratio:.3f}", f"{paired:.3f}",
                       f"{busy['direct']:.0%} / {busy['delegated-all']:.0%}",
                       f"{faults['direct']:.0f} / {faults['delegated-all']:.0f}", f"{load_before[0]} -> {load_after[0]}"])
     print_table(f"ZB-H1, {STAGES} stages x {MICROBATCHES} mb, {OP_MS:g} ms ops, no delay, {a.queues} queues, "
                 f"{slot_mb} MiB staging slots, medians over {a.rounds} iterations per mode",
-                ["message MiB", "direct ms", "delegated ms", "ratio (medians)", "ratio (paired median)",
+                ["malloc", "message MiB", "direct ms", "delegated ms", "ratio (medians)", "ratio (paired median)",
                  "CPU busy direct / delegated", "page faults direct / delegated", "load 1-min"], table)
     write_json(a.out, dict(benchmark="delegation_overhead", pipeline="transport-level (the transports without DeepSpeed; pipemorph bench measures them in the engine)",
                            plan="the engine's zb plan (ZB-H1 warm-up, build_plan), 12 micro-batches", stages=STAGES, op_ms=OP_MS,

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from _util import CACHING_MALLOC
+
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 # adaptive: extra row, Alg. 1 warm-up; bare_zb: the zb plan run by plain torch.distributed, no
 # DeepSpeed and no engine (_bare_runner.py): this machine's floor for any runtime
@@ -187,9 +189,7 @@ def transformer_block_split_vs_fused(d_model: int, seq: int, reps: int = 12) -> 
 
 
 # glibc returns large freed blocks to the OS, so tensors the split keeps alive a little longer
-# make later allocations fault fresh pages; GPU caching allocators (and this setting) reuse memory.
-CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
-                  "MALLOC_TOP_PAD_": str(1 << 28)}
+# make later allocations fault fresh pages; GPU caching allocators (and CACHING_MALLOC) reuse memory.
 
 
 def block_in_subprocess(d_model: int, seq: int, reps: int, caching_malloc: bool) -> dict:
