@@ -20,6 +20,8 @@ from ds_pipemorph.runtime.transport import decode_header, encode_header
     ({"delegation": {"queues": 4, "max_queues": 3}}, "ds_config pipemorph: delegation: delegation.max_queues (3) must be at least delegation.queues (4)"),
     ({"delegation": {"interfaces": []}}, 'ds_config pipemorph: delegation.interfaces: must be a non-empty list of network interface names, e.g. ["eth0", "eth1"]'),
     ({"delegation": {"interfaces": "eth0"}}, "ds_config pipemorph: delegation.interfaces: Input should be a valid list"),
+    ({"delegation": {"slots": 1}}, "ds_config pipemorph: delegation.slots: Input should be greater than or equal to 2"),
+    ({"delegation": {"slot_mb": 0}}, "ds_config pipemorph: delegation.slot_mb: Input should be greater than or equal to 1"),
     ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
     ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
 ])
