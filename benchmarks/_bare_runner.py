@@ -31,11 +31,10 @@ class BareRunner:
         self.s, self.S, self.width = stage, stages, width
         torch.manual_seed(0)
         self.module = EmulatedStage(width, op_ms, op_ms, op_ms)
-        self.params = [p for p in self.module.parameters()]
+        self.params = list(self.module.parameters())
         self.opt = torch.optim.SGD(self.params, lr=lr)
         self.compute_spans: list[tuple[int, int]] = []
-        n = max(op.mb for op in self.ops) + 1
-        self.n = n
+        self.n = max(op.mb for op in self.ops) + 1
         self._compute = as_instruction(self._compute_op)  # publishes the op's start, as the engines do
 
     def train_batch(self, data) -> None:

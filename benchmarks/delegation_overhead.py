@@ -41,14 +41,16 @@ def main() -> None:
                          "allocators do: no page faults to hide the copies behind)")
     ap.add_argument("--out", default="out/delegation_overhead.json")
     a = ap.parse_args()
+    allocators = a.allocators.split(",")
+    unknown = [al for al in allocators if al not in ALLOCATORS]
+    if unknown:
+        ap.error(f"--allocators: unknown '{unknown[0]}'; use a comma-separated list of {', '.join(ALLOCATORS)}")
     modes = ["direct", "delegated-all"]
     from ds_pipemorph.runtime.config import PipeMorphConfig
 
     slot_mb = a.slot_mib or PipeMorphConfig().delegation.slot_mb
     runs, table = [], []
-    for alloc, mib in [(al, mib) for al in a.allocators.split(",") for mib in a.sizes_mib]:
-        if alloc not in ALLOCATORS:
-            raise SystemExit(f"--allocators: unknown '{alloc}', use {', '.join(ALLOCATORS)}")
+    for alloc, mib in [(al, mib) for al in allocators for mib in a.sizes_mib]:
         for k in CACHING_MALLOC:  # the rank processes are spawned: they start with this environment
             os.environ.pop(k, None)
         os.environ.update(ALLOCATORS[alloc])

@@ -6,9 +6,12 @@ way for both engines: from the barrier before ``train_batch`` to the last rank's
 and as DESIGN.md's iteration time (first op start to last op end, over all ranks); medians over
 several iterations after warm-up. The same plan run by a plain torch.distributed loop, without
 DeepSpeed or our engine (``_bare_runner.py``), is measured in the same run: this machine's floor
-for any runtime, printed next to the engines. Also measures, on a real transformer block (with glibc's default
-malloc and with one that keeps freed memory, as GPU caching allocators do; and on a small block,
-where fixed per-call costs weigh more), B + W time against one fused backward. Prints a table and writes JSON.
+for any runtime, printed next to the engines. Also measures, on a real transformer block (with
+glibc's default malloc, which returns large freed blocks to the OS so that tensors the split keeps
+alive a little longer make later allocations fault fresh pages, and with one that keeps freed
+memory, as GPU caching allocators do; and on a small block, where fixed per-call costs weigh
+more), B + W time against one fused backward, with the page faults of each. Prints a table and
+writes JSON.
 
     DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py [--iters 8] [--out out/engine_zb_vs_1f1b.json]
 
@@ -188,10 +191,6 @@ def transformer_block_split_vs_fused(d_model: int, seq: int, reps: int = 12) -> 
             "page_faults_fused": statistics.median(f_pf[2:]), "page_faults_split": statistics.median(s_pf[2:])}
 
 
-# glibc returns large freed blocks to the OS, so tensors the split keeps alive a little longer
-# make later allocations fault fresh pages; GPU caching allocators (and CACHING_MALLOC) reuse memory.
-
-
 def block_in_subprocess(d_model: int, seq: int, reps: int, caching_malloc: bool) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(CACHING_MALLOC if caching_malloc else {})}
     env.pop("LOCAL_RANK", None)
@@ -213,7 +212,6 @@ def main() -> int:
         return relaunch()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import deepspeed
     import torch.distributed as dist
 

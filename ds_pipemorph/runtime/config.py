@@ -53,15 +53,15 @@ class DelegationConfig(_Strict):
     # Each rank checks at start-up that its host has them.
     interfaces: Optional[list[str]] = None
     # Staging ring per delegate queue: ``slots`` slots of ``slot_mb`` MiB. A message larger than a
-    # slot travels in pieces, and every piece costs the delegates round trips on the wire; a slot's
-    # pages are only allocated (and, on a GPU, only worth it) up to the largest message it carried.
+    # slot travels in pieces, and every piece costs the delegates round trips on the wire. On CPU a
+    # slot's pages are allocated only as far as messages reach; on a GPU the whole ring is pinned.
     slot_mb: int = Field(64, ge=1)
     slots: int = Field(4, ge=2)
 
     @field_validator("interfaces")
     @classmethod
     def _interface_names(cls, v):
-        if v is not None and (not v or any(not isinstance(n, str) or not n.strip() for n in v)):
+        if v is not None and (not v or any(not n.strip() for n in v)):
             raise ValueError("must be a non-empty list of network interface names, e.g. [\"eth0\", \"eth1\"]")
         return v
 

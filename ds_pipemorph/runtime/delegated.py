@@ -64,6 +64,7 @@ from .delegate_proc import (
     make_tag,
     split_tag,
 )
+from .config import DelegationConfig
 from .copier import Copier
 from .delegate_proc import main as delegate_main
 from .transport import (
@@ -197,11 +198,15 @@ class DelegatedTransport:
 
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
                  device: torch.device | None = None, queues: int = 2, max_queues: int | None = None, delays=None,
-                 slot_bytes: int = 4 << 20, num_slots: int = 8, session: str | None = None,
+                 slot_bytes: int | None = None, num_slots: int | None = None, session: str | None = None,
                  store_addr: str | None = None, store_port: int | None = None,
                  interfaces: Sequence[str] | None = None):
         if queues < 1:
             raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
+        if slot_bytes is None or num_slots is None:  # the ds_config's defaults (delegation.slot_mb, slots)
+            defaults = DelegationConfig()
+            slot_bytes = defaults.slot_mb << 20 if slot_bytes is None else slot_bytes
+            num_slots = defaults.slots if num_slots is None else num_slots
         if slot_bytes < 4096:
             raise ValueError(f"rank {rank}: staging slots must hold at least 4096 bytes, got {slot_bytes}")
         self.rank, self.stage_id = rank, stage_id
