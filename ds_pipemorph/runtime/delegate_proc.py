@@ -110,10 +110,30 @@ def _load_op(name: str, path: str):
 
 _OP = None  # the ring op once loaded (the watchdog unlinks an orphaned ring with it)
 # The pair's store client once connected; the watchdog shares it (a TCPStore client serialises its
-# calls). One client per delegate, not two: torch's TCPStore client can take 5 s to connect when
-# many connect at once (measured here: every 25th client of a process, and bursts of clients).
+# calls, and holds its lock while the rendezvous waits for the peer's keys). One client per delegate
+# in the common case, not two: torch's TCPStore client can take 5 s to connect when many connect at
+# once (measured here: every 25th client of a process, and bursts of clients). The watchdog opens
+# its own only when a rendezvous lasts longer than RENDEZVOUS_WATCH_S.
 _STORE = None
+_MET = False  # the pair's Gloo group is formed
+_WATCH_STORE = None
+RENDEZVOUS_WATCH_S = 5.0
 PEER_LOST = 3  # exit code: the peer delegate died or was replaced; ``gen`` holds the generation to meet next
+
+
+def _rendezvous_store(spec: DelegateSpec, waited_s: float):
+    """The watchdog's own store client while the pair has not met for ``RENDEZVOUS_WATCH_S``: a peer
+    killed before the pair formed leaves this delegate in the Gloo rendezvous (blocked on the shared
+    client, until its timeout) while the peer's replacement announces the next generation."""
+    global _WATCH_STORE
+    if _WATCH_STORE is None and waited_s > RENDEZVOUS_WATCH_S:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        _WATCH_STORE = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                                     timeout=timedelta(seconds=10))
+    return _WATCH_STORE
 
 
 def _watchdog(spec: DelegateSpec, stop, gen) -> None:
@@ -123,7 +143,7 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
     import multiprocessing
 
     parent = multiprocessing.parent_process()  # the training process (also under a fork server)
-    last = 0.0
+    last, started = 0.0, time.monotonic()
     while True:
         if stop.value:
             os._exit(0)
@@ -138,11 +158,12 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
                 pass
             os._exit(0)
         now = time.monotonic()
-        if now - last > 1.0 and _STORE is not None:  # nothing to watch before the pair met (1 Hz: idle queues poll too)
+        if now - last > 1.0:  # 1 Hz: idle queues poll too
             last = now
             try:
+                store = _STORE if _MET else _rendezvous_store(spec, now - started)
                 newer = f"{spec.prefix}/g{gen.value + 1}/up"
-                if _STORE.check([newer]):
+                if store is not None and store.check([newer]):
                     gen.value += 1
                     print(f"{spec.what()}: the peer was replaced (generation {gen.value}); exiting to be restarted",
                           file=sys.stderr, flush=True)
@@ -177,8 +198,8 @@ class _Pair:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=self.me, world_size=2,
                                 timeout=timedelta(seconds=self.spec.timeout_s))
-        global _STORE
-        _STORE = store
+        global _STORE, _MET
+        _STORE, _MET = store, True
 
 
 def delay_now_ms(spec: DelegateSpec, delays) -> float:

@@ -206,6 +206,34 @@ def faulty(rank, world, mode, faults_kw, delay_ms, iterations, n, queues=2):
         tr.close()
 
 
+def killed_before_meeting(rank, world, n, timeout_s):
+    """Stage 0 kills its F sender delegate right after starting it, before stage 1 has even started
+    its own delegates (so the pair never met); then the two stages exchange n messages each way."""
+    import os
+    import signal
+
+    tr = DelegatedTransport(rank, rank, list(range(world)), timeout_s=timeout_s, queues=1)
+    ok = []
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            tr.start_link(0)
+            os.kill(tr.delegate_pid(0, "F", True, 0), signal.SIGKILL)
+            dist.barrier()
+            for m in range(n):
+                tr.send("F", m, payload("F", m))
+            ok = [same(tr.recv("B", m), payload("B", m)) for m in range(n)]
+        else:
+            dist.barrier()
+            for m in range(n):
+                ok.append(same(tr.recv("F", m), payload("F", m)))
+                tr.send("B", m, payload("B", m))
+        tr.wait_sends()
+    finally:
+        tr.close()
+    return dict(ok=ok, events=list(tr.events), took_s=time.monotonic() - t0)
+
+
 def orphan_delegates(port, out, close):
     """Start the delegates of link 0, report their pids, then close the transport or die without closing."""
     import os

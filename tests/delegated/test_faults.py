@@ -33,6 +33,19 @@ def test_killed_sender_delegate_is_restarted_and_unacknowledged_messages_are_res
 
 
 @pytest.mark.timeout(150)
+def test_delegate_killed_before_its_pair_met_is_replaced_on_both_ends():
+    # The receiver delegate then waits in the Gloo rendezvous for a peer that is gone; its watchdog
+    # must see the replacement's generation (not wait for the 30 s timeout) so that both ends restart.
+    res = launch(2, bodies.killed_before_meeting, 4, 30.0)
+    for r in (0, 1):
+        assert res[r]["ok"] == [True] * 4
+        assert res[r]["took_s"] < 25.0, res[r]
+    assert any("sender delegate of F queue 0" in e and "restarted it as generation 1" in e for e in res[0]["events"])
+    assert any("receiver delegate of F queue 0" in e and "lost its peer" in e and "generation 1" in e
+               for e in res[1]["events"]), res[1]["events"]
+
+
+@pytest.mark.timeout(150)
 def test_killed_receiver_delegate_is_restarted_and_nothing_is_lost_or_duplicated():
     res = launch(2, bodies.faulty, "always", {"kill_delegate": (0, 2), "kill_side": "recv"}, 20.0, ITERS, N)
     for r in (0, 1):
