@@ -659,7 +659,9 @@ class DelegatedTransport:
         """Nothing to forget: every delegated message carries its layout."""
 
     def close(self) -> None:
-        """Stop every delegate (they exit within ~50 ms) and unlink the rings; no waiting on the wire."""
+        """Stop every delegate (they exit within ~50 ms) and unlink the rings; no waiting on the wire.
+        Close only once the neighbour ranks' ``wait_sends`` returned (the engine closes after the
+        step's collectives): a receiver delegate stopped earlier may never acknowledge their last message."""
         with self._lock:
             self._closed = True
         self._copier.stop()

@@ -197,6 +197,7 @@ def faulty(rank, world, mode, faults_kw, delay_ms, iterations, n, queues=2):
                     ok.append(same(tr.recv("F", m), payload("F", m + 10 * it)))
                     tr.send("B", m, payload("B", m + 10 * it))
             tr.wait_sends()
+        dist.barrier()  # as the engine's end-of-step collective: no end closes while the other waits for acks
         dl = tr.delegated
         seqs = {f"{d.kind}{'s' if d.sending else 'r'}": d.next_seq for d in dl._dirs.values()}
         leftovers = sum(len(d.stash) + (d.partial is not None) for d in dl._dirs.values())
@@ -229,6 +230,7 @@ def killed_before_meeting(rank, world, n, timeout_s):
                 ok.append(same(tr.recv("F", m), payload("F", m)))
                 tr.send("B", m, payload("B", m))
         tr.wait_sends()
+        dist.barrier()  # stage 0's receiver delegates must stay up to acknowledge stage 1's last message
     finally:
         tr.close()
     return dict(ok=ok, events=list(tr.events), took_s=time.monotonic() - t0)
