@@ -159,6 +159,7 @@ class _Queue:
     stop: Any
     acked: Any  # mp.Value: last message seq the peer holds (sender queues)
     ready: Any
+    born: int = 0  # the generation this delegate was started for
     old_rings: list = field(default_factory=list)  # receive side: rings of a dead delegate, drained first
     unacked: deque = field(default_factory=deque)  # send side: _Message kept until acknowledged
 
@@ -421,19 +422,21 @@ class DelegatedTransport:
 
     def _restart(self, d: _Direction, q: _Queue, what: str) -> None:
         old_pid, old_code = q.proc.pid, q.proc.exitcode
-        # A delegate that saw its peer go exits with PEER_LOST and has already set the generation to meet.
-        gen = q.gen.value if old_code == PEER_LOST else q.gen.value + 1
+        # The next generation, whatever the exit: a delegate that saw its peer go (PEER_LOST) has set it
+        # already, and one that failed otherwise may have had its watchdog set it just before (so not
+        # ``gen.value + 1``: the two ends would then wait for each other in different generations).
+        gen = max(q.gen.value, q.born + 1)
         ring, proc, genv, _, acked, ready = self._spawn(d.link, d.kind, d.sending, q.index, gen, stop=q.stop)
         if d.sending:
             q.ring.close()
             acked.value = q.acked.value
-            q.ring, q.proc, q.gen, q.acked, q.ready = ring, proc, genv, acked, ready
+            q.ring, q.proc, q.gen, q.acked, q.ready, q.born = ring, proc, genv, acked, ready, gen
             resend = list(q.unacked)
             for m in resend:
                 self._push(d, q, m)
         else:
             q.old_rings.append(q.ring)
-            q.ring, q.proc, q.gen, q.ready = ring, proc, genv, ready
+            q.ring, q.proc, q.gen, q.ready, q.born = ring, proc, genv, ready, gen
             resend = []
         why = "lost its peer" if old_code == PEER_LOST else f"died (exit code {old_code})"
         line = (f"rank {self.rank}: link {d.link}: {'sender' if d.sending else 'receiver'} delegate of "

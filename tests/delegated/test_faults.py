@@ -41,7 +41,9 @@ def test_delegate_killed_before_its_pair_met_is_replaced_on_both_ends():
         assert res[r]["ok"] == [True] * 4
         assert res[r]["took_s"] < 25.0, res[r]
     assert any("sender delegate of F queue 0" in e and "restarted it as generation 1" in e for e in res[0]["events"])
-    assert any("receiver delegate of F queue 0" in e and "lost its peer" in e and "generation 1" in e
+    # It left the rendezvous either through its watchdog ("lost its peer": the replacement announced
+    # generation 1) or, if the dead sender had published its address, through a refused connection.
+    assert any("receiver delegate of F queue 0" in e and "restarted it as generation 1" in e
                for e in res[1]["events"]), res[1]["events"]
 
 
