@@ -121,11 +121,15 @@ RENDEZVOUS_WATCH_S = 5.0
 PEER_LOST = 3  # exit code: the peer delegate died or was replaced; ``gen`` holds the generation to meet next
 
 
-def _rendezvous_store(spec: DelegateSpec, waited_s: float):
-    """The watchdog's own store client while the pair has not met for ``RENDEZVOUS_WATCH_S``: a peer
+def _watch_store(spec: DelegateSpec, waited_s: float):
+    """The store client the watchdog reads: the shared one once the pair met; before, none until the
+    rendezvous has lasted ``RENDEZVOUS_WATCH_S``, then one of its own (dropped when the pair meets). A peer
     killed before the pair formed leaves this delegate in the Gloo rendezvous (blocked on the shared
     client, until its timeout) while the peer's replacement announces the next generation."""
     global _WATCH_STORE
+    if _MET:  # the pair met after all: back to the shared client
+        _WATCH_STORE = None
+        return _STORE
     if _WATCH_STORE is None and waited_s > RENDEZVOUS_WATCH_S:
         from datetime import timedelta
 
@@ -161,7 +165,7 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
         if now - last > 1.0:  # 1 Hz: idle queues poll too
             last = now
             try:
-                store = _STORE if _MET else _rendezvous_store(spec, now - started)
+                store = _watch_store(spec, now - started)
                 newer = f"{spec.prefix}/g{gen.value + 1}/up"
                 if store is not None and store.check([newer]):
                     gen.value += 1
