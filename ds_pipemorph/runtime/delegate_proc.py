@@ -75,11 +75,16 @@ class DelegateSpec:
     interfaces: tuple = ()  # network interfaces in turn per generation (delegation.interfaces); () = Gloo's default
 
     def interface(self, gen: int) -> str | None:
-        """The network interface of generation ``gen`` (both ends of a pair meet in the same one)."""
-        return self.interfaces[gen % len(self.interfaces)] if self.interfaces else None
+        return interface_for(self.interfaces, gen)
 
     def what(self) -> str:
         return f"rank {self.rank} {self.role} delegate of link {self.link} {self.kind} queue {self.queue}"
+
+
+def interface_for(interfaces, gen: int) -> str | None:
+    """The network interface of generation ``gen`` (both ends of a pair meet in the same one); None:
+    Gloo's default."""
+    return interfaces[gen % len(interfaces)] if interfaces else None
 
 
 def missing_interfaces(names) -> str | None:
@@ -110,7 +115,8 @@ def _load_op(name: str, path: str):
 
 _OP = None  # the ring op once loaded (the watchdog unlinks an orphaned ring with it)
 # The pair's store client once connected; the watchdog shares it (a TCPStore client serialises its
-# calls, and holds its lock while the rendezvous waits for the peer's keys). One client per delegate
+# calls: TCPStore.hpp's activeOpLock_, so a rendezvous waiting for the peer's keys would hold up the
+# watchdog's check on the same client). One client per delegate
 # in the common case, not two: torch's TCPStore client can take 5 s to connect when many connect at
 # once (measured here: every 25th client of a process, and bursts of clients). The watchdog opens
 # its own only when a rendezvous lasts longer than RENDEZVOUS_WATCH_S.

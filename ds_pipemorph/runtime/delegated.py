@@ -61,6 +61,7 @@ from .delegate_proc import (
     PEER_LOST,
     SLICE_S,
     DelegateSpec,
+    interface_for,
     make_tag,
     split_tag,
 )
@@ -422,10 +423,10 @@ class DelegatedTransport:
 
     def _restart(self, d: _Direction, q: _Queue, what: str) -> None:
         old_pid, old_code = q.proc.pid, q.proc.exitcode
-        # The next generation, whatever the exit: a delegate that saw its peer go (PEER_LOST) has set it
-        # already, and one that failed otherwise may have had its watchdog set it just before (so not
-        # ``gen.value + 1``: the two ends would then wait for each other in different generations).
-        gen = max(q.gen.value, q.born + 1)
+        # The next generation, whatever the exit. Not ``gen.value + 1``: a delegate that failed just
+        # after its watchdog had moved ``gen`` on (or after PEER_LOST set it) would skip one, and the
+        # two ends would then wait for each other in different generations.
+        gen = q.born + 1
         ring, proc, genv, _, acked, ready = self._spawn(d.link, d.kind, d.sending, q.index, gen, stop=q.stop)
         if d.sending:
             q.ring.close()
@@ -441,7 +442,7 @@ class DelegatedTransport:
         why = "lost its peer" if old_code == PEER_LOST else f"died (exit code {old_code})"
         line = (f"rank {self.rank}: link {d.link}: {'sender' if d.sending else 'receiver'} delegate of "
                 f"{d.kind} queue {q.index} (pid {old_pid}) {why} while {what}; restarted it "
-                f"as generation {gen}" + (f" on interface {self.interfaces[gen % len(self.interfaces)]}"
+                f"as generation {gen}" + (f" on interface {interface_for(self.interfaces, gen)}"
                                           if self.interfaces else "")
                 + (f" and re-sent {len(resend)} unacknowledged messages" if d.sending else ""))
         self.events.append(line)
