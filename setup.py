@@ -1,10 +1,33 @@
-"""ds_pipemorph: zero-bubble pipeline schedules for DeepSpeed that re-plan around slow links."""
+"""ds_pipemorph: zero-bubble pipeline schedules for DeepSpeed that re-plan around slow links.
+
+The C++/CUDA sources of the host-staging op live in ``cuda_ext/`` at the top of the repository;
+a wheel carries a copy as ``ds_pipemorph/staging/cuda_ext/``, where the op builder
+(``ds_pipemorph.staging.builder.cuda_ext_dir``) finds them. An editable install reads them in place.
+"""
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 version = {}
 exec(Path("ds_pipemorph/version.py").read_text(), version)
+
+SOURCES = Path("cuda_ext")
+PACKAGED = ("ds_pipemorph", "staging", "cuda_ext")
+
+
+class BuildWithSources(build_py):
+    """``build_py`` that also copies ``cuda_ext/*`` into the built package (skipped for editable installs)."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        dest = Path(self.build_lib, *PACKAGED)
+        self.mkpath(str(dest))
+        for src in sorted(SOURCES.iterdir()):
+            if src.suffix in (".cpp", ".cu", ".h"):
+                self.copy_file(str(src), str(dest / src.name))
 
 setup(
     name="ds_pipemorph",
@@ -18,7 +41,7 @@ setup(
     install_requires=[
         # A range, so GPU users keep their own torch build; scripts/setup.sh pins the CPU wheel here.
         "torch>=2.4",
-        "deepspeed>=0.19.6,<0.20",
+        "deepspeed>=0.19.8,<0.20",  # PipelineEngine._train_schedule (runtime/ds_compat.py)
         "pydantic>=2.6,<3",
         "typer>=0.12",
         "rich>=13",
@@ -32,4 +55,5 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["pipemorph=ds_pipemorph_cli.app:main"]},
+    cmdclass={"build_py": BuildWithSources},
 )

@@ -1,28 +1,76 @@
-"""Entry point of the ``pipemorph`` console script."""
+"""Entry point of the ``pipemorph`` console script.
+
+Each command lives in its own module, imported only when that command runs (or when ``--help``
+lists the commands): ``pipemorph plan`` loads the planner and nothing of the benchmark, trace or
+profiling tools, and no command module imports torch or deepspeed at import time.
+"""
 from __future__ import annotations
 
-import typer
+import importlib
+from difflib import get_close_matches
+from typing import Optional
 
-from . import bench_cmd, demo_cmd, plan_cmd, profile_cmd, simulate_cmd, trace_cmd
+import typer
+from typer.core import TyperGroup
+from typer.main import get_command
+
+# Command name -> (module in this package, attribute): a command function, or a Typer app of subcommands.
+COMMANDS = {
+    "plan": ("plan_cmd", "plan"),
+    "simulate": ("simulate_cmd", "simulate"),
+    "export": ("export_cmd", "export"),
+    "demo": ("demo_cmd", "demo"),
+    "bench": ("bench_cmd", "bench"),
+    "profile-links": ("profile_cmd", "profile_links"),
+    "profile-stages": ("profile_cmd", "profile_stages"),
+    "trace": ("trace_cmd", "app"),
+}
+
+
+class LazyCommands(TyperGroup):
+    """A command group that imports a command's module on first use (click's lazy-loading pattern)."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            module, attr = COMMANDS[cmd_name]
+            target = getattr(importlib.import_module(f".{module}", __package__), attr)
+            if not isinstance(target, typer.Typer):
+                single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+                single.command(cmd_name)(target)
+                target = single
+            cmd = get_command(target)
+            cmd.name = cmd_name
+            self.commands[cmd_name] = cmd
+        return self.commands.get(cmd_name)
+
+    def resolve_command(self, ctx, args: list[str]):
+        # Typer suggests names among loaded commands only; suggest among all of them.
+        if args and args[0] not in COMMANDS and not args[0].startswith("-") and not ctx.resilient_parsing:
+            matches = get_close_matches(args[0], list(COMMANDS))
+            hint = f" Did you mean {', '.join(repr(m) for m in matches)}?" if matches else ""
+            ctx.fail(f"No such command {args[0]!r}.{hint}")
+        return super().resolve_command(ctx, args)
+
 
 app = typer.Typer(
     name="pipemorph",
-    help="Plan, simulate and inspect straggler-resilient zero-bubble pipeline schedules.",
+    cls=LazyCommands,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("plan")(plan_cmd.plan)
-app.command("simulate")(simulate_cmd.simulate)
-app.command("demo")(demo_cmd.demo)
-app.command("bench")(bench_cmd.bench)
-app.command("profile-links")(profile_cmd.profile_links)
-app.command("profile-stages")(profile_cmd.profile_stages)
-app.add_typer(trace_cmd.app, name="trace")
 
 
-def main() -> None:
-    app()
+@app.callback()
+def pipemorph() -> None:
+    """Plan, simulate and inspect straggler-resilient zero-bubble pipeline schedules."""
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    app(args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from .common import console, print_json, timeline_outputs, user_errors, write_ou
 
 
 def plan(
-    profile: Path = typer.Argument(..., help="Profile file (YAML or JSON, see DESIGN.md)."),
+    profile: Path = typer.Argument(..., help="Profile file (YAML or JSON, format in docs/design.md)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the plan here (.json = JSON, else YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan object as JSON instead of the summary."),
     budget: float = typer.Option(1.0, "--budget", min=0.0, help="Search time in seconds."),

@@ -9,27 +9,38 @@ from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.baselines import BASELINES, baseline
+from ds_pipemorph.plan.links import DIRECT, LATENCY
+from ds_pipemorph.plan.lower import checked_lines
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.torch_csv import read_torch_plan
 
 from .common import console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
 
 
 def simulate(
-    plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file written by `pipemorph plan`."),
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file written by `pipemorph plan`, or a torch pipelining schedule CSV (.csv, one row per rank)."),
     links_ms: Optional[str] = typer.Option(None, "--links-ms", help="Delay per link in ms, e.g. 10,0,0."),
     compute_ms: Optional[str] = typer.Option(None, "--compute-ms", help="F/B/W ms for all stages (10/10/10) or per stage (10/10/10,12/12/8,...)."),
     compare: str = typer.Option(",".join(BASELINES), "--compare", help="Baselines planned for the plan's profile, replayed the same way ('' for none)."),
-    hol: bool = typer.Option(False, "--direct", help="Model slow links as direct ones: one message in flight, the sender blocks."),
+    direct: bool = typer.Option(False, "--direct", help="Model slow links as direct ones: one message in flight, the sender blocks."),
+    lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank) instead of replaying."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the replayed plan."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),
 ) -> None:
     """Replay a plan under the given delays and compute times and compare it with baselines."""
     with user_errors():
-        pf, sched = PlanFile.read(plan_path)
+        pf, sched = read_torch_plan(plan_path) if plan_path.suffix.lower() == ".csv" else PlanFile.read(plan_path)
         S, N = pf.stages, pf.microbatches
+        if lowered:
+            lines = checked_lines(sched, pf.fused)
+            if as_json:
+                print_json({"lowered": lines})
+            else:
+                console.print("\n".join(lines), markup=False, soft_wrap=True)
+            return
         planned = pf.costs()
         comp = parse_compute(compute_ms, S)
         if planned is None and comp is None:
@@ -43,11 +54,12 @@ def simulate(
         costs = Costs(list(f), list(b), list(w), list(links))
         plan_costs = planned or costs
         names = [x.strip() for x in compare.split(",") if x.strip()]
-        rows = {"plan": replay(sched, costs, N, pf.fused, hol)}
+        model = DIRECT if direct else LATENCY
+        rows = {"plan": replay(sched, costs, N, pf.fused, model)}
         for name in names:
             if name not in BASELINES:
                 raise BadInput(f"--compare: unknown baseline '{name}'; choose from {', '.join(BASELINES)}")
-            rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1", hol)
+            rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1", model)
         tl = rows["plan"]
         title = f"{plan_path.name} replayed, links_ms={[round(x, 1) for x in links]}"
         write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title, links))

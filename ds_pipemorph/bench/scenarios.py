@@ -10,9 +10,9 @@ from typing import Optional, Union
 
 from ..fileio import BadInput, load_model
 from ..plan.baselines import deepspeed_1f1b
+from ..plan.links import DIRECT
 from ..plan.profile import Costs
 from ..plan.simulate import replay
-from ..runtime.inject import DelayTrace
 from .spec import Scenario
 from .traces import mean_delays, write_paper_traces
 
@@ -64,6 +64,8 @@ def scenarios_for(stages: int, delays: list[float], sets: list[list[int]]) -> li
 def trace_scenarios(stages: int, traces: list[Path]) -> list[Scenario]:
     """One scenario per trace file, named after it; ``links_ms`` is its time-weighted mean (what the
     predicted column plans for). A trace that does not fit the pipeline is one sentence."""
+    from ..runtime.inject import DelayTrace  # the runtime imports torch: only when a trace is given
+
     out: list[Scenario] = []
     for p in traces:
         if not p.is_file():
@@ -84,5 +86,5 @@ def dynamic_traces(out_dir: Path, stages: int, microbatches: int, op_ms: float, 
     """PipeMorph §7.2's three cases (every link N(30, 10) ms, changed every U(50, 100), U(100, 200) and
     U(200, 400) ms), seed 0, long enough for the slowest row (stock 1F1B at 40 ms per link, x1.5)."""
     slow = replay(deepspeed_1f1b(stages, microbatches), Costs.uniform(stages, op_ms, [40.0] * (stages - 1)),
-                  microbatches, fused_backward=True, hol=True).iteration_ms
+                  microbatches, fused_backward=True, link_model=DIRECT).iteration_ms
     return write_paper_traces(out_dir, stages, duration_s=math.ceil(1.5 * rounds * slow / 1000.0) + 10, seed=0)

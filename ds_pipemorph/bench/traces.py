@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import yaml
 
 from ..fileio import write_atomic
-from ..runtime.inject import DelayTrace
+
+if TYPE_CHECKING:  # the runtime imports torch; this module only reads a trace's points
+    from ..runtime.inject import DelayTrace
 
 RATES = {"A": (50.0, 100.0), "B": (100.0, 200.0), "C": (200.0, 400.0)}
 

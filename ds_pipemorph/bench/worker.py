@@ -1,6 +1,6 @@
 """The rank side of ``pipemorph bench``: started by torchrun, one rank per stage, one host.
 
-For every scenario (a delay per link, injected as DESIGN.md models a slow link) it trains each
+For every scenario (a delay per link, injected as docs/design.md models a slow link) it trains each
 schedule for ``warmup + iterations`` iterations on an emulated pipeline (F, B, W each take
 ``op_ms``, real tiny math) and records per iteration the time from a barrier before
 ``train_batch`` to the last rank's return. The PipeMorph row is the engine's ``adaptive`` schedule
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..fileio import load_model, write_atomic
 from ..plan.baselines import deepspeed_1f1b
+from ..plan.links import DIRECT, Delegated
 from ..plan.profile import Costs
 from ..plan.simulate import replay
 from ..runtime.inject import DelaySchedule, load_trace
@@ -106,12 +107,12 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
     links on the direct path are modelled as such (one message in flight, the sender blocks)."""
     S, N = spec.stages, spec.microbatches
     if schedule == "stock-1f1b":
-        return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, hol=True).iteration_ms
+        return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, link_model=DIRECT).iteration_ms
     if schedule == "zb-delegated":  # every link: k FIFOs served by delegates, the sender never blocks
-        return replay(engine.plan, costs, N, hol=engine.transport.delegated.k).iteration_ms
+        return replay(engine.plan, costs, N, link_model=Delegated(engine.transport.delegated.k)).iteration_ms
     if schedule == "pipemorph":  # "auto": links the control loop moved to delegates, with their queues
-        return replay(engine.plan, costs, N, hol=engine.adapter.model(engine.adapter.detector.planned_for)).iteration_ms
-    return replay(engine.plan, costs, N, hol=True).iteration_ms
+        return replay(engine.plan, costs, N, link_model=engine.adapter.model(engine.adapter.detector.planned_for)).iteration_ms
+    return replay(engine.plan, costs, N, link_model=DIRECT).iteration_ms
 
 
 def ratios_to_pipemorph(results: list[dict]) -> dict:

@@ -25,6 +25,7 @@ from bisect import bisect_right
 from typing import Callable, Optional
 
 from .incremental import Evaluator, State
+from .ops import Op
 from .simulate import Schedule, StuckSchedule
 
 EPS = 1e-9
@@ -122,9 +123,9 @@ def _critical_moves(cur: Schedule, state: State, ev: Evaluator) -> list[tuple[in
                 if s not in gaps:
                     gaps[s] = [g for g in range(1, len(row)) if st[s][g] > st[s][g - 1] + dur[s][row[g - 1].kind] + TOL]
                 g = gaps[s]
-                lo = bisect_right(g, row.index(("B", row[j].mb)))
+                lo = bisect_right(g, row.index(Op("B", row[j].mb)))
                 moves.extend((s, j, h) for h in g[lo : bisect_right(g, i)])
-        k, m = row[i]
+        k, m, _ = row[i]
         if k == "F":
             sources = [(s - 1, "F", links[s - 1])] if s > 0 else []
         elif k == "B":
@@ -132,7 +133,7 @@ def _critical_moves(cur: Schedule, state: State, ev: Evaluator) -> list[tuple[in
         else:
             sources = [(s, "B", 0.0)]
         for s2, k2, c in sources:  # the input this op waited for
-            j = cur[s2].index((k2, m))
+            j = cur[s2].index(Op(k2, m))
             if abs(st[s2][j] + dur[s2][k2] + c - t) < TOL:
                 s, i = s2, j
                 q = i
@@ -145,13 +146,13 @@ def _allowed(cur: Schedule, caps: list[int], move: tuple[int, int, int]) -> bool
     """Moving op i to place j keeps per-kind FIFO, F m < B m < W m and the stage's cap."""
     s, i, j = move
     row = cur[s]
-    k, m = row[i]
+    k, m, _ = row[i]
     if j > i:
-        for k2, m2 in row[i + 1 : j + 1]:
+        for k2, m2, _ in row[i + 1 : j + 1]:
             if k2 == k or (m2 == m and (k == "F" or (k == "B" and k2 == "W"))):
                 return False
     else:
-        for k2, m2 in row[j:i]:
+        for k2, m2, _ in row[j:i]:
             if k2 == k or (m2 == m and (k == "W" or (k == "B" and k2 == "F"))):
                 return False
     if not ((k == "F" and j < i) or (k == "B" and j > i)):
@@ -159,7 +160,7 @@ def _allowed(cur: Schedule, caps: list[int], move: tuple[int, int, int]) -> bool
     r = list(row)
     r.insert(j, r.pop(i))
     held = 0
-    for k2, _ in r:
+    for k2, _, _ in r:
         held += (k2 == "F") - (k2 == "B")
         if held > caps[s]:
             return False
@@ -179,9 +180,9 @@ def _w_move(cur: Schedule, rng: random.Random):
     row = cur[s]
     n = len(row) // 3
     m = rng.randrange(n)
-    i = row.index(("W", m))
-    lo = max(row.index(("B", m)), row.index(("W", m - 1)) if m else -1) + 1
-    hi = row.index(("W", m + 1)) - 1 if m + 1 < n else len(row) - 1  # places in the row without op i
+    i = row.index(Op("W", m))
+    lo = max(row.index(Op("B", m)), row.index(Op("W", m - 1)) if m else -1) + 1
+    hi = row.index(Op("W", m + 1)) - 1 if m + 1 < n else len(row) - 1  # places in the row without op i
     j = rng.randint(lo, hi)
     return (s, i, j) if j != i else None
 

@@ -6,8 +6,9 @@ none of the reordered ops did (they all start at T0 or later), by induction over
 long as op times are positive. So ``delta`` keeps the replay up to T0, runs the rest, and gives up
 as soon as some stage cannot finish within ``limit`` (its free time plus its remaining work).
 
-Same arithmetic as ``simulate.replay`` with pure-latency links (``hol`` false), so the same times.
-Link models that queue messages (``hol``) or zero op times fall back to full replays.
+Same arithmetic as ``simulate.replay`` with pure-latency links (``links.Latency``), so the same
+times. Link models that queue messages (``Direct``, ``Delegated``) or zero op times fall back to
+full replays.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from bisect import bisect_left
 from collections import deque
 from typing import Optional, Sequence, Union
 
+from .links import LATENCY, Latency, LinkModel, per_link
 from .profile import Costs
 from .simulate import Schedule, StuckSchedule, makespan, replay
 
@@ -35,14 +37,15 @@ class State:
 class Evaluator:
     """Replays orders for one profile and counts them (``evals``): the search's only cost model."""
 
-    def __init__(self, costs: Costs, microbatches: int, hol: Union[bool, int, Sequence] = False):
+    def __init__(self, costs: Costs, microbatches: int,
+                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
         S, N = costs.stages, microbatches
-        self.costs, self.S, self.N, self.hol = costs, S, N, hol
+        self.costs, self.S, self.N = costs, S, N
+        self.link_model = per_link(link_model, S - 1)
         self.dur = [{"F": costs.f[s], "B": costs.b[s], "W": costs.w[s]} for s in range(S)]
         self.links = list(costs.links)
         self.total = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
-        model = [hol] * (S - 1) if isinstance(hol, (bool, int)) else list(hol)
-        latency_only = all(not h or c <= 0 for h, c in zip(model, costs.links))
+        latency_only = all(isinstance(h, Latency) or c <= 0 for h, c in zip(self.link_model, costs.links))
         self.incremental = latency_only and min(costs.f + costs.b + costs.w) > 0  # else full replays
         self.evals = 0
 
@@ -50,7 +53,7 @@ class Evaluator:
         """Iteration time of ``sched`` (raises StuckSchedule)."""
         if not self.incremental:
             self.evals += 1
-            return makespan(sched, self.costs, self.N, hol=self.hol)
+            return makespan(sched, self.costs, self.N, link_model=self.link_model)
         return self.full(sched).t
 
     def full(self, sched: Schedule, limit: float = INF) -> Optional[State]:
@@ -67,7 +70,7 @@ class Evaluator:
         if state.starts is None:  # a full replay with its timeline: counted as one more
             self.evals += 1
             state.starts = [[] for _ in range(self.S)]
-            for sl in replay(sched, self.costs, self.N, hol=self.hol).slots:  # in order along each stage
+            for sl in replay(sched, self.costs, self.N, link_model=self.link_model).slots:  # in order along each stage
                 state.starts[sl.stage].append(sl.start)
         return state.starts
 
@@ -88,7 +91,7 @@ class Evaluator:
             end_f.append(ef)
             end_b.append(eb)
             free.append(st[p - 1] + self.dur[x][row[p - 1][0]] if p else 0.0)
-            for k, m in row[p:]:  # to be run again
+            for k, m, _ in row[p:]:  # to be run again
                 if k == "F":
                     ef[m] = INF
                 elif k == "B":
@@ -109,7 +112,7 @@ class Evaluator:
             n, p0, fr = len(row), p, free[s]
             ds, st, cs, ef, eb = dur[s], starts[s], cum[s], end_f[s], end_b[s]
             while p < n:
-                k, m = row[p]
+                k, m, _ = row[p]
                 if k == "F":
                     ready = end_f[s - 1][m] + links[s - 1] if s else 0.0
                 elif k == "B":

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Union
 
+from .links import LATENCY, Delegated, LinkModel, per_link
 from .profile import Costs
 from .simulate import Schedule, makespan
 
@@ -22,23 +23,23 @@ SLACK = 0.005  # k queues are enough when the plan takes at most this much longe
 
 
 def queues_needed(schedule: Schedule, costs: Costs, microbatches: int, link: int,
-                  hol: Union[bool, int, Sequence[Union[bool, int]]] = False,
+                  link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
                   lo: int = MIN_QUEUES, hi: int = MAX_QUEUES) -> int:
     """The smallest k in [lo, hi] with which ``link`` (delegated, k FIFOs) does not slow the plan.
 
-    ``hol`` is the model of the other links (see ``simulate.replay``); returns ``hi`` if even
+    ``link_model`` is the model of the other links (``plan.links``); returns ``hi`` if even
     ``hi`` FIFOs are not enough (the link's delay is then beyond what delegation can hide).
     """
     S = len(schedule)
     if not 0 <= link < S - 1:
         raise ValueError(f"link {link} does not exist: the pipeline has links 0..{S - 2}")
-    model = [hol] * (S - 1) if isinstance(hol, (bool, int)) else list(hol)
+    model = per_link(link_model, S - 1)
     if costs.links[link] <= 0:
         return lo
-    model[link] = False
-    unlimited = makespan(schedule, costs, microbatches, hol=model)
+    model[link] = LATENCY
+    unlimited = makespan(schedule, costs, microbatches, link_model=model)
     for k in range(lo, hi + 1):
-        model[link] = k
-        if makespan(schedule, costs, microbatches, hol=model) <= unlimited * (1 + SLACK):
+        model[link] = Delegated(k)
+        if makespan(schedule, costs, microbatches, link_model=model) <= unlimited * (1 + SLACK):
             return k
     return hi

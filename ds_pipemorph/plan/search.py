@@ -22,6 +22,7 @@ from .bounds import lower_bound_ms
 from .improve import improve
 from .incremental import Evaluator
 from .justify import justify
+from .links import LATENCY, Latency, LinkModel, per_link
 from .listsched import Policy, list_schedule
 from .profile import Costs
 from .simulate import Schedule, peak_inflight, warmup_counts
@@ -127,7 +128,7 @@ def search(
     seed: int = 0,
     exact: Optional[bool] = None,
     max_evals: Optional[int] = None,
-    hol: Union[bool, int, Sequence[Union[bool, int]]] = False,
+    link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
 ) -> SearchResult:
     """The best schedule found within ``budget_s`` seconds and ``max_evals`` replays.
 
@@ -138,20 +139,21 @@ def search(
 
     The result is deterministic for a given seed when ``max_evals`` is reached before the time
     budget (tests do that); with only a time budget a faster machine may search further.
-    ``hol``: score plans as if slow links were direct (one message in flight, the sender blocks);
-    the MILP does not model that, so it is skipped.
+    ``link_model`` (``plan.links``): score plans with slow links queueing as that model says
+    (e.g. ``Direct()``: one message in flight, the sender blocks); the MILP models pure latency
+    only, so it is skipped when a link with a delay queues.
     """
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
-    hol_any = hol if isinstance(hol, bool) else any(h and c > 0 for h, c in zip(hol, costs.links))
-    auto = S * N <= EXACT_MAX_OPS and budget_s >= EXACT_MIN_BUDGET_S and milp_available() and not hol_any
+    queueing = any(not isinstance(h, Latency) and c > 0 for h, c in zip(per_link(link_model, S - 1), costs.links))
+    auto = S * N <= EXACT_MAX_OPS and budget_s >= EXACT_MIN_BUDGET_S and milp_available() and not queueing
     use_exact = auto if exact is None else exact
     if use_exact and not milp_available():
         raise ImportError("the exact planner needs highspy: pip install 'ds_pipemorph[milp]'")
     end = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
     deadline = t0 + 0.7 * budget_s if use_exact else end
-    ev = Evaluator(costs, N, hol)  # every replay of the search, counted for ``max_evals``
+    ev = Evaluator(costs, N, link_model)  # every replay of the search, counted for ``max_evals``
     score = ev.time
     trace: list[tuple[float, float]] = []
 

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from .links import LATENCY, Delegated, Direct, LinkModel, per_link
 from .ops import Op
 from .profile import Costs
 
@@ -54,43 +55,44 @@ _KIDX = {"F": 0, "B": 1, "W": 2}
 
 
 def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
-           hol: Union[bool, int, Sequence[Union[bool, int]]] = False) -> Timeline:
+           link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> Timeline:
     """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.
 
     ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
     the input gradient leaves the stage only when that W ends (stock DeepSpeed sends after the
-    whole backward).
+    whole backward). ``link_model`` (one for all links, or one per link) says how messages queue
+    on a link (``plan.links``).
     """
     S, N = len(schedule), microbatches
     slots: list[Slot] = []
-    t0, t1, busy = _run(schedule, costs, N, fused_backward, slots, hol)
+    t0, t1, busy = _run(schedule, costs, N, fused_backward, slots, link_model)
     work = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
     return Timeline(S, N, slots, t1 - t0, busy, peak_inflight(schedule), work)
 
 
 def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
-             hol: Union[bool, int, Sequence[Union[bool, int]]] = False) -> float:
+             link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> float:
     """``replay(...).iteration_ms`` without building the timeline (the search's inner loop)."""
-    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, hol)
+    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, link_model)
     return t1 - t0
 
 
 def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
-         hol: Union[bool, int, Sequence[Union[bool, int]]] = False):
+         link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
     """Event-driven core of ``replay``: (first start, last end, busy ms per stage).
 
-    ``hol`` (one value, or one per link) is the link model of DESIGN.md. ``True``: a direct link,
-    one FIFO holding one message in flight: a message departs when the previous one has arrived,
-    and its sender is blocked until then. An int k >= 1: a delegated link, k independent FIFOs
-    (message n of a direction travels in FIFO n % k, as the delegated transport sends them), and
-    the sender never waits. ``False``: pure latency, a message arrives c after it was sent.
+    ``link_model`` (one, or one per link; ``plan.links``): ``Direct()`` is one FIFO holding one
+    message in flight: a message departs when the previous one has arrived, and its sender is
+    blocked until then. ``Delegated(k)`` is k independent FIFOs (message n of a direction travels
+    in FIFO n % k, as the delegated transport sends them), and the sender never waits.
+    ``Latency()``: a message arrives c after it was sent.
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    model = [hol] * (S - 1) if isinstance(hol, (bool, int)) else list(hol)
-    fifo = [h is True for h in model]  # direct: one message in flight, the sender blocks
-    queues = [0 if isinstance(h, bool) else int(h) for h in model]  # delegated: k FIFOs
+    model = per_link(link_model, S - 1)
+    fifo = [isinstance(h, Direct) for h in model]  # direct: one message in flight, the sender blocks
+    queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]  # delegated: k FIFOs
     qfree = [[[0.0] * max(q, 1) for q in queues] for _ in range(2)]  # [direction][link][fifo]
     qnext = [[0] * (S - 1) for _ in range(2)]  # [direction][link]: the next message's number
     inf = float("inf")
@@ -165,7 +167,7 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
                 arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
             elif k == "B" and s > 0:
                 nxt = ptr[s] + 1
-                if fused_backward and nxt < len(row) and row[nxt] == ("W", m):
+                if fused_backward and nxt < len(row) and row[nxt] == Op("W", m):
                     arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
                     hold[s] = (m, depart)
                 else:

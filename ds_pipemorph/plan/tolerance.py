@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .links import LATENCY
 from .profile import Costs
 from .simulate import Schedule, makespan, warmup_counts
 from .warmup import eq1_tolerance_ms, slackness
@@ -28,21 +29,22 @@ class LinkTolerance:
 
 def link_tolerances(
     schedule: Schedule, costs: Costs, microbatches: int, resolution_ms: float = 0.01, fused: bool = False,
-    hol=False,
+    link_model=LATENCY,
 ) -> list[LinkTolerance]:
+    """Per link: its slackness, Eq. 1's tolerance and the replayed one under ``link_model`` (``plan.links``)."""
     x = warmup_counts(schedule)
     eq1 = eq1_tolerance_ms(costs, x)
     out = []
     for i, d in enumerate(slackness(x)):
-        out.append(LinkTolerance(i, d, eq1[i], _replay_tolerance(schedule, costs, microbatches, i, resolution_ms, fused, hol), costs.links[i]))
+        out.append(LinkTolerance(i, d, eq1[i], _replay_tolerance(schedule, costs, microbatches, i, resolution_ms, fused, link_model), costs.links[i]))
     return out
 
 
-def _replay_tolerance(schedule, costs, n, link, res, fused, hol) -> float:
+def _replay_tolerance(schedule, costs, n, link, res, fused, link_model) -> float:
     def excess(c: float) -> float:
         links = list(costs.links)
         links[link] = c
-        return makespan(schedule, costs.with_links(links), n, fused, hol) - c
+        return makespan(schedule, costs.with_links(links), n, fused, link_model) - c
 
     base = excess(0.0)
     ok = lambda c: excess(c) <= base + 1e-9  # noqa: E731

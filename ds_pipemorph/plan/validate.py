@@ -20,9 +20,12 @@ def parse_schedule(rows: list[list[str]]) -> Schedule:
         ops = []
         for text in row:
             try:
-                ops.append(parse_op(text))
+                op = parse_op(text)
             except ValueError as e:
                 raise InvalidPlan(f"stage {s}: {e}") from None
+            if not op.is_compute or op.stage is not None:
+                raise InvalidPlan(f"stage {s}: '{text}' is not a compute op of a plan: write F<m>, B<m> or W<m>, e.g. F3")
+            ops.append(op)
         out.append(ops)
     return out
 

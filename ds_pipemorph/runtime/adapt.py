@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..control.detector import DetectorConfig, LinkDetector
 from ..plan.bounds import lower_bound_ms
+from ..plan.links import DIRECT, LATENCY, Delegated
 from ..plan.profile import Costs
 from ..plan.queues import queues_needed
 from ..plan.search import search
@@ -84,7 +85,7 @@ class Adapter:
         self.link_queues = [self.min_queues] * (stages - 1)  # what each link has (or gets when delegated)
         self.costs = costs
         self.detector = LinkDetector(stages - 1, detector)
-        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, hol=self.model([0.0] * (stages - 1)))
+        tol = link_tolerances(plan, costs, microbatches, resolution_ms=0.1, link_model=self.model([0.0] * (stages - 1)))
         self.detector.adopt([0.0] * (stages - 1), [t.replay_ms for t in tol])
         self.iteration = -1
         self.replans: list[Replan] = []
@@ -189,15 +190,15 @@ class Adapter:
         same_links = [d > 0 for d in target] == [d > 0 for d in self.detector.planned_for]
         if same_links:  # same transports and caps: the plan in force still fits them
             current = self.model(target)
-            kept = replay(self.plan_in_force, costs, self.N, hol=current).iteration_ms
+            kept = replay(self.plan_in_force, costs, self.N, link_model=current).iteration_ms
             if kept <= (1 + KEEP_WITHIN) * lower_bound_ms(costs, self.N, caps):
-                tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=0.1, hol=current)
+                tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=0.1, link_model=current)
                 return None, self.link_queues, [t.replay_ms for t in tol], kept
         plan = search(costs, self.N, caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS,
-                      hol=direct).schedule
+                      link_model=[DIRECT if d else LATENCY for d in direct]).schedule
         model = self._size_queues(plan, costs, direct)
-        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, hol=model)]
-        return plan, self.link_queues, tol, replay(plan, costs, self.N, hol=model).iteration_ms
+        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=0.1, link_model=model)]
+        return plan, self.link_queues, tol, replay(plan, costs, self.N, link_model=model).iteration_ms
 
     def _write_profile(self, note: str) -> None:
         """Rank 0: the smoothed measurements to ``profile_out`` (nothing without it or before any measurement)."""
@@ -237,9 +238,9 @@ class Adapter:
         return [True] * len(target)
 
     def model(self, target: list[float]) -> list:
-        """The simulator's link model (``simulate.replay``'s ``hol``) under ``target``: True for a
-        direct link, the queue count of a delegated one."""
-        return [True if d else k for d, k in zip(self._direct(target), self.link_queues)]
+        """The simulator's link model (``plan.links``) under ``target``: ``Direct()`` for a direct
+        link, ``Delegated(k)`` with its queue count for a delegated one."""
+        return [DIRECT if d else Delegated(k) for d, k in zip(self._direct(target), self.link_queues)]
 
     def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list:
         """Give each delegated link the fewest queues (at least what it has, at most ``max_queues``)
@@ -247,19 +248,20 @@ class Adapter:
         running link only when that gains more than ``GROW_GAIN`` of the iteration: new delegates
         start while training runs (processes, rings, a rendezvous), which on a loaded host costs
         more than a small gain. Returns the link model with those counts."""
-        model: list = [True if d else False for d in direct]
+        model: list = [DIRECT if d else LATENCY for d in direct]
         for i, d in enumerate(direct):
             if not d:
-                model[i] = queues_needed(plan, costs, self.N, i, hol=model, lo=self.link_queues[i],
-                                         hi=max(self.link_queues[i], self.max_queues))
+                model[i] = Delegated(queues_needed(plan, costs, self.N, i, link_model=model, lo=self.link_queues[i],
+                                                   hi=max(self.link_queues[i], self.max_queues)))
         for i, d in enumerate(direct):
-            if not d and model[i] > self.link_queues[i]:
-                now = replay(plan, costs, self.N, hol=[*model[:i], self.link_queues[i], *model[i + 1:]]).iteration_ms
-                grown = replay(plan, costs, self.N, hol=model).iteration_ms
+            if not d and model[i].queues > self.link_queues[i]:
+                kept = Delegated(self.link_queues[i])
+                now = replay(plan, costs, self.N, link_model=[*model[:i], kept, *model[i + 1:]]).iteration_ms
+                grown = replay(plan, costs, self.N, link_model=model).iteration_ms
                 if grown > (1 - GROW_GAIN) * now:
-                    model[i] = self.link_queues[i]
+                    model[i] = kept
             if not d:
-                self.link_queues[i] = model[i]
+                self.link_queues[i] = model[i].queues
         return model
 
     def link_modes(self) -> dict[int, str]:
@@ -339,7 +341,7 @@ class Adapter:
         N, times0 = self.N, _LOCAL + len(OVERHEAD_FIELDS) + 1
         rows = {int(r): table[r] for r in range(table.shape[0])}
         per_replica: list[dict[int, list]] = [{} for _ in range(self.S - 1)]  # link -> {pipeline: [exact, bounds]}
-        fifos = [None if m is True else m for m in self.model(self.detector.planned_for)]  # as this iteration ran
+        fifos = [m.queues if isinstance(m, Delegated) else None for m in self.model(self.detector.planned_for)]  # as this iteration ran
         for r, row in rows.items():
             s = int(row[0].item())
             t = row[times0:].tolist()

@@ -167,11 +167,14 @@ def parse_config(section) -> PipeMorphConfig:
 
 
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:
-    """Settings accepted now that only take effect once their issue lands (logged at start-up)."""
+    """Settings accepted but without effect under the chosen schedule, one sentence each (logged at start-up)."""
     notes = []
     if cfg.delegation.mode == "auto" and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
         notes.append("pipemorph.delegation 'auto' follows the straggler detector, which runs with schedule "
                      "'adaptive' and adapt.enabled only: every link stays direct")
+    if "adapt" in cfg.model_fields_set and cfg.adapt.enabled and cfg.schedule != "adaptive":
+        notes.append(f"pipemorph.adapt re-plans with schedule 'adaptive' only: the '{cfg.schedule}' schedule "
+                     f"runs unchanged (drop 'adapt' or set adapt.enabled false)")
     if cfg.profile_out and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
         notes.append(f"pipemorph.profile_out is written by the control loop, which runs with schedule 'adaptive' "
                      f"and adapt.enabled only: {cfg.profile_out} will not be written")

@@ -1,9 +1,10 @@
 """``Copier``: one thread that runs staging copies in submission order, off the training thread.
 
-It plays the part of §5.2's copy stream: on a GPU the device-to-host copy into a staging slot is
-enqueued on a CUDA stream and the training process goes on; on CPU this thread does the memcpy
-(torch releases the GIL while copying) while the training thread computes the next op. The
-payload must not be changed after submission, the same contract as a non-blocking ``isend``.
+It keeps the waits for a free staging slot off the training thread. On CPU this thread does the
+memcpy into the slot (torch releases the GIL while copying) while the training thread computes the
+next op; on a GPU it only enqueues the device-to-host copies and the publishing callback on the
+side stream (§5.2's copy stream, ``staging.device_path``). The payload must not be changed after
+submission, the same contract as a non-blocking ``isend``.
 An error of a job is raised at the next ``check`` or ``drain``.
 """
 from __future__ import annotations

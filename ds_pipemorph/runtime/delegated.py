@@ -10,8 +10,12 @@ What each process owns:
   that ring is full. It keeps a reference to the payload until the receiving side has acknowledged the
   message, so a message is never lost when a delegate dies: the dead delegate is restarted (next
   generation, fresh ring) and every unacknowledged message of its queue is pushed again. The copy
-  itself runs in a copy thread (``copier.Copier``, the CPU stand-in for §5.2's copy stream), in send
-  order, while the training thread goes on; ``wait_sends`` waits for it.
+  itself runs in a copy thread (``copier.Copier``), in send order, while the training thread goes on;
+  ``wait_sends`` waits for it. How the bytes move is chosen once from the device of the transport's
+  tensors (``staging.device_path``): on the CPU the copy thread memcpys them into the slots; on a CUDA
+  device the send only records an event on the compute stream, the copy thread enqueues the
+  device-to-host copies into the pinned slots on a side stream after that event, and a stream callback
+  publishes each slot (§5.2's copy stream: nothing on the host waits for a copy).
 - A sender delegate drains its ring, applies the injected delay of its link (one message in flight per
   queue: k queues are k independent FIFOs) and sends over its own two-process Gloo group; the receiver
   delegate on the neighbour rank fills the receiving training process's ring ahead of need
@@ -23,8 +27,9 @@ What each process owns:
   (message n travels in queue n % k), stashes those for other (kind, mb) and drops duplicates by
   (message seq, piece). A receive posted ahead (``post_recv``, as the engine does one message ahead
   in plan order) lets a prefetch thread of that direction copy the message out of its ring as soon
-  as it arrives, while the training thread computes (the CPU stand-in for §5.2's host-to-device copy
-  on a copy stream); it copies only messages posted ahead, so at an iteration boundary, when every
+  as it arrives, while the training thread computes (on a CUDA device it enqueues the host-to-device
+  copies on a side stream, a stream callback frees the slot, and ``recv`` makes the consumer's stream
+  wait on an event); it copies only messages posted ahead, so at an iteration boundary, when every
   posted message was taken, it is idle and nothing of the next iteration is read early.
 
 Every wait is cut into short slices that check the delegate is alive and ends with a
@@ -56,6 +61,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from ..staging.device_path import select_path
 from .delegate_proc import (
     MAX_PIECES,
     PEER_LOST,
@@ -115,7 +121,7 @@ def _align(n: int) -> int:
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU tensor (any dtype, 0-d included)."""
+    """A flat uint8 view of a contiguous tensor (any dtype and device, 0-d included)."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -123,8 +129,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 class _Message:
     seq: int
     head: torch.Tensor  # int64 header
-    tensors: list  # contiguous CPU tensors (kept until acknowledged)
+    tensors: list  # contiguous tensors (kept until acknowledged)
     what: str
+    ready: Any = None  # the staging path's mark that the tensors are computed (a CUDA event), or None
 
 
 def _layout(head: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, torch.Tensor]], int]:
@@ -137,13 +144,18 @@ def _layout(head: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[list[t
     return segs, off
 
 
-def _copy_range(segs, a: int, b: int, piece: torch.Tensor, into_piece: bool) -> None:
-    """Copy the bytes [a, b) of the flat stream between the segments and ``piece`` (its bytes a..b)."""
+def _copy_range(segs, a: int, b: int, piece: torch.Tensor, into_piece: bool, spans: list | None = None) -> None:
+    """Copy the bytes [a, b) of the flat stream between the segments and ``piece`` (its bytes a..b).
+
+    With ``spans`` (``piece`` is a staging slot on the CUDA path), a segment in device memory is not copied here
+    but listed as (slot offset, device address, bytes) for the asynchronous copy that ends the slot."""
     for off, seg in segs:
         lo, hi = max(a, off), min(b, off + seg.numel())
         if lo >= hi:
             continue
-        if into_piece:
+        if spans is not None and seg.is_cuda:
+            spans.append((lo - a, seg.data_ptr() + (lo - off), hi - lo))
+        elif into_piece:
             piece[lo - a: hi - a].copy_(seg[lo - off: hi - off])
         else:
             seg[lo - off: hi - off].copy_(piece[lo - a: hi - a])
@@ -215,6 +227,7 @@ class DelegatedTransport:
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
+        self.staging_path = select_path(self.device)  # host memcpy, or CUDA copies on side streams
         self.k = queues
         self.max_k = max(queues, max_queues or queues)  # delegates started per direction (growing needs no start)
         self.delays = delays
@@ -240,10 +253,25 @@ class DelegatedTransport:
         self._shared_delays = None  # (origin mp.Value, static mp.Array): what sender delegates read per message
 
     def prepare(self) -> None:
-        """Start the fork server now (it imports torch: seconds, tens of seconds on a loaded host), so
-        that the first link switched to the delegates does not wait for it. Returns at once."""
+        """Build (or load from the cache) the staging op and start the fork server now, so that the first
+        link switched to the delegates waits for neither: a first JIT build takes tens of seconds, the
+        fork server imports torch (seconds, tens of seconds on a loaded host). Only the op variant this
+        transport's device needs is built. A failed build is logged and raised again when a link first
+        goes delegated (a job whose links all stay direct does not need the op)."""
         from multiprocessing import forkserver
 
+        from ..staging.ring import op_builder
+
+        builder = op_builder(cuda=self.staging_path.cuda)
+        local = os.environ.get("LOCAL_RANK")
+        if (int(local) == 0) if local is not None else self.rank == 0:  # once per node
+            log.warning("building the staging op %s for delegated links (once, cached under "
+                        "$TORCH_EXTENSIONS_DIR)", builder.name)
+        try:
+            self._load_op()
+        except Exception as e:  # noqa: BLE001  (raised again by _load_op at the first delegated link)
+            log.warning("rank %d: cannot build the staging op %s (%s); a link switched to the delegates "
+                        "will fail", self.rank, builder.name, e)
         with _main_module_hidden():
             forkserver.ensure_running()
 
@@ -268,7 +296,7 @@ class DelegatedTransport:
         if self._op is None:
             from ..staging.ring import load_op
 
-            self._op = load_op(cuda=False)
+            self._op = load_op(cuda=self.staging_path.cuda)
         return self._op
 
     def _spawn(self, link: int, kind: str, sending: bool, q: int, gen_value: int, stop=None):
@@ -283,6 +311,7 @@ class DelegatedTransport:
                 raise
             raise TransportError(f"rank {self.rank}: link {link}: {e}; or lower ds_config "
                                  f"pipemorph.delegation.slot_mb / slots") from None
+        self.staging_path.pin(ring)  # CUDA: page-lock it now, at link start, not inside the first copy
         gen = self._ctx.Value("q", gen_value, lock=False)  # single writer: the delegate
         stop = stop if stop is not None else self._ctx.Value("b", 0, lock=False)  # single writer: this process
         acked = self._ctx.Value("q", -1, lock=False)
@@ -460,7 +489,7 @@ class DelegatedTransport:
         d = self._direction(kind, True)
         self._publish_delays()
         bare = isinstance(payload, torch.Tensor)
-        tensors = [t.detach().contiguous().cpu() for t in ([payload] if bare else payload)]
+        tensors = [self.staging_path.outgoing(t) for t in ([payload] if bare else payload)]
         meta = encode_header(tensors, bare)
         _, total = _layout(torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64), tensors)
         pieces = max(1, -(-total // self.slot_bytes))
@@ -472,7 +501,8 @@ class DelegatedTransport:
         head[PREFIX_INTS:] = meta
         q = d.queue_for(d.next_seq)
         self._check_alive(d, q, "sending")  # a waitpid(WNOHANG): microseconds
-        msg = _Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index))
+        msg = _Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index),
+                       self.staging_path.sent(tensors))
         d.next_seq += 1
         self._prune(q)
         q.unacked.append(msg)
@@ -488,14 +518,15 @@ class DelegatedTransport:
     def _push(self, d: _Direction, q: _Queue, msg: _Message) -> None:
         segs, total = _layout(msg.head, msg.tensors)
         pieces = max(1, -(-total // self.slot_bytes))
-        ring = q.ring
+        ring, path = q.ring, self.staging_path
         for p in range(pieces):
             a, b = p * self.slot_bytes, min(total, (p + 1) * self.slot_bytes)
             deadline = time.monotonic() + self.timeout_s
             while True:
                 try:
-                    with ring.writing(torch.uint8, [b - a], make_tag(msg.seq, pieces, p), timeout_s=SLICE_S) as view:
-                        _copy_range(segs, a, b, view, into_piece=True)
+                    with path.sending(msg.ready), \
+                            path.writing(ring, b - a, make_tag(msg.seq, pieces, p), SLICE_S) as (view, spans):
+                        _copy_range(segs, a, b, view, True, spans)
                     break
                 except TimeoutError:
                     if self._check_alive(d, q, f"{msg.what} waited for a free staging slot"):
@@ -590,7 +621,7 @@ class DelegatedTransport:
                 if d.error is not None:
                     raise d.error
                 if key in d.stash:
-                    bare, tensors = d.stash.pop(key)
+                    bare, tensors, ready = d.stash.pop(key)
                     del d.posted[key]
                     break
                 if time.monotonic() > deadline:
@@ -604,31 +635,40 @@ class DelegatedTransport:
                 with d.cv:
                     d.busy = False
                     d.cv.notify_all()
-        if self.device.type != "cpu":
-            tensors = [t.to(self.device) for t in tensors]
+        tensors = self.staging_path.hand_over(tensors, ready)  # CUDA: this stream waits for the copies
         return tensors[0] if bare else tuple(tensors)
 
     def _take_piece(self, d: _Direction, q: _Queue, what: str) -> bool:
-        """Consume one piece from queue ``q`` (old rings of a dead delegate first); False if none came."""
-        while q.old_rings:
-            got = q.old_rings[0].try_pop()
-            if got is None:
-                q.old_rings.pop(0).close()
-                continue
-            self._piece(d, got[0], got[1], what)
+        """Consume one piece from queue ``q`` (old rings of a dead delegate first); False if none came.
+        A message is stashed for its ``recv`` only once every copy of its last piece is enqueued."""
+        path = self.staging_path
+        with path.receiving():
+            while q.old_rings:
+                got = q.old_rings[0].try_pop()
+                if got is None:
+                    q.old_rings.pop(0).close()
+                    continue
+                self._stash(d, self._piece(d, got[0], got[1], what))
+                return True
+            try:
+                with path.reading(q.ring, SLICE_S) as (view, tag, spans):
+                    done = self._piece(d, view, tag, what, spans)
+            except TimeoutError:
+                self._health(f"{what} waited for a message")
+                return False
+            self._stash(d, done)
             return True
-        try:
-            with q.ring.reading(timeout_s=SLICE_S) as (view, tag):
-                self._piece(d, view, tag, what)
-            return True
-        except TimeoutError:
-            self._health(f"{what} waited for a message")
-            return False
 
-    def _piece(self, d: _Direction, view: torch.Tensor, tag: int, what: str) -> None:
+    def _stash(self, d: _Direction, done: tuple | None) -> None:
+        if done is not None:
+            key, bare, tensors = done
+            d.stash[key] = (bare, tensors, self.staging_path.received())
+
+    def _piece(self, d: _Direction, view: torch.Tensor, tag: int, what: str, spans: list | None = None):
+        """Take one piece into the message being assembled; returns (key, bare, tensors) once it is complete."""
         seq, _, piece = split_tag(tag)
         if seq < d.next_seq:
-            return  # a duplicate re-sent after a delegate restart
+            return None  # a duplicate re-sent after a delegate restart
         if seq > d.next_seq:
             raise TransportError(f"rank {self.rank}: {what}: message {seq} arrived while message {d.next_seq} "
                                  f"was due on link {d.link} (a message was lost)")
@@ -640,23 +680,25 @@ class DelegatedTransport:
             if magic != MAGIC or hseq != seq:
                 raise TransportError(f"rank {self.rank}: {what}: corrupt header in link {d.link} message {seq}")
             bare, metas = decode_header(head[PREFIX_INTS:])
-            tensors = [torch.empty(shape, dtype=dtype) for dtype, shape in metas]
+            dev = self.staging_path.recv_device
+            tensors = [torch.empty(shape, dtype=dtype, device=dev) for dtype, shape in metas]
             segs, _ = _layout(torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64), tensors)
             kind = "F" if kind_id == KINDS["F"] else "B"
             part = d.partial = dict(seq=seq, next=0, pieces=npieces, total=total, segs=segs[1:],
                                     key=(kind, mb), bare=bare, tensors=tensors)
         elif part is None or part["seq"] != seq or piece < part["next"]:
-            return  # a duplicate piece
+            return None  # a duplicate piece
         if piece != part["next"]:
             raise TransportError(f"rank {self.rank}: {what}: piece {piece} of link {d.link} message {seq} "
                                  f"arrived while piece {part['next']} was due")
         a = piece * self.slot_bytes
-        _copy_range(part["segs"], a, a + flat.numel(), flat, into_piece=False)
+        _copy_range(part["segs"], a, a + flat.numel(), flat, False, spans)
         part["next"] = piece + 1
-        if part["next"] == part["pieces"]:
-            d.stash[part["key"]] = (part["bare"], part["tensors"])
-            d.partial = None
-            d.next_seq += 1
+        if part["next"] < part["pieces"]:
+            return None
+        d.partial = None
+        d.next_seq += 1
+        return part["key"], part["bare"], part["tensors"]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def reset_shapes(self) -> None:

@@ -27,12 +27,14 @@ from typing import Optional
 
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ..plan.ops import Op
 from ..plan.simulate import Schedule
 from . import instructions as I
 from .bw_split import backward_input
 from .config import PipeMorphConfig, PipeMorphConfigError
+from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
 from ..plan.profile import Costs
 from .adapt import Adapter
 from .clocks import estimate_clock_offsets
@@ -68,6 +70,7 @@ class PipeMorphEngine(PipelineEngine):
 
     def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
                  delays: Optional[DelaySchedule] = None, **super_kwargs):
+        require_pipeline_hooks()  # a DeepSpeed without them would train its own 1F1B instead of the plan
         reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
         if reason:
             raise PipeMorphConfigError(reason)
@@ -98,7 +101,7 @@ class PipeMorphEngine(PipelineEngine):
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
             events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-        self.recorder = OpRecorder(pipemorph.nvtx, events)
+        self.recorder = OpRecorder(pipemorph.nvtx, events, stage=self.stage_id, rank=self.global_rank)
         self.measured_peak_inflight = 0
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         self._reset_iteration_state()
@@ -143,8 +146,17 @@ class PipeMorphEngine(PipelineEngine):
         return PipeMorphSchedule(self.stage_plan, self.micro_batches, self.num_stages, self.stage_id)
 
     # -- execution ------------------------------------------------------------------------------
+    def train_batch(self, data_iter=None):
+        """DeepSpeed's train_batch inside one NVTX range ``ITER<k>`` (k: this engine's batches so far)."""
+        with self.recorder.iteration():
+            return super().train_batch(data_iter)
+
     def _exec_schedule(self, pipe_schedule):
         if not isinstance(pipe_schedule, PipeMorphSchedule):  # evaluation: DeepSpeed's own path
+            if isinstance(pipe_schedule, TrainSchedule):  # never train stock 1F1B in the plan's place
+                raise UnsupportedDeepSpeedError(
+                    f"stage {self.stage_id}: DeepSpeed handed the engine its own TrainSchedule instead of "
+                    f"asking _train_schedule for the plan (ds_pipemorph needs DeepSpeed >= {REQUIRED_DEEPSPEED})")
             return self._exec_stock_schedule(pipe_schedule)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []

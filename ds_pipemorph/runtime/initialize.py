@@ -1,57 +1,68 @@
 """``ds_pipemorph.initialize``: ``deepspeed.initialize`` for a PipelineModule, running a PipeMorph plan.
 
-Same arguments and return value as ``deepspeed.initialize``. The ``"pipemorph"`` section of the
-config is validated, removed from what DeepSpeed sees, and turned into a plan; every problem
-(bad key, unknown schedule, a plan for another pipeline, an invalid plan) raises
-``PipeMorphConfigError`` with one sentence on every rank before any training step.
+Same parameters (names, order, defaults) and return value as ``deepspeed.initialize``, and the same
+config forms: a dict, the path of a JSON file, or base64-encoded JSON (what the deepspeed launcher's
+``--deepspeed_config`` may carry), read by DeepSpeed's own ``load_ds_config``; ``config`` and
+``args.deepspeed_config`` together are refused as DeepSpeed refuses them. The ``"pipemorph"``
+section of the config is validated, removed from what DeepSpeed sees, and turned into a plan.
+
+Refused in one sentence on every rank before any training step: a DeepSpeed without the engine
+hooks PipeMorph runs through (``UnsupportedDeepSpeedError``, checked before the process group is
+touched), and every config problem (bad key, unknown schedule, a plan for another pipeline, an
+invalid plan: ``PipeMorphConfigError``).
+
+On a CPU accelerator with ``OMP_NUM_THREADS`` unset, each rank's intra-op threads are set to its
+share of the host's cores (``cpu_threads``), and rank 0 logs the choice.
 """
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from typing import Any, Optional
+
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
 logger = logging.getLogger(__name__)
 
 
 def initialize(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port: Optional[int] = None, mpu=None,
+               lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
                dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
                config_params=None):
+    from .ds_compat import require_pipeline_hooks
+
+    require_pipeline_hooks()  # before anything else: never train stock 1F1B in PipeMorph's place
+
     import deepspeed
     from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from .config import PipeMorphConfigError, parse_config, pending_notes
     from ..fileio import BadInput
+    from .config import PipeMorphConfigError, parse_config, pending_notes
+    from .cpu_threads import apply_cpu_threads
     from .engine import PipeMorphEngine
     from .inject import delay_schedule
     from .plans import build_plan
 
+    config = _config_source(args, config, config_params)
     if not isinstance(model, PipelineModule):
         raise PipeMorphConfigError("ds_pipemorph.initialize needs a deepspeed PipelineModule as model")
     if mpu is not None:
         raise PipeMorphConfigError("mpu must be None with pipeline parallelism (the PipelineModule provides it)")
     if mesh_param is not None:
         raise PipeMorphConfigError("mesh_param is not supported with pipeline parallelism")
-    if config is None and config_params is not None:
-        config = config_params
-    if config is None and args is not None and getattr(args, "deepspeed_config", None):
-        config = args.deepspeed_config
-    if config is None:
-        raise PipeMorphConfigError("no DeepSpeed config: pass config= (a dict or a JSON path)")
-    ds_dict = _load_config(config)
+    ds_dict = load_config(config)
     pm = parse_config(ds_dict.pop("pipemorph", None))
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+    threads = apply_cpu_threads(get_accelerator().device_name())
     deepspeed.zero.partition_parameters.shutdown_init_context()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                          distributed_port=distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT,
-                          dist_init_required=dist_init_required)
+                          distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if threads is not None and dist.get_rank() == 0:
+        logger.warning(threads.describe())
     ds_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)
     deepspeed.set_optimizer_flags(config_class, model)
@@ -78,18 +89,64 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _load_config(config) -> dict:
+def _config_source(args, config, config_params):
+    """The one config given, as ``deepspeed.initialize`` picks it (``config_params`` and
+    ``args.deepscale_config`` are its older names)."""
+    from .config import PipeMorphConfigError
+
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    older = getattr(args, "deepscale_config", None)
+    if older is not None:
+        if from_args is not None:
+            raise PipeMorphConfigError("args has both deepspeed_config and deepscale_config: keep deepspeed_config")
+        logger.warning("--deepscale_config is deprecated, use --deepspeed_config")
+        from_args = older
+    if from_args is not None:
+        if config is not None:
+            raise PipeMorphConfigError(
+                "the DeepSpeed config was given twice, as config= and as args.deepspeed_config "
+                "(--deepspeed_config): pass only one")
+        config = from_args
+    if config is None:
+        raise PipeMorphConfigError("no DeepSpeed config: pass config= (a dict, a JSON file path or base64-encoded "
+                                   "JSON) or args.deepspeed_config (--deepspeed_config)")
+    return config
+
+
+def load_config(config) -> dict:
+    """The config as a new dict: a dict (copied, since the pipemorph section is removed from it), a
+    JSON file path (``str`` or ``os.PathLike``) or base64-encoded JSON, read as DeepSpeed reads it."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
     from .config import PipeMorphConfigError
 
     if isinstance(config, dict):
         return copy.deepcopy(config)
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise PipeMorphConfigError(f"DeepSpeed config {config}: cannot be read as JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise PipeMorphConfigError(f"DeepSpeed config {config}: expected a JSON object")
-        return data
-    raise PipeMorphConfigError(f"DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}")
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    if not isinstance(config, str):
+        raise PipeMorphConfigError(f"the DeepSpeed config must be a dict, a JSON file path or base64-encoded JSON, "
+                                   f"got {type(config).__name__}")
+    exists = os.path.exists(config)
+    try:
+        data = load_ds_config(config)
+    except (OSError, ValueError) as e:
+        if exists:
+            raise PipeMorphConfigError(
+                f"DeepSpeed config {config}: cannot be read as JSON ({_first_line(e)})") from None
+        raise PipeMorphConfigError(f"DeepSpeed config {_shorten(config)!r} is neither an existing file nor "
+                                   f"base64-encoded JSON") from None
+    if not isinstance(data, dict):
+        where = config if exists else "(base64)"
+        raise PipeMorphConfigError(f"DeepSpeed config {where}: expected a JSON object, got {type(data).__name__}")
+    return dict(data)
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -1,17 +1,24 @@
 """Per-op NVTX ranges (domain "pipemorph") and start/end times on the monotonic clock.
 
 ``OpRecorder.run(name, fn, *args)`` wraps one instruction: an NVTX range named like the op (``F3``,
-``SEND_B3``) when enabled (the ``nvtx`` package: < 1 µs with no profiler attached; never
-``torch.cuda.nvtx``, which raises on CPU builds), and an ``OpRecord`` appended to ``records``.
-The profiler and the Chrome timeline of later issues read these records.
+``SEND_B3``) and an ``OpRecord`` appended to ``records``; ``OpRecorder.iteration()`` wraps one
+``train_batch`` in a range ``ITER<k>``. The ranges follow the contract that
+``ds_pipemorph.trace.nsys`` documents and reads (category ``stage<S>``; payload: the micro-batch
+on an op, the global rank on ``ITER<k>``). They go through the ``nvtx`` package (never
+``torch.cuda.nvtx``, which raises on CPU builds); with no profiler attached the package hands out
+a disabled domain and the recorder skips NVTX altogether. Per op text the range's attributes are
+built once and reused. The profiler and the Chrome timeline read the records.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 DOMAIN = "pipemorph"
+_MICRO_BATCH = re.compile(r"^(?:LOAD|F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
 
 
 class OpRecord(NamedTuple):
@@ -47,19 +54,53 @@ def as_instruction(fn: Callable) -> Callable:
 
 
 class OpRecorder:
-    """``event_factory`` (on a GPU: ``lambda: torch.cuda.Event(enable_timing=True)``) times the compute
-    ops F, B and W on the device as well: the host clock only sees kernel launches there.
-    ``device_ms()`` then gives their device durations (it waits for the last event)."""
+    """``stage`` and ``rank`` (the global rank) go into the NVTX ranges. ``event_factory`` (on a GPU:
+    ``lambda: torch.cuda.Event(enable_timing=True)``) times the compute ops F, B and W on the device
+    as well: the host clock only sees kernel launches there. ``device_ms()`` then gives their device
+    durations (it waits for the last event)."""
 
-    def __init__(self, nvtx_enabled: bool, event_factory: Optional[Callable[[], object]] = None):
+    def __init__(self, nvtx_enabled: bool, event_factory: Optional[Callable[[], object]] = None,
+                 stage: int = 0, rank: int = 0):
         self.records: list[OpRecord] = []
         self._events: list[tuple[str, object, object]] = []
         self._event = event_factory
-        self._nvtx = None
+        self._category = f"stage{stage}"
+        self._rank = rank
+        self._iteration = 0  # k of the next ITER<k> range: train_batch calls so far
+        self._domain = None  # an nvtx.Domain while a tool listens, else None
+        self._attrs: dict[str, object] = {}  # op text -> its EventAttributes, built on first use
         if nvtx_enabled:
             import nvtx
 
-            self._nvtx = nvtx
+            domain = nvtx.get_domain(DOMAIN)
+            if isinstance(domain, nvtx.Domain):  # not the package's no-op domain: a tool is attached
+                self._domain = domain
+
+    @property
+    def nvtx_active(self) -> bool:
+        """True when ranges are emitted: ``nvtx`` enabled in the config and a tool attached."""
+        return self._domain is not None
+
+    def _attributes(self, name: str):
+        m = _MICRO_BATCH.match(name)
+        attrs = self._domain.get_event_attributes(message=name, category=self._category,
+                                                  payload=int(m.group(1)) if m else None)
+        self._attrs[name] = attrs
+        return attrs
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        """One NVTX range ``ITER<k>`` (category ``stage<S>``, payload: the global rank) around a batch."""
+        k, self._iteration = self._iteration, self._iteration + 1
+        if self._domain is None:
+            yield
+            return
+        self._domain.push_range(self._domain.get_event_attributes(
+            message=f"ITER{k}", category=self._category, payload=self._rank))
+        try:
+            yield
+        finally:
+            self._domain.pop_range()
 
     def reset(self) -> None:
         self.records = []
@@ -79,14 +120,22 @@ class OpRecorder:
         if self._event is not None and name[:1] in "FBW" and name[1:].isdigit():
             pair = (self._event(), self._event())
             pair[0].record()
+        domain = self._domain
+        if domain is not None:
+            attrs = self._attrs.get(name)
+            if attrs is None:
+                attrs = self._attributes(name)
         t0 = time.monotonic_ns()
         _started[0] = time.perf_counter()
         try:
-            if self._nvtx is None:
+            if domain is None:
                 fn(*args, **kwargs)
-            else:
-                with self._nvtx.annotate(message=name, domain=DOMAIN):
+            else:  # the range lies inside [t0, end] of the record
+                domain.push_range(attrs)
+                try:
                     fn(*args, **kwargs)
+                finally:
+                    domain.pop_range()
         finally:
             _started[0] = None
         self.records.append(OpRecord(name, t0, time.monotonic_ns()))

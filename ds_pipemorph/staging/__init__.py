@@ -3,14 +3,18 @@ process and a delegate process, JIT-built from ``cuda_ext/`` through DeepSpeed's
 
 Imports are lazy: ``import ds_pipemorph.staging`` loads neither torch nor deepspeed.
 """
-__all__ = ["StagingRing", "StagingRingBuilder", "StagingRingCUDABuilder", "load_op"]
+__all__ = ["StagingRing", "StagingRingBuilder", "StagingRingCUDABuilder", "load_op", "op_builder", "select_path"]
 
 
 def __getattr__(name):
-    if name in ("StagingRing", "load_op"):
+    if name in ("StagingRing", "load_op", "op_builder"):
         from . import ring
 
         return getattr(ring, name)
+    if name == "select_path":
+        from . import device_path
+
+        return device_path.select_path
     if name in ("StagingRingBuilder", "StagingRingCUDABuilder"):
         from . import builder
 

@@ -7,7 +7,7 @@ build left by another DeepSpeed or torch version is never picked up (that stale 
 an AttributeError). We do not set TORCH_EXTENSIONS_DIR: it is process-global and would also move DeepSpeed's own
 ops and any other extension the user builds (tests/conftest.py does set a version-keyed one for the test
 session; the two compose). torch rebuilds when a source file or a flag changes, ninja's depfiles when a header
-does. Sources are found next to the package (repo checkout or the ``../cuda_ext/*`` package data).
+does. Sources: ``cuda_ext_dir()``.
 """
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ _SOURCES_ENV = "PIPEMORPH_CUDA_EXT_DIR"
 
 
 def cuda_ext_dir() -> Path:
-    """Directory of the C++/CUDA sources: $PIPEMORPH_CUDA_EXT_DIR, else ``cuda_ext/`` next to the package."""
+    """Directory of the C++/CUDA sources: ``$PIPEMORPH_CUDA_EXT_DIR`` if set; else the copy an installed
+    wheel carries as package data (``ds_pipemorph/staging/cuda_ext/``, see setup.py); else ``cuda_ext/``
+    of the repository checkout this package runs from (an editable install, or tests)."""
     override = os.environ.get(_SOURCES_ENV)
     if override:
         return Path(override).resolve()
-    return (Path(__file__).resolve().parents[2] / "cuda_ext").resolve()
+    packaged = Path(__file__).resolve().parent / "cuda_ext"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "cuda_ext"
 
 
 def _ident(text: str) -> str:

@@ -16,11 +16,16 @@ import torch
 from .builder import StagingRingBuilder, StagingRingCUDABuilder
 
 
-def load_op(cuda: bool | None = None) -> Any:
-    """The built extension (JIT-built and cached on first use): the CUDA variant when a GPU is usable."""
+def op_builder(cuda: bool | None = None) -> StagingRingBuilder | StagingRingCUDABuilder:
+    """The builder of the op variant asked for (None: the CUDA one when a GPU is usable)."""
     if cuda is None:
         cuda = torch.cuda.is_available()
-    return (StagingRingCUDABuilder() if cuda else StagingRingBuilder()).load()
+    return StagingRingCUDABuilder() if cuda else StagingRingBuilder()
+
+
+def load_op(cuda: bool | None = None) -> Any:
+    """The built extension (JIT-built and cached on first use): the CUDA variant when a GPU is usable."""
+    return op_builder(cuda).load()
 
 
 def _finalize(handle: Any, op: Any, name: str, unlink: bool) -> None:
@@ -131,6 +136,56 @@ class StagingRing:
             self._h.abort_read(seq)
             raise
         self._h.end_read(seq)
+
+    # -- CUDA build: asynchronous copies between device memory and the slots (staging/device_path.py) --------
+    def pin(self) -> None:
+        """Page-lock this process's mapping of the ring (cudaHostRegister), so copies to and from it are DMA."""
+        self._need_cuda("pin the ring")
+        self._h.pin()
+
+    @contextlib.contextmanager
+    def writing_async(
+        self, nbytes: int, tag: int, stream: Any, timeout_s: float | None = None
+    ) -> Iterator[tuple[torch.Tensor, list]]:
+        """Zero-copy push whose device bytes are copied asynchronously: yields ``(view, spans)``, a uint8 tensor
+        over the next slot and an empty list.
+
+        Write host bytes into ``view``; append ``(slot offset, device address, bytes)`` to ``spans`` for bytes that
+        live on the GPU. When the block ends, their device-to-host copies are enqueued on ``stream`` followed by
+        a stream callback that publishes the slot, and the call returns without waiting. The device memory must
+        stay valid and unchanged until the copies ran (order ``stream`` after its producer with an event). If the
+        block raises, the slot is given back unpublished.
+        """
+        self._need_cuda("copy from device memory")
+        view, seq = self._h.begin_write(torch.uint8, [nbytes], tag, timeout_s)
+        spans: list = []
+        try:
+            yield view, spans
+        except BaseException:
+            self._h.abort_write(seq)
+            raise
+        self._h.end_write_cuda(seq, spans, stream.cuda_stream)
+
+    @contextlib.contextmanager
+    def reading_async(self, stream: Any, timeout_s: float | None = None) -> Iterator[tuple[torch.Tensor, int, list]]:
+        """Zero-copy pop whose bytes are copied to the device asynchronously: yields ``(view, tag, spans)``, a
+        tensor over the slot (the message's dtype and shape, as ``reading``) and an empty list.
+
+        Read host bytes (a header) from ``view``; append ``(slot offset, device address, bytes)`` to ``spans`` for
+        bytes that go to the GPU. When the block ends, their host-to-device copies are enqueued on ``stream``
+        followed by a stream callback that hands the slot back to the producer; the call returns at once. Work on
+        another stream must wait on an event recorded on ``stream`` afterwards. If the block raises, the message
+        is put back and will be read again.
+        """
+        self._need_cuda("copy into device memory")
+        view, tag, seq = self._h.begin_read(timeout_s)
+        spans: list = []
+        try:
+            yield view, tag, spans
+        except BaseException:
+            self._h.abort_read(seq)
+            raise
+        self._h.end_read_cuda(seq, spans, stream.cuda_stream)
 
     def close(self) -> None:
         """Unmap this end; the creator also unlinks the name. Idempotent."""

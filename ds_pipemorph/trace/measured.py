@@ -12,10 +12,12 @@ Definitions (DESIGN.md vocabulary):
 - iteration time of the pipeline: start of the first compute op to the end of the last compute op
   of iteration k over all ranks; pipeline bubble rate (ZB paper) = (T - busy of the busiest rank) / T,
   where busy = the measured N·(t_F+t_B+t_W) of that rank.
-- send/receive-blocked time: sum of the ``SEND_*`` / ``RECV_*`` range durations in an iteration.
+- send/receive-blocked time: sum of the ``SEND_*`` / ``RECV_*`` range durations in an iteration;
+  op counts: how many ``F``, ``B``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B`` it ran.
 - link i (stage i to i+1): ``SEND_F m`` on stage i pairs with ``RECV_F m`` on stage i+1 and
   ``SEND_B m`` on stage i+1 with ``RECV_B m`` on stage i, in the same iteration. With data
-  parallelism the k-th rank (in rank order) of one stage pairs with the k-th rank of the other.
+  parallelism the k-th rank (in rank order) of one stage pairs with the k-th rank of the other
+  (the readers give each rank its global rank when the trace says it, see ``nsys.py``).
   ``RECV end - SEND start`` bounds the one-way latency plus waiting from above; a link's figure is
   the median over its pairs.
 """
@@ -168,6 +170,7 @@ class RankIteration:
     busy_ms: float
     send_ms: float
     recv_ms: float
+    ops: dict[str, int] = field(default_factory=dict)  # op kind -> count: "F", "B", "W", "SEND_F", "RECV_B", ...
 
     @property
     def idle_ms(self) -> float:
@@ -233,7 +236,8 @@ class Analysis:
                     "recv_blocked_ms": summary([x.recv_ms for x in its]),
                     "per_iteration": [
                         {"iteration": x.iteration, "iteration_ms": x.iteration_ms, "busy_ms": x.busy_ms,
-                         "bubble_rate": x.bubble_rate, "send_blocked_ms": x.send_ms, "recv_blocked_ms": x.recv_ms}
+                         "bubble_rate": x.bubble_rate, "send_blocked_ms": x.send_ms, "recv_blocked_ms": x.recv_ms,
+                         "ops": x.ops}
                         for x in its
                     ],
                 }
@@ -274,7 +278,11 @@ def rank_iteration(r: RankTrace, k: int) -> Optional[RankIteration]:
     busy = sum(o.dur_ns for o in ops if o.what == "compute")
     send = sum(o.dur_ns for o in ops if o.what == "send")
     recv = sum(o.dur_ns for o in ops if o.what == "recv")
-    return RankIteration(k, _ms(span), _ms(busy), _ms(send), _ms(recv))
+    counts: dict[str, int] = {}
+    for o in ops:
+        kind = o.op.kind if o.what == "compute" else f"{o.what.upper()}_{o.op.kind}"
+        counts[kind] = counts.get(kind, 0) + 1
+    return RankIteration(k, _ms(span), _ms(busy), _ms(send), _ms(recv), dict(sorted(counts.items())))
 
 
 def pipeline_iteration(trace: MeasuredTrace, k: int) -> Optional[PipelineIteration]:

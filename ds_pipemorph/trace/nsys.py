@@ -1,25 +1,33 @@
 """Read an Nsight Systems SQLite export (``nsys export --type sqlite``) into a ``MeasuredTrace``.
 
-NVTX convention the runtime follows (domain ``"pipemorph"``, one process per rank)
--------------------------------------------------------------------------------
-Every instruction runs inside one NVTX range in domain ``pipemorph``::
+NVTX contract (what ``ds_pipemorph.runtime.oprecords`` emits; domain ``"pipemorph"``)
+----------------------------------------------------------------------------------
+Each rank (one process) wraps every ``train_batch`` in a range ``ITER<k>`` and every instruction
+of it in a nested range named like the op, all push/pop ranges in domain ``pipemorph``::
 
-    nvtx.push_range(message="F3", domain="pipemorph", category="stage2", payload=3)
-    ...                                   # the forward of micro-batch 3 on stage 2
-    nvtx.pop_range(domain="pipemorph")
+    ITER1   category "stage2", payload 5      # the 2nd train_batch (k from 0) of global rank 5
+      F3    category "stage2", payload 3      # the forward of micro-batch 3 on stage 2
+      ...
 
-- ``message``: the op text. Compute: ``F<m>``, ``B<m>``, ``W<m>``. Communication: ``SEND_F<m>`` /
-  ``RECV_F<m>`` (activation of micro-batch m, stage i -> i+1) and ``SEND_B<m>`` / ``RECV_B<m>``
-  (its input gradient, stage i+1 -> i). Each range covers the whole blocking call (for a
-  non-blocking send: issue to completion). Other messages in the domain are ignored.
-- ``category``: ``"stage<S>"`` (the pipeline stage of this rank; with data parallelism several
-  ranks carry the same stage). Runtimes that cannot set a category may prefix the message
-  instead: ``"stage2/F3"``. With no stage information at all, processes are mapped to stages
-  0, 1, ... in pid order and a warning says so.
-- ``payload``: the micro-batch as an integer (informational; the message is authoritative).
-- iterations: one range ``ITER<k>`` (same domain, any category) around each ``train_batch`` on
-  every rank, k counting from 0. Without ``ITER`` ranges the whole trace is one iteration.
-- ranks: numbered 0, 1, ... in pid order over the processes that emitted op ranges.
+- ``message``: ``ITER<k>`` (k counts the engine's ``train_batch`` calls from 0), or the op text.
+  Compute: ``F<m>``, ``B<m>``, ``W<m>``. Communication: ``SEND_F<m>`` / ``RECV_F<m>`` (activation
+  of micro-batch m, stage i -> i+1) and ``SEND_B<m>`` / ``RECV_B<m>`` (its input gradient, stage
+  i+1 -> i). A range covers the whole call (for a non-blocking send: issue to completion). Other
+  messages (``LOAD3``, ``OptimizerStep``, ...) are the engine's other instructions; ignored here.
+- ``category``: ``"stage<S>"``, the pipeline stage of the process, on every range (the ``nvtx``
+  package names it once with ``nvtxDomainNameCategoryA``; the ranges carry its id). Runtimes that
+  cannot set a category may prefix the message instead: ``"stage2/F3"``.
+- ``payload`` (int64): on ``ITER<k>`` the process's global rank; on an op the micro-batch
+  (informational: the message is authoritative; a mismatch is counted in a warning).
+
+How processes become ranks: the stage comes from the category (or prefix), the rank from the
+``ITER`` payload, and a ``RankTrace``'s ``rank`` is that global rank. With data parallelism the
+replicas of a stage are taken in rank order and the k-th replica of stage i exchanges messages with
+the k-th of stage i+1 (DeepSpeed numbers rank = stage * dp + replica). Without rank payloads the
+processes are numbered in (stage, pid) order, with a warning when a stage has several processes
+(their pairing across stages is then a guess); without any stage information, processes are
+mapped to stages 0, 1, ... in pid order and a warning says so. Without ``ITER`` ranges the whole
+trace is one iteration.
 
 Schema facts relied on (Nsight Systems SQLite export)
 -----------------------------------------------------
@@ -157,6 +165,7 @@ def _build(p: Path, rows, dom_pid, other_pid, cat_names, session) -> MeasuredTra
     ops: dict[int, list] = defaultdict(list)  # pid -> (what, op, start, end)
     marks: dict[int, dict[int, IterMark]] = defaultdict(dict)
     stages: dict[int, set[int]] = defaultdict(set)
+    iter_ranks: dict[int, set[int]] = defaultdict(set)  # pid -> rank payloads of its ITER ranges
     unclosed = payload_mismatch = 0
     for start, end, name, gtid, did, cid, payload in rows:
         pid = pid_of(gtid or 0)
@@ -165,17 +174,22 @@ def _build(p: Path, rows, dom_pid, other_pid, cat_names, session) -> MeasuredTra
         parsed = parse_range_name(name)
         if parsed is None:
             continue
+        cat = cat_names.get((pid, did, cid), cat_names.get((None, did, cid))) if cid is not None else None
+        m = _STAGE_CATEGORY.match(cat or "")
+        stage = int(m.group(1)) if m else parsed.stage
         if parsed.what == "iter":
             if parsed.iteration in marks[pid]:
                 warnings.append(f"pid {pid} has two ITER{parsed.iteration} ranges; the first one is used")
             else:
                 marks[pid][parsed.iteration] = IterMark(int(start), None if end is None else int(end))
+            if stage is not None:
+                stages[pid].add(stage)
+            if payload is not None:
+                iter_ranks[pid].add(int(payload))
             continue
         if end is None or end < start:
             unclosed += 1
             continue
-        cat = cat_names.get((pid, did, cid), cat_names.get((None, did, cid))) if cid is not None else None
-        m = _STAGE_CATEGORY.match(cat or "")
         if m:
             stages[pid].add(int(m.group(1)))
         if parsed.stage is not None:
@@ -204,14 +218,15 @@ def _build(p: Path, rows, dom_pid, other_pid, cat_names, session) -> MeasuredTra
     if any(marks[pid] for pid in pids) and not all(marks[pid] for pid in pids):
         bare = next(pid for pid in pids if not marks[pid])
         warnings.append(f"pid {bare} has no ITER ranges while other processes do; its ops count as iteration 0")
+    stage_of = {pid: next(iter(stages[pid])) if with_stage else i for i, pid in enumerate(pids)}
+    rank_of = _ranks(p, pids, stage_of, iter_ranks, warnings)
     ranks = []
     dropped = 0
-    for rank, pid in enumerate(pids):
-        stage = next(iter(stages[pid])) if with_stage else rank
+    for pid in sorted(pids, key=rank_of.__getitem__):
         placed, d = assign_iterations(ops[pid], marks[pid])
         dropped += d
         if placed:
-            ranks.append(RankTrace(rank, stage, pid, placed, dict(marks[pid])))
+            ranks.append(RankTrace(rank_of[pid], stage_of[pid], pid, placed, dict(marks[pid])))
     if not ranks:
         raise BadInput(f"{p}: no '{DOMAIN}' op range lies inside an ITER range")
     if dropped:
@@ -219,6 +234,33 @@ def _build(p: Path, rows, dom_pid, other_pid, cat_names, session) -> MeasuredTra
     _check_stages(p, ranks)
     extra = {"session_start_utc_ns": session} if session is not None else {}
     return MeasuredTrace(str(p), ranks, warnings, extra)
+
+
+def _ranks(p: Path, pids: list[int], stage_of: dict[int, int], iter_ranks: dict[int, set[int]],
+           warnings: list[str]) -> dict[int, int]:
+    """pid -> global rank: the ITER payload of each process, else the (stage, pid) order (see the contract)."""
+    for pid in pids:
+        if len(iter_ranks[pid]) > 1:
+            raise BadInput(f"{p}: pid {pid} carries ITER ranges of ranks {sorted(iter_ranks[pid])}; one process is one rank")
+    ranked = [pid for pid in pids if iter_ranks[pid]]
+    if ranked:
+        if len(ranked) != len(pids):
+            bare = next(pid for pid in pids if not iter_ranks[pid])
+            raise BadInput(f"{p}: pid {bare} has no rank payload on its ITER ranges while other processes do")
+        rank_of = {pid: next(iter(iter_ranks[pid])) for pid in pids}
+        seen: dict[int, int] = {}
+        for pid in pids:
+            if rank_of[pid] in seen:
+                raise BadInput(f"{p}: pids {seen[rank_of[pid]]} and {pid} both say they are rank {rank_of[pid]} "
+                               "(one export per job)")
+            seen[rank_of[pid]] = pid
+        return rank_of
+    order = sorted(pids, key=lambda pid: (stage_of[pid], pid))
+    shared = sorted({stage_of[pid] for pid in pids if sum(stage_of[q] == stage_of[pid] for q in pids) > 1})
+    if shared:
+        warnings.append(f"no rank payload on the ITER ranges: the processes of stage {shared[0]} are paired with "
+                        "the other stages' in pid order")
+    return {pid: i for i, pid in enumerate(order)}
 
 
 def _check_stages(p: Path, ranks: list[RankTrace]) -> None:

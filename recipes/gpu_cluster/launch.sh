@@ -2,9 +2,10 @@
 # Profile, plan and train a 4-stage pipeline with ds_pipemorph on a GPU cluster (DeepSpeed launcher).
 #
 #   cp recipes/gpu_cluster/hostfile.example hostfile && $EDITOR hostfile
-#   bash recipes/gpu_cluster/launch.sh                  # all three steps
+#   bash recipes/gpu_cluster/launch.sh                  # all four steps
 #   STEPS=plan bash recipes/gpu_cluster/launch.sh       # only some: any of "stages links plan train"
 #   LOCAL_CPU=1 bash recipes/gpu_cluster/launch.sh      # dry run on this machine: 4 CPU ranks, gloo
+#   SCHEDULE=plan bash recipes/gpu_cluster/launch.sh    # train the offline plan instead of re-planning
 #
 # Run from the repository root. Outputs go to $OUT (default out/gpu_cluster).
 set -euo pipefail
@@ -14,6 +15,11 @@ STAGES=${STAGES:-4}
 OUT=${OUT:-out/gpu_cluster}
 TRAIN_STEPS=${TRAIN_STEPS:-100}
 STEPS=${STEPS:-"stages links plan train"}
+SCHEDULE=${SCHEDULE:-adaptive}   # train with the control loop; "plan": the offline plan.yaml, unchanged
+case $SCHEDULE in
+  adaptive|plan) ;;
+  *) echo "error: SCHEDULE must be 'adaptive' or 'plan', not '$SCHEDULE'" >&2; exit 2 ;;
+esac
 CONFIG=recipes/gpu_cluster/ds_config.json
 HERE=recipes/gpu_cluster
 mkdir -p "$OUT"
@@ -59,12 +65,18 @@ for step in $STEPS; do
         --merge "$OUT/profile.yaml" --report "$OUT/links_report.json" ;;
   plan)    # 3. the schedule that absorbs the measured delays -> plan.yaml (+ a Gantt picture)
     pipemorph plan "$OUT/profile.yaml" -o "$OUT/plan.yaml" --gantt "$OUT/plan.png" ;;
-  train)   # 4. train with schedule "plan" reading that plan
-    python - "$CONFIG" "$OUT/plan.yaml" "$OUT/ds_config.json" <<'PY'
+  train)   # 4. train: "adaptive" re-plans online from its own measurements; SCHEDULE=plan runs plan.yaml as is
+    python - "$CONFIG" "$OUT" "$SCHEDULE" <<'PY'
 import json, sys
-cfg = json.load(open(sys.argv[1]))
-cfg["pipemorph"]["plan_file"] = sys.argv[2]
-json.dump(cfg, open(sys.argv[3], "w"), indent=2)
+config, out, schedule = sys.argv[1:]
+cfg = json.load(open(config))
+pm = cfg["pipemorph"]
+if schedule == "plan":  # the offline plan, never re-planned: no control loop, so no delegation to decide
+    pm.update(schedule="plan", plan_file=f"{out}/plan.yaml", delegation={"mode": "off"}, profile_out=None)
+    pm.pop("adapt")
+else:  # adaptive
+    pm["profile_out"] = f"{out}/measured_profile.yaml"  # feed it back to `pipemorph plan`
+json.dump(cfg, open(f"{out}/ds_config.json", "w"), indent=2)
 PY
     "${LAUNCH[@]}" recipes/tiny_gpt/train.py --stages "$STAGES" --steps "$TRAIN_STEPS" --config "$OUT/ds_config.json" ;;
   *) echo "error: unknown step '$step' (choose from: stages links plan train)" >&2; exit 2 ;;

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_pipemorph.plan.links import DIRECT
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.validate import parse_schedule
@@ -50,7 +51,7 @@ def test_delay_at_iteration_5_is_acted_on_by_7_and_recovery_returns_to_the_no_de
     initial = build_plan(parse_config(SECTION), 4, 8)
     costs = Costs.uniform(4, 10.0, up["target_ms"])
     new = parse_schedule(up["plan"])
-    assert replay(new, costs, 8, hol=True).iteration_ms < replay(initial, costs, 8, hol=True).iteration_ms
+    assert replay(new, costs, 8, link_model=DIRECT).iteration_ms < replay(initial, costs, 8, link_model=DIRECT).iteration_ms
     assert down["target_ms"] == [0.0, 0.0, 0.0]
     assert down["iteration"] - 12 <= 1  # decided after the 2nd calm iteration: in force within 3
     for r in range(4):  # every rank adopted the same plans, and the numbers equal stock DeepSpeed's

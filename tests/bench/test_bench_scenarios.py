@@ -6,6 +6,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ds_pipemorph.bench.traces import RATES, make_trace, mean_delays, trace_text
+from ds_pipemorph.plan.links import DIRECT
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.runtime.config import parse_config
@@ -131,9 +132,9 @@ def test_two_slow_links_at_once_and_the_predicted_column_uses_them(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["scenario"] == "10ms_links0+1" and row["links_ms"] == [10.0, 10.0]
     zb_plan = build_plan(parse_config({"schedule": "zb"}), 3, 4)  # the static zb row's plan, under both delays
-    both = replay(zb_plan, Costs.uniform(3, 4.0, [10, 10]), 4, hol=True).iteration_ms
+    both = replay(zb_plan, Costs.uniform(3, 4.0, [10, 10]), 4, link_model=DIRECT).iteration_ms
     assert row["predicted_ms"] == pytest.approx(both)
-    assert both > replay(zb_plan, Costs.uniform(3, 4.0, [10, 0]), 4, hol=True).iteration_ms
+    assert both > replay(zb_plan, Costs.uniform(3, 4.0, [10, 0]), 4, link_model=DIRECT).iteration_ms
     assert row["median_ms"] >= 0.9 * both  # both links were slow in the run, too
     assert "10ms_links0+1" in r.output
 

@@ -1,6 +1,7 @@
 """PipeMorph §3.1/§4 figures, reproduced by the planner and the replay simulator."""
 import pytest
 
+from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.listsched import list_schedule
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.search import search
@@ -116,10 +117,10 @@ def test_direct_link_model_blocks_the_sender_until_the_previous_message_arrived(
     costs = Costs([5.0, 5.0], [5.0, 5.0], [5.0, 5.0], [20.0])
     sched = list_schedule(costs, 3, [3, 1])
     start = lambda tl: {(x.stage, str(x.op)): x.start for x in tl.slots}  # noqa: E731
-    ideal, direct = start(replay(sched, costs, 3)), start(replay(sched, costs, 3, hol=True))
+    ideal, direct = start(replay(sched, costs, 3)), start(replay(sched, costs, 3, link_model=DIRECT))
     assert ideal[(0, "F2")] == 10.0 and direct[(0, "F2")] == 25.0
     assert ideal[(1, "F1")] == 35.0 and direct[(1, "F1")] == 45.0  # after B0 (30-35) vs on arrival
-    assert replay(sched, costs, 3, hol=True).iteration_ms >= replay(sched, costs, 3).iteration_ms
+    assert replay(sched, costs, 3, link_model=DIRECT).iteration_ms >= replay(sched, costs, 3).iteration_ms
 
 
 def test_delegated_link_model_has_k_fifos_and_never_blocks_the_sender():
@@ -129,12 +130,12 @@ def test_delegated_link_model_has_k_fifos_and_never_blocks_the_sender():
     costs = Costs([5.0, 5.0], [5.0, 5.0], [5.0, 5.0], [20.0])
     sched = list_schedule(costs, 3, [3, 1])
     start = lambda tl: {(x.stage, str(x.op)): x.start for x in tl.slots}  # noqa: E731
-    two = start(replay(sched, costs, 3, hol=[2]))
+    two = start(replay(sched, costs, 3, link_model=[Delegated(2)]))
     assert two[(0, "F2")] == 10.0
     assert two[(1, "F0")] == 25.0 and two[(1, "F2")] >= 45.0
     # Enough FIFOs behave as pure latency; one FIFO serialises like a direct link without blocking.
-    assert replay(sched, costs, 3, hol=[3]).iteration_ms == replay(sched, costs, 3).iteration_ms
-    assert replay(sched, costs, 3, hol=[1]).iteration_ms >= replay(sched, costs, 3, hol=[2]).iteration_ms
+    assert replay(sched, costs, 3, link_model=[Delegated(3)]).iteration_ms == replay(sched, costs, 3).iteration_ms
+    assert replay(sched, costs, 3, link_model=[Delegated(1)]).iteration_ms >= replay(sched, costs, 3, link_model=[Delegated(2)]).iteration_ms
 
 
 def test_queue_count_decides_whether_60ms_on_the_last_link_is_absorbed():
@@ -142,8 +143,8 @@ def test_queue_count_decides_whether_60ms_on_the_last_link_is_absorbed():
     # 60 ms per message, 2 FIFOs carry exactly that rate, so no plan hides it; 3 FIFOs do (§5.2's
     # rule: enough queues that delegates keep pace with the stage that produces the messages).
     costs = Costs.uniform(4, 10.0, [0.0, 0.0, 60.0])
-    two = search(costs, 32, budget_s=10, max_evals=300, hol=[False, False, 2]).iteration_ms
-    three = search(costs, 32, budget_s=10, max_evals=300, hol=[False, False, 3]).iteration_ms
+    two = search(costs, 32, budget_s=10, max_evals=300, link_model=[LATENCY, LATENCY, Delegated(2)]).iteration_ms
+    three = search(costs, 32, budget_s=10, max_evals=300, link_model=[LATENCY, LATENCY, Delegated(3)]).iteration_ms
     assert three <= 990 + 60 < two
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from ds_pipemorph.plan.improve import _allowed, _critical_moves, _w_move
 from ds_pipemorph.plan.incremental import Evaluator
 from ds_pipemorph.plan.justify import justify
+from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.listsched import Policy, list_schedule
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.search import search
@@ -74,7 +75,7 @@ def _locally_ok(sched, caps) -> bool:
             ):
                 return False
             last[op.kind] = op.mb
-            seen.add(tuple(op))
+            seen.add((op.kind, op.mb))
         if peak_inflight([row])[0] > cap:
             return False
     return True
@@ -112,10 +113,11 @@ def test_justified_plans_are_valid_within_caps_and_never_slower(case, policy):
 def test_queued_link_models_fall_back_to_full_replays():
     costs = Costs.uniform(4, 10.0, [0.0, 30.0, 0.0])
     sched = list_schedule(costs, 8, [4, 3, 2, 1])
-    for hol in (True, [False, 2, False], [False, True, False]):
-        ev = Evaluator(costs, 8, hol)
-        assert not ev.incremental and ev.full(sched).t == makespan(sched, costs, 8, hol=hol)
-    assert Evaluator(costs, 8, [True, False, True]).incremental  # flags on links without delay change nothing
+    for model in (DIRECT, [LATENCY, Delegated(2), LATENCY], [LATENCY, DIRECT, LATENCY]):
+        ev = Evaluator(costs, 8, model)
+        assert not ev.incremental and ev.full(sched).t == makespan(sched, costs, 8, link_model=model)
+    # queueing models on links without delay change nothing
+    assert Evaluator(costs, 8, [DIRECT, LATENCY, DIRECT]).incremental
 
 
 def test_search_is_deterministic_under_an_evaluation_bound():

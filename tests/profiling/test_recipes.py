@@ -1,19 +1,21 @@
-"""recipes/gpu_cluster and recipes/stragglers: configs the engine accepts, docs in sync with them,
-traces that load."""
+"""recipes/gpu_cluster, recipes/stragglers and recipes/tiny_gpt: configs the engine accepts with no
+setting it would ignore, docs in sync with them, traces that load."""
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config
+from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
 from ds_pipemorph.runtime.inject import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "recipes" / "gpu_cluster"
 STRAG = ROOT / "recipes" / "stragglers"
+SHIPPED = sorted((ROOT / "recipes").glob("*/ds_config*.json")) + sorted((ROOT / "recipes").glob("*/ds_config*.jsonc"))
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -34,7 +36,8 @@ def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 def test_gpu_cluster_config_is_accepted_and_its_commented_copy_matches():
     cfg = json.loads((GPU / "ds_config.json").read_text())
     parsed = parse_config(cfg["pipemorph"])
-    assert parsed.schedule == "plan" and parsed.plan_file == "plan.yaml"
+    # The README's promise: the control loop re-plans and moves slow links to delegates.
+    assert (parsed.schedule, parsed.adapt.enabled, parsed.delegation.mode) == ("adaptive", True, "auto")
     jsonc = re.sub(r"//[^\n]*", "", (GPU / "ds_config.commented.jsonc").read_text())
     assert json.loads(jsonc) == cfg
     # Every key (and every default) is in the README table and has a comment in the jsonc copy.
@@ -71,3 +74,27 @@ def test_shipped_traces_load_for_four_stages():
     for path in sorted(STRAG.glob("trace_*.yaml")):
         tr = load_trace(str(path), 3)
         assert all(c >= 0 for p in tr.points for c in p.links_ms)
+
+
+def test_every_shipped_ds_config_is_read_by_deepspeed_and_sets_nothing_the_engine_ignores():
+    from ds_pipemorph.runtime.initialize import load_config
+
+    assert {p.parent.name for p in SHIPPED} == {"gpu_cluster", "stragglers", "tiny_gpt"}
+    for path in SHIPPED:  # DeepSpeed reads files as HJSON: the commented copy is a valid config too
+        cfg = load_config(str(path))
+        pm = parse_config(cfg["pipemorph"])
+        assert pending_notes(pm) == [], path.name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", ["adaptive", "plan"])
+def test_launch_scripts_train_config_sets_nothing_the_engine_ignores(tmp_path, schedule):
+    # The config launch.sh's train step writes, from its own embedded script.
+    script = re.search(r"<<'PY'\n(.*?)\nPY\n", (GPU / "launch.sh").read_text(), re.S).group(1)
+    subprocess.run([sys.executable, "-c", script, str(GPU / "ds_config.json"), str(tmp_path), schedule], check=True)
+    pm = parse_config(json.loads((tmp_path / "ds_config.json").read_text())["pipemorph"])
+    assert pending_notes(pm) == []
+    if schedule == "plan":
+        assert (pm.schedule, pm.plan_file, pm.delegation.mode) == ("plan", f"{tmp_path}/plan.yaml", "off")
+    else:
+        assert (pm.schedule, pm.profile_out) == ("adaptive", f"{tmp_path}/measured_profile.yaml")

@@ -94,3 +94,101 @@ def test_message_header_round_trips_dtypes_shapes_and_tuple_structure():
     bare, metas = decode_header(encode_header(ts, bare=False))
     assert not bare and metas == [(t.dtype, list(t.shape)) for t in ts]
     assert decode_header(encode_header([torch.zeros(5, 7)], bare=True)) == (True, [(torch.float32, [5, 7])])
+
+
+def test_initialize_has_deepspeed_initializes_parameters():
+    import inspect
+
+    import deepspeed
+
+    import ds_pipemorph
+
+    ours = list(inspect.signature(ds_pipemorph.initialize).parameters.values())
+    theirs = list(inspect.signature(deepspeed.initialize).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours] == [(p.name, p.kind, p.default) for p in theirs]
+
+
+def test_config_is_read_from_a_dict_a_path_or_base64_json_as_deepspeed_reads_it(tmp_path):
+    import base64
+    import json
+
+    from ds_pipemorph.runtime.initialize import load_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+           "pipemorph": {"schedule": "zb", "memory": {"max_inflight": [4, 3, 2, 1]}}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    commented = tmp_path / "ds_config.jsonc"  # DeepSpeed reads files as HJSON: comments are allowed
+    commented.write_text('// a comment\n' + json.dumps(cfg, indent=1).replace('"zb",', '"zb",  // ZB-H1'))
+    encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    for form in (cfg, str(path), path, str(commented), encoded):
+        assert load_config(form) == cfg, form
+    copied = load_config(cfg)
+    copied["pipemorph"]["schedule"] = "1f1b"
+    assert cfg["pipemorph"]["schedule"] == "zb"  # the caller's dict is not touched
+
+
+def test_unreadable_configs_are_refused_in_one_sentence(tmp_path):
+    import base64
+
+    from ds_pipemorph.runtime.initialize import load_config
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    missing = str(tmp_path / "nope.json")
+    cases = [
+        (missing, f"DeepSpeed config '{missing}' is neither an existing file nor base64-encoded JSON"),
+        (str(listed), f"DeepSpeed config {listed}: expected a JSON object, got list"),
+        (base64.urlsafe_b64encode(b"[1, 2]").decode(), "DeepSpeed config (base64): expected a JSON object, got list"),
+        (42, "the DeepSpeed config must be a dict, a JSON file path or base64-encoded JSON, got int"),
+    ]
+    for config, message in cases:
+        with pytest.raises(PipeMorphConfigError) as e:
+            load_config(config)
+        assert str(e.value) == message
+    with pytest.raises(PipeMorphConfigError) as e:  # DeepSpeed's own reader names the duplicate key
+        load_config(str(bad))
+    assert str(e.value).startswith(f"DeepSpeed config {bad}: cannot be read as JSON (")
+    assert "train_micro_batch_size_per_gpu" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_given_both_as_argument_and_in_args_is_refused_as_deepspeed_refuses_it(tmp_path):
+    import argparse
+
+    import ds_pipemorph
+
+    path = tmp_path / "ds_config.json"
+    path.write_text("{}")
+    both = ("the DeepSpeed config was given twice, as config= and as args.deepspeed_config (--deepspeed_config): "
+            "pass only one")
+    for kwargs in ({"config": {}}, {"config_params": {}}):
+        with pytest.raises(PipeMorphConfigError) as e:
+            ds_pipemorph.initialize(args=argparse.Namespace(deepspeed_config=str(path)), **kwargs)
+        assert str(e.value) == both
+    with pytest.raises(PipeMorphConfigError) as e:
+        ds_pipemorph.initialize(args=argparse.Namespace(deepspeed_config=None))
+    assert str(e.value) == ("no DeepSpeed config: pass config= (a dict, a JSON file path or base64-encoded JSON) "
+                            "or args.deepspeed_config (--deepspeed_config)")
+    # One source, in any of DeepSpeed's places, gets past the config check (on to the model check).
+    for args, kwargs in ((argparse.Namespace(deepspeed_config=str(path)), {}),
+                         (argparse.Namespace(deepspeed_config=None), {"config_params": str(path)}),
+                         (argparse.Namespace(deepscale_config=str(path)), {})):
+        with pytest.raises(PipeMorphConfigError) as e:
+            ds_pipemorph.initialize(args=args, model=None, **kwargs)
+        assert str(e.value) == "ds_pipemorph.initialize needs a deepspeed PipelineModule as model"
+
+
+def test_settings_the_chosen_schedule_ignores_are_named_at_start_up():
+    from ds_pipemorph.runtime.config import pending_notes
+
+    assert pending_notes(parse_config({"schedule": "plan", "plan_file": "p.yaml", "adapt": {"enabled": True},
+                                       "delegation": {"mode": "off"}})) == [
+        "pipemorph.adapt re-plans with schedule 'adaptive' only: the 'plan' schedule runs unchanged "
+        "(drop 'adapt' or set adapt.enabled false)"]
+    # Off, or left at its default, adapt says nothing; under "adaptive" it is what runs.
+    off = {"schedule": "zb", "adapt": {"enabled": False}, "delegation": {"mode": "off"}}
+    assert pending_notes(parse_config(off)) == []
+    assert pending_notes(parse_config({"schedule": "zb", "delegation": {"mode": "off"}})) == []
+    assert pending_notes(parse_config({"schedule": "adaptive", "adapt": {"every_iterations": 2}})) == []

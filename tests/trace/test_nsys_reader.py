@@ -1,8 +1,11 @@
-"""Reading nsys SQLite exports: ranges -> per-rank timelines, and the measured figures, exactly."""
+"""Reading nsys SQLite exports: ranges -> per-rank timelines, and the measured figures, exactly.
+
+Unit tests of parsing on hand-written rows (``nsys_rows.py``); ``tests/nvtx`` reads a real job's capture.
+"""
 import sqlite3
 
 import pytest
-from nsys_fixture import NsysDB, gtid, three_stage, two_stage
+from nsys_rows import START_END, Rows, gtid, three_stage, two_stage
 
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.ops import Op
@@ -67,13 +70,69 @@ def test_three_stages_without_categories_or_iterations_map_pids_in_order(tmp_pat
     assert [(ln.link, ln.median_ms, ln.messages) for ln in a.links] == [(1, 6.0, 2), (0, 2.5, 2)]  # slowest first
 
 
-def test_data_parallel_ranks_pair_by_rank_order_and_other_domains_are_ignored(tmp_path):
-    t = read_nsys(two_stage(tmp_path / "r.sqlite", replicas=2))
-    assert [(r.rank, r.stage, r.pid) for r in t.ranks] == [(0, 0, 100), (1, 1, 101), (2, 0, 102), (3, 1, 103)]
+def test_data_parallel_ranks_come_from_the_iter_payload_not_from_pid_order(tmp_path):
+    # pids 100..103 hold (stage, replica) (0, 1), (1, 0), (0, 0), (1, 1): global ranks 1, 2, 0, 3.
+    t = read_nsys(two_stage(tmp_path / "r.sqlite", replicas=2, shift_replica_ms=300))
+    assert t.warnings == []
+    assert [(r.rank, r.stage, r.pid) for r in t.ranks] == [(0, 0, 102), (1, 0, 100), (2, 1, 101), (3, 1, 103)]
     # pid 102 has a range 'F0' [0, 500] ms in domain 'other' (same domain id as pid 100's pipemorph)
-    assert all(o.end_ns <= 182_000_000 for o in t.ranks[2].ops)
+    assert all(o.end_ns <= 182_000_000 for o in t.ranks[0].ops)
+    # Replica d of stage 0 talks to replica d of stage 1: paired so, every message takes what it took
+    # in one replica (replica 1 runs 300 ms later; a pairing across replicas would be 300 ms off).
     (link,) = analyze(t).links
-    assert link.messages == 16 and link.median_ms == 5.0 and link.unmatched == 0
+    assert link.messages == 16 and link.median_ms == 5.0 and max(link.latencies_ms) == 17.0 and link.unmatched == 0
+
+
+def test_without_rank_payloads_replicas_pair_in_pid_order_with_a_warning(tmp_path):
+    db = Rows(tmp_path / "r.sqlite")
+    for pid, stage in ((100, 0), (101, 1), (102, 0), (103, 1)):
+        db.domain(pid, 1)
+        db.category(pid, 1, 1, f"stage{stage}")
+        db.range(pid, 1, "ITER0", 0, 50, category=1)
+        db.range(pid, 1, "F0", 10 * stage, 10 * stage + 10, category=1, payload=0)
+    t = read_nsys(db.close())
+    assert [(r.rank, r.stage, r.pid) for r in t.ranks] == [(0, 0, 100), (1, 0, 102), (2, 1, 101), (3, 1, 103)]
+    assert t.warnings == ["no rank payload on the ITER ranges: the processes of stage 0 are paired with the other "
+                          "stages' in pid order"]
+
+
+def test_one_stage_per_process_needs_no_rank_payload(tmp_path):
+    db = Rows(tmp_path / "r.sqlite")
+    for pid, stage in ((300, 0), (200, 1)):
+        db.domain(pid, 1)
+        db.category(pid, 1, 1, f"stage{stage}")
+        db.range(pid, 1, "F0", 10 * stage, 10 * stage + 10, category=1, payload=0)
+    t = read_nsys(db.close())
+    assert t.warnings == [] and [(r.rank, r.stage, r.pid) for r in t.ranks] == [(0, 0, 300), (1, 1, 200)]
+
+
+@pytest.mark.parametrize("ranks, message", [
+    ((0, 0), r"pids 100 and 101 both say they are rank 0"),
+    ((0, None), r"pid 101 has no rank payload on its ITER ranges while other processes do"),
+    (((0, 1), 1), r"pid 100 carries ITER ranges of ranks \[0, 1\]; one process is one rank"),
+])
+def test_contradicting_rank_payloads_are_one_sentence(tmp_path, ranks, message):
+    db = Rows(tmp_path / "r.sqlite")
+    for pid, rank in zip((100, 101), ranks):
+        stage = pid - 100
+        db.domain(pid, 1)
+        db.category(pid, 1, 1, f"stage{stage}")
+        for k, r in enumerate(rank if isinstance(rank, tuple) else (rank,)):
+            db.range(pid, 1, f"ITER{k}", 100 * k, 100 * k + 50, category=1, payload=r)
+            db.range(pid, 1, "F0", 100 * k + 10, 100 * k + 20, category=1, payload=0)
+    with pytest.raises(BadInput, match=message):
+        read_nsys(db.close())
+
+
+def test_start_end_iteration_ranges_work_like_push_pop_ones(tmp_path):
+    db = Rows(tmp_path / "r.sqlite")
+    db.domain(100, 1)
+    db.category(100, 1, 1, "stage0")
+    for k in range(2):
+        db.range(100, 1, f"ITER{k}", 100 * k, 100 * k + 50, category=1, payload=0, event_type=START_END)
+        db.range(100, 1, "F0", 100 * k + 10, 100 * k + 20, category=1, payload=0)
+    t = read_nsys(db.close())
+    assert t.complete_iterations() == [0, 1] and [o.iteration for o in t.ranks[0].ops] == [0, 1]
 
 
 def test_an_open_last_iteration_is_not_complete(tmp_path):
@@ -111,48 +170,48 @@ def test_sqlite_without_nvtx_events(tmp_path):
 
 
 def test_sqlite_without_pipemorph_domain(tmp_path):
-    db = NsysDB(tmp_path / "r.sqlite", registered=True)
-    db.domain(gtid(100), 1, "NCCL")
-    db.range(gtid(100), 1, "F0", 0, 10)
+    db = Rows(tmp_path / "r.sqlite", registered=True)
+    db.domain(100, 1, "NCCL")
+    db.range(100, 1, "F0", 0, 10)
     with pytest.raises(BadInput, match=r"no NVTX ranges in domain 'pipemorph'"):
         read_nsys(db.close())
 
 
 def test_pipemorph_domain_without_op_ranges(tmp_path):
-    db = NsysDB(tmp_path / "r.sqlite", registered=False)
-    db.domain(gtid(100), 1, "pipemorph")
-    db.range(gtid(100), 1, "OptimizerStep", 0, 10)
+    db = Rows(tmp_path / "r.sqlite", registered=False)
+    db.domain(100, 1)
+    db.range(100, 1, "OptimizerStep", 0, 10)
     with pytest.raises(BadInput, match=r"no 'pipemorph' op ranges"):
         read_nsys(db.close())
 
 
 def test_mixed_stage_information_is_rejected(tmp_path):
-    db = NsysDB(tmp_path / "r.sqlite", registered=False)
+    db = Rows(tmp_path / "r.sqlite", registered=False)
     for pid, cat in ((100, 1), (101, None)):
-        db.domain(gtid(pid), 1, "pipemorph")
+        db.domain(pid, 1)
         if cat:
-            db.category(gtid(pid), 1, cat, "stage0")
-        db.range(gtid(pid), 1, "F0", 0, 10, category=cat)
+            db.category(pid, 1, cat, "stage0")
+        db.range(pid, 1, "F0", 0, 10, category=cat)
     with pytest.raises(BadInput, match=r"pid 101 has no stage category while other processes do"):
         read_nsys(db.close())
 
 
 def test_stage_prefix_in_the_message_works_like_a_category(tmp_path):
-    db = NsysDB(tmp_path / "r.sqlite", registered=True)
+    db = Rows(tmp_path / "r.sqlite", registered=True)
     for pid, stage in ((200, 1), (100, 0)):
-        db.domain(gtid(pid), 1, "pipemorph")
-        db.range(gtid(pid), 1, f"stage{stage}/F0", 10 * stage, 10 * stage + 10)
+        db.domain(pid, 1)
+        db.range(pid, 1, f"stage{stage}/F0", 10 * stage, 10 * stage + 10)
     t = read_nsys(db.close())
     assert t.warnings == [] and [(r.rank, r.stage, r.pid) for r in t.ranks] == [(0, 0, 100), (1, 1, 200)]
 
 
 def test_unclosed_ranges_and_wrong_payloads_are_left_out_with_warnings(tmp_path):
-    db = NsysDB(tmp_path / "r.sqlite", registered=True)
-    db.domain(gtid(100), 1, "pipemorph")
-    db.category(gtid(100), 1, 1, "stage0")
-    db.range(gtid(100), 1, "F0", 0, 10, category=1, payload=0)
-    db.range(gtid(100), 1, "F1", 10, 20, category=1, payload=5)
-    db.range(gtid(100), 1, "B0", 20, None, category=1, payload=0)
+    db = Rows(tmp_path / "r.sqlite", registered=True)
+    db.domain(100, 1)
+    db.category(100, 1, 1, "stage0")
+    db.range(100, 1, "F0", 0, 10, category=1, payload=0)
+    db.range(100, 1, "F1", 10, 20, category=1, payload=5)
+    db.range(100, 1, "B0", 20, None, category=1, payload=0)
     t = read_nsys(db.close())
     assert [o.name for o in t.ranks[0].ops] == ["F0", "F1"]
     assert t.warnings == ["1 op ranges never closed (or end before they start) and were left out",

@@ -1,10 +1,13 @@
-"""`pipemorph trace inspect|compare` through Typer's CliRunner: tables, JSON, Chrome/Gantt outputs, bad input."""
+"""`pipemorph trace inspect|compare` through Typer's CliRunner: tables, JSON, Chrome/Gantt outputs, bad input.
+
+On hand-written nsys rows (``nsys_rows.py``); ``tests/nvtx`` runs `trace inspect` on a real job's capture.
+"""
 import json
 import sqlite3
 
 import pytest
 import yaml
-from nsys_fixture import three_stage, two_stage
+from nsys_rows import START_END, Rows, three_stage, two_stage
 from typer.testing import CliRunner
 
 from ds_pipemorph.trace.measured_chrome import slices_nest_per_track
@@ -105,15 +108,13 @@ def test_inspect_chrome_is_a_valid_trace_with_matched_flows(tmp_path):
 
 
 def test_overlapping_ranges_on_one_track_go_to_separate_lanes(tmp_path):
-    from nsys_fixture import NsysDB, gtid
-
-    db = NsysDB(tmp_path / "r.sqlite", registered=False)
+    db = Rows(tmp_path / "r.sqlite", registered=False)
     for pid, rows in ((100, [("F0", 0, 10), ("SEND_F0", 10, 20), ("F1", 11, 15), ("SEND_F1", 15, 25)]),
                       (101, [("RECV_F0", 0, 21), ("F0", 21, 30), ("RECV_F1", 30, 31), ("F1", 31, 40)])):
-        db.domain(gtid(pid), 1, "pipemorph")
-        db.category(gtid(pid), 1, 1, f"stage{pid - 100}")
+        db.domain(pid, 1)
+        db.category(pid, 1, 1, f"stage{pid - 100}")
         for name, a, b in rows:
-            db.range(gtid(pid), 1, name, a, b, category=1, event_type=60)
+            db.range(pid, 1, name, a, b, category=1, event_type=START_END)
     out = tmp_path / "t.json"
     r = run("inspect", db.close(), "--chrome", out)
     assert r.exit_code == 0, r.output

@@ -1,0 +1,69 @@
+"""The link model the simulator, tolerance, queue sizing and control policy share.
+
+A link joins stage i and i+1 and carries messages one way each direction; its delay c (ms) comes
+from the costs. How messages queue on it is one of three models:
+
+- ``Latency()``: pure latency, unlimited messages in flight: a message arrives c after it was sent.
+- ``Direct()``: one message in flight per direction (one FIFO): a message departs when the one
+  before it has arrived, and its sender is blocked until then (a send in the training process).
+- ``Delegated(queues=k)``: k independent FIFOs per direction; message n of a direction travels in
+  FIFO n % k (as the delegated transport sends them) and the sender never waits.
+
+Pure Python: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Pure latency: a message arrives ``c`` after it was sent, however many are in flight."""
+
+    def __str__(self) -> str:  # noqa: D105
+        return "latency"
+
+
+@dataclass(frozen=True)
+class Direct:
+    """One message in flight per direction; the sender blocks until the previous one has arrived."""
+
+    def __str__(self) -> str:  # noqa: D105
+        return "direct"
+
+
+@dataclass(frozen=True)
+class Delegated:
+    """``queues`` FIFOs per direction, each carrying one message at a time; the sender never waits."""
+
+    queues: int = 2
+
+    def __post_init__(self):
+        if isinstance(self.queues, bool) or not isinstance(self.queues, int) or self.queues < 1:
+            raise ValueError(f"a delegated link needs at least one queue, not {self.queues!r}")
+
+    def __str__(self) -> str:  # noqa: D105
+        return f"delegated({self.queues})"
+
+
+LinkModel = Union[Latency, Direct, Delegated]
+LATENCY, DIRECT = Latency(), Direct()
+_MODELS = (Latency, Direct, Delegated)
+
+
+def per_link(model: Union[LinkModel, Sequence[LinkModel]], links: int) -> list[LinkModel]:
+    """One model for each of ``links`` links: a single model applies to all of them; a sequence
+    must hold exactly one model per link. Raises ValueError naming what is wrong."""
+    if isinstance(model, _MODELS):
+        return [model] * links
+    if isinstance(model, (str, bytes)) or not isinstance(model, Sequence):
+        raise ValueError(f"a link model is Latency(), Direct() or Delegated(queues=k), not {model!r}")
+    out = list(model)
+    if len(out) != links:
+        raise ValueError(f"{len(out)} link models given for {links} links")
+    for i, m in enumerate(out):
+        if not isinstance(m, _MODELS):
+            raise ValueError(f"link {i}: a link model is Latency(), Direct() or Delegated(queues=k), not {m!r}")
+    return out

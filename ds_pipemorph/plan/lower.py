@@ -1,0 +1,181 @@
+"""Lowering: a compute plan (per-stage F/B/W orders) -> per-rank instruction streams with the
+communication placed, and a dry run that proves the streams deadlock-free before any rank starts.
+
+One stage per rank. Where communication goes (``lower``):
+
+- receives are posted up front: at the start of the iteration each stage posts every receive it
+  will need, RECV_F for each of its F (stages > 0), then RECV_B for each of its B (stages < S-1),
+  each in the order the producing stage sends them. That is the order messages arrive on the
+  channel, so the streams also run where messages between two ranks are matched in order
+  (torch pipelining's untagged p2p); where they are matched by tag it changes nothing.
+- a send follows its producer: SEND_F right after F (stages < S-1), SEND_B right after B
+  (stages > 0), or after W for a fused backward (``fused_backward``: B m directly followed by W m,
+  the input gradient leaves after the whole backward, as DeepSpeed's ``BackwardPass`` sends it).
+- the wait for a received tensor is implied by the compute op that consumes it: F m waits for
+  RECV_F m, B m for RECV_B m.
+
+``dry_run`` executes the streams of all ranks symbolically under one of two semantics:
+non-blocking sends (``isend``; what the runtime does): a send is issued at once and a consumer
+waits until the matching send was issued; or blocking sends (``blocking_sends=True``, gloo's
+``dist.send``): a send also waits until the peer has posted the matching receive. A deadlock is
+reported naming each stuck stage, the op it waits at and what it needs, e.g.
+``deadlock: stage 0 waits at 0SEND_F1 (needs 1RECV_F1), stage 1 waits at 1SEND_B0 (needs 0RECV_B0)``.
+(torch's ``_simulate_comms_compute`` lets a receive proceed only once its send was issued, a
+blocking receive; its runtime, like this project's, posts ``irecv`` and waits at the consumer,
+which is what is modelled here. Streams with receives up front pass this dry run, not torch's.)
+
+Pure Python: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .ops import Op
+from .simulate import Schedule
+
+Stream = list[Op]  # one rank's ops, each with its stage (global form, ``2SEND_F5``)
+
+
+class BadStream(ValueError):
+    """The streams are malformed: a receive posted twice, a tensor used before its receive is
+    posted, a send without its receive, messages that do not match in order."""
+
+
+class Deadlock(BadStream):
+    """Every unfinished rank waits on another one."""
+
+
+def lower(schedule: Schedule, fused_backward: bool = False) -> list[Stream]:
+    """Per-rank instruction streams of ``schedule`` (one stage per rank), as the module says."""
+    S = len(schedule)
+    out: list[Stream] = []
+    for s, row in enumerate(schedule):
+        stream: Stream = []
+        if s > 0:
+            stream += [Op("RECV_F", op.mb, s) for op in schedule[s - 1] if op.kind == "F"]
+        if s < S - 1:
+            stream += [Op("RECV_B", op.mb, s) for op in schedule[s + 1] if op.kind == "B"]
+        for i, op in enumerate(row):
+            stream.append(op.at(s))
+            if op.kind == "F" and s < S - 1:
+                stream.append(Op("SEND_F", op.mb, s))
+            elif s > 0 and _sends_gradient(row, i, fused_backward):
+                stream.append(Op("SEND_B", op.mb, s))
+        out.append(stream)
+    return out
+
+
+def _sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:
+    """Whether the input gradient leaves right after ``row[i]``: after B, or after the W that
+    directly follows its B in a fused backward."""
+    op = row[i]
+    if op.kind == "B":
+        return not (fused and i + 1 < len(row) and row[i + 1] == Op("W", op.mb))
+    return fused and op.kind == "W" and i > 0 and row[i - 1] == Op("B", op.mb)
+
+
+def format_streams(streams: list[Stream]) -> list[str]:
+    """One line per rank: ``0F0 0SEND_F0 0F1 ...``."""
+    return [" ".join(str(op) for op in stream) for stream in streams]
+
+
+def checked_lines(schedule: Schedule, fused_backward: bool = False) -> list[str]:
+    """``format_streams(lower(...))`` after a dry run with non-blocking sends and messages matched
+    in order (what the runtime and torch pipelining both accept)."""
+    streams = lower(schedule, fused_backward)
+    dry_run(streams, ordered_channels=True)
+    return format_streams(streams)
+
+
+# What a message is: (kind of the payload "F" | "B", micro-batch, sending stage, receiving stage).
+def _message(op: Op) -> tuple[str, int, int, int]:
+    kind = op.kind[-1]
+    if op.kind.startswith("SEND"):
+        return kind, op.mb, op.stage, op.peer
+    return kind, op.mb, op.peer, op.stage
+
+
+def dry_run(streams: list[Stream], blocking_sends: bool = False, ordered_channels: bool = False) -> None:
+    """Run ``streams`` symbolically; return None when every rank reaches its end, else raise
+    ``Deadlock`` (each stuck stage, its op and what it needs) or ``BadStream``.
+
+    ``ordered_channels``: messages from one rank to another are matched in order (the k-th
+    receive gets the k-th send), as in untagged p2p; the dry run then also checks that the k-th
+    receive is the message the k-th send carries. Otherwise messages are matched by tag (kind and
+    micro-batch), as the runtime's transport does.
+    """
+    S = len(streams)
+    for r, stream in enumerate(streams):
+        for op in stream:
+            if op.stage != r:
+                raise BadStream(f"rank {r}: {op} belongs to stage {op.stage}; one stage per rank")
+            if op.peer is not None and not 0 <= op.peer < S:
+                raise BadStream(f"stage {r}: {op} talks to stage {op.peer}, which does not exist")
+    ptr = [0] * S
+    posted: set[tuple] = set()  # messages whose receive is posted
+    sent: set[tuple] = set()  # messages whose send completed (issued, for non-blocking sends)
+    channel_sends: dict[tuple[int, int], list[tuple]] = {}
+    channel_recvs: dict[tuple[int, int], list[tuple]] = {}
+    computed: set[Op] = set()
+    waiting: dict[int, str] = {}
+    progress = True
+    while progress:
+        progress = False
+        for r in range(S):
+            while ptr[r] < len(streams[r]):
+                op = streams[r][ptr[r]]
+                need = _blocked_on(op, r, S, posted, sent, computed, blocking_sends)
+                if need is not None:
+                    waiting[r] = f"stage {r} waits at {op} (needs {need})"
+                    break
+                waiting.pop(r, None)
+                if op.is_compute:
+                    computed.add(op)
+                else:
+                    msg = _message(op)
+                    book, done = (channel_sends, sent) if op.kind.startswith("SEND") else (channel_recvs, posted)
+                    if msg in done:
+                        raise BadStream(f"stage {r}: {op} appears twice in the iteration")
+                    done.add(msg)
+                    book.setdefault((msg[2], msg[3]), []).append(msg)
+                ptr[r] += 1
+                progress = True
+    if waiting:
+        raise Deadlock("deadlock: " + ", ".join(waiting[r] for r in sorted(waiting)))
+    for msg in sorted(sent ^ posted, key=lambda m: (m[2], m[1], m[0])):
+        kind, mb, src, dst = msg
+        if msg in sent:
+            raise BadStream(
+                f"stage {src}: {src}SEND_{kind}{mb} has no receive: stage {dst} never posts {dst}RECV_{kind}{mb}"
+            )
+        raise BadStream(f"stage {dst}: {dst}RECV_{kind}{mb} is never sent: stage {src} has no {src}SEND_{kind}{mb}")
+    if ordered_channels:
+        for (src, dst), sends in sorted(channel_sends.items()):
+            for k, (a, b) in enumerate(zip(sends, channel_recvs.get((src, dst), []))):
+                if a != b:
+                    raise BadStream(
+                        f"stage {dst}: its receive #{k} from stage {src} is {dst}RECV_{b[0]}{b[1]} but stage {src}"
+                        f" sends {src}SEND_{a[0]}{a[1]} then (messages between two ranks are matched in order)"
+                    )
+
+
+def _blocked_on(op: Op, r: int, S: int, posted, sent, computed, blocking: bool):
+    """What ``op`` on rank ``r`` still needs (text of the op on the peer), or None if it can run.
+    Raises BadStream for an op that can never run in any interleaving."""
+    k, m = op.kind, op.mb
+    if k == "F" and r > 0 or k == "B" and r < S - 1:
+        src = r - 1 if k == "F" else r + 1
+        msg = (k, m, src, r)
+        if msg not in posted:
+            raise BadStream(f"stage {r}: {op} consumes a tensor whose receive {r}RECV_{k}{m} is not posted before it")
+        if msg not in sent:
+            return f"{src}SEND_{k}{m}"
+        return None
+    if k.startswith("SEND"):
+        producer = Op(k[-1], m, r)
+        if producer not in computed:
+            raise BadStream(f"stage {r}: {op} sends before {producer} produced it")
+        msg = _message(op)
+        if blocking and msg not in posted:
+            return f"{op.peer}RECV_{k[-1]}{m}"
+    return None

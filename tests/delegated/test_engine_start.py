@@ -1,0 +1,36 @@
+"""The staging op is built (or loaded from the cache) when the engine starts if delegation can happen, not when
+the first link goes delegated; one line per node says so. With delegation off it is never loaded."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_pipemorph.procs import run_group
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_auto_mode_loads_the_staging_op_at_engine_start(tmp_path):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE / "engine_start_worker.py"), str(tmp_path), "off", "auto"]
+    p = run_group(cmd, 840, cwd=REPO, env=env)
+    output = p.stdout + p.stderr
+    assert p.returncode == 0, output[-6000:]
+    res = {(m, r): json.loads((tmp_path / f"{m}.rank{r}.json").read_text()) for m in ("off", "auto") for r in (0, 1)}
+    for r in (0, 1):
+        assert res[("off", r)]["loaded_at_start"] is False  # delegation off: the op is never needed
+        assert res[("auto", r)]["loaded_at_start"] is True  # mapped before the first train_batch
+        for m in ("off", "auto"):
+            assert res[(m, r)]["delegated_sent"] == {}  # no link was slow: nothing went through delegates
+    # Both modes trained the same model on the same data over direct links: same losses (stage 1 has them).
+    assert res[("auto", 1)]["losses"] == res[("off", 1)]["losses"]
+    lines = [ln for ln in output.splitlines() if "building the staging op" in ln]
+    assert len(lines) == 1, lines  # local rank 0 only, and only where delegation can happen
+    assert "pipemorph_staging_cpu_" in lines[0] and "(once, cached" in lines[0]  # the CPU variant only
