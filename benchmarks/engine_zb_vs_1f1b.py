@@ -3,7 +3,7 @@
 4 stages, 12 micro-batches, emulated stages whose F, B and W each take 10 ms (sleeps around tiny
 real math, ``ds_pipemorph.runtime.emulated``), no link delay. Iteration time is measured the same
 way for both engines: from the barrier before ``train_batch`` to the last rank's return (headline),
-and as DESIGN.md's iteration time (first op start to last op end, over all ranks); medians over
+and as docs/design.md's iteration time (first op start to last op end, over all ranks); medians over
 several iterations after warm-up. The same plan run by a plain torch.distributed loop, without
 DeepSpeed or our engine (``_bare_runner.py``), is measured in the same run: this machine's floor
 for any runtime, printed next to the engines. Also measures, on a real transformer block (with
@@ -119,7 +119,7 @@ def time_compute_ops(engine) -> list:
 
 
 def measure(engine, warmup: int, iters: int) -> tuple[list[float], list[float]]:
-    """Per iteration: wall time (barrier to the last rank's return from train_batch) and DESIGN.md's
+    """Per iteration: wall time (barrier to the last rank's return from train_batch) and docs/design.md's
     iteration time (first op start to last op end over all ranks; ops are F, B, W)."""
     import torch
     import torch.distributed as dist
@@ -276,7 +276,7 @@ def main() -> int:
               f"target <= 1.03);  stock / ours = {r['stock_over_ours']:.4f} (target >= 1.10)")
         print(f"this machine's floor: the zb plan without DeepSpeed or engine / predicted = "
               f"{r['bare_over_predicted']:.4f}; ours / that floor = {r['ours_over_bare']:.4f}")
-    print("(median/min/max: barrier to the last rank's return from train_batch; op span: DESIGN.md's "
+    print("(median/min/max: barrier to the last rank's return from train_batch; op span: docs/design.md's "
           "iteration time, first F/B/W start to last F/B/W end over all ranks)")
     head = report["anchors"]["instruction"]
     report.update({

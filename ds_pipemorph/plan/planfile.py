@@ -1,4 +1,4 @@
-"""The plan file (DESIGN.md contract): warm-up counts, per-stage op orders, prediction, profile."""
+"""The plan file (docs/design.md contract): warm-up counts, per-stage op orders, prediction, profile."""
 from __future__ import annotations
 
 from typing import Literal, Optional

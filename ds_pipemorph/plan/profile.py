@@ -1,4 +1,4 @@
-"""The profile file (DESIGN.md contract): per-stage F/B/W times, per-link delays, memory caps.
+"""The profile file (docs/design.md contract): per-stage F/B/W times, per-link delays, memory caps.
 
 A profile is what the planner plans for and what the runtime profiler writes. ``Costs`` is the
 plain cost model the scheduler and simulator consume.

@@ -1,7 +1,7 @@
 """How many delegate queues a delegated link needs to keep pace with its plan (PipeMorph §5.2).
 
 A delegated link with delay c and k queues is k independent FIFOs, each carrying one message at a
-time (DESIGN.md); message n of a direction travels in FIFO n % k. If the stages produce a message
+time (docs/design.md); message n of a direction travels in FIFO n % k. If the stages produce a message
 every t ms and c > k * t, the FIFOs fall behind and the backlog grows through the iteration, whatever
 the plan ("at least 4 sending queues are needed" when the GPU produces 8 activations per second and a
 delegate sends 2). ``queues_needed`` finds the smallest k for which replaying the plan with k FIFOs on

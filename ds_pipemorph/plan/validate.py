@@ -1,4 +1,4 @@
-"""Plan validity (DESIGN.md): every stage holds F m, B m, W m exactly once for all m, and the orders
+"""Plan validity (docs/design.md): every stage holds F m, B m, W m exactly once for all m, and the orders
 respect the dependencies. Errors name the first offending op, e.g. ``stage 2: W5 is missing``.
 """
 from __future__ import annotations

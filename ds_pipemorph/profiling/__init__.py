@@ -1,4 +1,4 @@
-"""Profilers that write a profile file (DESIGN.md contract) from measurements.
+"""Profilers that write a profile file (docs/design.md contract) from measurements.
 
 - ``links`` / ``linkfit``: latency and bandwidth of every pipeline link over the real backend
   (``pipemorph profile-links``), giving ``links_ms``.

@@ -3,7 +3,7 @@
 Per link: one-way latency samples and their median; per direction ("down" r -> r+1, "up"
 r+1 -> r) and message size, the one-way time samples and their median, and the fit
 ``time = latency + size / bandwidth`` (see ``linkfit``). ``links_ms`` is the median small-message
-one-way latency of each link minus the fastest link's (the *extra* delay c_i of DESIGN.md), or the
+one-way latency of each link minus the fastest link's (the *extra* delay c_i of docs/design.md), or the
 absolute latency with ``absolute``.
 """
 from __future__ import annotations

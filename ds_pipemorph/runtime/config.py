@@ -1,4 +1,4 @@
-"""The ``"pipemorph"`` section of a ds_config (DESIGN.md), validated with pydantic.
+"""The ``"pipemorph"`` section of a ds_config (docs/design.md), validated with pydantic.
 
 Unknown keys and wrong types are refused naming the key. Settings accepted but without effect in
 the chosen schedule (``delegation: auto`` without the adaptive control loop) are named in a warning
@@ -119,6 +119,9 @@ class InjectConfig(_Strict):
 
 
 class PipeMorphConfig(_Strict):
+    # 1f1b: DeepSpeed's 1F1B order, each backward run as B immediately followed by its W; zb: ZB-H1
+    # warm-up (S - s) or memory.max_inflight; adaptive: Alg. 1 warm-up, re-planned from measurements;
+    # plan: the plan in plan_file (runtime/plans.py builds each).
     schedule: Literal["1f1b", "zb", "adaptive", "plan"] = "adaptive"
     plan_file: Optional[str] = None
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
@@ -128,7 +131,7 @@ class PipeMorphConfig(_Strict):
     nvtx: bool = True
     timeline: Optional[str] = None
     # Path: with the adaptive control loop, rank 0 writes the smoothed measurements there as a profile
-    # file (DESIGN.md; input of `pipemorph plan`) at every re-plan and at the end of training.
+    # file (docs/design.md; input of `pipemorph plan`) at every re-plan and at the end of training.
     profile_out: Optional[str] = None
     # Seconds any wait on another rank may take before failing with a message naming the op.
     timeout_s: float = Field(300.0, gt=0)

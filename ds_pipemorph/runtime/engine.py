@@ -84,7 +84,7 @@ class PipeMorphEngine(PipelineEngine):
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
         # Per link: direct (torch.distributed in this process) or delegated (staging ring + delegate
-        # processes); injected delays (testing only) sit on both paths as DESIGN.md models them.
+        # processes); injected delays (testing only) sit on both paths as docs/design.md models them.
         self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
                                          static_shapes=not self.dynamic_shape, delays=delays)
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries

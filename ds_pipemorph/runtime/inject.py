@@ -1,6 +1,6 @@
 """Delay injection as a transport wrapper (testing only; never read by the detector or planner).
 
-DESIGN.md's model of a slow link: a FIFO with one message in flight; each message takes the link's
+docs/design.md's model of a slow link: a FIFO with one message in flight; each message takes the link's
 delay c before the receiver can see it. On the ``direct`` path the training process blocks when it
 sends into a full FIFO (head-of-line blocking, as a saturated NCCL queue blocks the next kernel).
 A ``Lane`` is that FIFO: a thread that holds one message for c ms and then hands it to the real

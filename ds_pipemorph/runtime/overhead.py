@@ -1,4 +1,4 @@
-"""What the runtime profiler and control loop cost, measured as they run (issue #5: "report its overhead").
+"""What the runtime profiler and control loop cost, measured as they run.
 
 Each rank fills one ``Overhead`` per iteration boundary with the wall time spent in each part of the
 adapter's code, plus the per-op timestamps of the op records at a cost calibrated once per process

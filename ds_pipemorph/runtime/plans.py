@@ -1,7 +1,7 @@
 """The plan a job runs, from its ``pipemorph.schedule`` setting; errors are one sentence.
 
-``1f1b``: DeepSpeed's own 1F1B order, its fused backward written ``B m, W m`` (same results; the
-input gradient just leaves after B instead of after the whole backward). ``zb``: the list
+``1f1b``: DeepSpeed's 1F1B order, each backward run as B immediately followed by its W (the fused backward's
+results; the input gradient just leaves after B instead of after the whole backward). ``zb``: the list
 scheduler with ZB-H1 warm-up (S − s) or ``memory.max_inflight``. ``adaptive``: Alg. 1 warm-up
 from the memory caps and the list scheduler on a uniform cost model (the control loop then
 re-plans from measurements). ``plan``: a plan file, validated.

@@ -1,4 +1,4 @@
-"""The control loop's measurements, smoothed, as the profile file of DESIGN.md (``pipemorph plan`` input).
+"""The control loop's measurements, smoothed, as the profile file of docs/design.md (``pipemorph plan`` input).
 
 Every iteration the adapter feeds what all ranks measured (per stage the F, B and W times, per link
 the one-way delay). Smoothing is a running median: over the last ``OP_WINDOW`` iterations for op

@@ -5,7 +5,7 @@ on one clock shared by all ranks, and the ``ITER<k>`` marks that delimit iterati
 compute ops (``F3``, ``B3``, ``W3``), sends (``SEND_F3``: the activation of micro-batch 3 leaves the
 stage, ``SEND_B3``: its input gradient leaves) and receives (``RECV_F3``, ``RECV_B3``).
 
-Definitions (DESIGN.md vocabulary):
+Definitions (docs/design.md vocabulary):
 
 - iteration time of a rank: its ``ITER<k>`` range when the trace has one, else first to last op of
   the rank in that iteration; idle time = iteration time - compute time; bubble rate = idle / time.

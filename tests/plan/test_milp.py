@@ -92,13 +92,19 @@ def test_heterogeneous_optimum_beats_every_baseline_and_the_greedy_pass():
     costs = random_costs(rng, S, slow_links=1)
     res = solve(costs, N, time_limit_s=60)
     assert res.optimal
-    # One slow link (38.2 ms): the greedy pass takes 381.5 ms, ZB-H1 401.6, the optimum 307.6.
-    assert res.iteration_ms == pytest.approx(307.6, abs=1e-6)
+    # Strictly better than the greedy pass and every baseline on this case (one slow link).
     heuristics = {name: baseline(name, costs, N) for name in BASELINES}
     heuristics["greedy"] = list_schedule(costs, N, initial_warmup([N] * S))
     for name, sched in heuristics.items():
-        assert res.iteration_ms <= replay(sched, costs, N).iteration_ms + 1e-6, name
+        assert res.iteration_ms < replay(sched, costs, N).iteration_ms - 1e-6, name
     assert res.iteration_ms >= res.lower_bound_ms - 1e-6
+    # And no better than two bounds every plan obeys, computed here by hand: stage s cannot start
+    # before micro-batch 0's forward and the links reach it, then runs N·(F+B+W) of work; and
+    # micro-batch 0 must go down every stage and back, then stage 0 runs its W.
+    f, b, w, c = costs.f, costs.b, costs.w, costs.links
+    busy = max(sum(f[:s]) + sum(c[:s]) + N * (f[s] + b[s] + w[s]) for s in range(S))
+    round_trip = sum(f) + sum(b) + 2 * sum(c) + w[0]
+    assert res.iteration_ms >= max(busy, round_trip) - 1e-6
 
 
 @needs_highs
@@ -112,9 +118,11 @@ def test_heterogeneous_with_caps_and_slow_links():
     assert res.optimal
     assert all(p <= c for p, c in zip(peak_inflight(res.schedule), caps))
     assert res.iteration_ms <= replay(greedy, costs, N).iteration_ms + 1e-6
-    zb = baseline("zb-h1", costs, N)  # S - s in flight, within these caps except stage 1 and 2
-    if all(p <= c for p, c in zip(peak_inflight(zb), caps)):
-        assert res.iteration_ms <= replay(zb, costs, N).iteration_ms + 1e-6
+    # The baselines keep S - s activations in flight, over these caps on stage 1; the order that
+    # runs F m, B m, W m one micro-batch at a time keeps one, so it is a plan within the caps too.
+    sequential = [[Op(k, m) for m in range(N) for k in "FBW"] for _ in range(S)]
+    assert all(p <= c for p, c in zip(peak_inflight(sequential), caps))
+    assert res.iteration_ms <= replay(sequential, costs, N).iteration_ms + 1e-6
 
 
 @needs_highs

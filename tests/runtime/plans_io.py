@@ -1,4 +1,4 @@
-"""Writing plans as plan files (the DESIGN.md contract) for the engine to read."""
+"""Writing plans as plan files (the docs/design.md contract) for the engine to read."""
 from __future__ import annotations
 
 from pathlib import Path
