@@ -6,7 +6,10 @@ profiling tools, and no command module imports torch or deepspeed at import time
 """
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
+import sys
 from difflib import get_close_matches
 from typing import Optional
 
@@ -25,6 +28,30 @@ COMMANDS = {
     "profile-stages": ("profile_cmd", "profile_stages"),
     "trace": ("trace_cmd", "app"),
 }
+
+
+# Commands that read and write files only (outputs are written atomically and synced before the
+# command returns). Run from the console script, their process ends without the interpreter's
+# final teardown of every module and object: ~70 ms of a ~0.5 s planning call.
+FILE_ONLY = {"plan", "simulate", "export", "trace"}
+_exit_code: Optional[int] = None
+
+
+def _end_process() -> None:
+    """Registered before any other exit handler, so it runs after all of them (atexit is LIFO)."""
+    if _exit_code is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    os._exit(_exit_code)
+
+
+atexit.register(_end_process)
 
 
 class LazyCommands(TyperGroup):
@@ -70,7 +97,16 @@ def pipemorph() -> None:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    app(args)
+    """The console script (``args`` None: the command line) or a call with explicit arguments."""
+    global _exit_code
+    argv = sys.argv[1:] if args is None else args
+    fast = args is None and (not argv or argv[0] in FILE_ONLY or argv[0] in ("--help", "-h"))
+    try:
+        app(args)
+    except SystemExit as e:
+        if fast:
+            _exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
 
 
 if __name__ == "__main__":

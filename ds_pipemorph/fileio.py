@@ -11,6 +11,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+# libyaml's C loader and emitter when PyYAML was built with it (several times faster), else PyYAML's own.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 class BadInput(ValueError):
@@ -22,7 +25,7 @@ def load_mapping(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise BadInput(f"{p}: no such file")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_Loader)  # noqa: S506 - a safe loader
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise BadInput(f"{p}: not valid YAML or JSON ({_first_line(e)})") from None
     if not isinstance(data, dict):
@@ -76,7 +79,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
 def dump(data: dict, as_json: bool) -> str:
     if as_json:
         return json.dumps(data, indent=2) + "\n"
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
 
 
 def _first_line(e: Exception) -> str:

@@ -6,6 +6,7 @@ Events are op completions and message arrivals, so times are exact.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -31,10 +32,11 @@ def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Po
         raise ValueError(f"warmup has {len(warmup)} values, expected {S}")
     times = [{"F": costs.f[s], "B": costs.b[s], "W": costs.w[s]} for s in range(S)]
     links = costs.links
-    # Per stage: arrivals (ready_time, mb) for F and B; W available (ready, mb).
+    # Per stage: arrivals (ready_time, mb) for F and B; W available (ready, mb); each in mb order.
     f_arr: list[list[tuple[float, int]]] = [[] for _ in range(S)]
     b_arr: list[list[tuple[float, int]]] = [[] for _ in range(S)]
     w_arr: list[list[tuple[float, int]]] = [[] for _ in range(S)]
+    arrivals = {"F": f_arr, "B": b_arr, "W": w_arr}
     for m in range(N):
         f_arr[0].append((0.0, m))
     free = [0.0] * S
@@ -43,47 +45,52 @@ def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Po
     started = [0] * S
     out: Schedule = [[] for _ in range(S)]
     total = 3 * N
+    remaining = total * S
     events: list[float] = [0.0]
     t = 0.0
     pri = policy.priority
-
-    def head_ready(lst, now):
-        return bool(lst) and lst[0][0] <= now + 1e-12
+    late_w, w_fits_gap = policy.late_w, policy.w_fits_gap
+    eps = 1e-12
 
     while True:
         progressed = False
+        now = t + eps
         for s in range(S):
-            if started[s] >= total or free[s] > t + 1e-12:
+            if started[s] >= total or free[s] > now:
                 continue
             choice = None
+            fa = f_arr[s]
             if f_done[s] < warmup[s]:
-                if head_ready(f_arr[s], t):
+                if fa and fa[0][0] <= now:
                     choice = "F"
             else:
-                can = {
-                    "B": head_ready(b_arr[s], t),
-                    "F": head_ready(f_arr[s], t) and inflight[s] < warmup[s],
-                    "W": head_ready(w_arr[s], t),
-                }
+                ba, wa = b_arr[s], w_arr[s]
+                can_b = bool(ba) and ba[0][0] <= now
+                can_f = bool(fa) and fa[0][0] <= now and inflight[s] < warmup[s]
+                can_w = bool(wa) and wa[0][0] <= now
+                hold_w = s in late_w and f_done[s] < N
                 for k in pri:
-                    if not can[k]:
-                        continue
-                    if k == "W" and policy.w_fits_gap and _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup):
-                        continue
-                    if k == "W" and s in policy.late_w and f_done[s] < N:
-                        continue
-                    choice = k
-                    break
-                if choice is None and can["W"] and not (s in policy.late_w and f_done[s] < N):
+                    if k == "B":
+                        if can_b:
+                            choice = k
+                            break
+                    elif k == "F":
+                        if can_f:
+                            choice = k
+                            break
+                    elif can_w and not hold_w and not (
+                            w_fits_gap and _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup)):
+                        choice = k
+                        break
+                if choice is None and can_w and not hold_w:
                     choice = "W"
             if choice is None:
                 continue
-            lst = {"F": f_arr, "B": b_arr, "W": w_arr}[choice][s]
-            _, m = lst.pop(0)
-            dur = times[s][choice]
-            end = t + dur
+            _, m = arrivals[choice][s].pop(0)
+            end = t + times[s][choice]
             free[s] = end
             started[s] += 1
+            remaining -= 1
             out[s].append(Op(choice, m))
             heapq.heappush(events, end)
             if choice == "F":
@@ -101,10 +108,10 @@ def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Po
                     _insert(b_arr[s - 1], (end + links[s - 1], m))
                     heapq.heappush(events, end + links[s - 1])
             progressed = True
-        if all(st >= total for st in started):
+        if not remaining:
             return out
         # Advance to the next event strictly after t.
-        while events and events[0] <= t + 1e-12:
+        while events and events[0] <= now:
             heapq.heappop(events)
         if not events:
             if progressed:
@@ -114,9 +121,11 @@ def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Po
 
 
 def _insert(lst: list[tuple[float, int]], item: tuple[float, int]) -> None:
-    # Keep micro-batch (FIFO) order; ready times are non-decreasing per source in practice.
-    lst.append(item)
-    lst.sort(key=lambda x: x[1])
+    """Keep micro-batch (FIFO) order; ready times are non-decreasing per source in practice."""
+    if not lst or lst[-1][1] < item[1]:
+        lst.append(item)
+    else:
+        bisect.insort(lst, item, key=lambda x: x[1])
 
 
 def _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup) -> bool:

@@ -2,7 +2,9 @@
 
 The replayed iteration time under a delay c on one link is T(c) = max over dependency paths of
 (length + k·c), k = how often the path crosses the link; so T is convex and piecewise linear, and
-{c : T(c) − T(0) ≤ c} is an interval [0, c*]. Bisection finds c* to ``resolution_ms``.
+{c : T(c) − T(0) ≤ c} is an interval [0, c*]. Secant steps from the right find c*: on a convex
+function the secant through two points right of c* meets zero at or right of c*, and each step
+lands on a new linear piece, so a few replays give c* exactly (or within ``resolution_ms``).
 """
 from __future__ import annotations
 
@@ -41,19 +43,30 @@ def link_tolerances(
 
 
 def _replay_tolerance(schedule, costs, n, link, res, fused, link_model) -> float:
-    def excess(c: float) -> float:
+    def makespan_with(c: float) -> float:
         links = list(costs.links)
         links[link] = c
-        return makespan(schedule, costs.with_links(links), n, fused, link_model) - c
+        return makespan(schedule, costs.with_links(links), n, fused, link_model)
 
-    base = excess(0.0)
-    ok = lambda c: excess(c) <= base + 1e-9  # noqa: E731
-    lo, hi = 0.0, max(1.0, res)
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1e7:  # pragma: no cover - a pipeline that never crosses the link twice
-            return float("inf")
-    while hi - lo > res:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return round(lo, 6)
+    t0 = makespan_with(0.0)
+    tol = 1e-9 * max(1.0, t0)
+
+    def g(c: float) -> float:  # convex, g(0) = 0; the tolerance is the largest c with g(c) <= 0
+        return makespan_with(c) - c - t0
+
+    # Every path crossing the link k >= 2 times has length L_k <= T(0), so c* <= T(0) / (k - 1) <= T(0);
+    # beyond that g > 0 unless no path crosses the link twice (then any delay is absorbed).
+    b = t0 + max(1.0, res)
+    gb = g(b)
+    if gb <= tol:
+        return float("inf")
+    while True:
+        a = max(0.0, b - res)
+        ga = g(a) if a > 0 else 0.0
+        if ga <= tol:  # c* in [a, b]
+            return round(a, 6)
+        x = b - gb * (b - a) / (gb - ga)  # secant root: c* <= x < a (g is convex and g(a) > 0 = g(0))
+        gx = g(x)
+        if gx <= tol:
+            return round(x, 6)
+        b, gb = x, gx

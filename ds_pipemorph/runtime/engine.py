@@ -179,6 +179,11 @@ class PipeMorphEngine(PipelineEngine):
                 self.recorder.run(I.op_text(cmd), handler, self, **cmd.kwargs)
         if self._weight_work:
             raise RuntimeError(f"stage {self.stage_id}: W never ran for micro-batches {sorted(self._weight_work)}")
+        self._at_iteration_boundary()
+
+    def _at_iteration_boundary(self) -> None:
+        """The one place where work between iterations happens: the control loop's decision is
+        applied here (the same on every rank; it runs from the next batch), then the timeline."""
         if self.adapter is not None:
             new_plan = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
             if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch

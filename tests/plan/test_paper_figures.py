@@ -1,12 +1,14 @@
 """PipeMorph §3.1/§4 figures, reproduced by the planner and the replay simulator.
 
 Expected iteration times and tolerances come from the paper (Fig. 4, Fig. 5), from closed formulas
-written out in the tests, or from ``_longest_paths_by_crossings``: an independent longest-path
+written out in the tests, or from ``crossing_paths``: an independent longest-path
 computation over the plan's dependency graph (no code of ``ds_pipemorph.plan.simulate`` involved).
 """
 from fractions import Fraction
 
 import pytest
+
+from crossing_paths import longest_paths_by_crossings
 
 from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.listsched import list_schedule
@@ -28,59 +30,19 @@ def with_link0(ms):
     return UNIFORM.with_links([ms, 0.0, 0.0])
 
 
-def _longest_paths_by_crossings(schedule, costs, link):
-    """{k: length of the longest dependency path that crosses ``link`` k times}, in exact fractions.
-
-    Under pure latency an op starts when the previous op of its stage and its upstream producer (F m
-    of the stage before, B m of the stage after) are done, plus the link delay for the latter. So the
-    iteration time with a delay c on ``link`` is max over k of (L_k + k·c), L_k counting the other
-    links' delays and all op times."""
-    S = len(schedule)
-    dur = lambda s, kind: Fraction(costs.op_time(s, kind)).limit_denominator()  # noqa: E731
-    delay = [Fraction(c).limit_denominator() for c in costs.links]
-    pos = {(s, op.kind, op.mb): i for s, row in enumerate(schedule) for i, op in enumerate(row)}
-    preds = {}
-    for s, row in enumerate(schedule):
-        for i, op in enumerate(row):
-            p = [((s, i - 1), dur(s, row[i - 1].kind), 0)] if i else []
-            if op.kind == "F" and s > 0:
-                p.append(((s - 1, pos[(s - 1, "F", op.mb)]), dur(s - 1, "F") + delay[s - 1], int(s - 1 == link)))
-            if op.kind == "B" and s < S - 1:
-                p.append(((s + 1, pos[(s + 1, "B", op.mb)]), dur(s + 1, "B") + delay[s], int(s == link)))
-            preds[(s, i)] = p
-    memo = {}
-
-    def start(node):  # {k: latest start over paths with k crossings}
-        if node not in memo:
-            best = {} if preds[node] else {0: Fraction(0)}
-            for q, w, k in preds[node]:
-                for kk, length in start(q).items():
-                    best[kk + k] = max(best.get(kk + k, length + w), length + w)
-            memo[node] = best
-        return memo[node]
-
-    out = {}
-    for s, row in enumerate(schedule):
-        for i, op in enumerate(row):
-            for k, length in start((s, i)).items():
-                end = length + dur(s, op.kind)
-                out[k] = max(out.get(k, end), end)
-    return out
-
-
 def test_fig4_zb_plan_with_warmup_7_5_3_1_takes_390ms():
     # Zero bubble with F = B = W = t: every stage is busy 3·N·t, and the last stage starts (S-1)·t
     # after the first: 3·12·10 + 3·10 = 390 ms (Fig. 4).
     sched = zb_plan()
     assert warmup_counts(sched) == [7, 5, 3, 1]
     assert replay(sched, UNIFORM, N).iteration_ms == 3 * N * 10.0 + 3 * 10.0 == 390.0
-    assert max(_longest_paths_by_crossings(sched, UNIFORM, 0).values()) == 390
+    assert max(longest_paths_by_crossings(sched, UNIFORM, 0).values()) == 390
 
 
 def test_fig5_fixed_zb_plan_replayed_with_10ms_on_link0_takes_400ms():
     # 10 ms is within the 14 ms this order absorbs on link 0 beyond its own latency (see the
     # tolerance test): only the path crossing link 0 once grows, 390 + 10.
-    paths = _longest_paths_by_crossings(zb_plan(), UNIFORM, 0)
+    paths = longest_paths_by_crossings(zb_plan(), UNIFORM, 0)
     assert max(length + k * 10 for k, length in paths.items()) == 400
     assert replay(zb_plan(), with_link0(10), N).iteration_ms == 400.0
 
@@ -88,7 +50,7 @@ def test_fig5_fixed_zb_plan_replayed_with_10ms_on_link0_takes_400ms():
 def test_fig5_fixed_zb_plan_replayed_with_20ms_on_link0_takes_440ms():
     # Fig. 5: the plan made for no delay loses 50 ms to 20 ms on link 0. The path that crosses link 0
     # six times (320 ms of ops) sets it: 320 + 6·20 = 440.
-    paths = _longest_paths_by_crossings(zb_plan(), UNIFORM, 0)
+    paths = longest_paths_by_crossings(zb_plan(), UNIFORM, 0)
     assert paths[6] == 320
     assert max(length + k * 20 for k, length in paths.items()) == 440
     assert replay(zb_plan(), with_link0(20), N).iteration_ms == 440.0
@@ -155,7 +117,7 @@ def test_tolerance_is_measured_by_replay_next_to_eq1():
     # last link it is exactly Eq. 1's 10 ms.
     exact = []
     for link in range(3):
-        paths = _longest_paths_by_crossings(zb_plan(), UNIFORM, link)
+        paths = longest_paths_by_crossings(zb_plan(), UNIFORM, link)
         t0 = max(paths.values())
         exact.append(min((t0 - length) / (k - 1) for k, length in paths.items() if k >= 2))
     assert exact == [14, Fraction(80, 7), 10]
