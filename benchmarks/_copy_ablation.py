@@ -18,17 +18,17 @@ _skip: frozenset = frozenset()
 
 
 def install() -> None:
-    """Wrap ``delegated._copy_range`` in this process so that ``select`` can skip copies."""
-    from ds_pipemorph.runtime import delegated
+    """Wrap ``framing.copy_range`` of the delegated transport in this process so that ``select`` can skip copies."""
+    from ds_pipemorph.runtime.transport.delegated import framing
 
-    real = delegated._copy_range
+    real = framing.copy_range
 
-    def copy_range(segs, a, b, piece, into_piece):
+    def copy_range(segs, a, b, piece, into_piece, spans=None):
         if ("send" if into_piece else "recv") in _skip:
             segs = [s for s in segs if s[0] == 0]  # the header segment only (the send side has it at offset 0)
-        real(segs, a, b, piece, into_piece)
+        real(segs, a, b, piece, into_piece, spans)
 
-    delegated._copy_range = copy_range
+    framing.copy_range = copy_range
 
 
 def select(mode: str) -> bool:

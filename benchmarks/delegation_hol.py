@@ -122,7 +122,7 @@ def rank_main(rank: int, world: int, port: int, out, modes: list[str], rounds: i
 
     import _copy_ablation
     from ds_pipemorph.runtime.config import PipeMorphConfig
-    from ds_pipemorph.runtime.transports import build_transport
+    from ds_pipemorph.runtime.transport.router import build_transport
 
     torch.set_num_threads(1)
     _copy_ablation.install()

@@ -1,7 +1,7 @@
 """Stock DeepSpeed 1F1B against PipeMorphEngine running the `zb` plan, side by side in one run.
 
 4 stages, 12 micro-batches, emulated stages whose F, B and W each take 10 ms (sleeps around tiny
-real math, ``ds_pipemorph.runtime.emulated``), no link delay. Iteration time is measured the same
+real math, ``ds_pipemorph.testing.emulated``), no link delay. Iteration time is measured the same
 way for both engines: from the barrier before ``train_batch`` to the last rank's return (headline),
 and as docs/design.md's iteration time (first op start to last op end, over all ranks); medians over
 several iterations after warm-up. The same plan run by a plain torch.distributed loop, without
@@ -34,7 +34,7 @@ STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 # adaptive: extra row, Alg. 1 warm-up; bare_zb: the zb plan run by plain torch.distributed, no
 # DeepSpeed and no engine (_bare_runner.py): this machine's floor for any runtime
 ENGINES = ("stock_1f1b", "pipemorph_zb", "pipemorph_adaptive", "bare_zb")
-# Where an emulated op's 10 ms start (runtime/emulated.py): "instruction" = when the engine began
+# Where an emulated op's 10 ms start (testing/emulated.py): "instruction" = when the engine began
 # the instruction (its Python overlaps the op, as it overlaps launched kernels on a GPU; headline);
 # "op" = when the emulated math starts (every microsecond of engine work adds: the strict ruler).
 ANCHORS = ("instruction", "op")
@@ -65,7 +65,7 @@ def build(kind: str):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.runtime.emulated import EmulatedStage
+    from ds_pipemorph.testing.emulated import EmulatedStage
 
     if kind == "bare_zb":
         import torch.distributed as dist
@@ -98,7 +98,7 @@ def time_compute_ops(engine) -> list:
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
     from ds_pipemorph.runtime.instructions import BackwardInputPass, BackwardWeightPass
-    from ds_pipemorph.runtime.emulated import anchor_stock_engine
+    from ds_pipemorph.testing.emulated import anchor_stock_engine
 
     spans: list = []
 
@@ -232,14 +232,14 @@ def main() -> int:
                                      costs, MICROBATCHES).iteration_ms,
     }
     predicted["bare_zb"] = predicted["pipemorph_zb"]
-    from ds_pipemorph.runtime import emulated
+    from ds_pipemorph.testing.emulated import ANCHOR_ENV
 
     results = {a: {} for a in ANCHORS}
     op_spans = {a: {} for a in ANCHORS}
     for kind in ENGINES:
         engine = build(kind)
         for anchor in ANCHORS:  # the same engine under both rulers, one after the other
-            emulated.ANCHOR = anchor
+            os.environ[ANCHOR_ENV] = anchor  # read by every emulated op
             results[anchor][kind], op_spans[anchor][kind] = measure(engine, args.warmup, args.iters)
             dist.barrier()
     dist.destroy_process_group()

@@ -60,7 +60,7 @@ def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, time
     from ds_pipemorph.profiling.linkreport import build_report
     from ds_pipemorph.profiling.links import make_transport, measure_links, steps
     from ds_pipemorph.profiling.profileparts import merged, render
-    from ds_pipemorph.runtime.transport import TransportError
+    from ds_pipemorph.runtime.transport.protocol import TransportError
 
     tr = None
     try:

@@ -31,7 +31,7 @@ from ..plan.baselines import deepspeed_1f1b
 from ..plan.links import DIRECT, Delegated
 from ..plan.profile import Costs
 from ..plan.simulate import replay
-from ..runtime.inject import DelaySchedule, load_trace
+from ..testing.inject import DelaySchedule, load_trace
 from .spec import BenchSpec, Scenario
 
 
@@ -40,7 +40,7 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.runtime.emulated import EmulatedStage, anchor_stock_engine
+    from ds_pipemorph.testing.emulated import EmulatedStage, anchor_stock_engine
 
     torch.manual_seed(0)
     t = spec.op_ms
@@ -109,9 +109,9 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
     if schedule == "stock-1f1b":
         return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, link_model=DIRECT).iteration_ms
     if schedule == "zb-delegated":  # every link: k FIFOs served by delegates, the sender never blocks
-        return replay(engine.plan, costs, N, link_model=Delegated(engine.transport.delegated.k)).iteration_ms
+        return replay(engine.plan, costs, N, link_model=Delegated(engine.transport.queues_of(0))).iteration_ms
     if schedule == "pipemorph":  # "auto": links the control loop moved to delegates, with their queues
-        return replay(engine.plan, costs, N, link_model=engine.adapter.model(engine.adapter.detector.planned_for)).iteration_ms
+        return replay(engine.plan, costs, N, link_model=engine.adapter.policy.link_model()).iteration_ms
     return replay(engine.plan, costs, N, link_model=DIRECT).iteration_ms
 
 
@@ -139,7 +139,7 @@ def main(spec_path: str) -> None:
         for schedule in spec.schedules:
             patch, stock_delays = None, None
             if schedule == "stock-1f1b" and (trace is not None or any(sc.links_ms)):
-                from ..runtime.stock_inject import install
+                from ..testing.stock_inject import install
 
                 stock_delays = DelaySchedule(sc.links_ms if trace is None else [0.0] * (spec.stages - 1), trace)
                 patch = install(stock_delays)

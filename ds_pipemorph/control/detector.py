@@ -60,9 +60,6 @@ class LinkDetector:
         self._up = [0] * len(planned_for)
         self._down = [0] * len(planned_for)
 
-    def slow_links(self) -> list[int]:
-        return [i for i, d in enumerate(self.planned_for) if d > 0]
-
     def observe(self, measured_ms: list[Optional[float]]) -> Optional[list[float]]:
         """Feed one iteration's measured delay per link (None: no message seen)."""
         cfg = self.cfg

@@ -27,8 +27,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.inject import DelayInjector, DelaySchedule
-from ..runtime.transport import DirectTransport
+from ..runtime.transport.direct import DirectTransport
+from ..testing.inject import DelayInjector, DelaySchedule
 from .distenv import sync
 
 ACK_MB = 0  # micro-batch id of the tiny messages; message sizes use 1..len(sizes)

@@ -89,7 +89,7 @@ class KillDelegateInject(_Strict):
 
 
 class FaultsInject(_Strict):
-    # link -> K: each direction of the link's direct path carries K messages, then fails (runtime.faults)
+    # link -> K: each direction of the link's direct path carries K messages, then fails (testing.faults)
     link_fails_after: dict[str, int] = Field(default_factory=dict)
     kill_delegate: Optional[KillDelegateInject] = None
 

@@ -38,12 +38,12 @@ from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pi
 from ..plan.profile import Costs
 from .adapt import Adapter
 from .clocks import estimate_clock_offsets
-from .inject import DelaySchedule
+from ..testing.inject import DelaySchedule
 from .plans import DEFAULT_OP_MS, caps
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
-from .transports import build_transport
+from .transport.router import build_transport
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +185,13 @@ class PipeMorphEngine(PipelineEngine):
         """The one place where work between iterations happens: the control loop's decision is
         applied here (the same on every rank; it runs from the next batch), then the timeline."""
         if self.adapter is not None:
-            new_plan = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
-            if new_plan is not None:  # every rank gets the same plan here; it runs from the next batch
-                self.plan, self.stage_plan = new_plan, list(new_plan[self.stage_id])
+            decision = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
+            if decision is not None:  # every rank gets the same decision here; it runs from the next batch
+                if decision.plan is not None:
+                    self.plan, self.stage_plan = decision.plan, list(decision.plan[self.stage_id])
                 t = time.perf_counter()
-                for link, mode in self.adapter.link_modes().items():  # slow links go delegated ("auto")
-                    self.transport.set_link_mode(link, mode, queues=self.adapter.link_queues[link])
+                for link, mode in decision.link_modes.items():  # slow links go delegated ("auto")
+                    self.transport.set_link_mode(link, mode, queues=decision.queues.get(link))
                 self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)

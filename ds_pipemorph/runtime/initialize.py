@@ -44,7 +44,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     from .config import PipeMorphConfigError, parse_config, pending_notes
     from .cpu_threads import apply_cpu_threads
     from .engine import PipeMorphEngine
-    from .inject import delay_schedule
+    from ..testing.inject import delay_schedule
     from .plans import build_plan
 
     config = _config_source(args, config, config_params)
@@ -72,7 +72,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     except BadInput as e:
         raise PipeMorphConfigError(str(e)) from None
     if pm.delegation.mode != "off" and pm.delegation.interfaces:
-        from .delegate_proc import missing_interfaces
+        from .transport.delegated.delegate_proc import missing_interfaces
 
         missing = missing_interfaces(pm.delegation.interfaces)
         if missing:

@@ -12,7 +12,7 @@ engine's): a CUDA device takes ``CudaPath``, anything else ``HostPath``. It read
   delegate. A receive enqueues the host-to-device copies on a second side stream, then a callback that frees
   the slot; the consumer's stream waits on an event recorded after them. No thread waits for a copy.
 
-Both paths have the same surface, used by ``runtime/delegated.py``:
+Both paths have the same surface, used by ``runtime/transport/delegated/``:
 
 - training thread: ``outgoing(t)``, then ``sent(tensors)`` (a "ready" marker for the copy thread), and
   ``hand_over(tensors, ready)`` on a received message;

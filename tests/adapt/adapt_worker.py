@@ -22,8 +22,8 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
-from ds_pipemorph.runtime.emulated import EmulatedStage  # noqa: E402
-from ds_pipemorph.runtime.inject import DelayInjector, DelaySchedule  # noqa: E402
+from ds_pipemorph.testing.emulated import EmulatedStage  # noqa: E402
+from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule  # noqa: E402
 
 
 def build(spec, adaptive: bool):

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from workers import payload, same
 
-from ds_pipemorph.runtime.delegated import DelegatedTransport
+from ds_pipemorph.runtime.transport.delegated.transport import DelegatedTransport
 
 
 def roundtrip(rank, world, queues, order, slot_bytes):
@@ -76,7 +76,7 @@ def _cfg(mode, delay_ms=0.0, queues=2, timeout_s=60.0, trace=None):
 def trace_latency(rank, world, modes, trace, total_s):
     """Per mode: stage 0 sends stamped activations one at a time (each waits until received) for
     ``total_s`` seconds of the trace's clock; returns, on stage 1, (sent at t, delivery latency) per message."""
-    from ds_pipemorph.runtime.transports import build_transport
+    from ds_pipemorph.runtime.transport.router import build_transport
 
     out = {}
     for mode in modes:
@@ -108,7 +108,7 @@ def trace_latency(rank, world, modes, trace, total_s):
 def hol(rank, world, mode, delay_ms, sends, op_ms, rounds=1):
     """Stage 0 issues ``sends`` activation sends spaced by ``op_ms`` of 'compute', ``rounds`` times;
     returns the time each send took, per round (stage 1: arrival times and contents)."""
-    from ds_pipemorph.runtime.transports import build_transport
+    from ds_pipemorph.runtime.transport.router import build_transport
 
     tr = build_transport(_cfg(mode, delay_ms), rank, rank, list(range(world)), None, {})
     res = dict(took=[], issued=[], arrivals=[], ok=[])
@@ -144,7 +144,7 @@ def hol(rank, world, mode, delay_ms, sends, op_ms, rounds=1):
 def switching(rank, world, iterations_modes, n):
     """Each iteration: stage 0 sends F0..F(n-1), stage 1 (after a pause) receives them and sends B back;
     between iterations both ends switch link 0 to the next mode. Returns what arrived and by which path."""
-    from ds_pipemorph.runtime.transports import build_transport
+    from ds_pipemorph.runtime.transport.router import build_transport
 
     tr = build_transport(_cfg("auto", delay_ms=5.0, queues=1), rank, rank, list(range(world)), None, {})
     got = []
@@ -177,8 +177,8 @@ def switching(rank, world, iterations_modes, n):
 
 def faulty(rank, world, mode, faults_kw, delay_ms, iterations, n, queues=2):
     """Two-stage exchange under injected faults; returns what each recv got and the recovery log lines."""
-    from ds_pipemorph.runtime.faults import Faults
-    from ds_pipemorph.runtime.transports import build_transport
+    from ds_pipemorph.runtime.transport.router import build_transport
+    from ds_pipemorph.testing.faults import Faults
 
     faults = Faults(**faults_kw)
     tr = build_transport(_cfg(mode, delay_ms=delay_ms, queues=queues, timeout_s=40.0), rank, rank,

@@ -5,8 +5,8 @@ import pytest
 import torch.distributed as dist
 from workers import free_port
 
-from ds_pipemorph.runtime.delegated import DelegatedTransport
-from ds_pipemorph.runtime.transport import TransportTimeout
+from ds_pipemorph.runtime.transport.delegated.transport import DelegatedTransport
+from ds_pipemorph.runtime.transport.protocol import TransportTimeout
 
 
 def test_bad_settings_are_refused():

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.runtime.inject import DelayInjector, DelaySchedule, DelayTrace, load_trace
-from ds_pipemorph.runtime.transport import DirectTransport
+from ds_pipemorph.runtime.transport.direct import DirectTransport
+from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule, DelayTrace, load_trace
 
 DELAY_MS = 40.0
 MESSAGES = 6

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from ds_pipemorph.runtime.inject import DelayInjector, DelaySchedule, DeliveryError
-from ds_pipemorph.runtime.transport import TransportError
-from ds_pipemorph.runtime.transports import LinkRouter
+from ds_pipemorph.runtime.transport.protocol import DeliveryError, TransportError
+from ds_pipemorph.runtime.transport.router import LinkRouter
+from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule
 
 DELAY_MS = 5.0
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
-from ds_pipemorph.runtime.inject import load_trace
+from ds_pipemorph.testing.inject import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "recipes" / "gpu_cluster"

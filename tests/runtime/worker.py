@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
-from ds_pipemorph.runtime.transport import TransportError  # noqa: E402
+from ds_pipemorph.runtime.transport.protocol import TransportError  # noqa: E402
 from models import batches, build_model, ds_config  # noqa: E402
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny_gpt")))

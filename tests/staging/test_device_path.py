@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ds_pipemorph.runtime.config import parse_config
-from ds_pipemorph.runtime.transports import build_transport
+from ds_pipemorph.runtime.transport.router import build_transport
 from ds_pipemorph.staging.device_path import CudaPath, HostPath, select_path, uses_cuda
 
 

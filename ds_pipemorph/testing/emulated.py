@@ -2,11 +2,11 @@
 
 The stage computes ``y = x @ weight.T + bias`` (real values, real gradients) and, inside each op,
 sleeps until the op has lasted its configured time (math included, counted from the start of the
-engine instruction that runs it unless ``PIPEMORPH_EMULATED_ANCHOR=op``: see ``ANCHOR``); sleeping
-holds no CPU, so four stages fit on two cores and schedules can be studied at realistic op times. The matrix product is built from two autograd
-nodes so that B and W are separate nodes of the graph: ``InputPath`` (its backward is the input
-gradient, B's time) and ``WeightPath`` (its backward is the weight gradient, W's time). A fused
-backward (stock DeepSpeed) pays both. (PipeMorphEngine loads floating-point inputs of the first
+engine instruction that runs it unless ``PIPEMORPH_EMULATED_ANCHOR=op``: see ``anchor``); sleeping
+holds no CPU, so four stages fit on two cores and schedules can be studied at realistic op times.
+The matrix product is built from two autograd nodes so that B and W are separate nodes of the
+graph: ``InputPath`` (its backward is the input gradient, B's time) and ``WeightPath`` (its backward
+is the weight gradient, W's time). A fused backward (stock DeepSpeed) pays both. (PipeMorphEngine loads floating-point inputs of the first
 stage with ``requires_grad``, so B costs ``b_ms`` on every stage, as the plan assumes.)
 """
 from __future__ import annotations
@@ -16,25 +16,34 @@ import time
 
 import torch
 
-from .oprecords import take_instruction_start
+from ..runtime.oprecords import take_instruction_start
 
 # A plain sleep wakes 0.1-0.5 ms late on a loaded two-core machine; that is emulation error, not
 # engine overhead. So an op sleeps until SPIN_S before its end and spins (holding one core for at
 # most SPIN_S per op) for the rest.
 SPIN_S = 3e-4
-# Where an op's fixed time starts: "instruction" (the default) = when the engine began the
-# instruction that runs it (oprecords publishes it; benchmarks wrap stock DeepSpeed's handlers the
-# same way), so the engine's own Python inside an instruction overlaps the op, as CPU work overlaps
-# the kernels it launched on a GPU. "op" = when the emulated math itself starts: every microsecond
-# of engine work then adds to the op (the stricter ruler; benchmarks report both).
-ANCHOR = os.environ.get("PIPEMORPH_EMULATED_ANCHOR", "instruction")
-if ANCHOR not in ("instruction", "op"):
-    raise ValueError(f"PIPEMORPH_EMULATED_ANCHOR must be 'instruction' or 'op', not '{ANCHOR}'")
+ANCHOR_ENV = "PIPEMORPH_EMULATED_ANCHOR"
+ANCHORS = ("instruction", "op")
+
+
+def anchor() -> str:
+    """Where an op's fixed time starts, from ``PIPEMORPH_EMULATED_ANCHOR`` (read when a stage is built,
+    to refuse a bad value early, and at every op, so a benchmark can switch it between measurements).
+
+    "instruction" (the default) = when the engine began the instruction that runs it (oprecords
+    publishes it; benchmarks wrap stock DeepSpeed's handlers the same way), so the engine's own Python
+    inside an instruction overlaps the op, as CPU work overlaps the kernels it launched on a GPU.
+    "op" = when the emulated math itself starts: every microsecond of engine work then adds to the op
+    (the stricter ruler; benchmarks report both)."""
+    value = os.environ.get(ANCHOR_ENV, "instruction")
+    if value not in ANCHORS:
+        raise ValueError(f"{ANCHOR_ENV} must be 'instruction' or 'op', not '{value}'")
+    return value
 
 
 def _op_start() -> float:
     now = time.perf_counter()
-    if ANCHOR == "instruction":
+    if anchor() == "instruction":
         t = take_instruction_start()
         if t is not None and t <= now:
             return t
@@ -91,6 +100,7 @@ class EmulatedStage(torch.nn.Module):
 
     def __init__(self, width: int = 8, f_ms: float = 10.0, b_ms: float = 10.0, w_ms: float = 10.0):
         super().__init__()
+        anchor()  # a bad PIPEMORPH_EMULATED_ANCHOR fails here, not inside the first op
         self.weight = torch.nn.Parameter(torch.randn(width, width) / width**0.5)
         self.bias = torch.nn.Parameter(torch.zeros(width))
         self.f_ms, self.b_ms, self.w_ms = f_ms, b_ms, w_ms
@@ -106,10 +116,10 @@ class EmulatedStage(torch.nn.Module):
 def anchor_stock_engine(engine) -> None:
     """Make a stock DeepSpeed ``PipelineEngine`` publish when its F and fused-backward instructions
     start, as ``PipeMorphEngine`` does, so that emulated ops anchor their time the same way in both
-    (see ``ANCHOR``). Benchmarks that compare the two call this on the stock engine."""
+    (see ``anchor``). Benchmarks that compare the two call this on the stock engine."""
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
-    from .oprecords import as_instruction
+    from ..runtime.oprecords import as_instruction
 
     engine._INSTRUCTION_MAP = {k: (as_instruction(v) if k in (ForwardPass, BackwardPass) else v)
                                for k, v in engine._INSTRUCTION_MAP.items()}

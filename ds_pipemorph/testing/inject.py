@@ -7,9 +7,10 @@ A ``Lane`` is that FIFO: a thread that holds one message for c ms and then hands
 send. Delays are static per link or replayed from a trace in wall-clock time.
 
 When the real send fails in the lane's thread, the message was not delivered: ``DelayInjector``
-hands a ``DeliveryError`` (a ``TransportError`` carrying that message) to its ``on_failure`` hook at
-once (the router fails the link over and re-sends the message there, so the peer waiting for it is
-not stuck), and raises it again at its next ``send`` or ``wait_sends`` on that link.
+(a ``protocol.DeferredSends``) hands a ``DeliveryError`` (a ``TransportError`` carrying that message)
+to its ``on_failure`` hook at once (the router fails the link over and re-sends the message there, so
+the peer waiting for it is not stuck), and raises it again at its next ``send`` or ``wait_sends`` on
+that link.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Callable, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..fileio import BadInput, load_model
-from .transport import TransportError, TransportTimeout
+from ..runtime.transport.protocol import DeliveryError, TransportError, TransportTimeout, link_of
+from .wrapping import TransportWrapper
 
 
 class TracePoint(BaseModel):
@@ -79,7 +81,7 @@ class DelaySchedule:
 
     The trace's clock starts at the first ``start()`` or ``delay_ms()``: in training, the router's first
     message operation (the start of the rank's first iteration). Delegate processes read the origin
-    and the static delays that their training process last published (``delegated``).
+    and the static delays that their training process last published (``transport.delegated.delays``).
     """
 
     def __init__(self, static_ms: Sequence[float], trace: Optional[DelayTrace] = None):
@@ -102,16 +104,6 @@ class DelaySchedule:
         if self.trace is None:
             return self.static[link]
         return self.trace.at(time.monotonic() - self.start())[link]
-
-
-class DeliveryError(TransportError):
-    """The real send of a delayed message failed in its lane's thread: ``message`` = (kind, mb, payload)
-    was not delivered; ``recovered`` is set once it went through another path (the delegates)."""
-
-    def __init__(self, text: str, kind: str, mb: int, payload):
-        super().__init__(text)
-        self.message = (kind, mb, payload)
-        self.recovered = False
 
 
 class Lane:
@@ -180,8 +172,8 @@ class Lane:
                 self._cv.notify_all()
 
 
-class DelayInjector:
-    """Wraps a transport (``send``/``recv``/``post_recv``/``wait_sends``) and delays its sends.
+class DelayInjector(TransportWrapper):
+    """Wraps a transport and delays its sends (receives, ``reset_shapes`` go straight to it).
 
     Only sends are delayed (the receiver simply sees the message later). ``blocked_s[link]``
     accumulates the time the training process spent blocked on a full FIFO. ``on_failure``, if set,
@@ -191,7 +183,7 @@ class DelayInjector:
 
     def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0,
                  on_failure: Optional[Callable[[DeliveryError], None]] = None):
-        self.inner = inner
+        super().__init__(inner)
         self.stage_id = stage_id
         self.delays = delays
         self.timeout_s = timeout_s
@@ -200,14 +192,8 @@ class DelayInjector:
         self.sent: dict[int, int] = {}
         self._lanes: dict[int, Lane] = {}
 
-    def __getattr__(self, name):  # everything else is the inner transport's
-        return getattr(self.inner, name)
-
-    def _link(self, kind: str) -> int:
-        return self.stage_id if kind == "F" else self.stage_id - 1
-
     def send(self, kind: str, mb: int, payload) -> None:
-        link = self._link(kind)
+        link = link_of(self.stage_id, kind, sending=True)
         c = self.delays.delay_ms(link)
         if c <= 0 and link not in self._lanes:
             return self.inner.send(kind, mb, payload)

@@ -19,8 +19,9 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from .config import PipeMorphConfigError
-from .transport import TransportError
+from ..runtime.config import PipeMorphConfigError
+from ..runtime.transport.protocol import TransportError, link_of
+from .wrapping import RouterWrapper, TransportWrapper
 
 log = logging.getLogger("ds_pipemorph.faults")
 
@@ -55,23 +56,17 @@ def faults_from_config(faults_cfg, stages: int) -> Faults | None:
                   kill_side=kill.side)
 
 
-class FaultyLink:
+class FaultyLink(TransportWrapper):
     """Direct-path wrapper whose links in ``faults.link_fails_after`` break after K messages per direction."""
 
     def __init__(self, inner, rank: int, stage_id: int, faults: Faults):
-        self.inner, self.rank, self.stage_id = inner, rank, stage_id
+        super().__init__(inner)
+        self.rank, self.stage_id = rank, stage_id
         self.fails_after = dict(faults.link_fails_after)
         self.count: dict[tuple[int, str], int] = {}
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _link(self, kind: str, sending: bool) -> int:
-        down = (kind == "F") == sending
-        return self.stage_id if down else self.stage_id - 1
-
     def _tick(self, kind: str, mb: int, sending: bool) -> None:
-        link = self._link(kind, sending)
+        link = link_of(self.stage_id, kind, sending)
         if link not in self.fails_after:
             return
         n = self.count[(link, kind)] = self.count.get((link, kind), 0) + 1
@@ -81,7 +76,7 @@ class FaultyLink:
                                  f"(link {link} fails after {self.fails_after[link]} {kind} messages)")
 
     def post_recv(self, kind: str, mb: int) -> None:
-        if self._link(kind, False) in self.fails_after:
+        if link_of(self.stage_id, kind, False) in self.fails_after:
             return  # ``recv`` posts it: a receive posted ahead on a link about to fail would dangle
         self.inner.post_recv(kind, mb)
 
@@ -94,11 +89,11 @@ class FaultyLink:
         return self.inner.recv(kind, mb)
 
 
-class DelegateKiller:
+class DelegateKiller(RouterWrapper):
     """Router wrapper: SIGKILL one delegate of link L after this rank's N-th activation message on L."""
 
     def __init__(self, router, faults: Faults):
-        self.router = router
+        super().__init__(router)
         self.link, self.after = faults.kill_delegate
         self.side = faults.kill_side
         if self.side not in ("send", "recv"):
@@ -106,17 +101,14 @@ class DelegateKiller:
         self.count = 0
         self.killed: int | None = None
 
-    def __getattr__(self, name):
-        return getattr(self.router, name)
-
     def send(self, kind: str, mb: int, payload) -> None:
-        self.router.send(kind, mb, payload)
-        if kind == "F" and self.side == "send" and self.router.stage_id == self.link:
+        self.inner.send(kind, mb, payload)
+        if kind == "F" and self.side == "send" and link_of(self.stage_id, "F", True) == self.link:
             self._maybe_kill(sending=True, queue_of=lambda n, k: (n - 1) % k)
 
     def recv(self, kind: str, mb: int):
-        out = self.router.recv(kind, mb)
-        if kind == "F" and self.side == "recv" and self.router.stage_id == self.link + 1:
+        out = self.inner.recv(kind, mb)
+        if kind == "F" and self.side == "recv" and link_of(self.stage_id, "F", False) == self.link:
             self._maybe_kill(sending=False, queue_of=lambda n, k: n % k)
         return out
 
@@ -126,15 +118,14 @@ class DelegateKiller:
         self.count += 1
         if self.count < self.after:
             return
-        if self.router.link_mode(self.link, "F") != "delegated":
-            raise TransportError(f"rank {self.router.rank}: kill_delegate names link {self.link}, "
+        if self.link_mode(self.link, "F") != "delegated":
+            raise TransportError(f"rank {self.rank}: kill_delegate names link {self.link}, "
                                  f"which is not delegated at message {self.count}")
-        d = self.router.delegated
-        queue = queue_of(self.count, d.k)
-        self.killed = d.delegate_pid(self.link, "F", sending, queue)
+        queue = queue_of(self.count, self.queues_of(self.link))
+        self.killed = self.delegate_pid(self.link, "F", sending, queue)
         os.kill(self.killed, signal.SIGKILL)
         role = "sender" if sending else "receiver"
-        line = (f"rank {self.router.rank}: link {self.link}: injected fault: killed the {role} delegate of "
+        line = (f"rank {self.rank}: link {self.link}: injected fault: killed the {role} delegate of "
                 f"F queue {queue} (pid {self.killed}) after {self.count} messages")
-        self.router.events.append(line)
+        self.events.append(line)
         log.warning(line)

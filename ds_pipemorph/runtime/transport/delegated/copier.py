@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import Callable, Optional
 
-from .transport import TransportError, TransportTimeout
+from ..protocol import TransportError, TransportTimeout
 
 
 class Copier:

@@ -1,7 +1,8 @@
 """``build_transport``: one transport per rank that routes each link direction to ``direct`` or ``delegated``.
 
-``LinkRouter`` owns a direct path (``DirectTransport``, under ``faults.FaultyLink`` when faults are
-injected, under ``DelayInjector`` when delays are) and a ``DelegatedTransport`` whose delegates
+``LinkRouter`` (a ``protocol.Transport`` and ``protocol.LinkControl``) owns a direct path
+(``DirectTransport``, under ``testing.faults.FaultyLink`` when faults are injected, under
+``testing.inject.DelayInjector`` when delays are) and a ``DelegatedTransport`` whose delegates
 start only for the links that use it (injected delays are applied inside its sender delegates). Modes
 are kept per link direction ("F" and "B" of a link) so that a failure of one direction moves only that
 direction; ``set_link_mode`` moves both directions of a link at an iteration boundary.
@@ -11,7 +12,7 @@ timeout moves that direction to the delegated path for the failed message and ev
 both ends (each end sees its own error for the same message: the fault is a property of the link),
 and logs one line naming the link. A failed direction stays delegated (``set_link_mode`` does not
 move it back). On a delayed link the real send happens later, in the delay's delivery thread: a
-failure there (``inject.DeliveryError``) is failed over from that thread at once, re-sending the
+failure there (``protocol.DeliveryError``) is failed over from that thread at once, re-sending the
 undelivered message through the delegates before any later one (the peer may be blocked on it while
 this rank waits for the peer), and surfaces again at the next call, where it is already handled.
 The router's lock orders that thread's re-send against the training thread's later sends.
@@ -28,10 +29,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .delegated import DelegatedTransport
-from .faults import DelegateKiller, FaultyLink, faults_from_config
-from .inject import DelayInjector, DelaySchedule, DeliveryError, load_trace
-from .transport import DirectTransport, TransportError, TransportTimeout
+from ...testing.faults import DelegateKiller, FaultyLink, faults_from_config
+from ...testing.inject import DelayInjector, DelaySchedule, load_trace
+from .delegated.transport import DelegatedTransport
+from .direct import DirectTransport
+from .protocol import DeferredSends, DeliveryError, TransportError, TransportTimeout, directions_on, link_of
 
 log = logging.getLogger("ds_pipemorph.transports")
 
@@ -39,9 +41,7 @@ MODES = ("direct", "delegated")
 
 
 class LinkRouter:
-    """Same interface as ``DirectTransport``; each (link, kind) goes through its current path."""
-
-    name = "router"
+    """A ``Transport`` and ``LinkControl``; each (link, kind) goes through its current path."""
 
     def __init__(self, rank: int, stage_id: int, direct, delegated: DelegatedTransport,
                  link_mode: dict[int, str], failover: bool = True):
@@ -53,17 +53,10 @@ class LinkRouter:
         self._failed: set[tuple[int, str]] = set()  # directions whose direct path failed: delegated for good
         self._lock = threading.RLock()
         self._delays = getattr(direct, "delays", None)  # started at the first message (the trace's t = 0)
-        if failover and isinstance(direct, DelayInjector):
+        if failover and isinstance(direct, DeferredSends):
             direct.on_failure = self._recover
         for link, mode in link_mode.items():
             self.set_link_mode(link, mode)
-
-    def _link(self, kind: str, sending: bool) -> int:
-        down = (kind == "F") == sending
-        return self.stage_id if down else self.stage_id - 1
-
-    def _my_links(self) -> list[int]:
-        return [link for link in (self.stage_id - 1, self.stage_id) if link >= 0]
 
     def link_mode(self, link: int, kind: str = "F") -> str:
         return self._mode.get((link, kind), "direct")
@@ -74,7 +67,7 @@ class LinkRouter:
         ``queues``: delegate FIFOs per direction of a delegated link (grows a running link's, never shrinks)."""
         if mode not in MODES:
             raise ValueError(f"rank {self.rank}: link {link} mode must be one of {MODES}, not '{mode}'")
-        if link not in self._my_links():
+        if link < 0 or not directions_on(self.stage_id, link):
             return  # not an end of this link: nothing to route
         if mode == "delegated":
             self.delegated.start_link(link, queues)
@@ -83,15 +76,21 @@ class LinkRouter:
                 if (link, kind) not in self._failed:
                     self._mode[(link, kind)] = mode
 
+    def queues_of(self, link: int) -> int:
+        return self.delegated.queues_of(link)
+
+    def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
+        return self.delegated.delegate_pid(link, kind, sending, queue)
+
     def _path(self, kind: str, sending: bool):
         if self._delays is not None:
             self._delays.start()
         with self._lock:
-            mode = self.link_mode(self._link(kind, sending), kind)
+            mode = self.link_mode(link_of(self.stage_id, kind, sending), kind)
         return self.delegated if mode == "delegated" else self.direct
 
     def _fail_over(self, kind: str, sending: bool, mb: int, err: TransportError) -> None:
-        link = self._link(kind, sending)
+        link = link_of(self.stage_id, kind, sending)
         with self._lock:
             if (link, kind) in self._failed:
                 return
@@ -175,7 +174,7 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
                     delays: DelaySchedule | None = None, **delegated_kw) -> LinkRouter:
     """A ``LinkRouter`` for ``cfg`` (a ``PipeMorphConfig``): see the module docstring for the modes.
 
-    ``faults`` (a ``faults.Faults``; default: from ``cfg.inject.faults``) wraps the direct path and arms
+    ``faults`` (a ``testing.faults.Faults``; default: from ``cfg.inject.faults``) wraps the direct path and arms
     delegate kills (testing only).
     ``delays`` overrides the schedule built from ``cfg.inject`` (e.g. the engine's own, already started).
     ``delegated_kw`` go to ``DelegatedTransport`` (slot_bytes, num_slots, session, ...).

@@ -1,12 +1,10 @@
-"""Point-to-point messages between neighbouring stages: non-blocking, tagged, with timeouts.
+"""``DirectTransport``: messages go straight through torch.distributed (gloo or NCCL) in the training process.
 
-A message is a tensor or a tuple of tensors of any dtypes and shapes. It travels as one message per
-tensor, preceded by a small fixed-size header (structure, then dtype id, ndim and shape per tensor)
-whenever the receiver cannot know the layout yet, all tagged with (kind, micro-batch, part), so that
-sends and receives issued in any order match: the order of a plan never has to agree with its
-neighbour's. Sends never block (``isend``; completion is waited
-for once per iteration); receives wait with a timeout whose error names the rank, the op, the link
-and the peer. A later transport (``delegated``) and delay injection implement the same interface.
+Each tensor of a message is its own non-blocking point-to-point message (``isend``/``irecv``), preceded
+by the layout header (``header``) whenever the receiver cannot know the layout yet, all tagged with
+(kind, micro-batch, part) so that sends and receives issued in any order match. Sends never block
+(completion is waited for once per iteration, in ``wait_sends``); receives wait with the transport's
+timeout. The contract is ``protocol.Transport``'s.
 """
 from __future__ import annotations
 
@@ -19,49 +17,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-]
-_DTYPE_ID = {d: i for i, d in enumerate(DTYPES)}
-HEADER_INTS = 64
-KINDS = {"F": 1, "B": 2}  # activation, input gradient
-_PARTS = 64  # header + up to 63 tensors per message
-
-
-class TransportError(RuntimeError):
-    """A message that cannot be sent or received as asked (the peer is gone, the link broke)."""
-
-
-class TransportTimeout(TransportError):
-    """A wait on another process ran out of time."""
-
-
-def tag(kind: str, micro_batch: int, part: int) -> int:
-    return (KINDS[kind] << 24) | (micro_batch * _PARTS + part)
-
-
-def encode_header(tensors: Sequence[torch.Tensor], bare: bool) -> torch.Tensor:
-    """[bare tensor (1) or tuple (0), count, then dtype id, ndim, *shape per tensor]."""
-    vals = [int(bare), len(tensors)]
-    for t in tensors:
-        vals += [_DTYPE_ID[t.dtype], t.dim(), *t.shape]
-    if len(vals) > HEADER_INTS or len(tensors) >= _PARTS:
-        raise TransportError(f"a message of {len(tensors)} tensors with shapes "
-                             f"{[tuple(t.shape) for t in tensors]} does not fit the {HEADER_INTS}-int header")
-    head = torch.zeros(HEADER_INTS, dtype=torch.int64)
-    head[: len(vals)] = torch.tensor(vals, dtype=torch.int64)
-    return head
-
-
-def decode_header(head: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, list[int]]]]:
-    vals = head.tolist()
-    n, i, out = vals[1], 2, []
-    for _ in range(n):
-        dtype, nd = DTYPES[vals[i]], vals[i + 1]
-        out.append((dtype, vals[i + 2: i + 2 + nd]))
-        i += 2 + nd
-    return bool(vals[0]), out
+from .header import HEADER_INTS, decode_header, encode_header, tag
+from .protocol import TransportError, TransportTimeout, link_of, peer_of
 
 
 def _first_line(e: Exception) -> str:
@@ -85,8 +42,6 @@ class DirectTransport:
     layout changed is refused naming the op. Without it every message carries its header.
     """
 
-    name = "direct"
-
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
                  device: Optional[torch.device] = None, static_shapes: bool = True):
         self.rank, self.stage_id = rank, stage_id
@@ -103,14 +58,12 @@ class DirectTransport:
     # -- naming -------------------------------------------------------------------------------
     def _peer(self, kind: str, sending: bool) -> int:
         """Stage at the other end: activations flow down, input gradients flow up."""
-        down = (kind == "F") == sending
-        return self.stage_id + 1 if down else self.stage_id - 1
+        return peer_of(self.stage_id, kind, sending)
 
     def _describe(self, kind: str, mb: int, sending: bool) -> str:
-        peer = self._peer(kind, sending)
-        link = min(peer, self.stage_id)
         verb, prep = ("SEND", "to") if sending else ("RECV", "from")
-        return f"{verb}_{kind}{mb} on link {link} {prep} stage {peer}"
+        return (f"{verb}_{kind}{mb} on link {link_of(self.stage_id, kind, sending)} {prep} "
+                f"stage {self._peer(kind, sending)}")
 
     @contextmanager
     def _failing(self, what: str):

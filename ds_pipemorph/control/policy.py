@@ -1,0 +1,243 @@
+"""PipeMorph's control policy (§6): from one iteration's measurements to a ``Decision``.
+
+Every iteration the runtime hands the policy what all ranks measured: per stage the F, B and W
+times, per link the delay (``control.estimate``). The policy owns the straggler detector
+(``control.detector``); when the detector asks for new target delays, the policy decides:
+
+* keep the plan in force when the slow links are the same ones and, under the new delays, it is
+  within ``KEEP_WITHIN`` of the lower bound (no search could gain more than that);
+* else re-plan with the deterministic search, bounded by ``REPLAN_EVALS`` evaluations rather than
+  by time, so the same input gives the same plan on any machine;
+* route links by the delegation mode: "off" keeps every link direct, "always" delegates every link,
+  "auto" delegates the links planned for a delay and keeps the others direct. A direct slow link
+  holds one message in flight and blocks its sender; plans and tolerances are scored with that
+  model (``plan.links``);
+* give each delegated link the delegate queues the new plan needs (``plan.queues``), between what
+  it has and the configured maximum; a running link grows only for a gain above ``GROW_GAIN`` of the
+  iteration, since new delegates start while training runs.
+
+The decision is split so that one rank can plan for all: ``observe`` (every rank, cheap, identical
+input → identical answer) says whether a decision is due, ``propose`` (one rank) computes it without
+changing any state, ``adopt`` (every rank) takes it in. ``step`` does all three in one process.
+
+Pure Python: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from ..plan.bounds import lower_bound_ms
+from ..plan.links import DIRECT, LATENCY, Delegated
+from ..plan.profile import Costs
+from ..plan.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
+from ..plan.search import search
+from ..plan.simulate import Schedule, replay
+from ..plan.tolerance import link_tolerances
+from .detector import DetectorConfig, LinkDetector
+
+REPLAN_EVALS = 2000  # search effort per re-plan: an evaluation bound, not a time bound (deterministic)
+KEEP_WITHIN = 0.02  # keep the plan in force when it is this close to the lower bound under new delays
+GROW_GAIN = 0.05  # add delegate queues to a running link only for a gain above this share of the iteration
+TOLERANCE_RESOLUTION_MS = 0.1
+DELEGATION_MODES = ("off", "always", "auto")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the engine applies at an iteration boundary, on every rank alike.
+
+    ``plan``: the new plan, or None to keep the one in force. ``link_modes``: link -> "direct" or
+    "delegated" (empty under delegation "off"); ``queues``: delegated link -> delegate FIFOs per
+    direction. ``costs``: the op times and target delays (``costs.links``) planned for;
+    ``tolerance_ms``: per link, the delay the plan absorbs; ``predicted_ms``: its replayed iteration
+    time; ``reason``: one sentence for the log.
+    """
+
+    plan: Optional[Schedule]
+    link_modes: dict[int, str]
+    queues: dict[int, int]
+    costs: Costs
+    tolerance_ms: list[float]
+    predicted_ms: float
+    reason: str
+
+    @property
+    def target_ms(self) -> list[float]:
+        return list(self.costs.links)
+
+    @property
+    def replans(self) -> bool:
+        return self.plan is not None
+
+
+class Policy:
+    """The control policy of one pipeline (``stages`` stages, ``microbatches`` per iteration)."""
+
+    def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
+                 every: int = 1, delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
+                 queues: tuple[int, int] = (MIN_QUEUES, MAX_QUEUES)):
+        if delegation not in DELEGATION_MODES:
+            raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, not {every}")
+        self.S, self.N = len(plan), microbatches
+        self.caps = None if caps is None else list(caps)
+        self.every = every
+        self.delegation = delegation
+        self.min_queues, self.max_queues = queues  # delegate FIFOs per delegated link direction
+        self.link_queues = [self.min_queues] * (self.S - 1)  # what each link has (or gets when delegated)
+        self.plan_in_force = plan
+        self.costs = costs
+        self.detector = LinkDetector(self.S - 1, detector)
+        none = [0.0] * (self.S - 1)
+        tol = link_tolerances(plan, costs, microbatches, resolution_ms=TOLERANCE_RESOLUTION_MS,
+                              link_model=self._model(none, self.link_queues))
+        self.detector.adopt(none, [t.replay_ms for t in tol])
+
+    # -- the three steps ---------------------------------------------------------------------------
+    def observe(self, iteration: int, f: Sequence[float], b: Sequence[float], w: Sequence[float],
+                links: Sequence[Optional[float]]) -> Optional[Costs]:
+        """Iteration ``iteration`` (0-based) measured F, B and W per stage (ms; negative: not seen) and
+        a delay per link (ms; None: no message seen). Returns the costs to plan for (op times
+        rounded to 0.5 ms, the detector's target delays) when a decision is due, else None.
+
+        The first iteration (start-up, layouts) is not representative and the detector runs every
+        ``every`` iterations."""
+        if iteration == 0 or (iteration + 1) % self.every:
+            return None
+        target = self.detector.observe(list(links))
+        if target is None:
+            return None
+        c = self.costs
+        return Costs(_rounded(f, c.f), _rounded(b, c.b), _rounded(w, c.w), target)
+
+    def propose(self, costs: Costs) -> Decision:
+        """The decision for ``costs`` (from ``observe``); changes nothing, so one rank can compute
+        it for all."""
+        target = list(costs.links)
+        direct = self._direct(target)
+        caps = self._caps_for(target)
+        modes = self._link_modes(target)
+        old_slow, new_slow = _slow(self.detector.planned_for), _slow(target)
+        if old_slow == new_slow:  # same transports and caps: the plan in force still fits them
+            model = self._model(target, self.link_queues)
+            kept = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
+            bound = lower_bound_ms(costs, self.N, caps)
+            if kept <= (1 + KEEP_WITHIN) * bound:
+                tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
+                                      link_model=model)
+                return Decision(None, modes, self._queues_of(modes, self.link_queues), costs,
+                                [t.replay_ms for t in tol], kept,
+                                f"kept the plan in force: {kept:.1f} ms under the new delays, within "
+                                f"{KEEP_WITHIN:.0%} of the lower bound {bound:.1f} ms")
+            why = (f"the plan in force would take {kept:.1f} ms, more than {KEEP_WITHIN:.0%} above the "
+                   f"lower bound {bound:.1f} ms")
+        else:
+            why = f"slow links {old_slow} -> {new_slow}"
+        plan = search(costs, self.N, caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS,
+                      link_model=[DIRECT if d else LATENCY for d in direct]).schedule
+        queues = self._size_queues(plan, costs, direct)
+        model = self._model(target, queues)
+        tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
+                                                    link_model=model)]
+        predicted = replay(plan, costs, self.N, link_model=model).iteration_ms
+        return Decision(plan, modes, self._queues_of(modes, queues), costs, tol, predicted, f"re-planned: {why}")
+
+    def adopt(self, decision: Decision) -> None:
+        """Take ``decision`` in (every rank, the same one): the plan, the queues, the detector's new
+        targets and tolerances."""
+        for link, k in decision.queues.items():
+            self.link_queues[link] = k
+        self.detector.adopt(decision.target_ms, decision.tolerance_ms)
+        self.costs = decision.costs
+        if decision.plan is not None:
+            self.plan_in_force = decision.plan
+
+    def step(self, iteration: int, f: Sequence[float], b: Sequence[float], w: Sequence[float],
+             links: Sequence[Optional[float]]) -> Optional[Decision]:
+        """``observe``, then ``propose`` and ``adopt`` when a decision is due (one process)."""
+        costs = self.observe(iteration, f, b, w, links)
+        if costs is None:
+            return None
+        decision = self.propose(costs)
+        self.adopt(decision)
+        return decision
+
+    # -- the links as they run now -----------------------------------------------------------------
+    def link_model(self) -> list:
+        """The simulator's link model of the plan in force: ``Direct()`` for a direct link,
+        ``Delegated(k)`` for a delegated one with its k queues."""
+        return self._model(self.detector.planned_for, self.link_queues)
+
+    def fifos(self) -> list[Optional[int]]:
+        """Per link, the delegate FIFOs it runs with now (None: direct), as ``estimate.link_delays`` wants."""
+        return [m.queues if isinstance(m, Delegated) else None for m in self.link_model()]
+
+    # -- rules -------------------------------------------------------------------------------------
+    def _direct(self, target: list[float]) -> list[bool]:
+        """Per link, whether it runs direct under ``target``."""
+        if self.delegation == "always":
+            return [False] * len(target)
+        if self.delegation == "auto":
+            return [d <= 0 for d in target]
+        return [True] * len(target)
+
+    def _link_modes(self, target: list[float]) -> dict[int, str]:
+        """Links the engine routes: every link under "always" (listed so that its queue count can
+        grow), every link under "auto" (delegated when planned for a delay), none under "off"."""
+        if self.delegation == "off":
+            return {}
+        return {i: "direct" if d else "delegated" for i, d in enumerate(self._direct(target))}
+
+    def _model(self, target: list[float], queues: Sequence[int]) -> list:
+        return [DIRECT if d else Delegated(k) for d, k in zip(self._direct(target), queues)]
+
+    @staticmethod
+    def _queues_of(modes: dict[int, str], queues: Sequence[int]) -> dict[int, int]:
+        return {i: queues[i] for i, m in modes.items() if m == "delegated"}
+
+    def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list[int]:
+        """Per link, the queues it gets under ``plan``: a delegated link the fewest (at least what it
+        has, at most ``max_queues``) with which its delegates keep pace (``plan.queues.queues_needed``),
+        but a link grows only when that gains more than ``GROW_GAIN`` of the iteration; a direct link
+        keeps its count."""
+        have = self.link_queues
+        model: list = [DIRECT if d else LATENCY for d in direct]
+        for i, d in enumerate(direct):
+            if not d:
+                model[i] = Delegated(queues_needed(plan, costs, self.N, i, link_model=model, lo=have[i],
+                                                   hi=max(have[i], self.max_queues)))
+        out = list(have)
+        for i, d in enumerate(direct):
+            if d:
+                continue
+            if model[i].queues > have[i]:
+                kept = Delegated(have[i])
+                now = replay(plan, costs, self.N, link_model=[*model[:i], kept, *model[i + 1:]]).iteration_ms
+                grown = replay(plan, costs, self.N, link_model=model).iteration_ms
+                if grown > (1 - GROW_GAIN) * now:
+                    model[i] = kept
+            out[i] = model[i].queues
+        return out
+
+    def _caps_for(self, target: list[float]) -> Optional[list[int]]:
+        """§4.2: stages next to a delegated slow link stage their activations in host memory, so their
+        cap is relaxed to N (the pipeline's micro-batch count)."""
+        if self.caps is None or self.delegation == "off":
+            return self.caps
+        caps = list(self.caps)
+        for i, d in enumerate(target):
+            if d > 0:
+                caps[i] = caps[i + 1] = self.N
+        return caps
+
+
+def _slow(delays: Sequence[float]) -> list[int]:
+    return [i for i, d in enumerate(delays) if d > 0]
+
+
+def _rounded(raw: Sequence[float], previous: Sequence[float]) -> list[float]:
+    """Op times to 0.5 ms (stable plans); an op never seen keeps its previous estimate."""
+    return [old if ms < 0 else max(0.5, round(ms * 2) / 2) for ms, old in zip(raw, previous)]

@@ -1,0 +1,138 @@
+"""``DelegatedTransport``: messages leave through host staging rings and delegate processes (PipeMorph §5.2).
+
+Who owns what:
+
+- The training process (this object) creates, per link direction it sends or receives on, ``queues``
+  staging rings and one delegate process per ring (``supervision``: started once from a fork server,
+  reused across iterations, restarted when one dies). ``send`` frames the message (``framing``: a small
+  head + every tensor's bytes, cut into pieces of at most one slot) and a copy thread
+  (``copier.Copier``) copies it into the next send ring, round-robin over the queues, while the
+  training thread goes on (``sending``); the message stays referenced until the receiving side
+  acknowledged it, so nothing is lost when a delegate dies. How the bytes move is chosen once from the
+  device of the transport's tensors (``staging.device_path``): host memcpy on the CPU, asynchronous
+  copies on side streams on a CUDA device.
+- A sender delegate drains its ring, applies the injected delay of its link (one message in flight per
+  queue: k queues are k independent FIFOs; ``delays`` shares the delays with it) and sends over its own
+  two-process Gloo group; the receiver delegate on the neighbour rank fills the receiving training
+  process's ring ahead of need (``delegate_proc``).
+- ``recv(kind, mb)`` takes messages in sequence order (message n travels in queue n % k), stashes those
+  for other (kind, mb) and drops duplicates; a receive posted ahead lets a prefetch thread copy the
+  message out of its ring as soon as it arrives (``receiving``).
+
+Every wait is cut into short slices that check the delegates are alive and ends with a
+``TransportTimeout`` naming rank, op, link and queue. ``wait_sends`` returns once every message sent so
+far is held by the peer rank's receive ring. Threads: ``send`` may run in another thread than ``recv``
+(the failover of a delayed link re-sends from its delivery thread); one lock covers sending, starting
+directions and restarting delegates.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from ....staging.device_path import select_path
+from ...config import DelegationConfig
+from ..protocol import link_of, peer_of
+from .copier import Copier
+from .delays import DelayPublishing
+from .delegate_proc import SLICE_S
+from .directions import Direction
+from .receiving import Receiving
+from .sending import Sending
+from .supervision import Supervision, delegate_context
+
+_instances = itertools.count()
+
+
+class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
+    """A ``protocol.Transport`` over delegate processes; see the module docstring for who owns what.
+
+    ``delays`` (a ``testing.inject.DelaySchedule``) is applied inside the sender delegates. Delegates of a
+    link direction are started on first use or by ``start_link``; both ends of a link must use the
+    same ``queues`` and create their transports in the same order (that order names the rendezvous).
+    """
+
+    def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
+                 device: torch.device | None = None, queues: int = 2, max_queues: int | None = None, delays=None,
+                 slot_bytes: int | None = None, num_slots: int | None = None, session: str | None = None,
+                 store_addr: str | None = None, store_port: int | None = None,
+                 interfaces: Sequence[str] | None = None):
+        if queues < 1:
+            raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
+        if slot_bytes is None or num_slots is None:  # the ds_config's defaults (delegation.slot_mb, slots)
+            defaults = DelegationConfig()
+            slot_bytes = defaults.slot_mb << 20 if slot_bytes is None else slot_bytes
+            num_slots = defaults.slots if num_slots is None else num_slots
+        if slot_bytes < 4096:
+            raise ValueError(f"rank {rank}: staging slots must hold at least 4096 bytes, got {slot_bytes}")
+        self.rank, self.stage_id = rank, stage_id
+        self.stage_ranks = list(stage_ranks)
+        self.timeout_s = float(timeout_s)
+        self.device = device or torch.device("cpu")
+        self.staging_path = select_path(self.device)  # host memcpy, or CUDA copies on side streams
+        self.k = queues
+        self.max_k = max(queues, max_queues or queues)  # delegates started per direction (growing needs no start)
+        self.delays = delays
+        self.slot_bytes, self.num_slots = slot_bytes, num_slots
+        self.session = session or f"t{next(_instances)}"
+        self.store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = store_port or os.environ.get("MASTER_PORT")
+        if not port:
+            raise ValueError(f"rank {rank}: delegated transport needs the job's store: set MASTER_PORT (the "
+                             f"delegates meet through a TCPStore client on MASTER_ADDR:MASTER_PORT)")
+        self.store_port = int(port)
+        self.interfaces = tuple(interfaces or ())
+        self.events: list[str] = []  # one line per delegate restart (also logged)
+        self.sent: dict[int, int] = {}
+        self._dirs: dict[tuple[int, str, bool], Direction] = {}
+        self._ctx = delegate_context()
+        self._link_k: dict[int, int] = {}  # link -> queues per direction, where not self.k
+        self._op = None
+        self._closed = False
+        self._lock = threading.RLock()
+        self._copier = Copier(self._push_locked, f"rank {rank} staging copies")
+        self._shared_delays = None  # (origin mp.Value, static mp.Array): what sender delegates read per message
+
+    def _describe(self, kind: str, mb: int, sending: bool, queue: int | None = None) -> str:
+        verb, prep = ("SEND", "to") if sending else ("RECV", "from")
+        q = "" if queue is None else f" queue {queue}"
+        return (f"{verb}_{kind}{mb} on link {link_of(self.stage_id, kind, sending)}{q} {prep} "
+                f"stage {peer_of(self.stage_id, kind, sending)}")
+
+    def _ring_name(self, link: int, kind: str, sending: bool, q: int, gen: int) -> str:
+        role = "s" if sending else "r"
+        return f"pm_{os.getpid()}_{self.session}_{link}{kind}{role}{q}_g{gen}"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def reset_shapes(self) -> None:
+        """Nothing to forget: every delegated message carries its layout."""
+
+    def close(self) -> None:
+        """Stop every delegate (they exit within ~50 ms) and unlink the rings; no waiting on the wire.
+        Close only once the neighbour ranks' ``wait_sends`` returned (the engine closes after the
+        step's collectives): a receiver delegate stopped earlier may never acknowledge their last message."""
+        with self._lock:
+            self._closed = True
+        self._copier.stop()
+        for d in self._dirs.values():
+            with d.cv:
+                d.cv.notify_all()
+        for d in self._dirs.values():  # a prefetcher finishes its piece (one ring wait slice) and exits
+            if d.prefetcher is not None:
+                d.prefetcher.join(timeout=4 * SLICE_S)
+        for d in self._dirs.values():
+            for q in d.queues:
+                q.stop.value = 1
+        for d in self._dirs.values():
+            for q in d.queues:
+                q.proc.join(timeout=2.0)
+                if q.proc.is_alive():
+                    q.proc.kill()
+                    q.proc.join(timeout=2.0)
+                for r in [q.ring, *q.old_rings]:
+                    r.close()
+        self._dirs.clear()

@@ -1,0 +1,76 @@
+"""Explicit forwarding bases for wrappers around a transport or a link router (test doubles).
+
+A wrapper changes a few operations (delays a send, fails a receive, kills a delegate after a send)
+and hands everything else to the object it wraps. These bases spell each forwarded operation out, so
+that a wrapper satisfies ``protocol.Transport`` (and ``protocol.LinkControl`` for a router) by its
+methods, not by attribute look-up falling through to the wrapped object.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..runtime.transport.protocol import LinkControl, Payload, Transport
+
+
+class TransportWrapper:
+    """A ``Transport`` that forwards every operation to ``inner``; subclasses override what they change."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+
+    def post_recv(self, kind: str, mb: int) -> None:
+        self.inner.post_recv(kind, mb)
+
+    def send(self, kind: str, mb: int, payload: Payload) -> None:
+        self.inner.send(kind, mb, payload)
+
+    def recv(self, kind: str, mb: int) -> Payload:
+        return self.inner.recv(kind, mb)
+
+    def wait_sends(self) -> None:
+        self.inner.wait_sends()
+
+    def reset_shapes(self) -> None:
+        self.inner.reset_shapes()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class RouterWrapper(TransportWrapper):
+    """A ``Transport`` and ``LinkControl`` that forwards everything to a link router ``inner``, including
+    the router's paths (``direct``, ``delegated``), its ``events`` and which stage it serves."""
+
+    inner: LinkControl
+
+    @property
+    def events(self) -> list:
+        return self.inner.events
+
+    @property
+    def direct(self):
+        return self.inner.direct
+
+    @property
+    def delegated(self):
+        return self.inner.delegated
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def stage_id(self) -> int:
+        return self.inner.stage_id
+
+    def link_mode(self, link: int, kind: str = "F") -> str:
+        return self.inner.link_mode(link, kind)
+
+    def set_link_mode(self, link: int, mode: str, queues: Optional[int] = None) -> None:
+        self.inner.set_link_mode(link, mode, queues)
+
+    def queues_of(self, link: int) -> int:
+        return self.inner.queues_of(link)
+
+    def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
+        return self.inner.delegate_pid(link, kind, sending, queue)

@@ -1,0 +1,226 @@
+"""The control policy on recorded per-iteration measurements: when it re-plans, for which delays, how
+it routes links under each delegation mode, how many delegate queues it gives them, and when it keeps
+the plan in force. Expected values follow from the rules the modules state (detector hysteresis,
+plan/queues.py, the 2 % keep margin), computed here, not copied from outputs."""
+import math
+import pickle
+
+import pytest
+
+from ds_pipemorph.control.detector import DetectorConfig
+from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, Policy
+from ds_pipemorph.plan.bounds import lower_bound_ms
+from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.queues import SLACK
+from ds_pipemorph.plan.simulate import makespan, replay
+from ds_pipemorph.plan.tolerance import link_tolerances
+from ds_pipemorph.plan.validate import validate_schedule
+from ds_pipemorph.plan.warmup import initial_warmup
+
+S, N = 4, 8
+CFG = DetectorConfig()  # floor 5 ms, 2 iterations up / down, recover below 50 %, 1 ms quantum, 5 % margin
+# F, B, W per stage as measured (ms); stage 3's W was not seen (-1) in these iterations
+MEASURED = ([10.3, 9.7, 10.1, 10.0], [10.2, 10.4, 9.6, 10.0], [5.1, 4.9, 5.0, -1.0])
+# ... rounded to 0.5 ms (x2, round, /2); the unseen W keeps the previous estimate (10 ms, the start-up costs)
+ROUNDED = ([10.5, 9.5, 10.0, 10.0], [10.0, 10.5, 9.5, 10.0], [5.0, 5.0, 5.0, 10.0])
+UNIFORM = ([10.0] * S,) * 3
+
+CALM = [0.3, 0.2, 0.4]
+SLOW = [0.3, 0.2, 30.4]  # link 2 at 30.4 ms
+RECOVERED = [0.2, 0.3, 0.5]
+
+
+def initial_plan(caps=None):
+    return list_schedule(Costs.uniform(S, 10.0), N, initial_warmup(caps or [N] * S))
+
+
+def policy(delegation="off", caps=None, queues=(2, 8), every=1) -> Policy:
+    return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, every, delegation, CFG, queues)
+
+
+def feed(p: Policy, series, ops=MEASURED, start=0) -> list[tuple[int, Decision]]:
+    out = []
+    for it, links in enumerate(series, start):
+        d = p.step(it, *ops, links)
+        if d is not None:
+            out.append((it, d))
+    return out
+
+
+def threshold(p: Policy, link: int) -> float:
+    """The detector's rule: a delay above this, twice in a row, is a slower link."""
+    return max(CFG.floor_ms, (1 + CFG.up_margin) * max(p.detector.tolerance[link], p.detector.planned_for[link]))
+
+
+def test_a_link_going_from_0_to_30_ms_and_back_is_re_planned_twice():
+    p = policy("off")
+    plan0 = p.plan_in_force
+    assert 30.4 > threshold(p, 2)  # the first plan does not absorb 30 ms on link 2
+    series = [CALM] * 4 + [SLOW] * 6 + [RECOVERED] * 4  # slow from iteration 4, recovered from 10
+    events = feed(p, series)
+    # up: the 2nd slow iteration in a row (5), target rounded up to the quantum; down: the 2nd calm one
+    # (11), below the floor: back to no delay; in between 30.4 stays within 5 % of the plan for 31
+    assert [it for it, _ in events] == [5, 11]
+    (_, up), (_, down) = events
+    assert up.target_ms == [0.0, 0.0, math.ceil(30.4)] and down.target_ms == [0.0, 0.0, 0.0]
+    for d in (up, down):
+        assert d.replans and d.plan is not None
+        validate_schedule(d.plan, S, N)
+        assert (d.costs.f, d.costs.b, d.costs.w) == ROUNDED
+        assert d.link_modes == {} and d.queues == {}  # delegation off: every link stays direct
+        assert d.predicted_ms == replay(d.plan, d.costs, N, link_model=DIRECT).iteration_ms
+        assert d.tolerance_ms == [t.replay_ms for t in link_tolerances(d.plan, d.costs, N, resolution_ms=0.1,
+                                                                        link_model=DIRECT)]
+    assert "slow links [] -> [2]" in up.reason and "slow links [2] -> []" in down.reason
+    # the new plan is no worse than the one it replaces under the delays it was made for
+    assert up.predicted_ms <= replay(plan0, up.costs, N, link_model=DIRECT).iteration_ms
+    assert p.plan_in_force is down.plan and p.detector.planned_for == [0.0, 0.0, 0.0]
+
+
+def test_the_same_samples_give_the_same_decisions_and_one_rank_can_plan_for_all():
+    series = [CALM] * 3 + [SLOW] * 3 + [[0.3, 0.2, 61.0]] * 3
+    alone = feed(policy("auto"), series)
+    assert feed(policy("auto"), series) == alone  # deterministic: same plans, modes, queues, reasons
+    ranks = [policy("auto") for _ in range(3)]  # as the runtime does it: observe everywhere, rank 0 proposes
+    split = []
+    for it, links in enumerate(series):
+        due = [r.observe(it, *MEASURED, links) for r in ranks]
+        assert all(c == due[0] for c in due)
+        if due[0] is None:
+            continue
+        decision = pickle.loads(pickle.dumps(ranks[0].propose(due[0])))  # what the broadcast carries
+        for r in ranks:
+            r.adopt(decision)
+        split.append((it, decision))
+    assert split == alone
+    assert all(r.link_queues == ranks[0].link_queues and r.plan_in_force == ranks[0].plan_in_force for r in ranks)
+
+
+@pytest.mark.parametrize("delegation,modes", [
+    ("off", {}),
+    ("always", {0: "delegated", 1: "delegated", 2: "delegated"}),  # listed so their queues can grow
+    ("auto", {0: "direct", 1: "direct", 2: "delegated"}),  # only the link planned for a delay
+])
+def test_link_modes_under_each_delegation_mode(delegation, modes):
+    p = policy(delegation)
+    assert p.fifos() == ([2, 2, 2] if delegation == "always" else [None] * 3)  # as the first plan runs
+    [(it, d)] = feed(p, [CALM] * 4 + [SLOW] * 2)
+    assert it == 5 and d.link_modes == modes
+    assert set(d.queues) == {i for i, m in modes.items() if m == "delegated"}
+    delegated = [i in d.queues for i in range(S - 1)]
+    model = [Delegated(d.queues[i]) if delegated[i] else DIRECT for i in range(S - 1)]
+    assert d.predicted_ms == replay(d.plan, d.costs, N, link_model=model).iteration_ms
+    assert p.fifos() == [d.queues.get(i) for i in range(S - 1)]  # what the estimator reads next iteration
+    assert p.link_model() == model
+
+
+def needed(plan, costs, link, model, lo, hi) -> int:
+    """plan/queues.py: the smallest k in [lo, hi] with which replaying the plan with k FIFOs on ``link``
+    is as fast (within SLACK) as with unlimited ones; hi if none; a link without delay needs lo."""
+    if costs.links[link] <= 0:
+        return lo
+    others = list(model)
+    unlimited = makespan(plan, costs, N, link_model=[*others[:link], LATENCY, *others[link + 1:]])
+    for k in range(lo, hi + 1):
+        with_k = makespan(plan, costs, N, link_model=[*others[:link], Delegated(k), *others[link + 1:]])
+        if with_k <= unlimited * (1 + SLACK):
+            return k
+    return hi
+
+
+def test_a_link_with_little_delay_keeps_its_queues():
+    """14 ms on link 2 with 10 ms ops: a stage emits at most one message per 10 ms op, so message n
+    leaves at least 2 x 10 ms after message n-2 of its FIFO, which arrived 14 ms after it left: two
+    FIFOs never queue (c <= k t), the link keeps the configured 2; links without delay keep theirs."""
+    for delegation in ("auto", "always"):
+        p = policy(delegation, queues=(2, 8))
+        [(_, d)] = feed(p, [CALM] * 3 + [[0.3, 0.2, 14.0]] * 2, ops=UNIFORM)
+        assert d.target_ms == [0.0, 0.0, 14.0]
+        assert d.queues == ({0: 2, 1: 2, 2: 2} if delegation == "always" else {2: 2})
+
+
+def test_a_link_slower_than_all_its_queues_can_carry_gets_the_most():
+    """200 ms on link 2, 8 messages per direction, at most 3 queues: a FIFO carries at least 3 of them
+    one after the other (600 ms) where unlimited FIFOs carry them side by side: no k <= 3 keeps pace
+    (c > k t), so the link gets the maximum, 3, since going from 1 FIFO (1600 ms of serial sends) to 3
+    gains far more than GROW_GAIN."""
+    p = policy("auto", queues=(1, 3))
+    [(_, d)] = feed(p, [CALM] * 3 + [[0.3, 0.2, 200.0]] * 2, ops=UNIFORM)
+    assert d.queues == {2: 3}
+    plan = d.plan
+    one = replay(plan, d.costs, N, link_model=[DIRECT, DIRECT, Delegated(1)]).iteration_ms
+    assert d.predicted_ms < (1 - GROW_GAIN) * one
+
+
+def test_a_running_link_grows_its_queues_only_for_a_gain_above_grow_gain():
+    """Link 2 delegated for 31 ms, then 61 ms: its count follows plan/queues.py (smallest that keeps
+    pace, between what it has and max_queues), kept at what it has unless growing gains more than
+    GROW_GAIN of the iteration."""
+    p = policy("auto", queues=(2, 8))
+    events = feed(p, [CALM] * 3 + [SLOW] * 3 + [[0.3, 0.2, 61.0]] * 3, ops=UNIFORM)
+    assert [it for it, _ in events] == [4, 7]
+    (_, first), (_, second) = events
+    for d, have in ((first, 2), (second, first.queues[2])):
+        model = [DIRECT, DIRECT, LATENCY]
+        k = needed(d.plan, d.costs, 2, model, lo=have, hi=max(have, 8))
+        if k > have:
+            now = replay(d.plan, d.costs, N, link_model=[DIRECT, DIRECT, Delegated(have)]).iteration_ms
+            grown = replay(d.plan, d.costs, N, link_model=[DIRECT, DIRECT, Delegated(k)]).iteration_ms
+            if grown > (1 - GROW_GAIN) * now:
+                k = have
+        assert d.queues == {2: k}
+    assert second.queues[2] > first.queues[2]  # 61 ms needs more FIFOs than the two it had
+    assert p.link_queues == [2, 2, second.queues[2]]
+
+
+def test_jitter_around_the_planned_delay_is_not_re_planned_but_a_slower_link_is():
+    p = policy("off")
+    [(_, up)] = feed(p, [CALM] * 3 + [SLOW] * 2)
+    assert up.target_ms[2] == 31.0
+    top = threshold(p, 2)  # 5 % above what the new plan absorbs (at least the 31 it was made for)
+    low = CFG.recover_ratio * 31.0  # below this twice in a row: recovered
+    jitter = [29.1, 31.8, 30.2, top - 0.05, 28.7, top - 0.01, 30.9, low + 0.1, top - 0.3, 29.9]
+    assert feed(p, [[0.3, 0.2, x] for x in jitter], start=5) == []
+    # one iteration above the margin is a hiccup; two in a row re-plan for the new delay
+    assert feed(p, [[0.3, 0.2, top + 0.5], [0.3, 0.2, 30.0]], start=15) == []
+    [(it, d)] = feed(p, [[0.3, 0.2, top + 0.5]] * 2, start=17)
+    assert it == 18 and d.target_ms == [0.0, 0.0, math.ceil(top + 0.5)]
+
+
+def test_the_plan_in_force_is_kept_when_within_2_percent_of_the_lower_bound():
+    caps = [8, 6, 4, 2]
+    p = policy("auto", caps=caps)
+    [(_, first)] = feed(p, [CALM] * 3 + [SLOW] * 2, ops=UNIFORM)
+    plan = p.plan_in_force
+    assert plan is first.plan
+    # the same slow link at 34 ms (above the 5 % margin): same transports, so the plan in force is
+    # scored first; stages next to the delegated link stage activations in host memory (cap N)
+    [(_, kept)] = feed(p, [[0.3, 0.2, 34.0]] * 2, start=5, ops=UNIFORM)
+    model = [DIRECT, DIRECT, Delegated(2)]
+    t = replay(plan, kept.costs, N, link_model=model).iteration_ms
+    bound = lower_bound_ms(kept.costs, N, [8, 6, N, N])
+    assert t <= (1 + KEEP_WITHIN) * bound
+    assert kept.plan is None and not kept.replans and "kept the plan in force" in kept.reason
+    assert kept.target_ms == [0.0, 0.0, 34.0] and kept.predicted_ms == t
+    assert kept.link_modes == first.link_modes and kept.queues == first.queues  # nothing moves
+    assert p.plan_in_force is plan and p.detector.planned_for == [0.0, 0.0, 34.0]
+    # 61 ms: the plan in force is now more than 2 % above the bound: re-planned
+    [(_, again)] = feed(p, [[0.3, 0.2, 61.0]] * 2, start=7, ops=UNIFORM)
+    t = replay(plan, again.costs, N, link_model=model).iteration_ms
+    assert t > (1 + KEEP_WITHIN) * lower_bound_ms(again.costs, N, [8, 6, N, N])
+    assert again.plan is not None and "more than 2% above the lower bound" in again.reason
+
+
+def test_the_first_iteration_is_not_measured_and_every_sets_the_pace():
+    slow_from_start = [SLOW] * 9
+    [(it, _)] = feed(policy("off"), slow_from_start)
+    assert it == 2  # iteration 0 is start-up: the detector sees iterations 1 and 2
+    [(it, _)] = feed(policy("off", every=3), slow_from_start)
+    assert it == 5  # observed after iterations 2, 5, 8: the second slow observation is at 5
+
+
+def test_a_bad_delegation_mode_is_refused():
+    with pytest.raises(ValueError, match="delegation"):
+        policy("sometimes")
