@@ -8,8 +8,10 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   recomputation (``bw_split``); all W of an iteration run before ``ReduceTiedGrads``;
 - received activations, received gradients, input gradients and the loss live per pipe buffer
   (the stock engine shares one receive buffer, one gradient buffer and ``self.loss``);
-- messages go through a transport (``DirectTransport``): non-blocking sends, receives posted
-  one message ahead in plan order, a tag per (kind, micro-batch), a timeout on every wait;
+- it executes the plan's lowered stream (``plan.lower``: every receive of the iteration posted up
+  front, each send right after the op that produced it), dry-run for deadlocks before it is used;
+  messages go through a transport (``runtime.transport``): non-blocking sends, a tag per (kind,
+  micro-batch), a timeout on every wait;
 - every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
   ``measured_peak_inflight`` is this stage's peak of in-flight activations in the last batch;
 - forwards may run out of micro-batch order (the data of an iteration is read in order and kept
@@ -29,6 +31,7 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+from ..plan.lower import BadStream, dry_run, lower
 from ..plan.ops import Op
 from ..plan.simulate import Schedule
 from . import instructions as I
@@ -78,8 +81,10 @@ class PipeMorphEngine(PipelineEngine):
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
-        self.plan = plan
-        self.stage_plan: list[Op] = list(plan[self.stage_id])
+        self._schedule: Optional[PipeMorphSchedule] = None
+        self._program: list = []
+        self._program_map = None
+        self._set_plan(plan)
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
@@ -125,9 +130,8 @@ class PipeMorphEngine(PipelineEngine):
         self._batches: list = []  # this iteration's micro-batches, in data-iterator order
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> loss (last stage)
         self._output_grads: dict[int, object] = {}  # buffer -> received gradient(s) of the outputs
-        self._input_grads: dict[int, object] = {}  # buffer -> gradient(s) to send upstream
+        self._input_grads: dict[int, object] = {}  # micro-batch -> gradient(s) to send upstream
         self._weight_work: dict[int, object] = {}  # micro-batch -> WeightGradWork
-        self._recv_queue: dict[str, list[int]] = {"F": [], "B": []}  # receives not posted yet
         self._inflight = 0
         self.measured_peak_inflight = 0
 
@@ -137,13 +141,35 @@ class PipeMorphEngine(PipelineEngine):
         if hasattr(self, "transport"):
             self.transport.reset_shapes()
 
+    def _set_plan(self, plan: Schedule) -> None:
+        """Lower ``plan`` and dry-run every rank's stream before this rank uses it (the same plan
+        gives the same result on every rank, so all adopt it or all refuse it)."""
+        streams = lower(plan)
+        try:
+            dry_run(streams)
+        except BadStream as e:
+            raise PipeMorphConfigError(f"the plan cannot run: {e}") from None
+        self.plan = plan
+        self.stage_plan: list[Op] = list(plan[self.stage_id])
+        self.stream = streams[self.stage_id]
+        self._schedule = None  # built at the next batch
+        self._program_map = None
+
     def _train_schedule(self):
         n = max((op.mb for op in self.stage_plan), default=-1) + 1
         if n != self.micro_batches:
             raise PipeMorphConfigError(
                 f"stage {self.stage_id}: the plan has {n} micro-batches but the engine now runs "
                 f"{self.micro_batches} (gradient_accumulation_steps changed after start-up)")
-        return PipeMorphSchedule(self.stage_plan, self.micro_batches, self.num_stages, self.stage_id)
+        if self._schedule is None:
+            self._schedule = PipeMorphSchedule(self.stream, self.micro_batches, self.num_stages, self.stage_id)
+        handlers = self._INSTRUCTION_MAP
+        if self._program_map is not handlers:  # a new plan, or handlers wrapped since (benchmarks, tests)
+            self._program_map = handlers
+            # Per instruction: (recorded?, op text, handler, kwargs), built once per plan.
+            self._program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
+                             for step in self._schedule.steps() for cmd in step]
+        return self._schedule
 
     # -- execution ------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
@@ -162,21 +188,12 @@ class PipeMorphEngine(PipelineEngine):
         self.fwd_outputs = []
         self._reset_iteration_state()
         self.recorder.reset()
-        # Receives are posted one message ahead per kind, in the plan's order: the next activation
-        # and the next gradient this stage needs. One ahead (not all N) keeps the receive buffers
-        # at the plan's in-flight activations plus one.
-        self._recv_queue = {
-            "F": [op.mb for op in pipe_schedule.ops if op.kind == "F" and not self.is_first_stage()],
-            "B": [op.mb for op in pipe_schedule.ops if op.kind == "B" and not self.is_last_stage()],
-        }
-        for kind in ("F", "B"):
-            self._post_next_recv(kind)
-        for step_cmds in pipe_schedule:
-            for cmd in step_cmds:
-                handler = self._INSTRUCTION_MAP.get(type(cmd))
-                if handler is None:
-                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                self.recorder.run(I.op_text(cmd), handler, self, **cmd.kwargs)
+        run = self.recorder.run
+        for recorded, name, handler, kwargs in self._program:
+            if recorded:
+                run(name, handler, self, **kwargs)
+            else:
+                handler(self, **kwargs)
         if self._weight_work:
             raise RuntimeError(f"stage {self.stage_id}: W never ran for micro-batches {sorted(self._weight_work)}")
         self._at_iteration_boundary()
@@ -188,17 +205,13 @@ class PipeMorphEngine(PipelineEngine):
             decision = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
             if decision is not None:  # every rank gets the same decision here; it runs from the next batch
                 if decision.plan is not None:
-                    self.plan, self.stage_plan = decision.plan, list(decision.plan[self.stage_id])
+                    self._set_plan(decision.plan)
                 t = time.perf_counter()
                 for link, mode in decision.link_modes.items():  # slow links go delegated ("auto")
                     self.transport.set_link_mode(link, mode, queues=decision.queues.get(link))
                 self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
-
-    def _post_next_recv(self, kind: str) -> None:
-        if self._recv_queue[kind]:
-            self.transport.post_recv(kind, self._recv_queue[kind].pop(0))
 
     def _exec_stock_schedule(self, pipe_schedule):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
@@ -258,14 +271,18 @@ class PipeMorphEngine(PipelineEngine):
 
     def _exec_recv_activations(self, buffer_id, micro_batch):
         recvd = self.transport.recv("F", micro_batch)
-        self._post_next_recv("F")
         for t in _as_list(recvd):
             t.requires_grad_(t.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = recvd
 
     def _exec_recv_grads(self, buffer_id, micro_batch):
         self._output_grads[buffer_id] = self.transport.recv("B", micro_batch)
-        self._post_next_recv("B")
+
+    def _exec_post_recv_activation(self, micro_batch):
+        self.transport.post_recv("F", micro_batch)
+
+    def _exec_post_recv_grad(self, micro_batch):
+        self.transport.post_recv("B", micro_batch)
 
     def _exec_backward_input(self, buffer_id, micro_batch):
         if self.is_last_stage():
@@ -288,7 +305,7 @@ class PipeMorphEngine(PipelineEngine):
         self._weight_work[micro_batch] = work
         if not self.is_first_stage():
             sent = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, dins) if t.is_floating_point()]
-            self._input_grads[buffer_id] = sent[0] if isinstance(inputs, torch.Tensor) else tuple(sent)
+            self._input_grads[micro_batch] = sent[0] if isinstance(inputs, torch.Tensor) else tuple(sent)
         # The activation is released here (W keeps only what bw_split documents).
         self.pipe_buffers["outputs"][buffer_id] = None
         self.pipe_buffers["inputs"][buffer_id] = None
@@ -296,7 +313,7 @@ class PipeMorphEngine(PipelineEngine):
         self._inflight -= 1
 
     def _exec_send_grads(self, buffer_id, micro_batch):
-        self.transport.send("B", micro_batch, self._input_grads.pop(buffer_id))
+        self.transport.send("B", micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
         self._running_engine_backward = True
@@ -319,6 +336,8 @@ class PipeMorphEngine(PipelineEngine):
         I.SendGrad: _exec_send_grads,
         I.RecvGrad: _exec_recv_grads,
         I.WaitSends: _exec_wait_sends,
+        I.PostRecvActivation: _exec_post_recv_activation,
+        I.PostRecvGrad: _exec_post_recv_grad,
     }
 
 

@@ -4,7 +4,7 @@ DeepSpeed's own instructions are reused with one more keyword, ``micro_batch`` (
 instruction reaches its handler): ``ForwardPass(buffer_id=0, micro_batch=3)``. The new ones are the
 split backward, ``BackwardInputPass`` (B) and ``BackwardWeightPass`` (W), and ``WaitSends``.
 ``op_text`` names an instruction in traces and errors: ``F3``, ``B3``, ``W3``, ``SEND_F3``,
-``RECV_B3``, ``LOAD3``.
+``RECV_B3`` (waiting for the message), ``POST_F3`` (posting its receive), ``LOAD3``.
 """
 from __future__ import annotations
 
@@ -41,6 +41,25 @@ class BackwardWeightPass(ds.PipeInstruction):
         super().__init__(micro_batch=micro_batch, **kwargs)
 
 
+class PostRecvActivation(ds.PipeInstruction):
+    """RECV_F of the lowered stream: post the receive of a micro-batch's activation; F waits for it
+    (``RecvActivation``). Not recorded as an op: posting takes no time worth a range."""
+
+    def __init__(self, micro_batch: int, **kwargs):
+        super().__init__(micro_batch=micro_batch, **kwargs)
+
+
+class PostRecvGrad(ds.PipeInstruction):
+    """RECV_B of the lowered stream: post the receive of a micro-batch's output gradient; B waits
+    for it (``RecvGrad``)."""
+
+    def __init__(self, micro_batch: int, **kwargs):
+        super().__init__(micro_batch=micro_batch, **kwargs)
+
+
+POSTS = (PostRecvActivation, PostRecvGrad)
+
+
 class WaitSends(ds.PipeInstruction):
     """Wait until every send of this iteration has been received (before reductions and step)."""
 
@@ -54,6 +73,8 @@ _PREFIX = {
     RecvActivation: "RECV_F",
     SendGrad: "SEND_B",
     RecvGrad: "RECV_B",
+    PostRecvActivation: "POST_F",
+    PostRecvGrad: "POST_B",
 }
 
 

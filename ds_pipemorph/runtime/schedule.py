@@ -1,15 +1,22 @@
-"""Lowering of one stage's plan (ordered ops F m / B m / W m) to DeepSpeed pipe instructions.
+"""One stage's lowered stream (``plan.lower``) as DeepSpeed pipe instructions, compiled once per plan.
 
-``PipeMorphSchedule`` has the shape of DeepSpeed's ``TrainSchedule``: a generator of small named
-instructions, one step per op, printable and testable without ranks::
+``PipeMorphSchedule`` has the shape of DeepSpeed's ``TrainSchedule`` (a generator of small named
+instructions, printable and testable without ranks) and executes exactly the stream ``lower`` made
+for this stage, op by op::
 
-    F m  ->  LoadMicroBatch (first/last stage) | RecvActivation, ForwardPass, SendActivation
-    B m  ->  RecvGrad (not last), BackwardInputPass, SendGrad (not first)
-    W m  ->  BackwardWeightPass
-    end  ->  WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
+    RECV_F m  ->  PostRecvActivation          (the receive is posted; nothing waits)
+    RECV_B m  ->  PostRecvGrad
+    F m       ->  RecvActivation (not first: waits for the posted receive),
+                  LoadMicroBatch (first/last stage), ForwardPass
+    SEND_F m  ->  SendActivation              (non-blocking)
+    B m       ->  RecvGrad (not last: waits), BackwardInputPass
+    SEND_B m  ->  SendGrad                    (non-blocking)
+    W m       ->  BackwardWeightPass
+    end       ->  WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
 
 Buffers: F m takes the lowest free pipe buffer and B m releases it (W needs none), so the number
-of buffers is the plan's peak of in-flight activations on this stage, not more.
+of buffers is the plan's peak of in-flight activations on this stage, not more. The instructions
+are built once per stream (``steps`` hands out the same objects every iteration).
 """
 from __future__ import annotations
 
@@ -23,48 +30,58 @@ from . import instructions as I
 
 
 class PipeMorphSchedule(PipeSchedule):
-    """Executes ``ops`` (this stage's plan, already validated) for one training batch."""
+    """Executes ``stream`` (this stage's lowered ops, already dry-run) for one training batch."""
 
-    def __init__(self, ops: Sequence[Op], micro_batches: int, stages: int, stage_id: int):
+    def __init__(self, stream: Sequence[Op], micro_batches: int, stages: int, stage_id: int):
         super().__init__(micro_batches, stages, stage_id)
-        self.ops = list(ops)
+        self.stream = list(stream)
+        self.ops = [op.local() for op in self.stream if op.is_compute]  # the plan's F/B/W order
+        self._buffers = max(1, peak_inflight([self.ops])[0])
+        self._steps = self._compile()
 
     def num_pipe_buffers(self) -> int:
-        return max(1, peak_inflight([self.ops])[0])
+        return self._buffers
 
     def steps(self) -> Iterator[list]:
-        free = list(range(self.num_pipe_buffers()))
+        return iter(self._steps)
+
+    def _compile(self) -> list[list]:
+        free = list(range(self._buffers))
         buffer_of: dict[int, int] = {}
+        released: dict[int, int] = {}  # micro-batch -> the buffer its B released (SendGrad names it)
         first, last = self.is_first_stage, self.is_last_stage
-        for op in self.ops:
-            m = op.mb
-            if op.kind == "F":
+        steps: list[list] = []
+        for op in self.stream:
+            k, m = op.kind, op.mb
+            if k == "RECV_F":
+                cmds = [I.PostRecvActivation(micro_batch=m)]
+            elif k == "RECV_B":
+                cmds = [I.PostRecvGrad(micro_batch=m)]
+            elif k == "F":
                 buf = free.pop(0)
                 buffer_of[m] = buf
-                cmds = []
-                if not first:
-                    cmds.append(I.RecvActivation(buf, micro_batch=m))
+                cmds = [] if first else [I.RecvActivation(buf, micro_batch=m)]
                 if first or last:
                     cmds.append(I.LoadMicroBatch(buf, micro_batch=m))
                 cmds.append(I.ForwardPass(buf, micro_batch=m))
-                if not last:
-                    cmds.append(I.SendActivation(buf, micro_batch=m))
-            elif op.kind == "B":
+            elif k == "SEND_F":
+                cmds = [I.SendActivation(buffer_of[m], micro_batch=m)]
+            elif k == "B":
                 buf = buffer_of.pop(m)
-                cmds = []
-                if not last:
-                    cmds.append(I.RecvGrad(buf, micro_batch=m))
+                released[m] = buf
+                cmds = [] if last else [I.RecvGrad(buf, micro_batch=m)]
                 cmds.append(I.BackwardInputPass(buf, micro_batch=m))
-                if not first:
-                    cmds.append(I.SendGrad(buf, micro_batch=m))
                 free.append(buf)
                 free.sort()
+            elif k == "SEND_B":
+                cmds = [I.SendGrad(released.pop(m), micro_batch=m)]
             else:
                 cmds = [I.BackwardWeightPass(micro_batch=m)]
-            yield cmds
-        yield [I.WaitSends(), I.ReduceTiedGrads(), I.ReduceGrads(), I.OptimizerStep()]
+            steps.append(cmds)
+        steps.append([I.WaitSends(), I.ReduceTiedGrads(), I.ReduceGrads(), I.OptimizerStep()])
+        return steps
 
 
 def lowered_text(schedule: PipeMorphSchedule) -> list[str]:
-    """The instruction stream as text, e.g. ``['RECV_F0', 'F0', 'SEND_F0', ...]`` (for tests and traces)."""
+    """The instruction stream as text, e.g. ``['POST_F0', 'RECV_F0', 'F0', 'SEND_F0', ...]``."""
     return [I.op_text(c) for step in schedule.steps() for c in step]

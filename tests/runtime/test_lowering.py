@@ -8,6 +8,7 @@ from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSche
 
 from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1
 from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.lower import lower
 from ds_pipemorph.plan.ops import Op
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import peak_inflight
@@ -18,15 +19,31 @@ from .randplans import random_plan
 
 
 def _lower(plan, s, n):
-    return PipeMorphSchedule(plan[s], n, len(plan), s)
+    return PipeMorphSchedule(lower(plan)[s], n, len(plan), s)
 
 
-def test_zb_h1_stage_1_of_4_lowers_to_recv_compute_send_and_ends_with_the_step():
+def test_zb_h1_stage_1_of_4_posts_every_receive_then_waits_computes_and_sends_and_ends_with_the_step():
     plan = zb_h1(Costs.uniform(4), 4)
     text = lowered_text(_lower(plan, 1, 4))
-    assert text[:9] == ["RECV_F0", "F0", "SEND_F0", "RECV_F1", "F1", "SEND_F1", "RECV_F2", "F2", "SEND_F2"]
-    assert text[9:12] == ["RECV_B0", "B0", "SEND_B0"]
-    assert text[-4:] == ["WaitSends", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+    # Every receive of the iteration is posted first, in the order the neighbours send: stage 0's
+    # forwards, then stage 2's backwards.
+    posts_f = [f"POST_F{op.mb}" for op in plan[0] if op.kind == "F"]
+    posts_b = [f"POST_B{op.mb}" for op in plan[2] if op.kind == "B"]
+    assert text[:8] == posts_f + posts_b
+    rest = text[8:]
+    assert not [t for t in rest if t.startswith("POST_")]
+    assert rest[:9] == ["RECV_F0", "F0", "SEND_F0", "RECV_F1", "F1", "SEND_F1", "RECV_F2", "F2", "SEND_F2"]
+    assert rest[9:12] == ["RECV_B0", "B0", "SEND_B0"]
+    assert rest[-4:] == ["WaitSends", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+
+
+def test_the_schedule_runs_exactly_the_lowered_stream():
+    plan = list_schedule(Costs.uniform(4), 8, [4, 3, 2, 1])
+    for s, stream in enumerate(lower(plan)):
+        text = [t for t in lowered_text(_lower(plan, s, 8)) if not t.startswith(("RECV_", "LOAD"))]
+        # the stream's RECV ops are the posts; the waits (RECV_*) and loads ride with F and B
+        want = [str(op.local()).replace("RECV_", "POST_") for op in stream]
+        assert text[:-4] == want
 
 
 def test_first_stage_loads_and_never_receives_last_stage_loads_labels_and_never_sends_activations():
@@ -93,10 +110,12 @@ def test_op_text_names_instructions_like_the_plan():
     assert I.op_text(I.BackwardWeightPass(micro_batch=5)) == "W5"
     assert I.op_text(I.RecvGrad(1, micro_batch=4)) == "RECV_B4"
     assert I.op_text(I.SendActivation(1, micro_batch=0)) == "SEND_F0"
+    assert I.op_text(I.PostRecvActivation(micro_batch=6)) == "POST_F6"
+    assert I.op_text(I.PostRecvGrad(micro_batch=6)) == "POST_B6"
     assert I.op_text(I.OptimizerStep()) == "OptimizerStep"
     assert repr(I.BackwardInputPass(1, micro_batch=2)) == "BackwardInputPass(buffer_id=1, micro_batch=2)"
 
 
 def test_one_micro_batch_on_one_stage_is_f_b_w_then_the_step():
-    text = lowered_text(PipeMorphSchedule([Op("F", 0), Op("B", 0), Op("W", 0)], 1, 1, 0))
+    text = lowered_text(PipeMorphSchedule(lower([[Op("F", 0), Op("B", 0), Op("W", 0)]])[0], 1, 1, 0))
     assert text == ["LOAD0", "F0", "B0", "W0", "WaitSends", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
