@@ -14,20 +14,20 @@ def deepspeed_1f1b(stages: int, microbatches: int) -> Schedule:
     matches the stage's); tests compare it with the installed DeepSpeed.
     """
     S, N = stages, microbatches
+    # On stage s, F m runs at step 2m + s and B m (with W m) at step 2m + 2S − 1 − s (of opposite
+    # parity, so they never share a step): before B m come all F m' with m' <= m + S − s − 1.
+    F = [Op("F", m) for m in range(N)]
+    BW = [(Op("B", m), Op("W", m)) for m in range(N)]
     out: Schedule = []
     for s in range(S):
         row: list[Op] = []
-        for step in range(2 * (N + S - 1)):
-            even_step, even_stage = step % 2 == 0, s % 2 == 0
-            if even_step == even_stage:
-                base = step // 2 if even_step else (step - 1) // 2
-                m, fwd = base - s // 2, True
-            elif even_step:
-                m, fwd = step // 2 - S + (s + 1) // 2, False
-            else:
-                m, fwd = ((step - 1) // 2) - S + 1 + s // 2, False
-            if 0 <= m < N:
-                row += [Op("F", m)] if fwd else [Op("B", m), Op("W", m)]
+        nf = 0
+        for m in range(N):
+            lim = min(N, m + S - s)
+            if nf < lim:
+                row.extend(F[nf:lim])
+                nf = lim
+            row.extend(BW[m])
         out.append(row)
     return out
 

@@ -12,6 +12,28 @@ micro-batch through the stages below (ramp-down), every schedule satisfies:
 
 On uniform profiles with no delay and no cap, (1) at the last stage gives 3·N·t + (S−1)·t, which the
 planner reaches.
+
+Two more per stage s count the idle time of the ramp-up, which (1)–(3) miss when a stage above s is
+slower at forwards than s (e.g. stage 2 of benchmarks/planner_scale.py's "32x256 heterogeneous #1",
+where they left a 2.5 % gap that was the bound's, not the plan's). Let g_s = max_{j<=s} f_j.
+
+4. Before r_s, stage s can only run forwards (no gradient has arrived: every B needs its micro-batch
+   to go to the bottom and back, and every F arrives at s at or after a_s), and the k-th forward it
+   runs (k = 0, 1, ...) ends at e_k >= a_s + f_s + k·g_s: of the first k+1 forwards run on s, one
+   is of a micro-batch m >= k (they are distinct); on every stage j < s the forwards run one after
+   another from a_j on, so whichever m is run last there of m+1 distinct ones ends at or after
+   a_j + (m+1) f_j, and F m reaches s at or after a_j + (m+1) f_j + (a_s − a_j − f_j) = a_s + m f_j
+   (a_s − a_j is the F0 path from j to s). It also ends at or after a_s + (k+1) f_s. So the busy
+   time of s in [0, r_s] is at most P_s = Σ_{k<K_s} clamp(r_s − a_s − k·g_s, 0, f_s), with K_s the
+   most forwards that can start on s before r_s: N, and k_j for every j <= s (no B ends on j before
+   r_j >= r_s, so j starts at most k_j forwards by then). Everything else of the stage runs after
+   r_s, one op at a time:  T >= r_s + work_s − P_s.
+5. All Fs and Bs of s end by r_s + N(f_s + b_s) − P_s at the earliest, the last of them a B whose
+   gradient still goes up (tail as in 3):  T >= r_s + N(f_s + b_s) − P_s + tail_s.
+
+(4) is at least (1) and (2), since P_s <= r_s − a_s and P_s <= K_s f_s. In (3) the last forward run on
+s starts at or after a_s + (N−1) g_s by the same argument. tests/plan/test_bounds.py checks that the
+bound never exceeds the MILP's proven optimum on small random cases.
 """
 from __future__ import annotations
 
@@ -33,8 +55,12 @@ def lower_bound_ms(costs: Costs, microbatches: int, caps: Optional[list[int]] = 
     for s in range(S - 2, -1, -1):
         r[s] = r[s + 1] + b[s + 1] + c[s]
     best = 0.0
+    g = 0.0  # slowest forward at or above s
+    kcap = N  # fewest forwards any stage at or above s starts before its first gradient arrives
     for s in range(S):
+        g = max(g, f[s])
         k = min(caps[s], N)
+        kcap = min(kcap, k)
         work = N * (f[s] + b[s] + w[s])
         lb1 = a[s] + work
         lb2 = r[s] + N * (b[s] + w[s]) + max(0, N - k) * f[s]
@@ -45,9 +71,27 @@ def lower_bound_ms(costs: Costs, microbatches: int, caps: Optional[list[int]] = 
         for j in range(s - 1, -1, -1):
             acc += c[j] + b[j]
             tail = max(tail, acc + w[j])
-        start_last = a[s] + (N - 1) * f[s]
+        start_last = a[s] + (N - 1) * g
         if N > k:
             start_last = max(start_last, r[s] + (N - k) * b[s] + (N - k - 1) * f[s])
         lb3 = start_last + f[s] + q + b[s] + tail
-        best = max(best, lb1, lb2, lb3)
+        busy = _ramp_busy(r[s] - a[s], f[s], g, kcap)
+        lb4 = r[s] + work - busy
+        lb5 = r[s] + N * (f[s] + b[s]) - busy + tail
+        best = max(best, lb1, lb2, lb3, lb4, lb5)
     return best
+
+
+def _ramp_busy(span: float, f: float, g: float, count: int) -> float:
+    """Σ_{k<count} clamp(span − k·g, 0, f) for g >= f >= 0: the most a stage can be busy with
+    forwards ``span`` after its first one may start (bound 4). Terms fall by g >= f, so all but at
+    most one are f or 0; a count off by one at the boundary only ever adds, never misses, a term."""
+    if span <= 0 or f <= 0 or count <= 0:
+        return 0.0
+    if g <= 0:  # pragma: no cover - g >= f > 0
+        return count * f
+    full = 0 if span < f else min(count, int((span - f) // g) + 1)  # terms equal to f
+    busy = full * f
+    if full < count:
+        busy += min(f, max(0.0, span - full * g))
+    return busy

@@ -9,16 +9,22 @@ as soon as some stage cannot finish within ``limit`` (its free time plus its rem
 Same arithmetic as ``simulate.replay`` with pure-latency links (``links.Latency``), so the same
 times. Link models that queue messages (``Direct``, ``Delegated``) or zero op times fall back to
 full replays.
+
+With the compiled core (``plan.native``) every replay is a full one in C, faster than the Python
+resumption: the same times, starts and verdicts (above ``limit`` or not). Rows are encoded for it
+once and reused while they stay equal (the search changes one row per move).
 """
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections import deque
 from typing import Optional, Sequence, Union
 
+from . import native
 from .links import LATENCY, Latency, LinkModel, per_link
 from .profile import Costs
-from .simulate import Schedule, StuckSchedule, makespan, replay
+from .simulate import Schedule, StuckSchedule, _stuck_message, makespan, replay
 
 INF = float("inf")
 SLACK = 1e-6  # ms: the early stop's sum of remaining work may round above the replay's own sum
@@ -48,9 +54,58 @@ class Evaluator:
         latency_only = all(isinstance(h, Latency) or c <= 0 for h, c in zip(self.link_model, costs.links))
         self.incremental = latency_only and min(costs.f + costs.b + costs.w) > 0  # else full replays
         self.evals = 0
+        self.native = native.lib() is not None and N >= 1
+        self._rows: dict[int, tuple] = {}  # id(row) -> (row, copy, codes): encodings of recent rows
 
-    def time(self, sched: Schedule) -> float:
-        """Iteration time of ``sched`` (raises StuckSchedule)."""
+    def encode(self, sched: Schedule):
+        """``native.encode(sched)``, reusing the codes of rows seen before (checked equal)."""
+        get = native.op_table(self.N)[1].get
+        codes, lens, rows = array("i"), array("i"), self._rows
+        if len(rows) > 16 * self.S:
+            rows.clear()
+        for row in sched:
+            hit = rows.get(id(row))
+            if hit is not None and hit[0] is row and hit[1] == row:  # equal: same ops, mostly the same objects
+                rc = hit[2]
+            else:
+                try:
+                    rc = array("i", map(get, row))
+                except (TypeError, OverflowError):
+                    return None
+                rows[id(row)] = (row, list(row), rc)
+            codes.extend(rc)
+            lens.append(len(rc))
+        return lens, codes
+
+    def _native(self, sched: Schedule, enc=None, limit: Optional[float] = None, positions: bool = False):
+        """(rc, t, starts): a full replay in C; rc 2 if above ``limit``. None if it cannot run there."""
+        if len(sched) != self.S:
+            return None
+        enc = enc or self.encode(sched)
+        if enc is None:
+            return None
+        got = native.replay(enc, self.costs, self.N, False, self.link_model,
+                            limit=None if limit is None or limit == INF else limit, positions=positions)
+        if got is None:
+            return None
+        rc, first, last, _, ptr, _, pos = got
+        if rc == 1:
+            raise StuckSchedule(_stuck_message(sched, ptr, self.S))
+        starts = None
+        if positions:
+            flat, starts, o = pos.tolist(), [], 0
+            for n in enc[0]:
+                starts.append(flat[o:o + n])
+                o += n
+        return rc, last - first, starts
+
+    def time(self, sched: Schedule, enc=None) -> float:
+        """Iteration time of ``sched`` (raises StuckSchedule); ``enc``: its encoding, if known."""
+        if self.native:
+            got = self._native(sched, enc)
+            if got is not None:
+                self.evals += 1
+                return got[1]
         if not self.incremental:
             self.evals += 1
             return makespan(sched, self.costs, self.N, link_model=self.link_model)
@@ -59,6 +114,11 @@ class Evaluator:
     def full(self, sched: Schedule, limit: float = INF) -> Optional[State]:
         """The replay of ``sched``; None if it takes longer than ``limit``."""
         S, N = self.S, self.N
+        if self.native and self.incremental:
+            got = self._native(sched, limit=limit, positions=True)
+            if got is not None:
+                self.evals += 1
+                return None if got[0] == 2 else State(got[1], got[2])
         if not self.incremental:
             t = self.time(sched)
             return State(t, None) if t <= limit else None  # starts on demand: ``starts``
@@ -78,7 +138,7 @@ class Evaluator:
               limit: float = INF) -> Optional[State]:
         """The replay of ``sched``, which is ``old`` (replayed as ``state``) with stage ``s``
         reordered from position ``lo`` on; None if it takes longer than ``limit``."""
-        if not self.incremental:
+        if not self.incremental or state.cum is None:  # full replays (in C when state came from there)
             return self.full(sched, limit)
         t0 = state.starts[s][lo]
         ptr, starts, cum, end_f, end_b, free = [], [], [], [], [], []

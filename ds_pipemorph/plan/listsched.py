@@ -10,6 +10,7 @@ import bisect
 import heapq
 from dataclasses import dataclass
 
+from . import native
 from .ops import Op
 from .profile import Costs
 from .simulate import Schedule
@@ -27,113 +28,190 @@ class Policy:
 
 
 def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
+    """The greedy schedule; the compiled core (``plan.native``) when it is available, else
+    ``list_schedule_py``: the same schedule either way."""
+    return list_schedule_encoded(costs, microbatches, warmup, policy)[0]
+
+
+_LAST: list = []  # (inputs, schedule, encoding) of the last few compiled runs
+
+
+def list_schedule_encoded(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()):
+    """(``list_schedule(...)``, its encoding for the compiled replay, or None without the core).
+
+    The last few compiled results are kept: asked again for the same inputs (the planning CLI's
+    greedy pass, then the search's first candidate), it returns a fresh copy of the same orders."""
+    if len(warmup) != costs.stages:
+        raise ValueError(f"warmup has {len(warmup)} values, expected {costs.stages}")
+    key = (tuple(costs.f), tuple(costs.b), tuple(costs.w), tuple(costs.links), microbatches, tuple(warmup), policy)
+    for k, sched, enc in _LAST:
+        if k == key:
+            out = [list(r) for r in sched]
+            native.remember(out, microbatches, enc)
+            return out, enc
+    out = native.list_schedule(costs, microbatches, warmup, policy.priority, policy.w_fits_gap, policy.late_w)
+    if out is None:
+        return list_schedule_py(costs, microbatches, warmup, policy), None
+    _LAST.insert(0, (key, [list(r) for r in out[0]], out[1]))
+    del _LAST[2:]
+    native.remember(out[0], microbatches, out[1])
+    return out
+
+
+def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
+    """The pure-Python list scheduler: what ``plan.reference.list_schedule`` does, event-driven per stage.
+
+    The reference visits every stage, in stage order, at every event time (a *sweep*); a stage
+    acts at most once per sweep. A stage that could not act at one sweep can act at a later one
+    only after something of its own changed, and every such change comes with an event of that
+    stage: its op ends (it is free; its W, or on the last stage its B, is ready), or a message for
+    it arrives. So here each event names its stage, and a sweep visits only the stages with an
+    event up to it, still in stage order; events no later than the sweep's own time (zero op
+    times or delays) are visible at once to the stages the sweep has yet to visit, as in the
+    reference, and otherwise at the next sweep. Visiting a stage that cannot act changes nothing,
+    so the same ops start at the same sweeps: the same schedule, the same errors.
+    """
     S, N = costs.stages, microbatches
     if len(warmup) != S:
         raise ValueError(f"warmup has {len(warmup)} values, expected {S}")
-    times = [{"F": costs.f[s], "B": costs.b[s], "W": costs.w[s]} for s in range(S)]
+    dur = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
     links = costs.links
-    # Per stage: arrivals (ready_time, mb) for F and B; W available (ready, mb); each in mb order.
-    f_arr: list[list[tuple[float, int]]] = [[] for _ in range(S)]
-    b_arr: list[list[tuple[float, int]]] = [[] for _ in range(S)]
-    w_arr: list[list[tuple[float, int]]] = [[] for _ in range(S)]
-    arrivals = {"F": f_arr, "B": b_arr, "W": w_arr}
-    for m in range(N):
-        f_arr[0].append((0.0, m))
+    # Per stage and kind (0 F arrived, 1 B arrived, 2 W available): ready times and micro-batches
+    # in micro-batch order, from position head on.
+    qt = [[[], [], []] for _ in range(S)]
+    qm = [[[], [], []] for _ in range(S)]
+    qh = [[0, 0, 0] for _ in range(S)]
+    if S:
+        qt[0][0], qm[0][0] = [0.0] * N, list(range(N))
     free = [0.0] * S
     inflight = [0] * S
     f_done = [0] * S
     started = [0] * S
     out: Schedule = [[] for _ in range(S)]
+    ops = native.op_table(N)[0] if N > 0 else ()
     total = 3 * N
     remaining = total * S
-    events: list[float] = [0.0]
-    t = 0.0
-    pri = policy.priority
-    late_w, w_fits_gap = policy.late_w, policy.w_fits_gap
+    pri = [0 if k == "F" else 1 if k == "B" else 2 for k in policy.priority]
+    late = [s in policy.late_w for s in range(S)]
+    w_fits_gap = policy.w_fits_gap
+    default = pri == [1, 0, 2] and not w_fits_gap  # B > F > W: the loop below in one expression
     eps = 1e-12
+    heap: list[tuple[float, int]] = []  # (time, stage) of events after the current sweep
+    push, pop = heapq.heappush, heapq.heappop
+    nxt = set(range(S))  # stages to visit at the next sweep whatever the events
+    t = 0.0
+
+    def insert(s: int, k: int, r: float, m: int) -> None:
+        ts, ms = qt[s][k], qm[s][k]
+        if len(ms) == qh[s][k] or ms[-1] < m:
+            ts.append(r)
+            ms.append(m)
+        else:
+            j = bisect.bisect_right(ms, m, qh[s][k])
+            ts.insert(j, r)
+            ms.insert(j, m)
 
     while True:
-        progressed = False
         now = t + eps
-        for s in range(S):
+        while heap and heap[0][0] <= now:
+            nxt.add(pop(heap)[1])
+        order = sorted(nxt) if len(nxt) > 1 else list(nxt)
+        nxt = set()
+        progressed = False
+        i = 0
+        while i < len(order):
+            s = order[i]
+            i += 1
             if started[s] >= total or free[s] > now:
                 continue
-            choice = None
-            fa = f_arr[s]
+            ts, ms, hs = qt[s], qm[s], qh[s]
+            h = hs[0]
+            q = ts[0]
+            ready_f = h < len(q) and q[h] <= now
+            choice = -1
             if f_done[s] < warmup[s]:
-                if fa and fa[0][0] <= now:
-                    choice = "F"
+                if ready_f:
+                    choice = 0
             else:
-                ba, wa = b_arr[s], w_arr[s]
-                can_b = bool(ba) and ba[0][0] <= now
-                can_f = bool(fa) and fa[0][0] <= now and inflight[s] < warmup[s]
-                can_w = bool(wa) and wa[0][0] <= now
-                hold_w = s in late_w and f_done[s] < N
-                for k in pri:
-                    if k == "B":
-                        if can_b:
-                            choice = k
+                h = hs[1]
+                q = ts[1]
+                can_b = h < len(q) and q[h] <= now
+                can_f = ready_f and inflight[s] < warmup[s]
+                h = hs[2]
+                q = ts[2]
+                can_w = h < len(q) and q[h] <= now and not (late[s] and f_done[s] < N)
+                if default:
+                    choice = 1 if can_b else 0 if can_f else 2 if can_w else -1
+                else:
+                    for k in pri:
+                        if k == 1:
+                            if can_b:
+                                choice = 1
+                                break
+                        elif k == 0:
+                            if can_f:
+                                choice = 0
+                                break
+                        elif can_w and not (w_fits_gap and _w_blocks_q(s, t, dur, qt, qh, inflight, warmup)):
+                            choice = 2
                             break
-                    elif k == "F":
-                        if can_f:
-                            choice = k
-                            break
-                    elif can_w and not hold_w and not (
-                            w_fits_gap and _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup)):
-                        choice = k
-                        break
-                if choice is None and can_w and not hold_w:
-                    choice = "W"
-            if choice is None:
+                    if choice < 0 and can_w:
+                        choice = 2
+            if choice < 0:
                 continue
-            _, m = arrivals[choice][s].pop(0)
-            end = t + times[s][choice]
+            h = hs[choice]
+            m = ms[choice][h]
+            hs[choice] = h + 1
+            end = t + dur[s][choice]
             free[s] = end
             started[s] += 1
             remaining -= 1
-            out[s].append(Op(choice, m))
-            heapq.heappush(events, end)
-            if choice == "F":
+            out[s].append(ops[choice * N + m])
+            if end <= now:
+                nxt.add(s)
+            else:
+                push(heap, (end, s))
+            progressed = True
+            if choice == 0:
                 inflight[s] += 1
                 f_done[s] += 1
                 if s < S - 1:
-                    _insert(f_arr[s + 1], (end + links[s], m))
-                    heapq.heappush(events, end + links[s])
+                    r = end + links[s]
+                    insert(s + 1, 0, r, m)
+                    if r <= now:  # the next stage sees it in this very sweep, as in the reference
+                        nxt.add(s + 1)
+                        if i >= len(order) or order[i] != s + 1:
+                            order.insert(i, s + 1)
+                    else:
+                        push(heap, (r, s + 1))
                 else:
-                    _insert(b_arr[s], (end, m))
-            elif choice == "B":
+                    insert(s, 1, end, m)
+            elif choice == 1:
                 inflight[s] -= 1
-                _insert(w_arr[s], (end, m))
+                insert(s, 2, end, m)
                 if s > 0:
-                    _insert(b_arr[s - 1], (end + links[s - 1], m))
-                    heapq.heappush(events, end + links[s - 1])
-            progressed = True
+                    r = end + links[s - 1]
+                    insert(s - 1, 1, r, m)
+                    if r <= now:
+                        nxt.add(s - 1)
+                    else:
+                        push(heap, (r, s - 1))
         if not remaining:
             return out
-        # Advance to the next event strictly after t.
-        while events and events[0] <= now:
-            heapq.heappop(events)
-        if not events:
+        if not heap:
             if progressed:
                 continue
             raise RuntimeError(f"list scheduler stalled at t={t} with warm-up {warmup}")  # pragma: no cover
-        t = heapq.heappop(events)
+        t = heap[0][0]
 
 
-def _insert(lst: list[tuple[float, int]], item: tuple[float, int]) -> None:
-    """Keep micro-batch (FIFO) order; ready times are non-decreasing per source in practice."""
-    if not lst or lst[-1][1] < item[1]:
-        lst.append(item)
-    else:
-        bisect.insort(lst, item, key=lambda x: x[1])
-
-
-def _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup) -> bool:
+def _w_blocks_q(s, t, dur, qt, qh, inflight, warmup) -> bool:
     """True if a W started now would still run when a pending B (or a usable F) arrives."""
-    end = t + times[s]["W"]
+    end = t + dur[s][2]
     nxt = float("inf")
-    if b_arr[s]:
-        nxt = min(nxt, b_arr[s][0][0])
-    if f_arr[s] and inflight[s] < warmup[s]:
-        nxt = min(nxt, f_arr[s][0][0])
+    h = qh[s]
+    if h[1] < len(qt[s][1]):
+        nxt = min(nxt, qt[s][1][h[1]])
+    if h[0] < len(qt[s][0]) and inflight[s] < warmup[s]:
+        nxt = min(nxt, qt[s][0][h[0]])
     return nxt < end - 1e-12

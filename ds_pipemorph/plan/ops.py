@@ -60,9 +60,23 @@ def parse_op(text: str) -> Op:
     return Op(m.group(2), int(m.group(3)), None if m.group(1) is None else int(m.group(1)))
 
 
+_TEXTS: dict = {}  # op -> its text: plans repeat the same few thousand ops
+_CACHE_MAX = 1 << 20
+
+
 def parse_stage(texts: list[str]) -> list[Op]:
     return [parse_op(t) for t in texts]
 
 
 def format_stage(ops: list[Op]) -> list[str]:
-    return [str(o) for o in ops]
+    get = _TEXTS.get
+    out = [get(o) if type(o) is Op else None for o in ops]
+    if None in out:
+        if len(_TEXTS) > _CACHE_MAX:
+            _TEXTS.clear()
+        for i, o in enumerate(ops):
+            if out[i] is None:
+                out[i] = str(o)
+                if type(o) is Op:
+                    _TEXTS[o] = out[i]
+    return out

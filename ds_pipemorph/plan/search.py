@@ -22,8 +22,9 @@ from .bounds import lower_bound_ms
 from .improve import improve
 from .incremental import Evaluator
 from .justify import justify
+from . import native
 from .links import LATENCY, Latency, LinkModel, per_link
-from .listsched import Policy, list_schedule
+from .listsched import Policy, list_schedule_encoded
 from .profile import Costs
 from .simulate import Schedule, peak_inflight, warmup_counts
 from .warmup import adapted_warmup, initial_warmup
@@ -34,6 +35,7 @@ JUSTIFY = 10  # best distinct portfolio orders that get justified (10 did better
 # need seconds; within a 1 s budget it made results worse (benchmarks/planner_vs_milp.py), so it
 # joins by default only from this budget on.
 EXACT_MIN_BUDGET_S = 3.0
+JUSTIFY_S_PER_OP = 2e-5  # seconds one op of the schedule adds to a justification, before one was timed
 EXACT_MAX_OPS = 48  # stages x micro-batches up to which the MILP runs by default (5 x 8: median 0.05 s)
 POLICIES = (Policy("BFW"), Policy("BFW", w_fits_gap=True), Policy("BWF"), Policy("FBW"))
 
@@ -72,12 +74,45 @@ def milp_available() -> bool:
     return importlib.util.find_spec("highspy") is not None
 
 
-def _key(sched: Schedule, t: float) -> tuple[float, int, int]:
+def _key(sched: Schedule, t: float, enc=None, n: int = 0) -> tuple[float, int, int]:
     """Fastest first; among equally fast plans the most resilient (largest minimum slackness, as
-    Alg. 1 wants), then the one holding the fewest activations."""
-    x = warmup_counts(sched)
+    Alg. 1 wants), then the one holding the fewest activations. ``enc``: the schedule's encoding
+    for the compiled core (``plan.native``), if known."""
+    got = native.peaks_and_warmups(enc, n) if enc is not None else None
+    peak, x = got if got is not None else (peak_inflight(sched), warmup_counts(sched))
     min_slack = min((x[i] - x[i + 1] for i in range(len(x) - 1)), default=0)
-    return (round(t, 6), -min_slack, sum(peak_inflight(sched)))
+    return (round(t, 6), -min_slack, sum(peak))
+
+
+def _pool_key(sched: Schedule, enc) -> object:
+    """A key equal for equal schedules: the encoding's bytes when there is one."""
+    return enc[1].tobytes() if enc is not None else tuple(map(tuple, sched))
+
+
+def ramp_warmup(costs: Costs, n: int, caps: list[int]) -> list[int]:
+    """Warm-up counts matched to the ramp-up: stage s runs about as many forwards as reach it
+    before its first input gradient can (``bounds``: forwards arrive every g_s = max_{j<=s} f_j ms
+    from a_s on, the first gradient at r_s), so no gradient waits behind a warm-up forward that
+    has not even arrived yet; then within the caps and non-increasing (Lemma 1). On the
+    heterogeneous cases of benchmarks/planner_scale.py this start alone reaches the lower bound or
+    comes within 0.05 % of it."""
+    S, f, b, c = costs.stages, costs.f, costs.b, costs.links
+    a = [0.0] * S
+    for s in range(1, S):
+        a[s] = a[s - 1] + f[s - 1] + c[s - 1]
+    r = [0.0] * S
+    r[S - 1] = a[S - 1] + f[S - 1]
+    for s in range(S - 2, -1, -1):
+        r[s] = r[s + 1] + b[s + 1] + c[s]
+    x, g, bound = [], 0.0, n
+    for s in range(S):
+        g = max(g, f[s])
+        want = int((r[s] - a[s]) / g) + 1 if g > 0 else n
+        bound = min(bound, caps[s])
+        x.append(max(1, min(want, bound)))
+    for s in range(1, S):
+        x[s] = min(x[s], x[s - 1])
+    return x
 
 
 def _monotone_within(x: list[int], caps: list[int], n: int) -> Optional[list[int]]:
@@ -94,6 +129,7 @@ def warmup_candidates(costs: Costs, n: int, caps: list[int]) -> list[list[int]]:
     for c in caps:
         tight.append(min(c, n, tight[-1]) if tight else min(c, n))
     base = [
+        ramp_warmup(costs, n, caps),
         initial_warmup(caps),
         adapted_warmup(costs, n, caps),
         zb_h1_warmup(S, n),
@@ -158,9 +194,9 @@ def search(
     trace: list[tuple[float, float]] = []
 
     # The paper's single greedy pass first: it is the floor every later step must beat.
-    best = list_schedule(costs, N, initial_warmup(caps))
-    best_t = score(best)
-    best_key = _key(best, best_t)
+    best, enc = list_schedule_encoded(costs, N, initial_warmup(caps))
+    best_t = score(best, enc)
+    best_key = _key(best, best_t, enc, N)
     step_s = time.perf_counter() - t0  # one candidate's cost: stop early enough to keep the budget
 
     def out_of_time() -> bool:
@@ -185,26 +221,32 @@ def search(
                 if (tuple(x), pol) in seen or out_of_time():
                     continue
                 seen.add((tuple(x), pol))
-                sched = list_schedule(costs, N, x, pol)
-                t = score(sched)
-                k = _key(sched, t)
-                pool.setdefault(tuple(map(tuple, sched)), (k, sched))
+                sched, enc = list_schedule_encoded(costs, N, x, pol)
+                t = score(sched, enc)
+                k = _key(sched, t, enc, N)
+                pool.setdefault(_pool_key(sched, enc), (k, sched))
                 if k < best_key:
                     if t < best_t - 1e-9:
                         trace.append((time.perf_counter() - t0, t))
                     best, best_t, best_key, source, improved = sched, t, k, "portfolio", True
         frontier = _neighbours(warmup_counts(best), caps, N) if improved else []
 
-    # Double justification of the best distinct portfolio orders: never slower, often faster.
+    # Double justification of the best distinct portfolio orders: never slower, often faster. It is
+    # pure Python and far slower than a candidate of the portfolio: started only if it can end
+    # within the budget by its own measured (at first: estimated) time.
+    justify_s = JUSTIFY_S_PER_OP * 3 * S * N
     for _, sc in sorted(pool.values(), key=lambda v: v[0])[:JUSTIFY]:
-        if out_of_time() or best_t <= lb + 1e-9:
+        if out_of_time() or best_t <= lb + 1e-9 or time.perf_counter() + justify_s > deadline:
             break
+        tj = time.perf_counter()
         sched = justify(sc, costs, N, caps)
+        justify_s = time.perf_counter() - tj
         if sched is None:
             break
-        t = score(sched)
-        k = _key(sched, t)
-        pool.setdefault(tuple(map(tuple, sched)), (k, sched))
+        enc = ev.encode(sched) if ev.native else None
+        t = score(sched, enc)
+        k = _key(sched, t, enc, N)
+        pool.setdefault(_pool_key(sched, enc), (k, sched))
         if k < best_key:
             if t < best_t - 1e-9:
                 trace.append((time.perf_counter() - t0, t))

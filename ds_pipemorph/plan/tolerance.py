@@ -5,12 +5,20 @@ The replayed iteration time under a delay c on one link is T(c) = max over depen
 {c : T(c) − T(0) ≤ c} is an interval [0, c*]. Secant steps from the right find c*: on a convex
 function the secant through two points right of c* meets zero at or right of c*, and each step
 lands on a new linear piece, so a few replays give c* exactly (or within ``resolution_ms``).
+
+With pure-latency links and the compiled core (``plan.native``), Newton steps instead, all links
+in one call: a replay along the fixed order the first one ran (with pure latency the order in which
+ops can run does not depend on the delays) also tells how often its critical path crosses the link
+(k, the slope of T there), and that path's line meets T(0) + c at (T(0) − (T(c) − k·c)) / (k − 1),
+at or right of c* and on a new piece: c* exactly, in fewer and cheaper replays (64 stages x 1024
+micro-batches: 63 links in well under a second instead of minutes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .links import LATENCY
+from . import native
+from .links import LATENCY, Latency, per_link
 from .profile import Costs
 from .simulate import Schedule, makespan, warmup_counts
 from .warmup import eq1_tolerance_ms, slackness
@@ -36,10 +44,29 @@ def link_tolerances(
     """Per link: its slackness, Eq. 1's tolerance and the replayed one under ``link_model`` (``plan.links``)."""
     x = warmup_counts(schedule)
     eq1 = eq1_tolerance_ms(costs, x)
+    fast = _native_tolerances(schedule, costs, microbatches, resolution_ms, fused, link_model)
     out = []
     for i, d in enumerate(slackness(x)):
-        out.append(LinkTolerance(i, d, eq1[i], _replay_tolerance(schedule, costs, microbatches, i, resolution_ms, fused, link_model), costs.links[i]))
+        tol = fast[i] if fast is not None and fast[i] is not None else \
+            _replay_tolerance(schedule, costs, microbatches, i, resolution_ms, fused, link_model)
+        out.append(LinkTolerance(i, d, eq1[i], tol, costs.links[i]))
     return out
+
+
+def _native_tolerances(schedule, costs, n, res, fused, link_model):
+    """Every link's tolerance from the compiled core (pure latency only), None where it has none."""
+    S = len(schedule)
+    if S < 2 or native.lib() is None or costs.stages != S:
+        return None
+    if not all(isinstance(h, Latency) for h in per_link(link_model, S - 1)):
+        return None
+    enc = native.encode(schedule, n)
+    if enc is None:
+        return None
+    got = native.tolerances(enc, costs, n, fused, list(range(S - 1)), res)
+    if got is None:
+        return None
+    return [None if v is None else (v if v == float("inf") else round(v, 6)) for v in got]
 
 
 def _replay_tolerance(schedule, costs, n, link, res, fused, link_model) -> float:
