@@ -54,6 +54,6 @@ setup(
         "milp": ["highspy>=1.7"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": ["pipemorph=ds_pipemorph_cli.app:main"]},
+    entry_points={"console_scripts": ["pipemorph=ds_pipemorph_cli.app:console_main"]},
     cmdclass={"build_py": BuildWithSources},
 )

@@ -4,7 +4,7 @@ and a re-plan for a new slow link at 32x256, the bound against the MILP, and ``p
 
     python benchmarks/planner_scale.py [--out out/planner_scale.json] [--quick]
 
-Targets: search <= 1 s for 8x32 and <= 10 s for 32x256 (issue 2); at 32x256 the greedy plan plus its
+Targets: search <= 1 s for 8x32 and <= 10 s for 32x256; at 32x256 the greedy plan plus its
 replay <= 50 ms, a full re-plan for a new slow link (search, 0.2 s budget) <= 200 ms, and at most
 0.5 % above the lower bound on uniform, heterogeneous and capped cases; at 64x1024 each of
 ``pipemorph plan PROFILE`` and ``pipemorph simulate plan.json`` <= 2 s as a process (``plan -o plan.json``, which also writes the
@@ -78,7 +78,7 @@ def best_of(fn, runs: int = 5) -> float:
 
 
 def searched(seed: int, quick: bool) -> tuple[list, list]:
-    """Section 1: the search with its budget (issue 2's table)."""
+    """Section 1: the search with its budget."""
     rows, results = [], []
     for name, costs, n, caps, budget in cases(seed):
         if quick:

@@ -37,16 +37,15 @@ def plan(
     with user_errors():
         prof = load_model(profile, Profile)
         costs, n, caps = prof.costs(), prof.microbatches, prof.caps()
-        greedy_sched = list_schedule(costs, n, initial_warmup(caps))
-        greedy_ms = replay(greedy_sched, costs, n).iteration_ms
         if greedy:
-            sched, lb, note = greedy_sched, None, "paper's greedy pass"
+            sched, lb, note = list_schedule(costs, n, initial_warmup(caps)), None, "paper's greedy pass"
         else:
             res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact)
             sched, lb = res.schedule, res.lower_bound_ms
             note = f"searched {res.seconds:.2f} s, {res.evaluated} candidates, best from {res.source}"
         pf = PlanFile.build(sched, prof)
         tl = replay(sched, costs, n)
+        greedy_ms = tl.iteration_ms if greedy else res.greedy_ms
         tols = link_tolerances(sched, costs, n)
         outputs = timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome),
                                    f"plan for links_ms={[round(x, 1) for x in costs.links]}", costs.links)

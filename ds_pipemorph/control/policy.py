@@ -6,8 +6,10 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
 
 * keep the plan in force when the slow links are the same ones and, under the new delays, it is
   within ``KEEP_WITHIN`` of the lower bound (no search could gain more than that);
-* else re-plan with the deterministic search, bounded by ``REPLAN_EVALS`` evaluations rather than
-  by time, so the same input gives the same plan on any machine;
+* else re-plan: at once with Alg. 2's closed-form warm-up (``react``, milliseconds), then with the
+  deterministic search (``refine``), bounded by ``search_evals`` evaluations rather than by time so
+  the same input gives the same plan on any machine; the runtime runs the search beside training
+  and switches to its plan when it lands (``propose`` does both in one call);
 * route links by the delegation mode: "off" keeps every link direct, "always" delegates every link,
   "auto" delegates the links planned for a delay and keeps the others direct. A direct slow link
   holds one message in flight and blocks its sender; plans and tolerances are scored with that
@@ -17,8 +19,9 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
   iteration, since new delegates start while training runs.
 
 The decision is split so that one rank can plan for all: ``observe`` (every rank, cheap, identical
-input → identical answer) says whether a decision is due, ``propose`` (one rank) computes it without
-changing any state, ``adopt`` (every rank) takes it in. ``step`` does all three in one process.
+input → identical answer) says whether a decision is due, ``react``/``refine``/``propose`` (one
+rank) compute it without changing any state, ``adopt`` (every rank) takes it in. ``step`` does
+``observe``, ``propose`` and ``adopt`` in one process.
 
 Pure Python: no torch, no deepspeed.
 """
@@ -26,18 +29,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from ..plan.bounds import lower_bound_ms
 from ..plan.links import DIRECT, LATENCY, Delegated
+from ..plan.listsched import list_schedule
 from ..plan.profile import Costs
 from ..plan.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
 from ..plan.search import search
 from ..plan.simulate import Schedule, replay
 from ..plan.tolerance import link_tolerances
+from ..plan.warmup import adapted_warmup
 from .detector import DetectorConfig, LinkDetector
 
-REPLAN_EVALS = 2000  # search effort per re-plan: an evaluation bound, not a time bound (deterministic)
+REPLAN_EVALS = 2000  # default search effort per re-plan: an evaluation bound, not a time bound (deterministic)
 KEEP_WITHIN = 0.02  # keep the plan in force when it is this close to the lower bound under new delays
 GROW_GAIN = 0.05  # add delegate queues to a running link only for a gain above this share of the iteration
 TOLERANCE_RESOLUTION_MS = 0.1
@@ -77,7 +82,7 @@ class Policy:
 
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
-                 queues: tuple[int, int] = (MIN_QUEUES, MAX_QUEUES)):
+                 queues: tuple[int, int] = (MIN_QUEUES, MAX_QUEUES), search_evals: int = REPLAN_EVALS):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
         if every < 1:
@@ -85,6 +90,7 @@ class Policy:
         self.S, self.N = len(plan), microbatches
         self.caps = None if caps is None else list(caps)
         self.every = every
+        self.search_evals = search_evals
         self.delegation = delegation
         self.min_queues, self.max_queues = queues  # delegate FIFOs per delegated link direction
         self.link_queues = [self.min_queues] * (self.S - 1)  # what each link has (or gets when delegated)
@@ -114,36 +120,73 @@ class Policy:
         return Costs(_rounded(f, c.f), _rounded(b, c.b), _rounded(w, c.w), target)
 
     def propose(self, costs: Costs) -> Decision:
-        """The decision for ``costs`` (from ``observe``); changes nothing, so one rank can compute
-        it for all."""
+        """The decision for ``costs`` (from ``observe``) with the search; changes nothing, so one rank
+        can compute it for all."""
+        kept = self._keep(costs)
+        return kept if isinstance(kept, Decision) else self._replan(costs, self._searched(costs), f"re-planned: {kept}")
+
+    def react(self, costs: Costs) -> Decision:
+        """The first reaction to ``costs``: keep the plan in force when it is close enough, else
+        Alg. 2's closed-form warm-up turned into an order by one list-scheduling pass (milliseconds).
+        When it brings a plan, ``refine`` (the search, run beside training) may still find a faster one."""
+        kept = self._keep(costs)
+        if isinstance(kept, Decision):
+            return kept
+        warmup = adapted_warmup(costs, self.N, self._caps_for(list(costs.links)))
+        return self._replan(costs, list_schedule(costs, self.N, warmup), f"closed-form warm-up: {kept}")
+
+    def refine(self, costs: Costs) -> Decision:
+        """After ``react``'s plan was adopted for ``costs``: the search's plan when it is faster than
+        the plan in force, else a decision that keeps it. Changes nothing (runs beside training)."""
+        model = self._model(list(costs.links), self.link_queues)
+        now = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
+        found = self._searched(costs)
+        better = self._replan(costs, found, "refined by the search")
+        if better.predicted_ms < now - 1e-6:
+            return better
+        tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
+                              link_model=model)
+        modes = self._link_modes(list(costs.links))
+        return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
+                        now, f"kept the closed-form plan: the search found nothing faster than {now:.1f} ms")
+
+    def _keep(self, costs: Costs) -> Union[Decision, str]:
+        """A decision that keeps the plan in force, when the slow links are the same ones and it is
+        within ``KEEP_WITHIN`` of the lower bound under the new delays; else why not (for the log)."""
         target = list(costs.links)
-        direct = self._direct(target)
-        caps = self._caps_for(target)
-        modes = self._link_modes(target)
         old_slow, new_slow = _slow(self.detector.planned_for), _slow(target)
-        if old_slow == new_slow:  # same transports and caps: the plan in force still fits them
-            model = self._model(target, self.link_queues)
-            kept = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
-            bound = lower_bound_ms(costs, self.N, caps)
-            if kept <= (1 + KEEP_WITHIN) * bound:
-                tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
-                                      link_model=model)
-                return Decision(None, modes, self._queues_of(modes, self.link_queues), costs,
-                                [t.replay_ms for t in tol], kept,
-                                f"kept the plan in force: {kept:.1f} ms under the new delays, within "
-                                f"{KEEP_WITHIN:.0%} of the lower bound {bound:.1f} ms")
-            why = (f"the plan in force would take {kept:.1f} ms, more than {KEEP_WITHIN:.0%} above the "
-                   f"lower bound {bound:.1f} ms")
-        else:
-            why = f"slow links {old_slow} -> {new_slow}"
-        plan = search(costs, self.N, caps, budget_s=600.0, seed=0, exact=False, max_evals=REPLAN_EVALS,
-                      link_model=[DIRECT if d else LATENCY for d in direct]).schedule
-        queues = self._size_queues(plan, costs, direct)
+        if old_slow != new_slow:
+            return f"slow links {old_slow} -> {new_slow}"
+        model = self._model(target, self.link_queues)
+        kept = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
+        bound = lower_bound_ms(costs, self.N, self._caps_for(target))
+        if kept > (1 + KEEP_WITHIN) * bound:
+            return (f"the plan in force would take {kept:.1f} ms, more than {KEEP_WITHIN:.0%} above the "
+                    f"lower bound {bound:.1f} ms")
+        tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
+                              link_model=model)
+        modes = self._link_modes(target)
+        return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
+                        kept, f"kept the plan in force: {kept:.1f} ms under the new delays, within "
+                              f"{KEEP_WITHIN:.0%} of the lower bound {bound:.1f} ms")
+
+    def _searched(self, costs: Costs) -> Schedule:
+        """The deterministic search's plan for ``costs`` (``search_evals`` replays at most)."""
+        target = list(costs.links)
+        return search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
+                      max_evals=self.search_evals, link_model=[DIRECT if d else LATENCY for d in self._direct(target)]
+                      ).schedule
+
+    def _replan(self, costs: Costs, plan: Schedule, reason: str) -> Decision:
+        """The decision that adopts ``plan`` for ``costs``: its queues, tolerances and replayed time."""
+        target = list(costs.links)
+        queues = self._size_queues(plan, costs, self._direct(target))
         model = self._model(target, queues)
         tol = [t.replay_ms for t in link_tolerances(plan, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
                                                     link_model=model)]
         predicted = replay(plan, costs, self.N, link_model=model).iteration_ms
-        return Decision(plan, modes, self._queues_of(modes, queues), costs, tol, predicted, f"re-planned: {why}")
+        modes = self._link_modes(target)
+        return Decision(plan, modes, self._queues_of(modes, queues), costs, tol, predicted, reason)
 
     def adopt(self, decision: Decision) -> None:
         """Take ``decision`` in (every rank, the same one): the plan, the queues, the detector's new

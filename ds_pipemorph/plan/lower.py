@@ -3,8 +3,8 @@ communication placed, and a dry run that proves the streams deadlock-free before
 
 One stage per rank. Where communication goes (``lower``):
 
-- receives are posted up front: at the start of the iteration each stage posts every receive it
-  will need, RECV_F for each of its F (stages > 0), then RECV_B for each of its B (stages < S-1),
+- receives are posted up front (or within a window, ``recv_window``): at the start of the iteration
+  each stage posts every receive it will need, RECV_F for each of its F (stages > 0), then RECV_B for each of its B (stages < S-1),
   each in the order the producing stage sends them. That is the order messages arrive on the
   channel, so the streams also run where messages between two ranks are matched in order
   (torch pipelining's untagged p2p); where they are matched by tag it changes nothing.
@@ -28,7 +28,7 @@ Pure Python: no torch, no deepspeed.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .ops import Op
 from .simulate import Schedule
@@ -45,24 +45,58 @@ class Deadlock(BadStream):
     """Every unfinished rank waits on another one."""
 
 
-def lower(schedule: Schedule, fused_backward: bool = False) -> list[Stream]:
-    """Per-rank instruction streams of ``schedule`` (one stage per rank), as the module says."""
+def lower(schedule: Schedule, fused_backward: bool = False, recv_window: Optional[int] = None) -> list[Stream]:
+    """Per-rank instruction streams of ``schedule`` (one stage per rank), as the module says.
+
+    ``recv_window``: None posts every receive of the iteration up front; k >= 1 posts the first k
+    receives of each kind (RECV_F, RECV_B) up front and, after each op that consumed one, the next
+    ones while fewer than k of that kind are outstanding (a posted receive holds its buffer: k
+    bounds that memory). Receives keep the producers' order, so an op that consumes out of that
+    order first posts every receive up to its own (the window then stretches for it).
+    """
+    if recv_window is not None and recv_window < 1:
+        raise ValueError(f"recv_window must be None or >= 1, got {recv_window}")
     S = len(schedule)
     out: list[Stream] = []
     for s, row in enumerate(schedule):
+        pending = {  # receives not posted yet, in the order the neighbours send them
+            "F": [Op("RECV_F", op.mb, s) for op in schedule[s - 1] if op.kind == "F"] if s > 0 else [],
+            "B": [Op("RECV_B", op.mb, s) for op in schedule[s + 1] if op.kind == "B"] if s < S - 1 else [],
+        }
+        window = {kind: len(pending[kind]) if recv_window is None else recv_window for kind in pending}
+        outstanding = {"F": 0, "B": 0}  # posted, not consumed yet
+
+        def post(kind: str, upto: Optional[int] = None) -> None:
+            """Post the next receives of ``kind``: through micro-batch ``upto``, else up to the window."""
+            while pending[kind] and (upto is not None or outstanding[kind] < window[kind]):
+                recv = pending[kind].pop(0)
+                stream.append(recv)
+                outstanding[kind] += 1
+                if recv.mb == upto:
+                    return
+
         stream: Stream = []
-        if s > 0:
-            stream += [Op("RECV_F", op.mb, s) for op in schedule[s - 1] if op.kind == "F"]
-        if s < S - 1:
-            stream += [Op("RECV_B", op.mb, s) for op in schedule[s + 1] if op.kind == "B"]
+        post("F")
+        post("B")
         for i, op in enumerate(row):
+            consumes = _consumes(op, s, S)
+            if consumes and any(r.mb == op.mb for r in pending[op.kind]):
+                post(op.kind, upto=op.mb)
             stream.append(op.at(s))
             if op.kind == "F" and s < S - 1:
                 stream.append(Op("SEND_F", op.mb, s))
             elif s > 0 and _sends_gradient(row, i, fused_backward):
                 stream.append(Op("SEND_B", op.mb, s))
+            if consumes:
+                outstanding[op.kind] -= 1
+                post(op.kind)
         out.append(stream)
     return out
+
+
+def _consumes(op: Op, s: int, S: int) -> bool:
+    """Whether ``op`` on stage ``s`` consumes a received tensor (F below the first stage, B above the last)."""
+    return op.kind == "F" and s > 0 or op.kind == "B" and s < S - 1
 
 
 def _sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:

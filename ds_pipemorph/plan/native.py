@@ -96,6 +96,12 @@ def _build() -> Optional[ctypes.CDLL]:
             finally:
                 os.unlink(c_file)
             if r.returncode != 0:
+                import logging
+
+                err = r.stderr.decode(errors="replace").strip().splitlines()
+                logging.getLogger(__name__).warning(
+                    "the planner's C core did not compile with %s (%s); planning runs the slower pure-Python "
+                    "code (DS_PIPEMORPH_NATIVE=0 skips the attempt)", cc, err[0] if err else f"exit {r.returncode}")
                 return None
             os.replace(tmp, so)  # atomic: concurrent builders each install a whole library
             return ctypes.CDLL(str(so))

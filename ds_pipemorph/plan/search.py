@@ -65,6 +65,11 @@ class SearchResult:
     trace: list[tuple[float, float]] = field(default_factory=list)  # (seconds, best ms)
 
     @property
+    def greedy_ms(self) -> float:
+        """The paper's single greedy pass (Alg. 1 + Alg. 3/4), where every search starts."""
+        return self.trace[0][1]
+
+    @property
     def gap_to_bound(self) -> float:
         lb = self.lower_bound_ms
         return 0.0 if lb <= 0 else (self.iteration_ms - lb) / lb

@@ -11,6 +11,15 @@ broadcasts it: the other ranks wait idle instead of planning the same thing on a
 Every rank adopts it and the engine applies it from the next iteration. Nothing here reads the
 injection settings.
 
+A re-plan runs off the critical path (``replan="background"``, the default): the decision at the
+boundary is the policy's first reaction (``Policy.react``: keep the plan, or Alg. 2's closed-form
+warm-up, milliseconds), and rank 0 hands the search (``Policy.refine``) to a worker process
+(``control.background``). Training goes on with the plan in force; at each boundary rank 0 says in
+its all-gathered row whether the search has landed, so every rank learns it in the same
+iteration, receives the refined decision by broadcast and switches at the same boundary. While a
+search runs the detector waits (measurements are still kept). ``replan="inline"`` runs the whole
+search at the boundary while every rank waits (``Policy.propose``).
+
 Its own cost is measured as it runs (``overhead.Overhead``, one per iteration boundary and rank:
 wall time in each part of this code, plus the per-op timestamps at a cost calibrated at start-up)
 and shipped with the next iteration's all-gather, so every rank can report the cost on the
@@ -30,9 +39,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..control.background import BackgroundPlanner
 from ..control.detector import DetectorConfig
 from ..control.estimate import RankTimes, link_delays, message_times
-from ..control.policy import Decision, Policy
+from ..control.policy import REPLAN_EVALS, Decision, Policy
 from ..plan.profile import Costs
 from ..plan.simulate import Schedule, warmup_counts
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
@@ -42,7 +52,9 @@ logger = logging.getLogger(__name__)
 
 LOG_EVERY = 100  # rank 0 logs the profiler's overhead every this many iterations (and in close())
 _LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, W, upstream rank, downstream rank
-_TIMES = _LOCAL + len(OVERHEAD_FIELDS) + 1  # then the overhead, the period, and the message times
+_FLAG = _LOCAL + len(OVERHEAD_FIELDS) + 1  # after the overhead and the period: rank 0's "the search landed"
+_TIMES = _FLAG + 1  # then the message times
+REPLAN_MODES = ("background", "inline")
 
 
 @dataclass
@@ -53,6 +65,8 @@ class Replan:
     predicted_ms: float
     warmup: list[int]
     plan: list[list[str]]
+    kind: str = "search"  # "search" (inline), "closed-form" (first reaction) or "refined" (the search landed)
+    search_s: Optional[float] = None  # for "refined": seconds the search took beside training
 
 
 class Adapter:
@@ -60,11 +74,16 @@ class Adapter:
                  caps: Optional[list[int]], every: int, clock_offsets: dict[int, int],
                  delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
                  profile_out: Optional[str] = None, neighbours: tuple[int, int] = (-1, -1),
-                 queues: tuple[int, int] = (2, 2)):
+                 queues: tuple[int, int] = (2, 2), replan: str = "background", search_evals: int = REPLAN_EVALS):
+        if replan not in REPLAN_MODES:
+            raise ValueError(f"replan must be one of {REPLAN_MODES}, not {replan!r}")
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
         self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline (-1: none)
-        self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues)
+        self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals)
+        self.background = replan == "background"
+        self._pending: Optional[Costs] = None  # every rank: the costs a search beside training plans for
+        self._landed: Optional[tuple] = None  # rank 0: the search's answer, announced in this boundary's row
         self.iteration = -1
         self.replans: list[Replan] = []
         self.kept: list[tuple[int, list[float]]] = []  # (iteration, target) where the plan in force was kept
@@ -75,6 +94,7 @@ class Adapter:
         self._last_enter: Optional[int] = None
         self.profile_out = profile_out
         self.rank = dist.get_rank()
+        self._planner = BackgroundPlanner() if self.background and self.rank == 0 else None
         self.export = ProfileExport(stages, microbatches, caps)
         self._closed = False
         atexit.register(self.close)  # the profile and the overhead line also when nobody calls close()
@@ -90,10 +110,13 @@ class Adapter:
         prev = self.overheads[-1] if self.overheads else None
         mine = self._local(records, oh, device_ms)
         shipped = list(astuple(prev)) if prev is not None else [-1.0] * len(OVERHEAD_FIELDS)
+        if self._pending is not None and self._planner is not None:
+            self._landed = self._planner.poll()
+        landed = float(self._landed is not None)
         t = time.perf_counter_ns()
         times = message_times(records, self.N, self.stage_id, self.clock_offsets)
         oh.links = _ms_since(t)
-        row = torch.tensor([*mine, *shipped, period, *times], dtype=torch.float64)
+        row = torch.tensor([*mine, *shipped, period, landed, *times], dtype=torch.float64)
         t = time.perf_counter_ns()
         dist.barrier()  # waiting for the last rank to finish its iteration is not the loop's cost
         oh.sync = _ms_since(t)
@@ -104,7 +127,7 @@ class Adapter:
         oh.exchange = _ms_since(t)
         try:
             if prev is not None:
-                self.overhead_book.add(table[:, _LOCAL:_TIMES])
+                self.overhead_book.add(table[:, _LOCAL:_FLAG])
             return self._decide(table, oh)
         finally:
             oh.other = max(0.0, _ms_since(enter) - (oh.counted() - oh.stamps) - oh.sync)
@@ -124,15 +147,47 @@ class Adapter:
         if self.iteration > 0:  # the first iteration exchanges layouts and warms up: not representative
             self.export.add(f, b, w, links)
         oh.stats += _ms_since(t)
+        if self._pending is not None:  # a search runs beside training: the detector waits for it
+            if table[0, _FLAG] <= 0:
+                return None
+            t = time.perf_counter_ns()
+            return self._adopt(self._search_landed(), links, oh, t, "refined")
         t = time.perf_counter_ns()
         costs = self.policy.observe(self.iteration, f, b, w, links)
         oh.detect = _ms_since(t)
         if costs is None:
             return None
         t = time.perf_counter_ns()
-        proposal = [self.policy.propose(costs) if self.rank == 0 else None]
+        first = self.policy.react if self.background else self.policy.propose
+        proposal = [(first(costs), None) if self.rank == 0 else None]
         dist.broadcast_object_list(proposal, src=0)  # one planner: the others wait idle, not planning too
-        decision: Decision = proposal[0]
+        decision = self._adopt(proposal[0], links, oh, t, "closed-form" if self.background else "search")
+        if decision is not None and self.background:  # refine it beside training
+            self._pending = decision.costs
+            if self._planner is not None:
+                self._planner.submit(self.policy, decision.costs)
+        return decision
+
+    def _search_landed(self) -> tuple[Decision, float]:
+        """Every rank: the landed search's decision and its seconds, broadcast from rank 0. A failed
+        worker is said once in the log and the search runs here instead (the others wait for it)."""
+        answer: list = [None]
+        if self.rank == 0:
+            status, *rest = self._landed
+            if status == "ok":
+                answer = [tuple(rest)]
+            else:
+                logger.warning("pipemorph: %s; searching on the training thread instead", rest[0])
+                t = time.perf_counter()
+                answer = [(self.policy.refine(self._pending), time.perf_counter() - t)]
+        dist.broadcast_object_list(answer, src=0)
+        self._pending = self._landed = None
+        return answer[0]
+
+    def _adopt(self, proposal: tuple[Decision, Optional[float]], links, oh: Overhead, t: int,
+               kind: str) -> Optional[Decision]:
+        """Every rank: take the broadcast decision in; the decision when it brings a plan, else None."""
+        decision, search_s = proposal
         self.policy.adopt(decision)
         if decision.plan is None:  # the plan in force is as good as a new one would be: keep it
             self.kept.append((self.iteration, decision.target_ms))
@@ -140,12 +195,13 @@ class Adapter:
             return None
         plan = decision.plan
         ev = Replan(self.iteration, links, decision.target_ms, decision.predicted_ms, warmup_counts(plan),
-                    [[str(o) for o in r] for r in plan])
+                    [[str(o) for o in r] for r in plan], kind, search_s)
         self.replans.append(ev)
         oh.replan = _ms_since(t)
         if self.rank == 0:
-            logger.warning("pipemorph: after iteration %d measured link delays %s ms -> %s; planned for %s ms: "
-                           "warm-up %s, predicted %.1f ms", ev.iteration, _fmt(links), decision.reason,
+            beside = f" (searched {search_s * 1e3:.0f} ms beside training)" if search_s is not None else ""
+            logger.warning("pipemorph: after iteration %d measured link delays %s ms -> %s%s; planned for %s ms: "
+                           "warm-up %s, predicted %.1f ms", ev.iteration, _fmt(links), decision.reason, beside,
                            ev.target_ms, ev.warmup, ev.predicted_ms)
             t = time.perf_counter_ns()
             self._write_profile(f"re-plan after iteration {ev.iteration}")
@@ -176,6 +232,8 @@ class Adapter:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self._planner is not None:
+            self._planner.close()
         if self.rank == 0:  # the process group may be gone already (at exit): nothing here needs it
             self._write_profile(f"end of training, after {self.iteration + 1} iterations")
             self._log_overhead()

@@ -38,6 +38,13 @@ class MemoryConfig(_Strict):
 class AdaptConfig(_Strict):
     enabled: bool = True
     every_iterations: int = Field(1, ge=1)
+    # background: a re-plan first adopts Alg. 2's closed-form warm-up, and rank 0's worker process
+    # runs the search beside training; every rank switches to its plan at the first boundary after
+    # it lands. inline: the search runs at the boundary while every rank waits for it.
+    replan: Literal["background", "inline"] = "background"
+    # The search's effort per re-plan, in replays (an evaluation bound: the same input gives the
+    # same plan on any machine).
+    search_evals: int = Field(2000, ge=1)
 
 
 class DelegationConfig(_Strict):

@@ -8,8 +8,9 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   recomputation (``bw_split``); all W of an iteration run before ``ReduceTiedGrads``;
 - received activations, received gradients, input gradients and the loss live per pipe buffer
   (the stock engine shares one receive buffer, one gradient buffer and ``self.loss``);
-- it executes the plan's lowered stream (``plan.lower``: every receive of the iteration posted up
-  front, each send right after the op that produced it), dry-run for deadlocks before it is used;
+- it executes the plan's lowered stream (``plan.lower``: receives posted ``RECV_AHEAD`` per kind
+  ahead of their consumers, each send right after the op that produced it), dry-run for deadlocks
+  before it is used;
   messages go through a transport (``runtime.transport``): non-blocking sends, a tag per (kind,
   micro-batch), a timeout on every wait;
 - every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
@@ -51,6 +52,26 @@ from .transport.router import build_transport
 logger = logging.getLogger(__name__)
 
 
+# Receives of each kind (activations, gradients) posted ahead of the op that consumes them. A posted
+# receive holds its buffer, so this bounds the receive memory (two per kind) where posting every
+# receive of the iteration would hold N; two ahead keeps a receive in place before its message.
+RECV_AHEAD = 2
+
+
+def backend_reason(backend: str, delegation_mode: str) -> Optional[str]:
+    """One sentence if direct links cannot run on ``backend``, else None.
+
+    NCCL runs a pair of ranks' sends and receives in the order they were issued, on one stream, and
+    ignores tags: a receive posted ahead of a send the peer is waiting for holds that send back.
+    The direct path posts receives ahead (and matches messages by tag), so on NCCL every link goes
+    through the delegates, whose own gloo groups match by tag."""
+    if backend == "nccl" and delegation_mode != "always":
+        return ("pipemorph's direct transport posts receives ahead of sends, which NCCL's in-order "
+                "point-to-point streams cannot serve: set pipemorph.delegation.mode to \"always\" "
+                "(every link through the delegates) with the NCCL backend")
+    return None
+
+
 def unsupported_reason(config_class, model) -> Optional[str]:
     """One sentence if this DeepSpeed setup cannot run split-backward plans yet, else None."""
     if config_class.float16_config.enabled or config_class.bfloat16_config.enabled:
@@ -78,6 +99,9 @@ class PipeMorphEngine(PipelineEngine):
         if reason:
             raise PipeMorphConfigError(reason)
         super().__init__(*super_args, **super_kwargs)
+        reason = backend_reason(torch.distributed.get_backend(), pipemorph.delegation.mode)
+        if reason:
+            raise PipeMorphConfigError(reason)
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
@@ -101,7 +125,8 @@ class PipeMorphEngine(PipelineEngine):
                                    delegation=pipemorph.delegation.mode, profile_out=pipemorph.profile_out,
                                    neighbours=(ranks[self.stage_id - 1] if self.stage_id > 0 else -1,
                                                ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else -1),
-                                   queues=(pipemorph.delegation.queues, pipemorph.delegation.queue_cap))
+                                   queues=(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
+                                   replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals)
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
@@ -144,7 +169,7 @@ class PipeMorphEngine(PipelineEngine):
     def _set_plan(self, plan: Schedule) -> None:
         """Lower ``plan`` and dry-run every rank's stream before this rank uses it (the same plan
         gives the same result on every rank, so all adopt it or all refuse it)."""
-        streams = lower(plan)
+        streams = lower(plan, recv_window=RECV_AHEAD)
         try:
             dry_run(streams)
         except BadStream as e:

@@ -71,8 +71,8 @@ import json, sys
 config, out, schedule = sys.argv[1:]
 cfg = json.load(open(config))
 pm = cfg["pipemorph"]
-if schedule == "plan":  # the offline plan, never re-planned: no control loop, so no delegation to decide
-    pm.update(schedule="plan", plan_file=f"{out}/plan.yaml", delegation={"mode": "off"}, profile_out=None)
+if schedule == "plan":  # the offline plan, never re-planned (links stay delegated, as NCCL needs)
+    pm.update(schedule="plan", plan_file=f"{out}/plan.yaml", profile_out=None)
     pm.pop("adapt")
 else:  # adaptive
     pm["profile_out"] = f"{out}/measured_profile.yaml"  # feed it back to `pipemorph plan`

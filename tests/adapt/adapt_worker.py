@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
 
-SPEC: {"iterations": K, "delays": {"<iteration>": [ms per link], ...}, "op_ms": t, "microbatches": N}.
+SPEC: {"iterations": K, "delays": {"<iteration>": [ms per link], ...}, "op_ms": t, "microbatches": N},
+optionally "replan" and "search_evals" (the adapt settings), "stock": false (skip the stock run).
 The delay injector is put around the engine's transport by this worker (test control only); the
 engine's control loop sees nothing but its own measurements. Also trains stock DeepSpeed on the
 same data so the test can compare parameters. Writes OUT_DIR/<name>.rank<r>.json.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
@@ -38,7 +40,9 @@ def build(spec, adaptive: bool):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         return engine
     cfg["pipemorph"] = {"schedule": "adaptive", "memory": {"max_inflight": [8, 6, 4, 2]},
-                        "delegation": {"mode": spec.get("delegation", "off")}, "nvtx": False}
+                        "delegation": {"mode": spec.get("delegation", "off")}, "nvtx": False,
+                        "adapt": {"replan": spec.get("replan", "background"),
+                                  "search_evals": spec.get("search_evals", 2000)}}
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -51,18 +55,20 @@ def main(spec_path: str, out_dir: str) -> None:
     data = [[(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec["microbatches"])]
             for _ in range(spec["iterations"])]
     results = {}
-    for name in ("adaptive", "stock"):
+    for name in ("adaptive", "stock") if spec.get("stock", True) else ("adaptive",):
         engine = build(spec, name == "adaptive")
         sched = None
         if name == "adaptive":  # the delay schedule both paths of every link read (test control only)
             sched = DelaySchedule([0.0, 0.0, 0.0])
             engine.transport.direct = DelayInjector(engine.transport.direct, engine.stage_id, sched, 60.0)
             engine.transport.delegated.delays = sched
-        losses, modes = [], []
+        losses, modes, seconds = [], [], []
         for it in range(spec["iterations"]):
             if sched is not None and str(it) in spec["delays"]:
                 sched.static = list(spec["delays"][str(it)])
+            t = time.perf_counter()
             losses.append(float(engine.train_batch(iter(data[it]))))
+            seconds.append(time.perf_counter() - t)
             if sched is not None:
                 modes.append([engine.transport.link_mode(i) for i in range(3)])
         out = {"losses": losses, "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()}}
@@ -70,6 +76,7 @@ def main(spec_path: str, out_dir: str) -> None:
             out["replans"] = [vars(r) for r in engine.adapter.replans]
             out["measured"] = engine.adapter.measured
             out["modes"] = modes
+            out["seconds"] = seconds
             engine.transport.wait_sends()
             engine.destroy()
         results[name] = out

@@ -1,13 +1,16 @@
 """The control loop on the real engine: a slow link is measured, acted on, and forgotten when it
-recovers; no delay means no re-plan; re-planning never changes the numbers (vs stock DeepSpeed)."""
+recovers; no delay means no re-plan; re-planning never changes the numbers (vs stock DeepSpeed); a
+search that takes longer than an iteration runs beside training without stalling it."""
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from ds_pipemorph.control.policy import Policy
 from ds_pipemorph.plan.links import DIRECT
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
@@ -42,8 +45,15 @@ def test_delay_at_iteration_5_is_acted_on_by_7_and_recovery_returns_to_the_no_de
     spec = {"iterations": 20, "op_ms": 10, "microbatches": 8, "delays": {"5": [0, 0, 40], "12": [0, 0, 0]}}
     res = launch(tmp_path, spec, 220)
     replans = res[0]["adaptive"]["replans"]
-    assert len(replans) == 2, [(r["iteration"], r["measured_ms"], r["target_ms"]) for r in replans]
-    up, down = replans
+    # Each reaction is the closed-form warm-up; the search beside training may refine it later.
+    reactions = [r for r in replans if r["kind"] != "refined"]
+    assert len(reactions) == 2, [(r["iteration"], r["kind"], r["measured_ms"], r["target_ms"]) for r in replans]
+    up, down = reactions
+    assert {r["kind"] for r in reactions} == {"closed-form"}
+    for r in replans:  # a refinement lands after its reaction, for the delays that reaction planned for
+        if r["kind"] == "refined":
+            before = [x for x in reactions if x["iteration"] < r["iteration"]][-1]
+            assert r["target_ms"] == before["target_ms"] and r["search_s"] > 0
     assert up["iteration"] <= 6  # decided after iteration 5 or 6: the new plan runs by iteration 7
     assert up["target_ms"][2] >= 40 and up["target_ms"][:2] == [0.0, 0.0]
     assert 38 <= up["measured_ms"][2] <= 50  # measured from the engine's own messages, not read from the settings
@@ -85,3 +95,38 @@ def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_s
     for r in range(4):
         assert res[r]["adaptive"]["losses"] == pytest.approx(res[r]["stock"]["losses"], abs=1e-5)
         assert max_diff(res[r]["adaptive"]["params"], res[r]["stock"]["params"]) <= 1e-5
+
+
+EVALS = 40000  # about 20x the default effort: the search then outlasts several iterations
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_search_longer_than_an_iteration_runs_beside_training_and_all_ranks_switch_together(tmp_path):
+    spec = {"iterations": 22, "op_ms": 10, "microbatches": 8, "delays": {"3": [0, 0, 40]},
+            "search_evals": EVALS, "stock": False}
+    res = launch(tmp_path, spec, 280)
+    replans = res[0]["adaptive"]["replans"]
+    assert [r["kind"] for r in replans] == ["closed-form", "refined"], replans
+    react, refined = replans
+    for r in range(4):  # every rank adopted both plans after the same iterations
+        assert [(x["iteration"], x["plan"]) for x in res[r]["adaptive"]["replans"]] == \
+            [(x["iteration"], x["plan"]) for x in replans]
+
+    # The refined plan is what the search gives for the delays the reaction planned for, in-process.
+    costs = Costs.uniform(4, 10.0, react["target_ms"])
+    policy = Policy(build_plan(parse_config(SECTION), 4, 8), Costs.uniform(4, 10.0, [0.0] * 3), 8,
+                    [8, 6, 4, 2], search_evals=EVALS)
+    policy.adopt(policy.react(costs))
+    assert parse_schedule(refined["plan"]) == policy.refine(costs).plan
+
+    seconds = res[0]["adaptive"]["seconds"]
+    # Iterations on the closed-form plan while the search ran, including the boundary where it landed.
+    during = seconds[react["iteration"] + 1: refined["iteration"] + 1]
+    typical = statistics.median(during)
+    assert refined["search_s"] > typical, (refined["search_s"], seconds)  # inline, this would have stalled
+    assert refined["iteration"] - react["iteration"] >= 2, replans  # training went on meanwhile
+    assert max(during) <= 1.05 * typical, [round(s * 1e3) for s in seconds]
+    # The iteration after the switch runs the searched plan, no slower than its neighbours either.
+    after = seconds[refined["iteration"] + 1: refined["iteration"] + 4]
+    assert max(after) <= 1.05 * typical, [round(s * 1e3) for s in seconds]

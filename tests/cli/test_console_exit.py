@@ -12,7 +12,7 @@ import yaml
 
 PROFILE = Path(__file__).resolve().parents[2] / "recipes" / "profiles" / "paper_fig4.yaml"
 # What the ``pipemorph`` console script does (sys.argv holds the command line).
-SCRIPT = "import sys; from ds_pipemorph_cli.app import main; sys.exit(main())"
+SCRIPT = "from ds_pipemorph_cli.app import console_main; console_main()"
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -45,3 +45,21 @@ def test_json_output_is_complete(tmp_path):
     p = run("plan", str(PROFILE), "--json", "--budget", "0.2", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert yaml.safe_load(p.stdout)["warmup"] == [7, 5, 3, 1]  # JSON is YAML: parses only if complete
+
+
+@pytest.mark.timeout(120)
+def test_exit_handlers_registered_before_still_run(tmp_path):
+    marker = tmp_path / "handler-ran"
+    script = (f"import atexit, pathlib; atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes'); "
+              + SCRIPT)
+    p = subprocess.run([sys.executable, "-c", script, "plan", str(tmp_path / "missing.yaml")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and marker.read_text() == "yes"
+
+
+def test_main_with_explicit_arguments_only_raises_systemexit():
+    from ds_pipemorph_cli.app import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "/nonexistent/profile.yaml"])
+    assert e.value.code == 2  # the caller's process goes on

@@ -50,7 +50,7 @@ def test_wheel_carries_the_staging_sources_and_the_cli_but_no_recipes(wheel):
     assert "ds_pipemorph_cli/app.py" in names and "ds_pipemorph/staging/builder.py" in names
     assert not [n for n in names if n.startswith(("recipes/", "tests/", "benchmarks/", "cuda_ext/"))]
     entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    assert "pipemorph = ds_pipemorph_cli.app:main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
+    assert "pipemorph = ds_pipemorph_cli.app:console_main" in zipfile.ZipFile(wheel).read(entry[0]).decode()
 
 
 @pytest.mark.slow

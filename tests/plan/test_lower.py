@@ -160,3 +160,44 @@ def test_messages_matched_in_order_must_be_received_in_the_order_they_are_sent()
     dry_run(streams_of(lines))  # matched by tag: fine
     with pytest.raises(BadStream, match="stage 1: its receive #0 from stage 0 is 1RECV_F1 but stage 0 sends 0SEND_F0"):
         dry_run(streams_of(lines), ordered_channels=True)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_receive_window_bounds_outstanding_receives_and_still_runs(window):
+    rng = random.Random(window)
+    for i in range(60):
+        S, N = rng.randint(2, 5), rng.randint(1, 9)
+        if i % 2:  # zero-bubble plans: every stage consumes in the order its neighbours produce
+            plan = list_schedule(Costs.uniform(S), N, initial_warmup([rng.randint(1, N) for _ in range(S)]))
+        else:  # random valid plans: consumed out of the producers' order too
+            plan, _ = randplans.random_plan(S, N, random.Random(rng.random()))
+        windowed, upfront = lower(plan, recv_window=window), lower(plan)
+        dry_run(windowed)
+        dry_run(windowed, ordered_channels=True)
+        for s in range(S):
+            # the same ops, only the receives moved: same compute order, same sends, same receives
+            assert sorted(map(str, windowed[s])) == sorted(map(str, upfront[s]))
+            assert [o for o in windowed[s] if not o.kind.startswith("RECV")] == \
+                [o for o in upfront[s] if not o.kind.startswith("RECV")]
+            for kind, consumer in (("RECV_F", "F"), ("RECV_B", "B")):
+                posted = used = peak = 0
+                for op in windowed[s]:
+                    if op.kind == kind:
+                        posted += 1
+                    elif op.kind == consumer and ((kind == "RECV_F" and s > 0) or (kind == "RECV_B" and s < S - 1)):
+                        assert posted > used, f"stage {s}: {op} before its receive is posted"
+                        used += 1
+                    peak = max(peak, posted - used)
+                # beyond the window only as far as consuming out of the producers' order needs
+                order = [op.mb for op in upfront[s] if op.kind == kind]
+                if not order:
+                    assert peak == 0
+                    continue
+                consumed = [op.mb for op in plan[s] if op.kind == consumer]
+                need = max(order.index(m) + 1 - j for j, m in enumerate(consumed))
+                assert peak <= max(window, need)
+
+
+def test_a_window_below_one_is_refused():
+    with pytest.raises(ValueError, match="recv_window"):
+        lower([[Op("F", 0), Op("B", 0), Op("W", 0)]], recv_window=0)

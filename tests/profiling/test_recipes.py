@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel
 
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
+from ds_pipemorph.runtime.engine import backend_reason
 from ds_pipemorph.testing.inject import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +37,10 @@ def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 def test_gpu_cluster_config_is_accepted_and_its_commented_copy_matches():
     cfg = json.loads((GPU / "ds_config.json").read_text())
     parsed = parse_config(cfg["pipemorph"])
-    # The README's promise: the control loop re-plans and moves slow links to delegates.
-    assert (parsed.schedule, parsed.adapt.enabled, parsed.delegation.mode) == ("adaptive", True, "auto")
+    # The README's promise: the control loop re-plans, and every link goes through the delegates
+    # (what the engine requires with NCCL, which a GPU cluster runs).
+    assert (parsed.schedule, parsed.adapt.enabled, parsed.delegation.mode) == ("adaptive", True, "always")
+    assert backend_reason("nccl", parsed.delegation.mode) is None
     jsonc = re.sub(r"//[^\n]*", "", (GPU / "ds_config.commented.jsonc").read_text())
     assert json.loads(jsonc) == cfg
     # Every key (and every default) is in the README table and has a comment in the jsonc copy.
@@ -95,6 +98,6 @@ def test_launch_scripts_train_config_sets_nothing_the_engine_ignores(tmp_path, s
     pm = parse_config(json.loads((tmp_path / "ds_config.json").read_text())["pipemorph"])
     assert pending_notes(pm) == []
     if schedule == "plan":
-        assert (pm.schedule, pm.plan_file, pm.delegation.mode) == ("plan", f"{tmp_path}/plan.yaml", "off")
+        assert (pm.schedule, pm.plan_file, pm.delegation.mode) == ("plan", f"{tmp_path}/plan.yaml", "always")
     else:
         assert (pm.schedule, pm.profile_out) == ("adaptive", f"{tmp_path}/measured_profile.yaml")
