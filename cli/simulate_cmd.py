@@ -13,8 +13,10 @@ from ds_pipemorph.plan.links import DIRECT, LATENCY
 from ds_pipemorph.plan.lower import checked_lines
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.ready import DISPATCH, replay_varying
+from ds_pipemorph.plan.simulate import peak_inflight, replay
 from ds_pipemorph.plan.torch_csv import read_torch_plan
+from ds_pipemorph.plan.variation import link_trace, parse_vary
 
 from .common import console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
 
@@ -25,6 +27,9 @@ def simulate(
     compute_ms: Optional[str] = typer.Option(None, "--compute-ms", help="F/B/W ms for all stages (10/10/10) or per stage (10/10/10,12/12/8,...)."),
     compare: str = typer.Option(",".join(BASELINES), "--compare", help="Baselines planned for the plan's profile, replayed the same way ('' for none)."),
     direct: bool = typer.Option(False, "--direct", help="Model slow links as direct ones: one message in flight, the sender blocks."),
+    dispatch: str = typer.Option("ordered", "--dispatch", metavar="[ordered|ready]", help="ordered: each stage runs the plan's order as written; ready: the order is a hint, each stage runs the first ready op in it, holding no more activations than the plan does (docs/ready_dispatch.md). With ready, both times are printed."),
+    vary: Optional[str] = typer.Option(None, "--vary", metavar="SPEC", help="Vary op times per micro-batch: jitter:SPREAD[,seed=K][,kinds=FB], heavy:frac=F,factor=X,stages=K[,seed=S] or table:FILE. Applies to every row."),
+    link_trace_path: Optional[Path] = typer.Option(None, "--link-trace", metavar="FILE", help="Per-link delay over time, YAML/JSON: points: [{t: seconds, links_ms: [...]}, ...] (the inject.trace format); instead of --links-ms."),
     lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank) instead of replaying."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the replayed plan."),
@@ -46,6 +51,10 @@ def simulate(
         if planned is None and comp is None:
             raise BadInput(f"{plan_path} carries no profile: give --compute-ms")
         f, b, w = comp if comp else (planned.f, planned.b, planned.w)
+        if dispatch not in DISPATCH:
+            raise BadInput(f"--dispatch: '{dispatch}' is not a dispatch rule; choose ordered or ready")
+        if links_ms is not None and link_trace_path is not None:
+            raise BadInput("give either --links-ms or --link-trace, not both")
         links = parse_floats(links_ms, "--links-ms")
         if links is None:
             links = planned.links if planned else [0.0] * (S - 1)
@@ -55,32 +64,59 @@ def simulate(
         plan_costs = planned or costs
         names = [x.strip() for x in compare.split(",") if x.strip()]
         model = DIRECT if direct else LATENCY
-        rows = {"plan": replay(sched, costs, N, pf.fused, model)}
+        op_times = parse_vary(vary, costs, N) if vary is not None else None
+        curves = link_trace(link_trace_path, S - 1) if link_trace_path is not None else None
+        varied = op_times is not None or curves is not None
+
+        def run(order, fused, how="ordered", caps=None):
+            if not varied and how == "ordered":
+                return replay(order, costs, N, fused, model)
+            return replay_varying(order, costs, N, how, caps, op_times, curves, fused, model)
+
+        caps = peak_inflight(sched)  # ready dispatch holds no more activations than the plan does
+        rows = {"plan": run(sched, pf.fused)}
+        if dispatch == "ready":
+            rows["plan, ready dispatch"] = run(sched, pf.fused, "ready", caps)
         for name in names:
             if name not in BASELINES:
                 raise BadInput(f"--compare: unknown baseline '{name}'; choose from {', '.join(BASELINES)}")
-            rows[name] = replay(baseline(name, plan_costs, N), costs, N, name != "zb-h1", model)
-        tl = rows["plan"]
-        title = f"{plan_path.name} replayed, links_ms={[round(x, 1) for x in links]}"
-        write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title, links))
+            rows[name] = run(baseline(name, plan_costs, N), name != "zb-h1")
+        ordered = rows["plan"]
+        tl = rows["plan, ready dispatch"] if dispatch == "ready" else ordered
+        under = f"link trace {link_trace_path.name}" if curves else f"links_ms={[round(x, 1) for x in links]}"
+        under += f", {vary}" if vary else ""
+        title = f"{plan_path.name} replayed ({dispatch} dispatch), {under}"
+        write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title,
+                                       None if curves else links))
     result = {
+        "dispatch": dispatch,
         "iteration_ms": tl.iteration_ms,
         "bubble_rate": tl.bubble_rate,
         "stage_bubble_rate": tl.stage_bubble_rate,
         "peak_inflight": tl.peak_inflight,
         "predicted_ms": pf.predicted.iteration_ms if pf.predicted else None,
-        "links_ms": links,
+        "ordered_ms": ordered.iteration_ms,
+        "ready_ms": tl.iteration_ms if dispatch == "ready" else None,
+        "ready_caps": caps if dispatch == "ready" else None,
+        "vary": vary,
+        "link_trace": str(link_trace_path) if link_trace_path is not None else None,
+        "links_ms": None if curves else links,
         "compute_ms": {"forward": list(f), "backward_input": list(b), "backward_weight": list(w)},
-        "compare": {k: {"iteration_ms": v.iteration_ms, "bubble_rate": v.bubble_rate} for k, v in rows.items() if k != "plan"},
+        "compare": {k: {"iteration_ms": v.iteration_ms, "bubble_rate": v.bubble_rate}
+                    for k, v in rows.items() if k not in ("plan", "plan, ready dispatch")},
     }
     if as_json:
         print_json(result)
         return
-    t = Table(title=f"replay under links_ms={links}", title_justify="left")
+    t = Table(title=f"replay under {under}", title_justify="left")
     for col in ("schedule", "iteration ms", "bubble rate", "vs plan"):
         t.add_column(col, justify="right")
     for k, v in rows.items():
-        t.add_row(k, f"{v.iteration_ms:.1f}", f"{v.bubble_rate:.1%}", f"{v.iteration_ms / tl.iteration_ms:.2f}x")
+        t.add_row(k, f"{v.iteration_ms:.1f}", f"{v.bubble_rate:.1%}", f"{v.iteration_ms / ordered.iteration_ms:.2f}x")
     console.print(t)
+    if dispatch == "ready":
+        console.print(f"ready dispatch: {tl.iteration_ms:.1f} ms against {ordered.iteration_ms:.1f} ms in the "
+                      f"plan's order ({tl.iteration_ms / ordered.iteration_ms:.2f}x), holding no more "
+                      "activations per stage than the plan")
     if pf.predicted:
         console.print(f"planned for its profile: {pf.predicted.iteration_ms:.1f} ms")
