@@ -38,6 +38,9 @@ The plan is read off the start times (ties broken by dependency depth), replayed
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -432,7 +435,7 @@ def _check_caps(caps: list[int] | None, S: int, N: int) -> list[int]:
 def _solve(highspy, model: _Model, start: list[float], time_limit_s: float):
     import numpy as np
 
-    h = highspy.Highs()
+    h = _new_highs(highspy)
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", 1e-7)
@@ -532,3 +535,19 @@ def _check_result(schedule: Schedule, tl: Timeline, caps: list[int], objective: 
     for s, (p, c) in enumerate(zip(tl.peak_inflight, caps)):
         if p > c:
             raise RuntimeError(f"stage {s}: extracted plan holds {p} activations, above its cap {c}")
+
+
+def _new_highs(highspy):
+    """A ``Highs`` instance. HiGHS prints its banner from C to the process's standard output when
+    the first instance is built, before any option can silence it; it goes to standard error
+    instead, so that what a command prints (``pipemorph plan --json``) stays what it promises."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        h = highspy.Highs()
+        ctypes.CDLL(None).fflush(None)  # C's buffered output, while it still goes to stderr
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h

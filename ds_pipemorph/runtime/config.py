@@ -6,6 +6,7 @@ at start-up (``pending_notes``).
 """
 from __future__ import annotations
 
+import math
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -111,10 +112,36 @@ class FaultsInject(_Strict):
         return v
 
 
+def stage_keys(v):
+    """Stage keys of a factor mapping as text: ``{2: 2.0}`` (Python, YAML) means ``{"2": 2.0}`` (JSON)."""
+    if isinstance(v, dict):
+        return {k if isinstance(k, str) else str(k): f for k, f in v.items()}  # True -> 'True': refused below
+    return v
+
+
+def check_factors(v: dict[str, float]) -> dict[str, float]:
+    """Stage -> slow-down factor: keys are stage indices, factors finite and >= 1 (1 = unchanged).
+
+    A factor below 1 would need a faster op, which waiting cannot make: it is refused, not ignored."""
+    for k, f in v.items():
+        if not k.isdigit():
+            raise ValueError(f"stage '{k}' is not a stage index (write \"0\", \"1\", ...)")
+        if not 1.0 <= f < math.inf:
+            raise ValueError(f"stage {k}'s factor must be a finite number >= 1 (1 = unchanged, 2.0 = its F, B and W "
+                             f"take twice as long), got {f:g}")
+    return v
+
+
 class InjectConfig(_Strict):
     links: dict[str, LinkInject] = Field(default_factory=dict)
     trace: Optional[str] = None
     faults: Optional[FaultsInject] = None  # testing only: failover (PipeMorph §5.3)
+    # Testing only: stage -> factor; each F, B and W of the stage waits (factor - 1) x its own measured
+    # time after it ran (testing.compute_inject), from the first iteration on.
+    compute: dict[str, float] = Field(default_factory=dict)
+    # Testing only: a file ``points: [{iteration: k, factors: {"2": 2.0}}, ...]``; from train_batch k on
+    # (0 = the engine's first), the point's factors (stages it does not name: 1; before the first point: 1).
+    compute_trace: Optional[str] = None
 
     @field_validator("links")
     @classmethod
@@ -124,6 +151,30 @@ class InjectConfig(_Strict):
                 raise ValueError(f"link '{k}' is not a link index (write \"0\", \"1\", ...)")
         return v
 
+    @field_validator("compute", mode="before")
+    @classmethod
+    def _compute_keys_as_text(cls, v):
+        return stage_keys(v)
+
+    @field_validator("compute")
+    @classmethod
+    def _compute_factors(cls, v):
+        return check_factors(v)
+
+    @field_validator("compute_trace")
+    @classmethod
+    def _compute_trace_path(cls, v):
+        if v is not None and not v.strip():
+            raise ValueError("compute_trace must be a file path (or null)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_compute_form(self):
+        if self.compute and self.compute_trace:
+            raise ValueError("give inject.compute (factors from the first iteration) or inject.compute_trace "
+                             "(factors by iteration), not both")
+        return self
+
 
 class PipeMorphConfig(_Strict):
     # 1f1b: DeepSpeed's 1F1B order, each backward run as B immediately followed by its W; zb: ZB-H1
@@ -131,6 +182,9 @@ class PipeMorphConfig(_Strict):
     # plan: the plan in plan_file (runtime/plans.py builds each).
     schedule: Literal["1f1b", "zb", "adaptive", "plan"] = "adaptive"
     plan_file: Optional[str] = None
+    # ordered: each stage runs its plan's order as written; ready: the order is a hint, each stage
+    # runs the first ready op in it (RRFP), holding no more activations than the plan does.
+    dispatch: Literal["ordered", "ready"] = "ordered"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)

@@ -29,6 +29,7 @@ import time
 from typing import Optional
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
@@ -42,8 +43,10 @@ from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pi
 from ..plan.profile import Costs
 from .adapt import Adapter
 from .clocks import estimate_clock_offsets
+from .inbox import Inbox
 from ..testing.inject import DelaySchedule
 from .plans import DEFAULT_OP_MS, caps
+from .ready_exec import run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
@@ -98,6 +101,11 @@ class PipeMorphEngine(PipelineEngine):
         reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
         if reason:
             raise PipeMorphConfigError(reason)
+        slowdown = None
+        if pipemorph.inject.compute or pipemorph.inject.compute_trace:  # testing only: a slowed stage
+            from ..testing.compute_inject import compute_schedule
+
+            slowdown = compute_schedule(pipemorph.inject, super_kwargs["model"].num_stages)
         super().__init__(*super_args, **super_kwargs)
         reason = backend_reason(torch.distributed.get_backend(), pipemorph.delegation.mode)
         if reason:
@@ -132,14 +140,29 @@ class PipeMorphEngine(PipelineEngine):
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
             events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         self.recorder = OpRecorder(pipemorph.nvtx, events, stage=self.stage_id, rank=self.global_rank)
+        self.compute_injector = None  # testing only: F/B/W of this stage wait (factor - 1) x their own time
+        if slowdown is not None and slowdown.touches(self.stage_id):
+            from ..testing.compute_inject import ComputeInjector
+
+            sync = None if self.device.type == "cpu" else get_accelerator().synchronize
+            self.compute_injector = ComputeInjector(slowdown, self.stage_id, sync)
+            self._INSTRUCTION_MAP = self.compute_injector.wrap(
+                self._INSTRUCTION_MAP, (I.ForwardPass, I.BackwardInputPass, I.BackwardWeightPass))
         self.measured_peak_inflight = 0
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
+        # dispatch "ready": every receive of an iteration in flight, completed in worker threads
+        self.inbox = None
+        if pipemorph.dispatch == "ready":
+            self.inbox = Inbox(self.transport, 2 * self.micro_batches, pipemorph.timeout_s, self.global_rank)
+        self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
         self._reset_iteration_state()
 
     def destroy(self):
         """Stop this rank's delegate processes (they also exit when the training process dies)."""
         if self.adapter is not None:  # rank 0: the final profile_out and the profiler's overhead line
             self.adapter.close()
+        if self.inbox is not None:
+            self.inbox.close()
         self.transport.close()
         parent = getattr(super(), "destroy", None)
         if parent is not None:
@@ -194,6 +217,7 @@ class PipeMorphEngine(PipelineEngine):
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan.
             self._program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
                              for step in self._schedule.steps() for cmd in step]
+            self._tail = len(list(self._schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
         return self._schedule
 
     # -- execution ------------------------------------------------------------------------------
@@ -213,8 +237,14 @@ class PipeMorphEngine(PipelineEngine):
         self.fwd_outputs = []
         self._reset_iteration_state()
         self.recorder.reset()
+        if self.compute_injector is not None:
+            self.compute_injector.start_iteration()
         run = self.recorder.run
-        for recorded, name, handler, kwargs in self._program:
+        program = self._program
+        if self.inbox is not None:  # dispatch "ready": the F/B/W part in readiness order, then the tail
+            self.choosing_ns.append(run_ready(self))
+            program = program[-self._tail:]
+        for recorded, name, handler, kwargs in program:
             if recorded:
                 run(name, handler, self, **kwargs)
             else:
@@ -295,7 +325,10 @@ class PipeMorphEngine(PipelineEngine):
         self.transport.send("F", micro_batch, self.pipe_buffers["outputs"][buffer_id])
 
     def _exec_recv_activations(self, buffer_id, micro_batch):
-        recvd = self.transport.recv("F", micro_batch)
+        self._take_activation(buffer_id, self.transport.recv("F", micro_batch))
+
+    def _take_activation(self, buffer_id, recvd) -> None:
+        """A received activation becomes the input of the pipe buffer (it needs its gradient)."""
         for t in _as_list(recvd):
             t.requires_grad_(t.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = recvd

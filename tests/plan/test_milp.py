@@ -216,3 +216,17 @@ def test_rejects_bad_caps():
         solve_exact(Costs.uniform(2), 2, [1, 0])
     with pytest.raises(ValueError, match="expected 2"):
         solve_exact(Costs.uniform(2), 2, [1])
+
+
+@needs_highs
+@pytest.mark.timeout(60)
+def test_the_solver_prints_nothing_on_standard_output(tmp_path):
+    """HiGHS's banner would break ``pipemorph plan --json``: it goes to standard error."""
+    import subprocess
+
+    code = ("from ds_pipemorph.plan.milp import solve_exact\n"
+            "from ds_pipemorph.plan.profile import Costs\n"
+            "solve_exact(Costs.uniform(2), 2, None, time_limit_s=5)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout == ""

@@ -88,10 +88,13 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     transport = getattr(engine, "transport", None)
     events = [] if transport is None else list(transport.events) + list(transport.delegated.events)
+    if getattr(engine, "inbox", None) is not None:
+        engine.inbox.close()
     if transport is not None:
         transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
-                "eval_loss": eval_loss, "events": events}, path + ".pt")
+                "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", []))},
+               path + ".pt")
 
 
 def main() -> int:

@@ -1,0 +1,71 @@
+"""The engine's readiness-driven dispatch (``dispatch: "ready"``): one iteration of one stage.
+
+The plan's order for this stage is the hint (``plan.dispatch.ReadyRule``). Every receive of the
+iteration is posted up front (``runtime.inbox``: each completion is a readiness event); the
+training thread repeatedly runs the first ready op of the hint, with the same handlers, op records
+and NVTX ranges as ordered dispatch, each send right after the op that produced it. Pipe buffers
+are taken by F (the lowest free one) and released by B, as many as the plan's peak of in-flight
+activations, which is also the rule's cap: ready dispatch never holds more activations than the
+plan. The end of the iteration is the same as ordered dispatch's: wait for the sends, then tied
+reductions, the data-parallel all-reduce and the optimizer step, after every W, in the same order
+on every rank (replicas of a stage may have run their ops in different orders: the sums they
+reduce are the same up to floating-point order).
+"""
+from __future__ import annotations
+
+import time
+
+from ..plan.dispatch import ReadyRule
+from . import instructions as I
+
+
+def run_ready(engine) -> int:
+    """Run this iteration's F/B/W ops in readiness order; returns the nanoseconds spent choosing."""
+    s, S = engine.stage_id, engine.num_stages
+    first, last = s == 0, s == S - 1
+    h, run, records, inbox = engine._INSTRUCTION_MAP, engine.recorder.run, engine.recorder.records, engine.inbox
+    if not first:  # in the order the upstream stage's hint produces them
+        for op in engine.plan[s - 1]:
+            if op.kind == "F":
+                inbox.post("F", op.mb, records)
+    if not last:
+        for op in engine.plan[s + 1]:
+            if op.kind == "B":
+                inbox.post("B", op.mb, records)
+    cap = engine._schedule.num_pipe_buffers()
+    rule = ReadyRule(engine.stage_plan, cap, needs_input=not first, needs_grad=not last)
+    free, buffer_of = list(range(cap)), {}
+    choosing = 0
+    while not rule.finished:
+        t = time.perf_counter_ns()
+        op = rule.pick(inbox.arrived)
+        choosing += time.perf_counter_ns() - t
+        if op is None:
+            inbox.wait_any(rule.waiting_for())
+            continue
+        rule.started(op)
+        m = op.mb
+        if op.kind == "F":
+            buf = min(free)
+            free.remove(buf)
+            buffer_of[m] = buf
+            if not first:
+                engine._take_activation(buf, inbox.take("F", m))
+            if first or last:
+                run(f"LOAD{m}", h[I.LoadMicroBatch], engine, buffer_id=buf, micro_batch=m)
+            run(f"F{m}", h[I.ForwardPass], engine, buffer_id=buf, micro_batch=m)
+            if not last:
+                run(f"SEND_F{m}", h[I.SendActivation], engine, buffer_id=buf, micro_batch=m)
+        elif op.kind == "B":
+            buf = buffer_of.pop(m)
+            if not last:
+                engine._output_grads[buf] = inbox.take("B", m)
+            run(f"B{m}", h[I.BackwardInputPass], engine, buffer_id=buf, micro_batch=m)
+            free.append(buf)
+            if not first:
+                run(f"SEND_B{m}", h[I.SendGrad], engine, buffer_id=buf, micro_batch=m)
+        else:
+            run(f"W{m}", h[I.BackwardWeightPass], engine, micro_batch=m)
+    if inbox.outstanding:  # every message was consumed by the op it feeds
+        raise RuntimeError(f"stage {s}: {inbox.outstanding} received messages were never used")
+    return choosing
