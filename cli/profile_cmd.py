@@ -23,33 +23,48 @@ def _progress() -> Progress:
 
 
 def profile_links(
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Write links_ms here: a profile part (stages + links_ms), or with --merge the merged profile."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Write links_ms here: a profile part (stages + links_ms), or with --merge the merged profile; with --all-pairs the link matrix (.json = JSON, else YAML)."),
+    all_pairs: bool = typer.Option(False, "--all-pairs", help="Measure every pair of ranks, not only (r, r+1), in round-robin rounds of disjoint pairs; -o writes the link matrix that `pipemorph place` reads."),
     merge: Optional[Path] = typer.Option(None, "--merge", help="Profile (or part) whose links_ms to replace, keeping every other key; written back to it unless --out is given."),
-    report: Optional[Path] = typer.Option(None, "--report", help="Write the full report (JSON): samples per link, direction and size, and the latency + size/bandwidth fit."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Write the full report (JSON): samples per link (or pair), direction and size, and the latency + size/bandwidth fit."),
     sizes: str = typer.Option("4K,16K,64K,256K,1M,4M,16M", "--sizes", help="Message sizes (K = 1024 bytes, M = 1024 K)."),
     reps: int = typer.Option(5, "--reps", min=1, help="Timed exchanges per direction and size."),
     warmup: int = typer.Option(1, "--warmup", min=1, help="Untimed exchanges before them (connection set-up, layout header)."),
-    slow_factor: float = typer.Option(2.0, "--slow-factor", min=1.0, help="Mark links whose latency is this many times the median link's, or whose bandwidth is this many times lower."),
+    slow_factor: float = typer.Option(2.0, "--slow-factor", min=1.0, help="Mark links (pairs) whose latency is this many times the median's, or whose bandwidth is this many times lower."),
     absolute: bool = typer.Option(False, "--absolute", help="links_ms = absolute one-way latency instead of the extra over the fastest link."),
     inject_links_ms: Optional[str] = typer.Option(None, "--inject-links-ms", help="TESTING ONLY: delay every message on link i by this many ms (DelayInjector, e.g. 0,0,30) to check the measurement."),
+    inject_pairs_ms: Optional[str] = typer.Option(None, "--inject-pairs-ms", help="TESTING ONLY, with --all-pairs: delay every message between two ranks by this many ms (DelayInjector, e.g. 0-2:30,1-3:5) to check the measurement."),
     timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds any wait on another rank may take."),
 ) -> None:
-    """Measure latency and bandwidth of every link (r, r+1) in both directions; run it like a training job (one rank per stage)."""
+    """Measure latency and bandwidth of every link (r, r+1) in both directions, or with --all-pairs of every pair of ranks; run it like a training job (one rank per stage)."""
     from ds_pipemorph.profiling.distenv import job_env, require_launcher
     from ds_pipemorph.profiling.linkfit import parse_sizes
+    from ds_pipemorph.profiling.pairs import check_pair_ranks, parse_pair_delays
     from ds_pipemorph.profiling.profileparts import load_base
 
     with user_errors():
         size_list = parse_sizes(sizes)
         inject = parse_floats(inject_links_ms, "--inject-links-ms")
+        pair_delays = parse_pair_delays(inject_pairs_ms)
+        if all_pairs:
+            _refuse_with_all_pairs(merge, inject_links_ms, absolute)
+        elif pair_delays is not None:
+            raise BadInput("--inject-pairs-ms needs --all-pairs (pipeline links take --inject-links-ms)")
         env = job_env()
         links = env.world_size - 1
-        if inject is not None and len(inject) != links:
-            raise BadInput(f"--inject-links-ms: expected {links} values (one per link of {env.world_size} ranks), got {len(inject)}")
-        base = load_base(str(merge), env.world_size, f"this job ({env.world_size} ranks)") if merge else None
-        dest = out or merge
+        base = None
+        if all_pairs:
+            if pair_delays is not None and env.world_size >= 2:
+                check_pair_ranks(pair_delays, env.world_size)
+        else:
+            if inject is not None and len(inject) != links:
+                raise BadInput(f"--inject-links-ms: expected {links} values (one per link of {env.world_size} ranks), got {len(inject)}")
+            base = load_base(str(merge), env.world_size, f"this job ({env.world_size} ranks)") if merge else None
         require_launcher(env, "profile-links")
-    _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, dest, report)
+    if all_pairs:
+        _run_pairs(env, size_list, reps, warmup, slow_factor, pair_delays, timeout, out, report)
+    else:
+        _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, out or merge, report)
 
 
 def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, dest, report) -> None:
@@ -104,6 +119,97 @@ def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, time
         if tr is not None:
             tr.close()
         close_group()
+
+
+def _refuse_with_all_pairs(merge, inject_links_ms, absolute) -> None:
+    if merge is not None:
+        raise BadInput("--merge replaces a profile's links_ms, but --all-pairs writes a link matrix: give -o MATRIX instead")
+    if inject_links_ms is not None:
+        raise BadInput("--inject-links-ms delays pipeline links; with --all-pairs inject on pairs of ranks with --inject-pairs-ms (e.g. 0-2:30)")
+    if absolute:
+        raise BadInput("--absolute chooses the form of links_ms; a link matrix always holds the absolute one-way latency")
+
+
+def _run_pairs(env, size_list, reps, warmup, slow_factor, inject, timeout, out, report) -> None:
+    """``--all-pairs``: every pair in round-robin rounds; rank 0 writes the link matrix and the report."""
+    import torch.distributed as dist
+
+    from ds_pipemorph.fileio import dump
+    from ds_pipemorph.profiling.distenv import close_group, init_group
+    from ds_pipemorph.profiling.linkfit import human_bytes
+    from ds_pipemorph.profiling.linkreport import build_pair_report, link_matrix
+    from ds_pipemorph.profiling.links import measure_pairs, steps
+    from ds_pipemorph.profiling.pairs import round_robin
+    from ds_pipemorph.runtime.transport.protocol import TransportError
+
+    W = env.world_size
+    rounds = round_robin(W)
+    try:
+        device = init_group(env, timeout)
+        hosts: list = [None] * W
+        dist.all_gather_object(hosts, socket.gethostname())
+        if env.rank == 0:
+            shown = ", ".join(f"{a}-{b}: {c:g}" for (a, b), c in sorted(inject.items())) if inject else ""
+            console.print(f"profiling all {W * (W - 1) // 2} pairs of {W} ranks in {len(rounds)} rounds of up to "
+                          f"{W // 2} pairs at a time over {dist.get_backend()} ({len(size_list)} sizes, {reps} reps)"
+                          + (f"; INJECTED delays ({shown}) ms (testing only)" if inject else ""))
+            with _progress() as bar:
+                task = bar.add_task("pairs", total=len(rounds) * len(steps(size_list)))
+
+                def step(rnd, kind, size):
+                    what = kind if size is None else f"{kind} {human_bytes(size)}"
+                    bar.update(task, advance=1, description=f"round {rnd + 1}/{len(rounds)} {what}", refresh=True)
+
+                samples = measure_pairs(env.rank, W, device, size_list, warmup, reps, timeout, inject, step)
+        else:
+            samples = measure_pairs(env.rank, W, device, size_list, warmup, reps, timeout, inject)
+        if env.rank == 0:
+            rep = build_pair_report(samples, size_list, world=W, rounds=rounds, slow_factor=slow_factor,
+                                    backend=dist.get_backend(), hosts=hosts, warmup=warmup, reps=reps, inject_ms=inject)
+            outputs = {}
+            if out:
+                outputs[str(out)] = dump(link_matrix(rep), str(out).lower().endswith(".json"))
+            if report:
+                outputs[str(report)] = json.dumps(rep, indent=2) + "\n"
+            write_outputs(outputs)
+            console.print(_pairs_table(rep, max(size_list)))
+            for path in outputs:
+                console.print(f"wrote {path}")
+        dist.barrier()
+    except (TransportError, RuntimeError, BadInput) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        err_console.print(f"error: rank {env.rank}: {msg}", markup=False)
+        raise typer.Exit(2 if isinstance(e, BadInput) else 1) from None
+    finally:
+        close_group()
+
+
+PAIRS_SHOWN = 64  # more pairs than this: the table lists the slow ones only
+
+
+def _pairs_table(rep: dict, big: int) -> Table:
+    from ds_pipemorph.profiling.linkfit import human_bytes
+
+    pairs = rep["pairs"]
+    shown = pairs if len(pairs) <= PAIRS_SHOWN else [e for e in pairs if e["slow"]]
+    which = "" if shown is pairs else f"; {len(shown)} slow of {len(pairs)} pairs shown"
+    t = Table(title=f"pairs of ranks, one-way (latency = half the ping-pong round trip; slow: "
+                    f"{rep['slow_factor']:g}x median{which})", title_justify="left")
+    hosts = len({h for e in pairs for h in e["hosts"]}) > 1
+    cols = ["pair"] + (["hosts"] if hosts else []) + ["round", "latency ms", "GB/s a>b / b>a",
+                                                      f"{human_bytes(big)} ms a>b / b>a", "slow"]
+    for col in cols:
+        t.add_column(col, justify="right")
+    for e in shown:
+        d, u = e["directions"]["down"], e["directions"]["up"]
+        bw = "/".join("-" if x["fit"]["bandwidth_gbps"] is None else f"{x['fit']['bandwidth_gbps']:.2f}" for x in (d, u))
+        big_ms = "/".join(f"{x['median_ms'].get(str(big), float('nan')):.1f}" for x in (d, u))
+        a, b = e["ranks"]
+        row = [f"{a}-{b}"] + ([" / ".join(e["hosts"])] if hosts else [])
+        row += [str(e["round"]), f"{e['latency_ms']['median']:.3f}", bw, big_ms,
+                f"[red]SLOW[/red] {e['slow']}" if e["slow"] else ""]
+        t.add_row(*row)
+    return t
 
 
 def _links_table(rep: dict, big: int) -> Table:

@@ -18,6 +18,14 @@ testing-only ``DelayInjector``, so a measured link is the link the engine sees. 
 is measured every other rank waits in a barrier (one barrier per direction and size), so links do
 not disturb each other; rank 0 advances its progress bar at each barrier. Every rank's samples
 are then gathered on rank 0.
+
+All pairs (``measure_pairs``, ``pipemorph profile-links --all-pairs``): the same steps for every
+pair of ranks (a, b), a < b, "down" being a -> b and "up" b -> a. The pairs are scheduled as a
+round-robin tournament (``pairs.round_robin``): each round's pairs are disjoint and are measured
+at the same time, every rank in the same barriers (a rank without a partner only waits), so W ranks
+take W - 1 rounds (W when odd) instead of W(W-1)/2 pair measurements one after another. Each pair
+gets its own two-stage ``DirectTransport`` (a is stage 0, b stage 1), wrapped in the
+``DelayInjector`` when a delay is injected on the pair (testing only).
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import torch.distributed as dist
 from ..runtime.transport.direct import DirectTransport
 from ..testing.inject import DelayInjector, DelaySchedule
 from .distenv import sync
+from .pairs import Pair, partner, round_robin
 
 ACK_MB = 0  # micro-batch id of the tiny messages; message sizes use 1..len(sizes)
 TINY_BYTES = 4
@@ -47,6 +56,16 @@ def make_transport(rank: int, world: int, device: torch.device, timeout_s: float
     tr = DirectTransport(rank, rank, list(range(world)), timeout_s=timeout_s, device=device)
     if inject_ms is not None and any(c > 0 for c in inject_ms):
         tr = DelayInjector(tr, rank, DelaySchedule(list(inject_ms)), timeout_s=timeout_s)
+    return tr
+
+
+def make_pair_transport(rank: int, pair: Pair, device: torch.device, timeout_s: float, inject_ms: float = 0.0):
+    """A transport between the two ranks of ``pair`` (its lower rank is stage 0, the other stage 1),
+    wrapped in the delay injector when ``inject_ms`` > 0 (testing only)."""
+    a, b = pair
+    tr = DirectTransport(rank, 0 if rank == a else 1, [a, b], timeout_s=timeout_s, device=device)
+    if inject_ms > 0:
+        tr = DelayInjector(tr, 0 if rank == a else 1, DelaySchedule([inject_ms]), timeout_s=timeout_s)
     return tr
 
 
@@ -84,20 +103,7 @@ def measure_links(tr, rank: int, world: int, device: torch.device, sizes: Sequen
         rec = mine.setdefault(link, {"latency_ms": [], "down": {}, "up": {}})
         for kind, size in steps(sizes):
             if rank in (lower, upper):
-                if kind == "latency":
-                    rtts = _exchange(tr, device, rank == lower, "F", "B", ACK_MB, ack, ack,
-                                     warmup + LATENCY_EXTRA_WARMUP, 2 * reps)
-                    if rank == lower:
-                        rec["latency_ms"] = [r / 2 for r in rtts]
-                else:
-                    mb = 1 + sizes.index(size)
-                    payload = torch.empty(size, dtype=torch.uint8, device=device)
-                    if kind == "down":
-                        rtts = _exchange(tr, device, rank == lower, "F", "B", mb, payload, ack, warmup, reps)
-                    else:
-                        rtts = _exchange(tr, device, rank == upper, "B", "F", mb, payload, ack, warmup, reps)
-                    if rtts:
-                        rec[kind][size] = rtts
+                _step(tr, device, rank == lower, kind, size, sizes, ack, warmup, reps, rec)
             dist.barrier()
             on_step(link, kind, size)
         if rank in (lower, upper):
@@ -121,6 +127,80 @@ def measure_links(tr, rank: int, world: int, device: torch.device, sizes: Sequen
                 merged["up"].update(got["up"])
         out.append(merged)
     return out
+
+
+def measure_pairs(rank: int, world: int, device: torch.device, sizes: Sequence[int], warmup: int, reps: int,
+                  timeout_s: float, inject_ms: Optional[dict[Pair, float]] = None,
+                  on_step: Callable[[int, str, Optional[int]], None] = lambda *a: None) -> dict[Pair, dict]:
+    """Every pair's steps, round by round (``round_robin``), on every rank; return the samples (on
+    rank 0 only: elsewhere an empty dict) as ``{(a, b): {"latency_ms": [...], "down": {size: [...]},
+    "up": {size: [...]}}}``, one-way ms, "down" = a -> b. ``on_step(round, kind, size)`` runs after
+    each step's barrier."""
+    ack = torch.zeros(TINY_BYTES, dtype=torch.uint8, device=device)
+    inject_ms = inject_ms or {}
+    mine: dict[Pair, dict] = {}
+    for rnd, pairs in enumerate(round_robin(world)):
+        pair = partner(pairs, rank)
+        rec = {"latency_ms": [], "down": {}, "up": {}}
+        tr = make_pair_transport(rank, pair, device, timeout_s, inject_ms.get(pair, 0.0)) if pair else None
+        try:
+            for kind, size in steps(sizes):
+                if pair:
+                    _step(tr, device, rank == pair[0], kind, size, sizes, ack, warmup, reps, rec)
+                dist.barrier()
+                on_step(rnd, kind, size)
+            if tr is not None:
+                tr.wait_sends()
+        finally:
+            if tr is not None:
+                tr.close()
+        # The upper ends' "up" round trips need their pair's latency, which the lower ends measured:
+        # one collective per round, slot a holding the latency of the pair whose lower end is a.
+        val = torch.zeros(world, dtype=torch.float64)
+        if pair and rank == pair[0]:
+            val[rank] = _median(rec["latency_ms"])
+        val = val.to(device)
+        dist.all_reduce(val)
+        if pair:
+            lat = float(val[pair[0]].item())
+            for kind in ("down", "up"):
+                rec[kind] = {s: [r - lat for r in v] for s, v in rec[kind].items()}
+            mine[pair] = rec
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {k: v for k, v in mine.items() if v["latency_ms"] or v["down"] or v["up"]})
+    if rank != 0:
+        return {}
+    out: dict[Pair, dict] = {}
+    for pairs in round_robin(world):
+        for pair in pairs:
+            merged = {"latency_ms": [], "down": {}, "up": {}}
+            for part in gathered:
+                got = part.get(pair)
+                if got:
+                    merged["latency_ms"] += got["latency_ms"]
+                    merged["down"].update(got["down"])
+                    merged["up"].update(got["up"])
+            out[pair] = merged
+    return dict(sorted(out.items()))
+
+
+def _step(tr, device, is_lower: bool, kind: str, size: Optional[int], sizes: Sequence[int], ack: torch.Tensor,
+          warmup: int, reps: int, rec: dict) -> None:
+    """One measurement step of one link or pair, on one of its two ends (the lower end is the
+    transport's stage 0: it sends "F" to the upper end, which sends "B" back); fills ``rec``."""
+    if kind == "latency":
+        rtts = _exchange(tr, device, is_lower, "F", "B", ACK_MB, ack, ack, warmup + LATENCY_EXTRA_WARMUP, 2 * reps)
+        if is_lower:
+            rec["latency_ms"] = [r / 2 for r in rtts]
+        return
+    mb = 1 + sizes.index(size)
+    payload = torch.empty(size, dtype=torch.uint8, device=device)
+    if kind == "down":
+        rtts = _exchange(tr, device, is_lower, "F", "B", mb, payload, ack, warmup, reps)
+    else:
+        rtts = _exchange(tr, device, not is_lower, "B", "F", mb, payload, ack, warmup, reps)
+    if rtts:
+        rec[kind][size] = rtts
 
 
 def _share_latency(rec: dict, link: int, rank: int, lower: int, upper: int, device) -> float:
