@@ -23,6 +23,7 @@ COMMANDS = {
     "simulate": ("simulate_cmd", "simulate"),
     "export": ("export_cmd", "export"),
     "place": ("place_cmd", "place"),
+    "partition": ("partition_cmd", "partition"),
     "demo": ("demo_cmd", "demo"),
     "bench": ("bench_cmd", "bench"),
     "profile-links": ("profile_cmd", "profile_links"),
@@ -34,7 +35,7 @@ COMMANDS = {
 # Commands that read and write files only (outputs are written atomically and synced before the
 # command returns). From the console script their process ends, once every exit handler has run,
 # without the interpreter's final teardown of every module and object: ~70 ms of a planning call.
-FILE_ONLY = {"plan", "simulate", "export", "trace", "place"}
+FILE_ONLY = {"plan", "simulate", "export", "trace", "place", "partition"}
 
 
 class LazyCommands(TyperGroup):

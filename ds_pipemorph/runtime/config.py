@@ -142,6 +142,12 @@ class InjectConfig(_Strict):
     # Testing only: a file ``points: [{iteration: k, factors: {"2": 2.0}}, ...]``; from train_batch k on
     # (0 = the engine's first), the point's factors (stages it does not name: 1; before the first point: 1).
     compute_trace: Optional[str] = None
+    # Testing only: "a-b" (global ranks) -> one-way ms on the link between them: a pipeline link
+    # between them pays it per message, an all-reduce ring that uses it 2(D - 1) times (testing.rank_links).
+    rank_links: dict[str, float] = Field(default_factory=dict)
+    # Testing only: messages each part of a ring all-reduce travels as (its size over the bucket
+    # size); each pays a slow ring link's delay once.
+    allreduce_messages: int = Field(1, ge=1)
 
     @field_validator("links")
     @classmethod
@@ -149,6 +155,17 @@ class InjectConfig(_Strict):
         for k in v:
             if not k.isdigit():
                 raise ValueError(f"link '{k}' is not a link index (write \"0\", \"1\", ...)")
+        return v
+
+    @field_validator("rank_links")
+    @classmethod
+    def _rank_pairs(cls, v):
+        for k, ms in v.items():
+            a, _, b = k.partition("-")
+            if not (a.isdigit() and b.isdigit()) or a == b:
+                raise ValueError(f"rank_links: '{k}' is not a pair of two different global ranks (write \"0-4\")")
+            if not 0.0 <= ms < math.inf:
+                raise ValueError(f"rank_links: the delay of '{k}' must be a finite number of ms >= 0, got {ms:g}")
         return v
 
     @field_validator("compute", mode="before")

@@ -143,6 +143,10 @@ def test_random_valid_plans_on_three_stages_run_without_deadlock_and_equal_stock
 @pytest.mark.timeout(200)
 def test_two_pipeline_by_two_data_parallel_zb_equals_stock(tmp_path):
     jobs, checks = _jobs_for(2, 2, (4,), ("zb", "adaptive"))
+    # Every link delegated: the same link of the two replicas has delegates of its own on each.
+    section = {"schedule": "zb", "delegation": {"mode": "always"}, "adapt": {"enabled": False}}
+    jobs.append({"name": "zb_delegated_s2_n4", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": section})
+    checks.append(("zb_delegated_s2_n4", "stock_s2_n4", _expected_peak(section, 2, 4)))
     run = launch(4, jobs, tmp_path, timeout=180)
     for name, stock, peak, *plan in checks:
         _assert_equal_to_stock(run, name, stock, 4, peak, *plan)

@@ -68,13 +68,15 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     else:
         data = batches(N * steps, 2, seed=99 + engine.grid.data_parallel_id)
     it = iter(data)
-    losses, peaks, ops = [], [], []
+    losses, peaks, ops, reduce_ms, seconds = [], [], [], [], []
     stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
     if stall.get("rank") == rank:
         time.sleep(stall["seconds"])
     for _ in range(steps):
         try:
+            t0 = time.perf_counter()
             losses.append(float(engine.train_batch(it)))
+            seconds.append(time.perf_counter() - t0)
         except TransportError as e:
             if not stall:
                 raise
@@ -84,6 +86,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             return
         peaks.append(getattr(engine, "measured_peak_inflight", None))
         ops.append([r.op for r in getattr(engine, "op_records", [])])
+        reduce_ms.extend((r.end_ns - r.start_ns) / 1e6 for r in getattr(engine, "op_records", []) if r.op == "ReduceGrads")
     eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     transport = getattr(engine, "transport", None)
@@ -93,7 +96,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     if transport is not None:
         transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
-                "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", []))},
+                "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
+                "reduce_ms": reduce_ms, "seconds": seconds},
                path + ".pt")
 
 

@@ -87,6 +87,12 @@ class Supervision:
             self._op = load_op(cuda=self.staging_path.cuda)
         return self._op
 
+    def _rendezvous_prefix(self, link: int, kind: str, q: int) -> str:
+        """Where the two delegates of a queue meet in the job's store: named by the global ranks at
+        the link's ends, so that the same link of every data-parallel replica meets on its own."""
+        a, b = self.stage_ranks[link], self.stage_ranks[link + 1]
+        return f"pipemorph/delegates/{self.session}/R{a}-{b}{kind}/q{q}"
+
     def _spawn(self, link: int, kind: str, sending: bool, q: int, gen_value: int, stop=None):
         from ....staging.ring import StagingRing
 
@@ -108,7 +114,7 @@ class Supervision:
             role="send" if sending else "recv", rank=self.rank, link=link, kind=kind, queue=q,
             ring_name=ring.name, op_name=op.__name__, op_path=op.__file__, store_addr=self.store_addr,
             store_port=self.store_port,
-            prefix=f"pipemorph/delegates/{self.session}/L{link}{kind}/q{q}",
+            prefix=self._rendezvous_prefix(link, kind, q),
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
             delays_trace=self.delays.trace if (sending and self.delays is not None) else None,
             interfaces=self.interfaces)

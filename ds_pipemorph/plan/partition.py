@@ -1,0 +1,348 @@
+"""Stage boundaries for a layer profile: the partition whose greedy zero-bubble plans run fastest.
+
+A partition is DeepSpeed's ``parts`` list (``parts[0] = 0 < parts[1] < ... < parts[S] = L``; stage s
+owns layers ``parts[s]..parts[s+1]-1``). ``LayerProfile.costs(parts)`` sums layer times per stage
+and prices each boundary as latency + transfer (DynPipe's Eq. 7); ``LayerProfile.caps(parts)``
+derives each stage's in-flight cap from its memory; a stage that does not fit its memory makes the
+partition infeasible. Unlike DynPipe's Eq. 4-5 (a 1F1B cycle formula), the objective is an
+iteration time from the replay simulator: ``quick_ms``, the best of four greedy plans of the
+partition, replayed. So everything the planner models counts (ramp-up, ramp-down, link delays the
+plan cannot hide, memory caps). The caller plans the winner with the full planner, which starts
+from those same plans and can only improve on them.
+
+The search is a depth-first branch and bound over the boundaries, stage by stage from the input.
+Every pruning uses lower bounds on the iteration time of *any* valid schedule within the caps
+(``bounds.lower_bound_ms`` and ``cap_bound_ms``), and ``quick_ms`` replays a valid schedule within
+the caps, so nothing that could beat the best score found is cut: on completion the result is the
+exhaustive optimum of ``quick_ms`` (``exhaustive`` is the test oracle; ties within ``EPS`` may pick
+another partition).
+
+- A node is a prefix of stages ending before layer l. Its bound is the largest, over the cut
+  stages, of their bound terms with what the uncut stages could add at its least
+  (``_stage_bound``), and over the uncut ones, the least over every way of cutting them that fits
+  memory of the largest of their simpler terms (``_suffix_table``, a dynamic program over (stage,
+  first layer) computed once). Children are tried best bound first.
+- A leaf is scored by its lower bound first and replayed only if that bound is below the best
+  score so far. Partitions with equal stage costs and caps share one replay.
+- Before it, a local search (one boundary moved by one layer while that helps) from the suffix
+  table's best cut and DeepSpeed's two partitions sets the first score to prune with.
+
+The least lower bound over the partitions not ruled out (every leaf visited and, when a time limit
+stops the search, every node left open) is a bound no partition with any plan beats, so the
+winner's score minus it is a proven gap (``PartitionResult.gap_to_bound``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Callable, Iterator, Optional
+
+from ..fileio import BadInput
+from .bounds import _ramp_busy, lower_bound_ms
+from .layer_profile import LayerProfile
+from .listsched import Policy, list_schedule
+from .parts import balanced_parts, uniform_parts
+from .profile import Costs
+from .search import ramp_warmup
+from .simulate import makespan
+from .warmup import initial_warmup
+
+INF = float("inf")
+EPS = 1e-9  # ms: a partition must beat the best by more than this to replace it
+
+
+@dataclass
+class PartitionResult:
+    parts: list[int]
+    iteration_ms: float  # ``quick_ms`` of ``parts``: the search's objective
+    lower_bound_ms: float  # no feasible partition with any plan is faster
+    replayed: int  # partitions whose greedy plans were replayed
+    leaves: int  # complete partitions reached (the rest were cut as prefixes)
+    complete: bool  # False if ``time_limit_s`` stopped the search: ``parts`` is then the best found
+    seconds: float
+
+    @property
+    def gap_to_bound(self) -> float:
+        lb = self.lower_bound_ms
+        return 0.0 if lb <= 0 else (self.iteration_ms - lb) / lb
+
+
+def quick_ms(costs: Costs, microbatches: int, caps: list[int], floor: float = 0.0) -> float:
+    """Iteration time of the best of four greedy plans, replayed: the list scheduler from the
+    ramp-matched and from Alg. 1's warm-up (``search.ramp_warmup``, ``warmup.initial_warmup``),
+    each with Alg. 3's priorities and with the bottleneck stage and all below it keeping their W
+    for the cool-down (all four are in the full planner's portfolio). Stops at the first plan
+    within ``EPS`` of ``floor`` (a lower bound): the value then differs from the best of the four
+    by at most ``EPS``."""
+    S, n = costs.stages, microbatches
+    work = [costs.f[s] + costs.b[s] + costs.w[s] for s in range(S)]
+    neck = max(range(S), key=lambda s: work[s])
+    pols = (Policy(), Policy("BFW", late_w=frozenset(range(neck, S))))
+    best, seen = INF, []
+    for x in (ramp_warmup(costs, n, caps), initial_warmup(caps)):
+        if x in seen:
+            continue
+        seen.append(x)
+        for pol in pols:
+            best = min(best, makespan(list_schedule(costs, n, x, pol), costs, n))
+            if best <= floor + EPS:
+                return best
+    return best
+
+
+def evaluate(lp: LayerProfile, parts: list[int]) -> float:
+    """``quick_ms`` of a partition, or inf if a stage does not fit its memory."""
+    caps = lp.caps(parts)
+    if any(c is None for c in caps):
+        return INF
+    return quick_ms(lp.costs(parts), lp.microbatches, caps)
+
+
+def compositions(layers: int, stages: int) -> Iterator[list[int]]:
+    """Every partition of ``layers`` layers into ``stages`` non-empty stages: C(layers-1, stages-1)."""
+    for cuts in combinations(range(1, layers), stages - 1):
+        yield [0, *cuts, layers]
+
+
+def exhaustive(lp: LayerProfile, objective: Optional[Callable[[LayerProfile, list[int]], float]] = None
+               ) -> tuple[Optional[list[int]], float]:
+    """The best partition by trying all of them (small cases only): (parts, objective), first found
+    on ties; (None, inf) if none fits memory."""
+    objective = objective or evaluate
+    best, best_t = None, INF
+    for parts in compositions(lp.num_layers, lp.stages):
+        t = objective(lp, parts)
+        if t < best_t - EPS:
+            best, best_t = parts, t
+    return best, best_t
+
+
+def _suffix_table(lp: LayerProfile, stage_lb, fwd, delay) -> list[list[float]]:
+    """G[k][l]: the least, over cuts of layers l..L-1 into stages k..S-1 that fit memory, of
+    max over those stages of (F0's arrival relative to stage k) + ``stage_lb`` (inf if none fits)."""
+    L, S = lp.num_layers, lp.stages
+    G = [[INF] * (L + 1) for _ in range(S + 1)]
+    for l in range(S - 1, L):
+        G[S - 1][l] = stage_lb(S - 1, l, L)
+    for k in range(S - 2, -1, -1):
+        nxt, row = G[k + 1], G[k]
+        for l in range(k, L - (S - 1 - k)):
+            best = INF
+            for e in range(l + 1, L - (S - 2 - k)):
+                if nxt[e] < best:
+                    v = max(stage_lb(k, l, e), fwd(l, e) + delay[e - 1][k] + nxt[e])
+                    if v < best:
+                        best = v
+            row[l] = best
+    return G
+
+
+def partition(lp: LayerProfile, time_limit_s: Optional[float] = None) -> PartitionResult:
+    """The feasible partition with the least ``quick_ms`` (branch and bound, module docstring);
+    with ``time_limit_s``, the best found by then (``complete`` says which; the starting points
+    of the local search are scored whatever the limit).
+
+    Raises BadInput (a ValueError) naming the profile keys if no partition fits memory."""
+    t0 = time.perf_counter()
+    L, S, N = lp.num_layers, lp.stages, lp.microbatches
+    pf, pb, pw = lp._prefix  # the prefix sums ``lp.costs`` uses
+    delay = [[lp.link_ms(i, j) for j in range(S - 1)] for i in range(L)]
+    cap_memo: dict[tuple[int, int, int], Optional[int]] = {}
+
+    def cap(s: int, a: int, e: int) -> Optional[int]:
+        key = (s, a, e)
+        if key not in cap_memo:
+            cap_memo[key] = lp.stage_cap(s, a, e)
+        return cap_memo[key]
+
+    def fwd(a: int, e: int) -> float:
+        return pf[e] - pf[a]
+
+    lb_memo: dict[tuple[int, int, int], float] = {}
+
+    def stage_lb(k: int, l: int, e: int) -> float:
+        """A bound on the iteration time minus F0's arrival at stage k holding layers l..e-1, whatever
+        the other stages hold (inf if they do not fit): ``bounds`` terms 1-3 for that stage with
+        what depends on the other stages at its least (g_s = f_s, tail_s = w_s, the links below
+        the next one free), and ``cap_bound_ms``'s term likewise."""
+        key = (k, l, e)
+        got = lb_memo.get(key)
+        if got is None:
+            c = cap(k, l, e)
+            if c is None:
+                got = INF
+            else:
+                f, b, w = pf[e] - pf[l], pb[e] - pb[l], pw[e] - pw[l]
+                trip = (pf[L] - pf[e]) + (pb[L] - pb[e]) + (2 * delay[e - 1][k] if k < S - 1 else 0.0)
+                got = max(N * (f + b + w), f + trip + N * (b + w) + (N - c) * f, _cap_chain(0.0, f, b, w, trip, c, N))
+            lb_memo[key] = got
+        return got
+
+    G = _suffix_table(lp, stage_lb, fwd, delay)
+    if G[0][0] == INF:
+        raise BadInput(
+            f"no way to cut {L} layers into {S} stages fits memory.capacity_mb: "
+            "raise the capacity, lower layers.memory_mb or layers.stash_mb, or use more stages"
+        )
+    deadline = None if time_limit_s is None else t0 + time_limit_s
+    st = {"best": INF, "parts": None, "lb": INF, "open": INF, "replayed": 0, "leaves": 0, "stopped": False}
+    memo: dict[tuple, float] = {}  # (stage costs, caps) -> quick_ms
+    parts = [0] * (S + 1)
+    parts[S] = L
+    caps = [0] * S
+
+    def stage_costs(p: list[int]) -> Costs:
+        """``lp.costs(p)`` from the tables: the same floats, without the model's attribute lookups."""
+        return Costs([pf[p[s + 1]] - pf[p[s]] for s in range(S)], [pb[p[s + 1]] - pb[p[s]] for s in range(S)],
+                     [pw[p[s + 1]] - pw[p[s]] for s in range(S)], [delay[p[i + 1] - 1][i] for i in range(S - 1)])
+
+    def score(p: list[int], kcaps: list[int], floor: float = 0.0) -> float:
+        costs = stage_costs(p)
+        key = (tuple(costs.f), tuple(costs.b), tuple(costs.w), tuple(costs.links), tuple(kcaps))
+        got = memo.get(key)
+        if got is None:
+            st["replayed"] += 1
+            got = memo[key] = quick_ms(costs, N, list(kcaps), floor)
+        return got
+
+    def leaf() -> None:
+        st["leaves"] += 1
+        costs = stage_costs(parts)
+        lb = max(lower_bound_ms(costs, N, caps), cap_bound_ms(costs, N, caps))
+        st["lb"] = min(st["lb"], lb)
+        if lb >= st["best"] - EPS:
+            return
+        got = score(parts, caps, lb)
+        if got < st["best"] - EPS:
+            st["best"], st["parts"] = got, list(parts)
+
+    def node(k: int, l: int, a: float, pre: float, bound: float, g: float, up: float, kmin: int) -> None:
+        """Stages 0..k-1 are cut (``parts[:k+1]``), stage k starts at layer l, F0 arrives at a;
+        ``pre``: the prefix stages' largest bound; ``bound``: this node's bound; ``g``, ``up``,
+        ``kmin``: the slowest forward, the gradient path's tail (``_stage_bound``) and the least
+        cap of the stages above."""
+        if st["stopped"] or (deadline is not None and time.perf_counter() > deadline):
+            st["stopped"] = True
+            st["open"] = min(st["open"], bound)
+            return
+        if k == S - 1:
+            caps[k] = cap(k, l, L)
+            leaf()
+            return
+        kids = []
+        nxt = G[k + 1]
+        for e in range(l + 1, L - (S - 2 - k)):
+            c = cap(k, l, e)
+            if nxt[e] == INF or c is None:
+                continue
+            f, b, w = pf[e] - pf[l], pb[e] - pb[l], pw[e] - pw[l]
+            trip = (pf[L] - pf[e]) + (pb[L] - pb[e]) + 2 * delay[e - 1][k]
+            here = max(pre, _stage_bound(a, f, b, w, trip, max(g, f), up, c, min(kmin, c), N))
+            arrive = a + f + delay[e - 1][k]
+            kids.append((max(here, arrive + nxt[e]), e, arrive, here, f, b, w, c))
+        kids.sort()
+        for bd, e, arrive, here, f, b, w, c in kids:
+            if bd >= st["best"] - EPS:
+                break
+            parts[k + 1] = e
+            caps[k] = c
+            node(k + 1, e, arrive, here, bd, max(g, f), max(up, w) + delay[e - 1][k] + b, min(kmin, c))
+
+    # An incumbent first: boundary moves of one layer from the term-1 optimum, the uniform and
+    # the work-balanced partition, while they help. It only makes the pruning start earlier.
+    lay = lp.layers
+    for start in (_table_optimum(lp, G, stage_lb, fwd, delay), uniform_parts(L, S),
+                  balanced_parts([x + y + z for x, y, z in zip(lay.forward_ms, lay.backward_input_ms,
+                                                               lay.backward_weight_ms)], S)):
+        p, kc = start, [cap(s, start[s], start[s + 1]) for s in range(S)]
+        if None in kc:
+            continue
+        t = score(p, kc)
+        while deadline is None or time.perf_counter() < deadline:
+            moves = []
+            for i in range(1, S):
+                for d in (-1, 1):
+                    q = list(p)
+                    q[i] += d
+                    if q[i - 1] < q[i] < q[i + 1]:
+                        qc = [cap(s, q[s], q[s + 1]) for s in range(S)]
+                        if None not in qc:
+                            moves.append((score(q, qc), q))
+            tq, q = min(moves, default=(INF, None))
+            if tq >= t - EPS:
+                break
+            p, t = q, tq
+        if t < st["best"] - EPS:
+            st["best"], st["parts"] = t, p
+
+    node(0, 0, 0.0, 0.0, G[0][0], 0.0, -INF, N)
+    lb = min(st["lb"], st["open"], st["best"])
+    return PartitionResult(st["parts"], st["best"], lb, st["replayed"], st["leaves"], not st["stopped"],
+                           time.perf_counter() - t0)
+
+
+def _stage_bound(a: float, f: float, b: float, w: float, trip: float, g: float, up: float, k: int, kmin: int,
+                 N: int) -> float:
+    """``bounds.lower_bound_ms``'s terms 1-5 for one stage, from what the stages above fix and
+    the least the stages below can add: F0 arrives at ``a``; the stage runs ``f``, ``b``, ``w``
+    per micro-batch and holds at most ``k`` activations; ``trip`` is the round trip below it with
+    every link after the next one free (the true one is longer: every term grows with it, terms 4
+    and 5 too, as the ramp's busy time grows at most as fast as its span); ``g`` the slowest
+    forward at or above it; ``up`` the longest gradient path above it ending in a W
+    (tail = max(w, up)); ``kmin`` the least cap at or above it."""
+    r = a + f + trip
+    tail = max(w, up)
+    lb3_start = a + (N - 1) * g
+    if N > k:
+        lb3_start = max(lb3_start, r + (N - k) * b + (N - k - 1) * f)
+    busy = _ramp_busy(r - a, f, g, kmin)
+    return max(a + N * (f + b + w), r + N * (b + w) + max(0, N - k) * f, lb3_start + f + trip + b + tail,
+               r + N * (f + b + w) - busy, r + N * (f + b) - busy + tail, _cap_chain(a, f, b, tail, trip, k, N))
+
+
+def cap_bound_ms(costs: Costs, microbatches: int, caps: list[int]) -> float:
+    """A lower bound on the iteration time of any valid schedule that keeps stage s at most
+    caps[s] activations in flight, for where the caps bind (``bounds.lower_bound_ms`` counts one
+    round trip per stage; a tight cap costs one per cap's worth of micro-batches).
+
+    On stage s, let E_j be the end of the j-th forward it runs (in whatever order), trip_s the
+    round trip below it (the forward and backward-input of every stage below, and both ways of
+    every link below). The backward-input of the micro-batch of forward i starts at or after
+    E_i + trip_s, since its gradient comes back from the last stage. Before starting forward
+    j >= k (k = caps[s]), at least j - k + 1 backward-inputs have ended (at most k in flight), of
+    distinct micro-batches among forwards 0..j-1, one of them of forward index >= j - k; so
+    E_j >= E_{j-k} + trip_s + b_s + f_s, and E_j >= E_{j-1} + f_s, E_0 >= a_s + f_s. Hence,
+    with N - 1 = q k + r, the last forward ends at or after a_s + f_s + r f_s + q (f_s + trip_s +
+    b_s); its micro-batch then goes down and back (trip_s), runs its backward-input here and still
+    its W here or its backward-input and W above (tail_s, as in ``bounds``)."""
+    S, N = costs.stages, microbatches
+    f, b, w, c = costs.f, costs.b, costs.w, costs.links
+    trip = [0.0] * S
+    for s in range(S - 2, -1, -1):
+        trip[s] = trip[s + 1] + f[s + 1] + b[s + 1] + 2 * c[s]
+    best, a, up = 0.0, 0.0, -INF
+    for s in range(S):
+        best = max(best, _cap_chain(a, f[s], b[s], max(w[s], up), trip[s], min(caps[s], N), N))
+        if s < S - 1:
+            up = max(up, w[s]) + c[s] + b[s]
+            a += f[s] + c[s]
+    return best
+
+
+def _cap_chain(a: float, f: float, b: float, tail: float, trip: float, k: int, N: int) -> float:
+    """``cap_bound_ms``'s term for one stage (it grows with ``trip``)."""
+    q, r = divmod(N - 1, max(1, k))
+    return a + f + r * f + q * (f + trip + b) + trip + b + tail
+
+
+def _table_optimum(lp: LayerProfile, G, stage_lb, fwd, delay) -> list[int]:
+    """A partition attaining the suffix table's optimum (it fits memory)."""
+    L, S = lp.num_layers, lp.stages
+    parts, l = [0], 0
+    for k in range(S - 1):
+        e = min((e for e in range(l + 1, L - (S - 2 - k)) if G[k + 1][e] < INF),
+                key=lambda e: max(stage_lb(k, l, e), fwd(l, e) + delay[e - 1][k] + G[k + 1][e]))
+        parts.append(e)
+        l = e
+    return parts + [L]
