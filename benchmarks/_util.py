@@ -1,9 +1,11 @@
-"""Shared by the benchmark scripts: a rich table when available, an atomic JSON write, and the
-malloc settings that keep freed memory."""
+"""Shared by the benchmark scripts: a rich table when available, an atomic JSON write, the malloc
+settings that keep freed memory, and re-launching a script under torchrun."""
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,3 +44,15 @@ def write_json(path: str, payload: dict) -> None:
     payload.setdefault("written_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     write_atomic(path, json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def relaunch(script: str, nproc: int, *args: str) -> int:
+    """Run ``script`` with ``args`` (default: this process's) under ``torchrun --standalone`` with
+    ``nproc`` ranks on CPU unless ``DS_ACCELERATOR`` says otherwise; its exit code."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "PYTHONPATH": os.pathsep.join([str(repo), str(Path(script).resolve().parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *(args or sys.argv[1:])]
+    return subprocess.call(cmd, env=env)

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from _util import CACHING_MALLOC, write_json
+from _util import CACHING_MALLOC, relaunch, write_json
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 TARGET_OVER_PREDICTED = 1.05
@@ -54,14 +54,6 @@ def parse_args():
     ap.add_argument("--block", type=int, nargs=3, metavar=("D_MODEL", "SEQ", "REPS"),
                     help=argparse.SUPPRESS)  # internal: measure one transformer block and print JSON
     return ap.parse_args()
-
-
-def relaunch() -> int:
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={STAGES}",
-           __file__, *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
 
 
 def build(kind: str):
@@ -246,7 +238,7 @@ def main() -> int:
         print(json.dumps(transformer_block_split_vs_fused(d_model, seq, reps)))
         return 0
     if "LOCAL_RANK" not in os.environ:
-        return relaunch()
+        return relaunch(__file__, STAGES)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, str(REPO))
     import deepspeed

@@ -29,15 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _util import print_table, write_json
+from _util import print_table, relaunch, write_json
 
 STAGES, REPLICAS, MICROBATCHES, OP_MS, SLOW_MS = 4, 2, 12, 10.0, 30.0
 WORLD = STAGES * REPLICAS
@@ -47,7 +45,6 @@ GRAD_MB, CHUNK_MB = 100.0, 4.0
 ALLREDUCE_MESSAGES = math.ceil(GRAD_MB / REPLICAS / CHUNK_MB)
 MODES = ("baseline", "replacement", "orchestrator")
 PAPER = {"orchestrator_vs_replacement": 1.96, "orchestrator_vs_baseline": 3.6}
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args():
@@ -148,11 +145,7 @@ def main() -> int:
     place_s = time.perf_counter() - t
     spec = {"placements": placements, "iters": args.iters, "warmup": args.warmup, "result": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           __file__, "--worker", str(work / "spec.json")]
-    code = subprocess.call(cmd, env=env)
+    code = relaunch(__file__, WORLD, "--worker", str(work / "spec.json"))
     if code != 0 or not Path(spec["result"]).exists():
         print(f"the 8-rank run failed (exit code {code})", file=sys.stderr)
         return 1

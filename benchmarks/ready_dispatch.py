@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _util import print_table, write_json
+from _util import print_table, relaunch, write_json
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 SLOW_LINK, DELAY_MS = 1, 30.0
@@ -43,7 +42,6 @@ WORKLOADS = ("heavy", "jitter", "dynamic", "static", "none")
 TARGET_SPEEDUP = 1.10  # ready over ordered on heavy and jitter (and dynamic, with adaptive)
 TARGET_PREDICTION = 0.10  # engine within 10 % of the readiness replay
 TARGET_STILL = 0.02  # ready within 2 % of ordered when nothing varies
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args():
@@ -54,14 +52,6 @@ def parse_args():
     ap.add_argument("--out", default="out/ready_dispatch.json")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="a comma-separated subset of " + ",".join(WORKLOADS))
     return ap.parse_args()
-
-
-def relaunch() -> int:
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={STAGES}",
-           __file__, *sys.argv[1:]]
-    return subprocess.call(cmd, env=env)
 
 
 def tables(workload: str, seed: int):
@@ -154,7 +144,7 @@ def predict(workload: str, plan_text, dispatch: str, args) -> float:
 def main() -> int:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:
-        return relaunch()
+        return relaunch(__file__, STAGES)
     import deepspeed
     import torch.distributed as dist
 

@@ -152,8 +152,10 @@ class TracePoint(BaseModel):
     @classmethod
     def _nonneg(cls, v):
         for i, c in enumerate(v):
-            if not (c >= 0 and math.isfinite(c)):
-                raise ValueError(f"link {i} has a delay of {c} ms; delays are >= 0")
+            if c < 0:
+                raise ValueError(f"link {i} has a negative delay ({c:g} ms)")
+            if not math.isfinite(c):
+                raise ValueError(f"link {i} has a delay of {c} ms; delays are finite")
         return v
 
 

@@ -20,40 +20,15 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from ..fileio import BadInput, load_model
+from ..plan.variation import LinkTraceFile
 from ..runtime.transport.protocol import DeliveryError, TransportError, TransportTimeout, link_of
 from .wrapping import TransportWrapper
 
 
-class TracePoint(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    t: float = Field(ge=0, description="seconds since the first iteration started")
-    links_ms: list[float]
-
-    @field_validator("links_ms")
-    @classmethod
-    def _nonneg(cls, v):
-        for i, c in enumerate(v):
-            if c < 0:
-                raise ValueError(f"link {i} has a negative delay ({c} ms)")
-        return v
-
-
-class DelayTrace(BaseModel):
-    """A delay trace file: ``points: [{t: 0.0, links_ms: [0, 0, 30]}, {t: 1.5, ...}]``."""
-
-    model_config = ConfigDict(extra="forbid")
-    points: list[TracePoint] = Field(min_length=1)
-
-    @field_validator("points")
-    @classmethod
-    def _sorted(cls, v):
-        for a, b in zip(v, v[1:]):
-            if b.t < a.t:
-                raise ValueError(f"times must not decrease (t={b.t} comes after t={a.t})")
-        return v
+class DelayTrace(LinkTraceFile):
+    """A delay trace file: ``points: [{t: 0.0, links_ms: [0, 0, 30]}, {t: 1.5, ...}]`` (the format of
+    ``plan.variation.LinkTraceFile``, which the simulator replays), looked up by time as it runs."""
 
     def check_links(self, links: int, source: str) -> None:
         for p in self.points:

@@ -5,31 +5,15 @@ import subprocess
 import sys
 
 import pytest
-import yaml
-from typer.testing import CliRunner
 
-from ds_pipemorph_cli.app import app
+from cli_helpers import run, write
 
-runner = CliRunner()
 
 # Two stages, two micro-batches, DeepSpeed's 1F1B order with a split backward.
 PLAN = {
     "version": 1, "stages": 2, "microbatches": 2, "warmup": [2, 1],
     "schedule": [["F0", "F1", "B0", "W0", "B1", "W1"], ["F0", "B0", "W0", "F1", "B1", "W1"]],
 }
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def write(tmp_path, name, data):
-    p = tmp_path / name
-    if isinstance(data, bytes):
-        p.write_bytes(data)
-    else:
-        p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    return p
 
 
 def one_sentence_exit_2(r, needle):

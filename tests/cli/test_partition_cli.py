@@ -3,13 +3,11 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ds_pipemorph.plan.parts import PartsFile
 from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph_cli.app import app
+from cli_helpers import run, write
 
-runner = CliRunner()
 
 # 12 layers, the last four slower; a 64 MB activation after layer 2 and a 20 ms link in the middle.
 PROFILE = {
@@ -26,16 +24,6 @@ PROFILE = {
     "links": {"bandwidth_gbs": 10, "latency_ms": [0, 20, 0]},
     "memory": {"capacity_mb": 1000},
 }
-
-
-def write(tmp_path, name, data):
-    p = tmp_path / name
-    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
-    return p
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_partition_prints_the_comparison_and_writes_parts_and_plan(tmp_path):

@@ -3,25 +3,13 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from ds_pipemorph.plan.placement import Placement, TopologyFile
-from ds_pipemorph_cli.app import app
+from cli_helpers import run, write
 
-runner = CliRunner()
 SLOW = {1, 3, 5, 7}  # behind a 30 ms link from the others: every default data-parallel ring crosses it
 SPLIT = {"world_size": 8, "latency_ms": [[0 if (a in SLOW) == (b in SLOW) else 30 for b in range(8)] for a in range(8)]}
 FAST = ["--search-evals", "300"]
-
-
-def write(tmp_path, name, data):
-    p = tmp_path / name
-    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
-    return p
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_place_prints_three_predictions_and_writes_the_topology(tmp_path):

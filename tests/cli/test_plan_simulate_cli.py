@@ -3,11 +3,9 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
-from ds_pipemorph_cli.app import app
+from cli_helpers import run, write
 
-runner = CliRunner()
 
 PROFILE = {
     "stages": 4,
@@ -16,16 +14,6 @@ PROFILE = {
     "links_ms": [0, 0, 0],
     "memory": {"max_inflight": [7, 5, 3, 1]},
 }
-
-
-def write(tmp_path, name, data):
-    p = tmp_path / name
-    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
-    return p
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_plan_prints_warmup_tolerance_and_prediction_and_writes_the_plan(tmp_path):

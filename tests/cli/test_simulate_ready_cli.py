@@ -4,15 +4,9 @@ import json
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
-from ds_pipemorph_cli.app import app
+from cli_helpers import run
 
-runner = CliRunner()
-
-
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def write(path, data):

@@ -88,4 +88,4 @@ def test_bench_help_and_an_unknown_command_import_no_torch(tmp_path):
     assert code == 0, text
     assert not mods & set(HEAVY), sorted(mods & set(HEAVY))
     code, _, text = loaded(["plam"], tmp_path)
-    assert code == 2 and "Did you mean 'plan'?" in text
+    assert code == 2 and "No such command 'plam'. Did you mean 'plan'" in text  # the closest names first
