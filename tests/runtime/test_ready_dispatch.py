@@ -8,10 +8,16 @@ once, in an order that respects the dependencies, never holding more activations
 """
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 
 import pytest
 
+from ds_pipemorph.plan.ops import parse_stage
+from ds_pipemorph.plan.planfile import PlanFile
+from ds_pipemorph.plan.profile import Profile
 from ds_pipemorph.plan.simulate import peak_inflight
 from ds_pipemorph.plan.validate import validate_schedule
 from ds_pipemorph.runtime.config import parse_config
@@ -94,3 +100,29 @@ def test_two_pipelines_by_two_data_parallel_ready_dispatch_equals_stock(tmp_path
     run = launch(4, jobs, tmp_path, timeout=220)
     for name, stock, peak in checks:
         _assert_ready_run_equals_stock(run, name, stock, 4, peak)
+
+
+@pytest.mark.timeout(240)
+def test_the_timeline_shows_the_order_run_and_trace_compare_names_where_it_left_the_hint(tmp_path):
+    # Stage 1's hint starts with F1, but stage 0 sends F0 first over a link that holds each message
+    # 30 ms (one in flight): F0 is in 30 ms before F1, so ready dispatch runs F0, B0 and W0 first.
+    hint = [parse_stage("F0 F1 B0 W0 B1 W1".split()), parse_stage("F1 B1 W1 F0 B0 W0".split())]
+    profile = Profile(stages=2, microbatches=2, compute_ms={"forward": 1.0, "backward_input": 1.0,
+                                                             "backward_weight": 1.0})
+    plan_path = tmp_path / "hint.yaml"
+    plan_path.write_text(json.dumps(PlanFile.build(hint, profile).model_dump(mode="json")))
+    timeline = tmp_path / "timeline.json"
+    section = _section("plan", plan_file=str(plan_path), inject={"links": {"0": {"delay_ms": 30}}},
+                       timeline=str(timeline))
+    jobs = [{"name": "stock", "stages": 2, "micro_batches": 2, "pipemorph": None},
+            {"name": "departs", "stages": 2, "micro_batches": 2, "pipemorph": section}]
+    run = launch(2, jobs, tmp_path, timeout=220)
+    _assert_ready_run_equals_stock(run, "departs", "stock", 2, peak_inflight(hint))
+    ran = [op for op in run.result("departs", 1)["ops"][-1] if op[0] in "FBW" and op[1:].isdigit()]
+    assert ran == ["F0", "B0", "W0", "F1", "B1", "W1"], ran
+    p = subprocess.run([sys.executable, "-m", "ds_pipemorph_cli.app", "trace", "compare", str(plan_path),
+                        str(timeline), "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert {"rank": 1, "stage": 1, "index": 0, "planned": "F1", "measured": "F0"} in out["divergences"], out["divergences"]
+    assert all(d["rank"] == 1 for d in out["divergences"])  # stage 0 ran its hint as written
