@@ -8,9 +8,10 @@ planner only, no torch) at its first job and hands it ``(policy, costs)`` pickle
 reader thread takes each answer back. ``poll`` never blocks, so the engine checks at every
 iteration boundary whether the search has landed and trains on the plan in force until it has.
 
-Frames on both pipes: an 8-byte little-endian length, then a pickle. An answer is
-``("ok", decision, seconds)`` or ``("error", one sentence)``; a worker that dies answers with an
-error too, so a caller never waits for a job that cannot land.
+Frames on both pipes: an 8-byte little-endian length, then a pickle. A job is ``(number, policy,
+costs)``; its answer ``(number, "ok", decision, seconds)`` or ``(number, "error", one sentence)``.
+Only the answer of the job running now, from the worker running now, lands; a worker that dies
+answers with an error too, so a caller never waits for a job that cannot land.
 """
 from __future__ import annotations
 
@@ -51,18 +52,22 @@ class BackgroundPlanner:
         self._reader: Optional[threading.Thread] = None
         self._answer: Optional[tuple] = None
         self._lock = threading.Lock()
+        self._job = 0  # number of the job running now (or last run)
         self.busy = False
 
     def submit(self, policy, costs) -> None:
         """Start ``policy.refine(costs)`` in the worker (starting the worker first if needed)."""
         if self.busy:
             raise RuntimeError("a re-plan search is already running")
+        with self._lock:
+            self._job += 1
+            self._answer = None
         self.busy = True
         try:
             self._ensure_worker()
-            write_frame(self._proc.stdin, (policy, costs))
+            write_frame(self._proc.stdin, (self._job, policy, costs))
         except (OSError, ValueError) as e:  # the worker is gone: answer with the reason
-            self._land(("error", f"the re-plan worker cannot take a job ({e})"))
+            self._land(self._proc, self._job, ("error", f"the re-plan worker cannot take a job ({e})"))
 
     def poll(self) -> Optional[tuple]:
         """The answer of the running job once (``("ok", decision, s)`` or ``("error", why)``), else None."""
@@ -73,10 +78,12 @@ class BackgroundPlanner:
         return answer
 
     def close(self) -> None:
-        """Stop the worker (idempotent): it ends at the end of its input."""
+        """Stop the worker (idempotent): at the end of its input when idle, at once when searching."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        if self.busy:
+            proc.kill()
         try:
             proc.stdin.close()
         except OSError:
@@ -103,16 +110,18 @@ class BackgroundPlanner:
     def _read(self, proc: subprocess.Popen) -> None:
         while True:
             try:
-                answer = read_frame(proc.stdout)
+                frame = read_frame(proc.stdout)
             except (OSError, pickle.UnpicklingError, EOFError) as e:
-                answer = ("error", f"the re-plan worker's answer cannot be read ({e})")
-            if answer is None:
-                if self.busy:
-                    code = proc.wait()
-                    self._land(("error", f"the re-plan worker exited with code {code}"))
+                frame = (self._job, "error", f"the re-plan worker's answer cannot be read ({e})")
+            if frame is None:
+                code = proc.wait()
+                self._land(proc, self._job, ("error", f"the re-plan worker exited with code {code}"))
                 return
-            self._land(answer)
+            job, *answer = frame
+            self._land(proc, job, tuple(answer))
 
-    def _land(self, answer: tuple) -> None:
+    def _land(self, proc, job: int, answer: tuple) -> None:
+        """Keep ``answer`` if it is for the job running now, from the worker running now."""
         with self._lock:
-            self._answer = answer
+            if self.busy and proc is self._proc and job == self._job:
+                self._answer = answer

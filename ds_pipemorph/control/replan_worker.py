@@ -1,5 +1,6 @@
-"""The re-plan worker process (``control.background``): reads ``(policy, costs)`` frames on stdin,
-answers each with ``("ok", policy.refine(costs), seconds)`` on stdout, ends at the end of stdin.
+"""The re-plan worker process (``control.background``): reads ``(number, policy, costs)`` frames on
+stdin, answers each with ``(number, "ok", policy.refine(costs), seconds)`` on stdout, ends at the
+end of stdin.
 
 It imports the planner only (no torch), runs at the lowest scheduling priority so the training
 processes keep their cores, and turns any failure of a job into an ``("error", sentence)`` answer.
@@ -24,12 +25,12 @@ def main() -> None:
         job = read_frame(stdin)
         if job is None:
             return
-        policy, costs = job
+        number, policy, costs = job
         t = time.perf_counter()
         try:
-            answer = ("ok", policy.refine(costs), time.perf_counter() - t)
+            answer = (number, "ok", policy.refine(costs), time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 - the caller decides what a failed search means
-            answer = ("error", f"the re-plan search failed: {type(e).__name__}: {e}")
+            answer = (number, "error", f"the re-plan search failed: {type(e).__name__}: {e}")
         write_frame(stdout, answer)
 
 

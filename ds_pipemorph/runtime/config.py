@@ -231,6 +231,9 @@ class PipeMorphConfig(_Strict):
         if faults is not None and faults.kill_delegate is not None and self.delegation.mode != "always":
             raise ValueError("inject.faults.kill_delegate needs delegation.mode 'always' (the delegate it kills "
                              "must exist at that message)")
+        if faults is not None and self.dispatch == "ready":
+            raise ValueError("inject.faults cannot be combined with dispatch 'ready': its receives all wait from "
+                             "the start of the iteration, so a link failing over mid-iteration is not followed yet")
         return self
 
 

@@ -68,7 +68,7 @@ def backend_reason(backend: str, delegation_mode: str) -> Optional[str]:
     ignores tags: a receive posted ahead of a send the peer is waiting for holds that send back.
     The direct path posts receives ahead (and matches messages by tag), so on NCCL every link goes
     through the delegates, whose own gloo groups match by tag."""
-    if backend == "nccl" and delegation_mode != "always":
+    if "nccl" in backend and delegation_mode != "always":  # "nccl" or e.g. "cpu:gloo,cuda:nccl"
         return ("pipemorph's direct transport posts receives ahead of sends, which NCCL's in-order "
                 "point-to-point streams cannot serve: set pipemorph.delegation.mode to \"always\" "
                 "(every link through the delegates) with the NCCL backend")
@@ -121,8 +121,10 @@ class PipeMorphEngine(PipelineEngine):
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
         self.dp_delay_ms = 0.0  # testing only: what a slow link on this stage's all-reduce ring adds
-        if pipemorph.inject.rank_links:
-            delays = self._inject_rank_links(pipemorph.inject.rank_links, ranks, delays)
+        if pipemorph.inject.rank_links:  # testing only: slow links between given ranks
+            from ..testing.rank_links import install_rank_links
+
+            delays = install_rank_links(self, pipemorph.inject, ranks, delays)
         # Per link: direct (torch.distributed in this process) or delegated (staging ring + delegate
         # processes); injected delays (testing only) sit on both paths as docs/design.md models them.
         self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
@@ -170,29 +172,6 @@ class PipeMorphEngine(PipelineEngine):
         parent = getattr(super(), "destroy", None)
         if parent is not None:
             parent()
-
-    def _inject_rank_links(self, rank_links: dict[str, float], stage_ranks: list[int],
-                           delays: Optional[DelaySchedule]) -> Optional[DelaySchedule]:
-        """Testing only: slow links between given ranks, on whatever traffic this placement puts on
-        them (``testing.rank_links``). Returns the pipeline's delay schedule with them added."""
-        from ..testing.rank_links import allreduce_delay_ms, parse_pairs, pipeline_delays, wrap_reduce
-
-        pairs = parse_pairs(rank_links)
-        world = torch.distributed.get_world_size()
-        bad = [f"{a}-{b}" for a, b in pairs if b >= world]
-        if bad:
-            raise PipeMorphConfigError(f"pipemorph.inject.rank_links names rank pair {bad[0]}, but the job has "
-                                       f"ranks 0..{world - 1}")
-        self.dp_delay_ms = allreduce_delay_ms(pairs, list(self.grid.dp_group), self.pipemorph.inject.allreduce_messages)
-        if self.dp_delay_ms > 0:
-            self._INSTRUCTION_MAP = wrap_reduce(self._INSTRUCTION_MAP, self.dp_delay_ms)
-        on_links = pipeline_delays(pairs, stage_ranks)
-        if not any(on_links):
-            return delays
-        if delays is None:
-            return DelaySchedule(on_links)
-        delays.static = [max(a, b) for a, b in zip(delays.static, on_links)]
-        return delays
 
     # -- state ----------------------------------------------------------------------------------
     @property

@@ -2,18 +2,22 @@
 
 Readiness-driven dispatch needs to know, without blocking, whether a message is in. gloo cannot
 say: its ``Work.is_completed()`` turns true only inside ``wait()``. So each receive of the
-iteration is a ``Transport.recv`` running in a worker thread of a pool kept for the engine's life
-(a thread blocked in ``wait()`` holds no GIL); the training thread asks ``arrived`` (a flag) and,
-when nothing it could run is ready, sleeps in ``wait_any`` until a receive completes. Any
-transport works this way (direct, delegated, the router, test wrappers): ``recv`` matches by
-(kind, micro-batch), so the receives can complete in any order. A receive's op record is stamped
-in its thread (``RECV_F3``: from when the thread began waiting to the message's arrival), which is
-what the control loop's delay estimator reads.
+iteration is a ``Transport.recv`` running in a worker thread (daemon threads kept for the engine's
+life, fed by a queue; a thread blocked in ``wait()`` holds no GIL, and a daemon thread never keeps a
+failed rank's process alive); the training thread asks ``arrived`` (a flag) and, when nothing it
+could run is ready, sleeps in ``wait_any`` until a receive completes. Any transport works this
+way (direct, delegated, the router, test wrappers): ``recv`` matches by (kind, micro-batch), so the
+receives can complete in any order. A receive's op record is stamped in its thread (``RECV_F3``:
+from when the thread began waiting to when it had the message back, which can be up to the
+interpreter's switch interval after the arrival), which is what the control loop's delay
+estimator reads.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from .oprecords import OpRecord
 from .transport.protocol import TransportTimeout
@@ -22,19 +26,38 @@ from .transport.protocol import TransportTimeout
 class Inbox:
     def __init__(self, transport, workers: int, timeout_s: float, rank: int):
         self.transport, self.timeout_s, self.rank = transport, timeout_s, rank
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="pipemorph-recv")
+        self._max_workers = max(1, workers)
+        self._workers: list[threading.Thread] = []
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[tuple[str, int], Future] = {}
 
     def post(self, kind: str, mb: int, records: list) -> None:
         """Start receiving message (kind, mb); its record goes to ``records`` when it is in."""
         self.transport.post_recv(kind, mb)
-        self._futures[(kind, mb)] = self._pool.submit(self._recv, kind, mb, records)
+        fut: Future = Future()
+        self._futures[(kind, mb)] = fut
+        if len(self._workers) < min(self._max_workers, len(self._futures)):
+            t = threading.Thread(target=self._work, name=f"pipemorph-recv-{len(self._workers)}", daemon=True)
+            t.start()
+            self._workers.append(t)
+        self._jobs.put((fut, kind, mb, records))
 
-    def _recv(self, kind: str, mb: int, records: list):
-        t0 = time.monotonic_ns()
-        payload = self.transport.recv(kind, mb)
-        records.append(OpRecord(f"RECV_{kind}{mb}", t0, time.monotonic_ns()))  # list.append: atomic
-        return payload
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, kind, mb, records = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                t0 = time.monotonic_ns()
+                payload = self.transport.recv(kind, mb)
+                records.append(OpRecord(f"RECV_{kind}{mb}", t0, time.monotonic_ns()))  # list.append: atomic
+            except BaseException as e:  # handed to the training thread at ``take``
+                fut.set_exception(e)
+            else:
+                fut.set_result(payload)
 
     def arrived(self, kind: str, mb: int) -> bool:
         return self._futures[(kind, mb)].done()
@@ -43,21 +66,29 @@ class Inbox:
         """The message (kind, mb), which has arrived; a failed receive raises its error here."""
         return self._futures.pop((kind, mb)).result()
 
-    def wait_any(self, waiting_for: list[str]) -> None:
-        """Sleep until one more receive completes (``waiting_for``: what the stage waits for)."""
+    def wait_any(self, waiting_for: list[str]) -> bool:
+        """Sleep until one more receive completes; False at once if none is still running (one may
+        have completed since the caller looked: it should look again). ``waiting_for``: what the
+        stage waits for, for the timeout's message."""
         futures = [f for f in self._futures.values() if not f.done()]
         if not futures:
-            raise RuntimeError(f"rank {self.rank}: no op is ready and no message is expected: "
-                               "the readiness rule is stuck")
+            return False
         done, _ = wait(futures, timeout=self.timeout_s, return_when=FIRST_COMPLETED)
         if not done:
             raise TransportTimeout(f"rank {self.rank}: timed out after {self.timeout_s:g} s with no op ready, "
                                    f"waiting for {', '.join(waiting_for)}")
+        return True
 
     @property
     def outstanding(self) -> int:
         return len(self._futures)
 
     def close(self) -> None:
+        """Forget this iteration's receives and stop the workers (one still blocked in a receive
+        ends with it or with the process: the threads are daemons)."""
+        for fut in self._futures.values():
+            fut.cancel()
         self._futures.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._workers:
+            self._jobs.put(None)
+        self._workers = []

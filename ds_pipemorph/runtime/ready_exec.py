@@ -41,7 +41,9 @@ def run_ready(engine) -> int:
         op = rule.pick(inbox.arrived)
         choosing += time.perf_counter_ns() - t
         if op is None:
-            inbox.wait_any(rule.waiting_for())
+            if not inbox.wait_any(rule.waiting_for()) and rule.pick(inbox.arrived) is None:
+                raise RuntimeError(f"stage {s}: no op is ready and no message is on its way "
+                                   f"(waiting for {', '.join(rule.waiting_for()) or 'nothing'})")
             continue
         rule.started(op)
         m = op.mb

@@ -18,9 +18,14 @@
 from __future__ import annotations
 
 import time
+from typing import Optional
+
+import torch.distributed as dist
 
 from ..plan.placement import ring_links
 from ..runtime import instructions as I
+from ..runtime.config import PipeMorphConfigError
+from .inject import DelaySchedule
 
 
 def allreduce_delay_ms(pairs: dict[tuple[int, int], float], group: list[int], messages: int = 1) -> float:
@@ -54,3 +59,25 @@ def wrap_reduce(handlers: dict, extra_ms: float) -> dict:
         time.sleep(extra_ms / 1e3)
 
     return {**handlers, I.ReduceGrads: slowed}
+
+
+def install_rank_links(engine, inject, stage_ranks: list[int], delays: Optional[DelaySchedule]) -> Optional[DelaySchedule]:
+    """Put ``inject.rank_links`` on ``engine`` (before its transport is built): its all-reduce pays
+    what its data-parallel ring crosses, and the returned delay schedule (``delays`` with them added)
+    slows the pipeline links between slowed ranks."""
+    pairs = parse_pairs(inject.rank_links)
+    world = dist.get_world_size()
+    bad = [f"{a}-{b}" for a, b in pairs if b >= world]
+    if bad:
+        raise PipeMorphConfigError(f"pipemorph.inject.rank_links names rank pair {bad[0]}, but the job has "
+                                   f"ranks 0..{world - 1}")
+    engine.dp_delay_ms = allreduce_delay_ms(pairs, list(engine.grid.dp_group), inject.allreduce_messages)
+    if engine.dp_delay_ms > 0:
+        engine._INSTRUCTION_MAP = wrap_reduce(engine._INSTRUCTION_MAP, engine.dp_delay_ms)
+    on_links = pipeline_delays(pairs, stage_ranks)
+    if not any(on_links):
+        return delays
+    if delays is None:
+        return DelaySchedule(on_links)
+    delays.static = [max(a, b) for a, b in zip(delays.static, on_links)]
+    return delays

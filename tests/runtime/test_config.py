@@ -192,3 +192,11 @@ def test_settings_the_chosen_schedule_ignores_are_named_at_start_up():
     assert pending_notes(parse_config(off)) == []
     assert pending_notes(parse_config({"schedule": "zb", "delegation": {"mode": "off"}})) == []
     assert pending_notes(parse_config({"schedule": "adaptive", "adapt": {"every_iterations": 2}})) == []
+
+
+def test_ready_dispatch_with_injected_link_faults_is_refused_in_one_sentence():
+    with pytest.raises(PipeMorphConfigError, match="cannot be combined with dispatch 'ready'"):
+        parse_config({"dispatch": "ready", "inject": {"faults": {"link_fails_after": {"0": 3}}}})
+    assert parse_config({"dispatch": "ready"}).dispatch == "ready"
+    with pytest.raises(PipeMorphConfigError, match="dispatch"):
+        parse_config({"dispatch": "eager"})
