@@ -67,6 +67,7 @@ class Replan:
     plan: list[list[str]]
     kind: str = "search"  # "search" (inline), "closed-form" (first reaction) or "refined" (the search landed)
     search_s: Optional[float] = None  # for "refined": seconds the search took beside training
+    costs: Optional[dict] = None  # what the plan was made for: per-stage "f", "b", "w" and "links" (ms)
 
 
 class Adapter:
@@ -195,7 +196,7 @@ class Adapter:
             return None
         plan = decision.plan
         ev = Replan(self.iteration, links, decision.target_ms, decision.predicted_ms, warmup_counts(plan),
-                    [[str(o) for o in r] for r in plan], kind, search_s)
+                    [[str(o) for o in r] for r in plan], kind, search_s, vars(decision.costs).copy())
         self.replans.append(ev)
         oh.replan = _ms_since(t)
         if self.rank == 0:

@@ -59,7 +59,7 @@ def test_delay_at_iteration_5_is_acted_on_by_7_and_recovery_returns_to_the_no_de
     assert 38 <= up["measured_ms"][2] <= 50  # measured from the engine's own messages, not read from the settings
     # The new plan beats the one it replaces under the measured delay (direct-link model, as it runs).
     initial = build_plan(parse_config(SECTION), 4, 8)
-    costs = Costs.uniform(4, 10.0, up["target_ms"])
+    costs = Costs(**up["costs"])  # the measured op times and delays it planned for
     new = parse_schedule(up["plan"])
     assert replay(new, costs, 8, link_model=DIRECT).iteration_ms < replay(initial, costs, 8, link_model=DIRECT).iteration_ms
     assert down["target_ms"] == [0.0, 0.0, 0.0]
@@ -113,8 +113,10 @@ def test_a_search_longer_than_an_iteration_runs_beside_training_and_all_ranks_sw
         assert [(x["iteration"], x["plan"]) for x in res[r]["adaptive"]["replans"]] == \
             [(x["iteration"], x["plan"]) for x in replans]
 
-    # The refined plan is what the search gives for the delays the reaction planned for, in-process.
-    costs = Costs.uniform(4, 10.0, react["target_ms"])
+    # The refined plan is what the search gives, in this process, for what the reaction planned for
+    # (the measured op times and link delays the rank recorded).
+    costs = Costs(**react["costs"])
+    assert refined["costs"] == react["costs"]
     policy = Policy(build_plan(parse_config(SECTION), 4, 8), Costs.uniform(4, 10.0, [0.0] * 3), 8,
                     [8, 6, 4, 2], search_evals=EVALS)
     policy.adopt(policy.react(costs))
