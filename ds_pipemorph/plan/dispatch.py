@@ -65,6 +65,14 @@ class ReadyRule:
             self.backwarded.add(op.mb)
             self.inflight -= 1
 
+    def message_of(self, op: Op):
+        """The message ``op`` waits for, as (kind, micro-batch), or None."""
+        if op.kind == "F" and self.needs_input:
+            return ("F", op.mb)
+        if op.kind == "B" and self.needs_grad:
+            return ("B", op.mb)
+        return None
+
     def waiting_for(self) -> list[str]:
         """The messages the ops still to run wait for (for an error message), e.g. ``['RECV_B3']``."""
         out = []

@@ -79,6 +79,11 @@ class Inbox:
                                    f"waiting for {', '.join(waiting_for)}")
         return True
 
+    def wait_for(self, kind: str, mb: int, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for message (kind, mb); whether it is in."""
+        done, _ = wait([self._futures[(kind, mb)]], timeout=timeout_s)
+        return bool(done)
+
     @property
     def outstanding(self) -> int:
         return len(self._futures)
