@@ -56,5 +56,8 @@ def test_the_rule_names_what_a_stuck_stage_waits_for():
     rule = ReadyRule([Op("F", 0), Op("B", 0), Op("W", 0)], 1, needs_input=True, needs_grad=True)
     assert rule.pick(lambda kind, mb: False) is None
     assert rule.waiting_for() == ["RECV_F0", "RECV_B0"]
+    assert [rule.message_of(op) for op in rule.pending] == [("F", 0), ("B", 0), None]
+    edge = ReadyRule([Op("F", 0), Op("B", 0), Op("W", 0)], 1, needs_input=False, needs_grad=False)
+    assert [edge.message_of(op) for op in edge.pending] == [None, None, None]  # a one-stage pipeline
     with pytest.raises(ValueError, match="at least 1"):
         ReadyRule([], 0, True, True)
