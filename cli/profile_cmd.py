@@ -67,6 +67,23 @@ def profile_links(
         _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, out or merge, report)
 
 
+def _write_and_show(outputs: dict, report, rep: dict, table) -> None:
+    """Rank 0: the outputs (and the report, if asked) written atomically, the table, what was written."""
+    if report:
+        outputs[str(report)] = json.dumps(rep, indent=2) + "\n"
+    write_outputs(outputs)
+    console.print(table)
+    for path in outputs:
+        console.print(f"wrote {path}")
+
+
+def _rank_error(env, e: Exception) -> typer.Exit:
+    """One line naming the rank; exit code 2 for bad input, 1 for a failed measurement."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    err_console.print(f"error: rank {env.rank}: {msg}", markup=False)
+    return typer.Exit(2 if isinstance(e, BadInput) else 1)
+
+
 def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, timeout, base, dest, report) -> None:
     import torch.distributed as dist
 
@@ -104,17 +121,10 @@ def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, time
             outputs = {}
             if dest:
                 outputs[str(dest)] = render(merged(base, env.world_size, links_ms=rep["links_ms"]), str(dest))
-            if report:
-                outputs[str(report)] = json.dumps(rep, indent=2) + "\n"
-            write_outputs(outputs)
-            console.print(_links_table(rep, max(size_list)))
-            for path in outputs:
-                console.print(f"wrote {path}")
+            _write_and_show(outputs, report, rep, _links_table(rep, max(size_list)))
         dist.barrier()
     except (TransportError, RuntimeError, BadInput) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err_console.print(f"error: rank {env.rank}: {msg}", markup=False)
-        raise typer.Exit(2 if isinstance(e, BadInput) else 1) from None
+        raise _rank_error(env, e) from None
     finally:
         if tr is not None:
             tr.close()
@@ -169,17 +179,10 @@ def _run_pairs(env, size_list, reps, warmup, slow_factor, inject, timeout, out, 
             outputs = {}
             if out:
                 outputs[str(out)] = dump(link_matrix(rep), str(out).lower().endswith(".json"))
-            if report:
-                outputs[str(report)] = json.dumps(rep, indent=2) + "\n"
-            write_outputs(outputs)
-            console.print(_pairs_table(rep, max(size_list)))
-            for path in outputs:
-                console.print(f"wrote {path}")
+            _write_and_show(outputs, report, rep, _pairs_table(rep, max(size_list)))
         dist.barrier()
     except (TransportError, RuntimeError, BadInput) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err_console.print(f"error: rank {env.rank}: {msg}", markup=False)
-        raise typer.Exit(2 if isinstance(e, BadInput) else 1) from None
+        raise _rank_error(env, e) from None
     finally:
         close_group()
 

@@ -42,18 +42,25 @@ from typing import Optional
 from .profile import Costs
 
 
+def first_arrivals(costs: Costs) -> tuple[list[float], list[float]]:
+    """Per stage s, the earliest time F0's activation arrives (a_s, 0 on the first stage) and the
+    earliest time B0's gradient arrives (r_s; on the last stage: its own F0 done)."""
+    S, f, b, c = costs.stages, costs.f, costs.b, costs.links
+    a = [0.0] * S
+    for s in range(1, S):
+        a[s] = a[s - 1] + f[s - 1] + c[s - 1]
+    r = [0.0] * S
+    r[S - 1] = a[S - 1] + f[S - 1]
+    for s in range(S - 2, -1, -1):
+        r[s] = r[s + 1] + b[s + 1] + c[s]
+    return a, r
+
+
 def lower_bound_ms(costs: Costs, microbatches: int, caps: Optional[list[int]] = None) -> float:
     S, N = costs.stages, microbatches
     f, b, w, c = costs.f, costs.b, costs.w, costs.links
     caps = caps or [N] * S
-    a = [0.0] * S  # F0 arrival at stage s
-    for s in range(1, S):
-        a[s] = a[s - 1] + f[s - 1] + c[s - 1]
-    bottom = a[S - 1] + f[S - 1]  # F0 done on the last stage
-    r = [0.0] * S  # earliest arrival of B0's gradient at stage s (own F0 done for the last stage)
-    r[S - 1] = bottom
-    for s in range(S - 2, -1, -1):
-        r[s] = r[s + 1] + b[s + 1] + c[s]
+    a, r = first_arrivals(costs)
     best = 0.0
     g = 0.0  # slowest forward at or above s
     kcap = N  # fewest forwards any stage at or above s starts before its first gradient arrives
@@ -75,14 +82,14 @@ def lower_bound_ms(costs: Costs, microbatches: int, caps: Optional[list[int]] = 
         if N > k:
             start_last = max(start_last, r[s] + (N - k) * b[s] + (N - k - 1) * f[s])
         lb3 = start_last + f[s] + q + b[s] + tail
-        busy = _ramp_busy(r[s] - a[s], f[s], g, kcap)
+        busy = ramp_busy(r[s] - a[s], f[s], g, kcap)
         lb4 = r[s] + work - busy
         lb5 = r[s] + N * (f[s] + b[s]) - busy + tail
         best = max(best, lb1, lb2, lb3, lb4, lb5)
     return best
 
 
-def _ramp_busy(span: float, f: float, g: float, count: int) -> float:
+def ramp_busy(span: float, f: float, g: float, count: int) -> float:
     """Σ_{k<count} clamp(span − k·g, 0, f) for g >= f >= 0: the most a stage can be busy with
     forwards ``span`` after its first one may start (bound 4). Terms fall by g >= f, so all but at
     most one are f or 0; a count off by one at the boundary only ever adds, never misses, a term."""

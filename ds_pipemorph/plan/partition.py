@@ -39,7 +39,7 @@ from itertools import combinations
 from typing import Callable, Iterator, Optional
 
 from ..fileio import BadInput
-from .bounds import _ramp_busy, lower_bound_ms
+from .bounds import lower_bound_ms, ramp_busy
 from .layer_profile import LayerProfile
 from .listsched import Policy, list_schedule
 from .parts import balanced_parts, uniform_parts
@@ -296,7 +296,7 @@ def _stage_bound(a: float, f: float, b: float, w: float, trip: float, g: float, 
     lb3_start = a + (N - 1) * g
     if N > k:
         lb3_start = max(lb3_start, r + (N - k) * b + (N - k - 1) * f)
-    busy = _ramp_busy(r - a, f, g, kmin)
+    busy = ramp_busy(r - a, f, g, kmin)
     return max(a + N * (f + b + w), r + N * (b + w) + max(0, N - k) * f, lb3_start + f + trip + b + tail,
                r + N * (f + b + w) - busy, r + N * (f + b) - busy + tail, _cap_chain(a, f, b, tail, trip, k, N))
 

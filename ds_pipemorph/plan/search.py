@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from .baselines import zb_h1_warmup
-from .bounds import lower_bound_ms
+from .bounds import first_arrivals, lower_bound_ms
 from .improve import improve
 from .incremental import Evaluator
 from .justify import justify
@@ -101,14 +101,8 @@ def ramp_warmup(costs: Costs, n: int, caps: list[int]) -> list[int]:
     has not even arrived yet; then within the caps and non-increasing (Lemma 1). On the
     heterogeneous cases of benchmarks/planner_scale.py this start alone reaches the lower bound or
     comes within 0.05 % of it."""
-    S, f, b, c = costs.stages, costs.f, costs.b, costs.links
-    a = [0.0] * S
-    for s in range(1, S):
-        a[s] = a[s - 1] + f[s - 1] + c[s - 1]
-    r = [0.0] * S
-    r[S - 1] = a[S - 1] + f[S - 1]
-    for s in range(S - 2, -1, -1):
-        r[s] = r[s + 1] + b[s + 1] + c[s]
+    S, f = costs.stages, costs.f
+    a, r = first_arrivals(costs)
     x, g, bound = [], 0.0, n
     for s in range(S):
         g = max(g, f[s])

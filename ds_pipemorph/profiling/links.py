@@ -112,20 +112,26 @@ def measure_links(tr, rank: int, world: int, device: torch.device, sizes: Sequen
         lat = _share_latency(rec, link, rank, lower, upper, device)
         for kind in ("down", "up"):
             rec[kind] = {s: [r - lat for r in v] for s, v in rec[kind].items()}
+    merged = _gather_samples(mine, rank, world, list(range(world - 1)))
+    return [] if merged is None else [merged[link] for link in range(world - 1)]
+
+
+def _gather_samples(mine: dict, rank: int, world: int, keys: list) -> Optional[dict]:
+    """Every rank's samples per key (a link or a pair), merged on rank 0 (None on the others)."""
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {k: v for k, v in mine.items() if v["latency_ms"] or v["down"] or v["up"]})
     if rank != 0:
-        return []
-    out = []
-    for link in range(world - 1):
+        return None
+    out = {}
+    for key in keys:
         merged = {"latency_ms": [], "down": {}, "up": {}}
         for part in gathered:
-            got = part.get(link)
+            got = part.get(key)
             if got:
                 merged["latency_ms"] += got["latency_ms"]
                 merged["down"].update(got["down"])
                 merged["up"].update(got["up"])
-        out.append(merged)
+        out[key] = merged
     return out
 
 
@@ -166,22 +172,8 @@ def measure_pairs(rank: int, world: int, device: torch.device, sizes: Sequence[i
             for kind in ("down", "up"):
                 rec[kind] = {s: [r - lat for r in v] for s, v in rec[kind].items()}
             mine[pair] = rec
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, {k: v for k, v in mine.items() if v["latency_ms"] or v["down"] or v["up"]})
-    if rank != 0:
-        return {}
-    out: dict[Pair, dict] = {}
-    for pairs in round_robin(world):
-        for pair in pairs:
-            merged = {"latency_ms": [], "down": {}, "up": {}}
-            for part in gathered:
-                got = part.get(pair)
-                if got:
-                    merged["latency_ms"] += got["latency_ms"]
-                    merged["down"].update(got["down"])
-                    merged["up"].update(got["up"])
-            out[pair] = merged
-    return dict(sorted(out.items()))
+    merged = _gather_samples(mine, rank, world, [pair for pairs in round_robin(world) for pair in pairs])
+    return {} if merged is None else dict(sorted(merged.items()))
 
 
 def _step(tr, device, is_lower: bool, kind: str, size: Optional[int], sizes: Sequence[int], ack: torch.Tensor,

@@ -35,6 +35,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(320)
 def test_a_pipeline_module_built_on_parts_holds_them(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)
     parts = tmp_path / "parts.yaml"
