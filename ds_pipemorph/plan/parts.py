@@ -133,3 +133,29 @@ def balanced_parts(weights: list[float], stages: int) -> list[int]:
     for j in range(m, 0, -1):
         parts.append(pos[parts[-1]][j])
     return parts[::-1]
+
+
+def owner(parts: list[int], layer: int) -> int:
+    """The stage that holds ``layer`` under ``parts``."""
+    for s in range(len(parts) - 1):
+        if parts[s] <= layer < parts[s + 1]:
+            return s
+    raise BadInput(f"layer {layer} is outside parts {parts}")
+
+
+def layer_moves(old: list[int], new: list[int]) -> dict[int, tuple[int, int]]:
+    """Layer -> (stage it leaves, stage it joins) for every layer whose stage differs between two
+    partitions of the same layers and stages. Live migration moves layers between neighbouring
+    stages only (each stage talks to its pipeline neighbours), so a layer that would skip a stage is
+    refused: reach such a partition in steps."""
+    check_parts(old)
+    check_parts(new, layers=old[-1], stages=len(old) - 1)
+    moves = {}
+    for layer in range(old[-1]):
+        a, b = owner(old, layer), owner(new, layer)
+        if a != b:
+            if abs(a - b) != 1:
+                raise BadInput(f"parts {new}: layer {layer} would move from stage {a} to stage {b}; live "
+                               f"migration moves layers between neighbouring stages only (reach it in steps)")
+            moves[layer] = (a, b)
+    return moves

@@ -48,6 +48,27 @@ class AdaptConfig(_Strict):
     search_evals: int = Field(2000, ge=1)
 
 
+class RebalanceConfig(_Strict):
+    """Compute stragglers (DynPipe): move layers away from a stage that runs slower than expected."""
+
+    enabled: bool = False
+    # A stage is a straggler when its F + B + W run this fraction above what its layers are expected
+    # to cost (or recovers when back within it) ...
+    noise: float = Field(0.15, gt=0)
+    # ... for this many iterations in a row.
+    patience: int = Field(2, ge=1)
+    # Layers move only if the predicted iteration time improves by at least this fraction.
+    min_gain: float = Field(0.05, ge=0, lt=1)
+    # Iterations measured at the start to learn what each layer costs, when layer_profile is not given
+    # (a stage's time is split among its layers by their parameter counts).
+    warmup_iterations: int = Field(2, ge=1)
+    # A layer profile (docs/partition.md): per-layer times, used instead of the warm-up measurement.
+    layer_profile: Optional[str] = None
+    # Seconds a migration's transfer may take; past it the attempt is abandoned, every rank keeps the
+    # old partition, and the next detection tries again.
+    timeout_s: float = Field(60.0, gt=0)
+
+
 class DelegationConfig(_Strict):
     mode: Literal["off", "auto", "always"] = "auto"
     queues: int = Field(2, ge=1)  # delegate FIFOs per link direction at the start
@@ -148,6 +169,9 @@ class InjectConfig(_Strict):
     # Testing only: messages each part of a ring all-reduce travels as (its size over the bucket
     # size); each pays a slow ring link's delay once.
     allreduce_messages: int = Field(1, ge=1)
+    # Testing only: migration attempts (0 = the first) at which every sending rank sends the size of
+    # its layers' state but never the state itself, as a connection lost mid-transfer would.
+    migration_drop: list[int] = Field(default_factory=list)
 
     @field_validator("links")
     @classmethod
@@ -205,6 +229,7 @@ class PipeMorphConfig(_Strict):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)
+    rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     inject: InjectConfig = Field(default_factory=InjectConfig)
     nvtx: bool = True
     timeline: Optional[str] = None

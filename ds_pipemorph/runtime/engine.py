@@ -44,6 +44,7 @@ from ..plan.profile import Costs
 from .adapt import Adapter
 from .clocks import estimate_clock_offsets
 from .inbox import Inbox
+from .migrate import LayerMigrator, MigrationReport
 from ..testing.inject import DelaySchedule
 from .plans import DEFAULT_OP_MS, caps
 from .ready_exec import run_ready
@@ -160,6 +161,8 @@ class PipeMorphEngine(PipelineEngine):
         if pipemorph.dispatch == "ready":
             self.inbox = Inbox(self.transport, 2 * self.micro_batches, pipemorph.timeout_s, self.global_rank)
         self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
+        self.migrator = LayerMigrator(pipemorph.rebalance.timeout_s, frozenset(pipemorph.inject.migration_drop),
+                                      eager=pipemorph.rebalance.enabled)
         self._reset_iteration_state()
 
     def destroy(self):
@@ -272,6 +275,17 @@ class PipeMorphEngine(PipelineEngine):
                 self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
+
+    def repartition(self, parts) -> MigrationReport:
+        """Move layers between neighbouring stages so that stage s holds layers
+        ``parts[s]..parts[s+1]-1`` (DeepSpeed's ``parts`` list), keeping their parameters, gradients
+        and optimizer state (``runtime.migrate``). Every rank calls it with the same ``parts``,
+        between two ``train_batch`` calls. If any rank's part fails, every rank keeps the partition
+        it had (``report.ok`` is False) and training can go on."""
+        report = self.migrator.migrate(self, list(parts))
+        if report.moved and self.global_rank == 0:
+            logger.warning(report.describe())
+        return report
 
     def _exec_stock_schedule(self, pipe_schedule):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())

@@ -6,7 +6,8 @@ SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied
 "gpt": the tiny_gpt recipe's model), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
-rank late and record the timeouts this causes}.
+rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
+``engine.repartition(parts)``; the reports are recorded).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run and the transport's recovery log lines
 (failover, delegate restarts); or <name>.rank<r>.err with the message. The transport (and its
@@ -48,6 +49,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     else:
         model = build_model(S, seed=1234, tied=job.get("tied", False))
     cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
+    if job.get("torch_adam"):  # torch.optim.Adam (per-parameter step counts) instead of DeepSpeed's FusedAdam
+        cfg["optimizer"]["params"]["torch_adam"] = True
     path = os.path.join(out_dir, f"{job['name']}.rank{rank}")
     if job.get("pipemorph") is None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -72,7 +75,16 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
     if stall.get("rank") == rank:
         time.sleep(stall["seconds"])
-    for _ in range(steps):
+    migrations = []
+    for step in range(steps):
+        if str(step) in job.get("migrate", {}):
+            try:
+                r = engine.repartition(job["migrate"][str(step)])
+            except ValueError as e:  # refused before anything moved (the same on every rank)
+                migrations.append({"step": step, "error": str(e)})
+            else:
+                migrations.append({"step": step, "ok": r.ok, "after": r.after, "moved": sorted(r.moved),
+                                   "sent": r.bytes_sent, "received": r.bytes_received, "reason": r.reason})
         try:
             t0 = time.perf_counter()
             losses.append(float(engine.train_batch(it)))
@@ -97,7 +109,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
-                "reduce_ms": reduce_ms, "seconds": seconds},
+                "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
+                "parts": list(getattr(engine.module, "parts", []))},
                path + ".pt")
 
 

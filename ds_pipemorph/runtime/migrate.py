@@ -1,0 +1,316 @@
+"""Live layer migration: move layers between neighbouring stages at an iteration boundary, no restart.
+
+Every rank of the job calls ``LayerMigrator.migrate(engine, new_parts)`` between two ``train_batch``
+calls with the same ``new_parts``. For each layer that changes stage, the rank holding it sends,
+to the neighbouring stage of its own data-parallel replica, everything the layer's training depends
+on: parameters (and their ``requires_grad``), buffers, gradients if any are held, the optimizer's
+per-parameter state (Adam's moments and step) and the index of the optimizer group the parameter
+is in. The receiving rank builds the layer from its spec (``LayerSpec.build()``, or the module
+object the spec list holds), loads that state, and only then do all ranks vote.
+
+Two phases, so a failure changes nothing: the transfer and the build happen beside the running
+partition (nothing of it is touched); a vote over every rank (all-reduce of "my part went well")
+follows, and only if every rank succeeded does each rank commit: drop the layers it gave away,
+install the ones it received, rebuild its forward list, module order and optimizer groups, and
+forget the activation layouts its links knew (the boundary's shapes may differ). Otherwise every
+rank keeps the old partition and training goes on. The vote travels in a group of its own, and a
+failed attempt's transfer group is replaced (gloo closes a connection whose receive timed out);
+later attempts also use fresh message tags, so nothing of a failed attempt lands in a later one.
+
+Exactness: Adam's update is element-wise per parameter, data-parallel and tied-weight reductions are
+element-wise sums, so a layer trained on another stage gets exactly the numbers it would have got
+where it was. One optimizer detail matters: DeepSpeed's ``FusedAdam`` counts steps in the state of
+the *last* parameter of each group (the others keep the count they were created with). After a
+migration every parameter's ``step`` is set to its group's count (the largest one in the group),
+so whichever parameter is now last carries the right count.
+
+Not moved: tied layers (``TiedLayerSpec``: their reduction groups are fixed at start-up; a
+partition that moves one is refused) and the RNG (torch keeps one generator per process, not per
+layer: layers that draw random numbers, such as dropout, draw from their new stage's stream). The
+transfer goes over a gloo group of its own, so it never mixes with training messages and works the
+same on NCCL jobs (state travels through host memory).
+"""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from ..fileio import BadInput
+from ..plan.parts import check_parts, layer_moves
+
+# Message tags of one attempt: to the next stage (size, payload), to the previous one (size, payload).
+_TAGS_PER_ATTEMPT = 4
+
+
+@dataclass
+class MigrationReport:
+    """What one migration attempt did, the same on every rank except the byte counts."""
+
+    ok: bool
+    before: list[int]
+    after: list[int]  # the partition in force now (``before`` when the attempt failed)
+    moved: dict[int, tuple[int, int]]  # layer -> (stage it left, stage it joined)
+    seconds: float
+    bytes_sent: int = 0  # by this rank
+    bytes_received: int = 0
+    reason: str = ""  # why this rank voted no (empty when it voted yes)
+    attempt: int = 0
+
+    def describe(self) -> str:
+        if not self.before or self.before == self.after and self.ok:
+            return "migration: nothing to move"
+        what = "moved" if self.ok else "kept the old partition after a failed attempt to move"
+        return (f"migration {self.attempt}: {what} layers {sorted(self.moved)} ({self.before} -> "
+                f"{self.after if self.ok else self.before}) in {self.seconds * 1e3:.0f} ms")
+
+
+@dataclass
+class _Incoming:
+    layer: int
+    func: object  # what the forward list calls: the module, or the spec's callable
+    module: Optional[torch.nn.Module]
+    groups: dict[torch.nn.Parameter, int] = field(default_factory=dict)  # parameter -> optimizer group
+    states: dict[torch.nn.Parameter, dict] = field(default_factory=dict)
+
+
+class MigrationFailed(RuntimeError):
+    """This rank's part of an attempt went wrong (its vote is no)."""
+
+
+def check_movable(specs: list, moves: dict, new: list[int]) -> None:
+    """BadInput if a layer that would move is tied (``TiedLayerSpec``): the groups that reduce a
+    tied weight's gradient are formed at start-up from the stages holding it."""
+    tied = [layer for layer in sorted(moves) if isinstance(specs[layer], TiedLayerSpec)]
+    if tied:
+        raise BadInput(f"parts {new}: layer {tied[0]} is tied ({specs[tied[0]].key!r}); tied layers "
+                       f"stay on the stages that share them")
+
+
+class LayerMigrator:
+    """Runs migrations for one engine; every rank builds one and calls ``migrate`` collectively.
+
+    Its gloo group forms at the first migration (every rank is in that call), or at once with
+    ``eager`` (a job that expects to migrate keeps the group's set-up out of the first move).
+    ``drop_payload_at`` (testing only): attempts at which this rank sends the size of each message
+    but not the message, as a connection lost mid-transfer would leave it."""
+
+    def __init__(self, timeout_s: float = 60.0, drop_payload_at: frozenset = frozenset(), eager: bool = False):
+        self.timeout = timedelta(seconds=timeout_s)
+        self.drop_payload_at = frozenset(drop_payload_at)
+        self.attempts = 0
+        self.reports: list[MigrationReport] = []
+        self._group = None  # transfers; a timed-out receive closes gloo's connection, so it is rebuilt after one
+        self._vote_group = None  # votes; nothing in it ever times out early
+        if eager:  # every rank builds its engine here, so the groups form now, not in the first migration
+            self._form_groups()
+
+    def _form_groups(self) -> None:
+        if self._vote_group is None:
+            self._vote_group = dist.new_group(backend="gloo")
+        self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    def migrate(self, engine, new_parts: list[int]) -> MigrationReport:
+        pm = engine.module
+        old = list(pm.parts)
+        new = check_parts([int(p) for p in new_parts], layers=old[-1], stages=len(old) - 1)
+        moves = layer_moves(old, new)
+        check_movable(pm._layer_specs, moves, new)
+        if not moves:
+            return MigrationReport(True, old, old, {}, 0.0, attempt=self.attempts)
+        if self._group is None:  # every rank is here (a collective call), so the groups form
+            self._form_groups()
+        attempt, self.attempts = self.attempts, self.attempts + 1
+        t0 = time.perf_counter()
+        report = MigrationReport(False, old, old, moves, 0.0, attempt=attempt)
+        incoming: list[_Incoming] = []
+        try:
+            incoming = self._exchange(engine, moves, attempt, report)
+            ok = 1
+        except (MigrationFailed, RuntimeError) as e:  # gloo reports a timeout as RuntimeError
+            report.reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            ok = 0
+        vote = torch.tensor([ok], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._vote_group)
+        if vote.item() == 1:
+            _commit(engine, new, moves, incoming)
+            report.ok, report.after = True, new
+        else:  # every rank agrees here, so all of them form the next attempt's group together
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        report.seconds = time.perf_counter() - t0
+        self.reports.append(report)
+        return report
+
+    # -- transfer -------------------------------------------------------------------------------
+    def _exchange(self, engine, moves, attempt: int, report: MigrationReport) -> list[_Incoming]:
+        stage, grid = engine.stage_id, engine.grid
+        base = attempt * _TAGS_PER_ATTEMPT
+        drop = attempt in self.drop_payload_at
+        sends = []
+        for peer_stage, tag in ((stage + 1, base), (stage - 1, base + 2)):
+            layers = sorted(l for l, (a, b) in moves.items() if a == stage and b == peer_stage)
+            if layers:
+                blob = _pack(engine, layers)
+                report.bytes_sent += blob.numel()
+                peer = grid.stage_to_global(peer_stage)
+                sends.append(dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), peer, self._group, tag))
+                if not drop:
+                    sends.append(dist.isend(blob, peer, self._group, tag + 1))
+        incoming = []
+        for peer_stage, tag in ((stage - 1, base), (stage + 1, base + 2)):
+            layers = sorted(l for l, (a, b) in moves.items() if a == peer_stage and b == stage)
+            if layers:
+                peer = grid.stage_to_global(peer_stage)
+                size = torch.zeros(1, dtype=torch.int64)
+                dist.irecv(size, peer, self._group, tag).wait(self.timeout)
+                blob = torch.empty(int(size.item()), dtype=torch.uint8)
+                dist.irecv(blob, peer, self._group, tag + 1).wait(self.timeout)
+                report.bytes_received += blob.numel()
+                incoming += _unpack(engine, layers, blob)
+        for work in sends:
+            work.wait(self.timeout)
+        return incoming
+
+
+def _pack(engine, layers: list[int]) -> torch.Tensor:
+    """The state of ``layers`` (held by this rank) as one byte tensor."""
+    pm, opt = engine.module, engine.optimizer
+    group_of = {p: g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    out = []
+    for layer in layers:
+        module = pm._modules.get(str(layer))
+        entry = {"layer": layer, "params": {}, "buffers": {}}
+        if module is not None:
+            for name, p in module.named_parameters():
+                # a tensor's device kind travels with it: torch's Adam keeps ``step`` on the host
+                state = {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"} if torch.is_tensor(v) else v)
+                         for k, v in opt.state.get(p, {}).items()}
+                entry["params"][name] = {
+                    "data": p.detach().cpu(), "requires_grad": p.requires_grad, "group": group_of.get(p),
+                    "grad": None if p.grad is None else p.grad.detach().cpu(), "state": state}
+            entry["buffers"] = {name: b.detach().cpu() for name, b in module.named_buffers()}
+        out.append(entry)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
+    """Build ``layers`` from their specs and load the state the neighbour sent."""
+    entries = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    got = [e["layer"] for e in entries]
+    if got != layers:
+        raise MigrationFailed(f"stage {engine.stage_id}: expected layers {layers} from the neighbour, got {got} "
+                              f"(the ranks were given different partitions)")
+    groups = len(engine.optimizer.param_groups)
+    built = []
+    for entry in entries:
+        spec = engine.module._layer_specs[entry["layer"]]
+        if isinstance(spec, LayerSpec):
+            module = spec.build()
+        elif isinstance(spec, torch.nn.Module):
+            module = spec
+        else:  # a callable without parameters
+            built.append(_Incoming(entry["layer"], spec, None))
+            continue
+        module = module.to(engine.device)
+        inc = _Incoming(entry["layer"], module, module)
+        params = dict(module.named_parameters())
+        if sorted(params) != sorted(entry["params"]):
+            raise MigrationFailed(f"layer {entry['layer']}: the built module has parameters {sorted(params)}, "
+                                  f"the neighbour sent {sorted(entry['params'])}")
+        with torch.no_grad():
+            for name, sent in entry["params"].items():
+                p = params[name]
+                p.copy_(sent["data"])
+                p.requires_grad_(sent["requires_grad"])
+                p.grad = None if sent["grad"] is None else sent["grad"].to(engine.device)
+                if sent["group"] is not None:
+                    if sent["group"] >= groups:
+                        raise MigrationFailed(f"layer {entry['layer']}: optimizer group {sent['group']} does not "
+                                              f"exist on stage {engine.stage_id} ({groups} groups)")
+                    inc.groups[p] = sent["group"]
+                    inc.states[p] = {k: (_placed(v, engine.device) if isinstance(v, dict) else v)
+                                     for k, v in sent["state"].items()}
+            buffers = dict(module.named_buffers())
+            for name, b in entry["buffers"].items():
+                buffers[name].copy_(b)
+        built.append(inc)
+    return built
+
+
+# -- commit ---------------------------------------------------------------------------------------
+def _commit(engine, new: list[int], moves, incoming: list[_Incoming]) -> None:
+    """Install the new partition on this rank (cannot fail: everything was built and loaded before
+    the vote)."""
+    pm, opt, stage = engine.module, engine.optimizer, engine.stage_id
+    old_funcs = dict(zip(range(pm._local_start, pm._local_stop), pm.forward_funcs))
+    leaving = {p for layer, (a, _) in moves.items() if a == stage and str(layer) in pm._modules
+               for p in pm._modules[str(layer)].parameters()}
+    for layer, (a, _) in moves.items():
+        if a == stage:
+            pm._modules.pop(str(layer), None)
+    new_funcs = {inc.layer: inc.func for inc in incoming}
+    for inc in incoming:
+        if inc.module is not None:
+            pm._modules[str(inc.layer)] = inc.module
+            for p in inc.module.parameters():
+                p.ds_pipe_replicated = False
+    # Module order as DeepSpeed builds it: whatever came before the layers (tied modules, a loss
+    # module), then the layers in model order; parameters() and state_dict() follow it.
+    items = list(pm._modules.items())
+    pm._modules.clear()
+    pm._modules.update([(k, v) for k, v in items if not k.isdigit()])
+    pm._modules.update(sorted(((k, v) for k, v in items if k.isdigit()), key=lambda kv: int(kv[0])))
+    start, stop = new[stage], new[stage + 1]
+    pm.forward_funcs = [new_funcs[i] if i in new_funcs else old_funcs[i] for i in range(start, stop)]
+    pm.fwd_map = {str(i): n for n, i in enumerate(range(start, stop)) if str(i) in pm._modules}
+    pm.parts = list(new)
+    pm._set_bounds(start=start, stop=stop)
+    _regroup(opt, pm, leaving, incoming)
+    if hasattr(engine, "param_names"):
+        engine.param_names = {p: name for name, p in pm.named_parameters()}
+    engine.transport.reset_shapes()
+
+
+def _regroup(opt, pm, leaving: set, incoming: list[_Incoming]) -> None:
+    """Optimizer groups hold the stage's parameters in module order, with their state; every
+    parameter's ``step`` is its group's count, taken before the leaving parameters go (one of them
+    may be the one that carried it)."""
+    counts = [max([_step(opt.state[p]["step"]) for p in group["params"] if "step" in opt.state.get(p, {})]
+                  + [_step(st["step"]) for inc in incoming for q, st in inc.states.items()
+                     if inc.groups[q] == g and "step" in st], default=None)
+              for g, group in enumerate(opt.param_groups)]
+    group_of = {p: g for g, group in enumerate(opt.param_groups) for p in group["params"] if p not in leaving}
+    for p in leaving:
+        opt.state.pop(p, None)
+    for inc in incoming:
+        group_of.update(inc.groups)
+        for p, state in inc.states.items():
+            if state:
+                opt.state[p] = state
+    order = [p for p in pm.parameters() if p in group_of]
+    for g, group in enumerate(opt.param_groups):
+        group["params"] = [p for p in order if group_of[p] == g]
+        if counts[g] is None:
+            continue
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st and "step" in st:
+                old = st["step"]
+                st["step"] = (torch.tensor(counts[g], dtype=old.dtype, device=old.device) if torch.is_tensor(old)
+                              else type(old)(counts[g]))
+
+
+def _placed(sent: dict, device) -> torch.Tensor:
+    return sent["tensor"] if sent["host"] else sent["tensor"].to(device)
+
+
+def _step(v) -> float:
+    return float(v.item()) if torch.is_tensor(v) else float(v)
