@@ -236,10 +236,10 @@ def _links_table(rep: dict, big: int) -> Table:
 
 
 def profile_stages(
-    model: str = typer.Option(..., "--model", help="module:function (or file.py:function) returning a deepspeed.pipe.PipelineModule or a list of per-stage torch modules."),
+    model: str = typer.Option(..., "--model", help="module:function (or file.py:function) returning a deepspeed.pipe.PipelineModule or a list of per-stage torch modules (with --per-layer: a list of layers)."),
     input_shape: Optional[str] = typer.Option(None, "--input-shape", help="Shape of a random float input micro-batch, e.g. 8,64."),
     sample: Optional[str] = typer.Option(None, "--sample", help="module:function returning one micro-batch as (inputs, labels), like DeepSpeed's data iterator."),
-    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Write the profile here (links_ms from --merge, else zeros)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Write the profile here (links_ms from --merge, else zeros); with --per-layer the layer profile."),
     merge: Optional[Path] = typer.Option(None, "--merge", help="Profile (or part, e.g. from profile-links) whose compute_ms to replace, keeping every other key; written back to it unless --out is given."),
     microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="Micro-batches per iteration in the profile (default: the merged profile's, else 4 x stages)."),
     reps: int = typer.Option(5, "--reps", min=1, help="Timed rounds per stage (the median is kept)."),
@@ -247,8 +247,10 @@ def profile_stages(
     split: Optional[str] = typer.Option(None, "--split", help="runtime (the engine's B/W split, default when available) or autograd (grad with inputs=; W approximate)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda[:i] (default: cuda when available)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads for torch, as a training rank has them (torchrun sets OMP_NUM_THREADS=1); default: torch's current setting."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="Time every layer instead of every stage, with its activation, stash and parameter sizes; -o writes a layer profile that `pipemorph partition` reads (docs/partition.md)."),
+    stages: Optional[int] = typer.Option(None, "--stages", min=1, help="With --per-layer: the layer profile's stage count (default: the PipelineModule's; required for a list of layers)."),
 ) -> None:
-    """Time forward (F), backward-input (B) and backward-weight (W) of every stage of a model in this process."""
+    """Time forward (F), backward-input (B) and backward-weight (W) of every stage (or with --per-layer every layer) of a model in this process."""
     import torch
 
     from ds_pipemorph.profiling.pipecapture import build_stages, load_callable
@@ -260,6 +262,10 @@ def profile_stages(
             raise BadInput("give exactly one of --input-shape and --sample")
         if split not in (None, "runtime", "autograd"):
             raise BadInput(f"--split: '{split}' is neither runtime nor autograd")
+        if per_layer and merge is not None:
+            raise BadInput("--merge replaces a stage profile's compute_ms, but --per-layer writes a layer profile: give -o LAYERS instead")
+        if stages is not None and not per_layer:
+            raise BadInput("--stages is for --per-layer; a stage profile has the model's own stage count")
         try:
             dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except RuntimeError:
@@ -280,6 +286,8 @@ def profile_stages(
                 raise BadInput("--sample: the function must return one micro-batch as (inputs, labels)")
             inputs, labels = batch
         factory = load_callable(model, "--model")
+        if per_layer:
+            return _profile_layers(factory, inputs, labels, stages, microbatches, out, warmup, reps, split, dev)
         modules, loss_fn, parts = build_stages(factory)
         stages = len(modules)
         base = load_base(str(merge), stages, f"the model ({stages} stages)") if merge else None
@@ -307,6 +315,40 @@ def profile_stages(
         layers = f"{parts[s]}-{parts[s + 1] - 1}" if parts else "-"
         t.add_row(str(s), layers, f"{x.params:,}", f"{x.forward_ms:.3f}", f"{x.backward_input_ms:.3f}",
                   f"{x.backward_weight_ms:.3f}")
+    console.print(t)
+    for path in outputs:
+        console.print(f"wrote {path}")
+
+
+def _profile_layers(factory, inputs, labels, stages, microbatches, out, warmup, reps, split, dev) -> None:
+    """``--per-layer``: F, B, W and sizes of every layer, written as a layer profile (called where bad
+    input is one sentence with exit code 2; nothing is written unless every layer was measured)."""
+    import torch
+
+    from ds_pipemorph.profiling.layers import layer_profile_data, model_layers, profile_layers
+    from ds_pipemorph.profiling.profileparts import render
+
+    layers, loss_fn, model_stages = model_layers(factory)
+    S = stages or model_stages
+    if S is None:
+        raise BadInput("--per-layer: give --stages (the model is a list of layers, not a PipelineModule with num_stages)")
+    if len(layers) < S:
+        raise BadInput(f"--per-layer: the model has {len(layers)} layers, too few for {S} stages (at least one per stage)")
+    with _progress() as bar:
+        task = bar.add_task("layers", total=len(layers))
+        costs, used = profile_layers(layers, inputs, labels, loss_fn, warmup=warmup, reps=reps, split=split, device=dev,
+                                     on_layer=lambda i: bar.update(task, advance=1, description=f"layer {i}", refresh=True))
+    data = layer_profile_data(costs, S, microbatches or 4 * S)
+    outputs = {str(out): render(data, str(out))} if out else {}
+    write_outputs(outputs)
+    console.print(f"{len(layers)} layers on {dev}, {torch.get_num_threads()} thread(s), median of {reps} rounds, "
+                  f"B/W split: {used}; memory MB = 4 x parameter bytes (parameters, gradients, Adam's two moments)")
+    t = Table()
+    for col in ("layer", "kind", "params", "F ms", "B ms", "W ms", "out MB", "stash MB", "memory MB"):
+        t.add_column(col, justify="left" if col == "kind" else "right")
+    for i, c in enumerate(costs):
+        t.add_row(str(i), c.name, f"{c.params:,}", f"{c.forward_ms:.3f}", f"{c.backward_input_ms:.3f}",
+                  f"{c.backward_weight_ms:.3f}", f"{c.activation_mb:.3f}", f"{c.stash_mb:.3f}", f"{c.memory_mb:.3f}")
     console.print(t)
     for path in outputs:
         console.print(f"wrote {path}")
