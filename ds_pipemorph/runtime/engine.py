@@ -163,6 +163,11 @@ class PipeMorphEngine(PipelineEngine):
         self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
         self.migrator = LayerMigrator(pipemorph.rebalance.timeout_s, frozenset(pipemorph.inject.migration_drop),
                                       eager=pipemorph.rebalance.enabled)
+        self.rebalance = None  # compute stragglers: measure stages, move layers away from a slowed one
+        if pipemorph.rebalance.enabled:
+            from .rebalance_hook import RebalanceHook
+
+            self.rebalance = RebalanceHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
         self._reset_iteration_state()
 
     def destroy(self):
@@ -273,6 +278,8 @@ class PipeMorphEngine(PipelineEngine):
                 for link, mode in decision.link_modes.items():  # slow links go delegated ("auto")
                     self.transport.set_link_mode(link, mode, queues=decision.queues.get(link))
                 self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
+        if self.rebalance is not None:  # after the adapter: a migration's new plan is the last word
+            self.rebalance.after_iteration(self, self.recorder.records)
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
 

@@ -111,6 +111,13 @@ class LayerMigrator:
         if eager:  # every rank builds its engine here, so the groups form now, not in the first migration
             self._form_groups()
 
+    def vote_group(self):
+        """The gloo group every rank votes in (formed here if no migration formed it yet; every
+        rank calls this together)."""
+        if self._vote_group is None:
+            self._form_groups()
+        return self._vote_group
+
     def _form_groups(self) -> None:
         if self._vote_group is None:
             self._vote_group = dist.new_group(backend="gloo")

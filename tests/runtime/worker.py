@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc_per_node N tests/runtime/worker.py SPEC.json OUT_DIR
 
-SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp" or
-"gpt": the tiny_gpt recipe's model), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
+SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
+"gpt": the tiny_gpt recipe's model, or "emulated": "layers" emulated layers of "layer_ms"), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
@@ -46,6 +46,14 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         torch.manual_seed(1234)
         model = tiny_gpt(vocab=GPT_VOCAB, stages=S, d_model=32, heads=2, blocks=2 * S - 2, max_seq=GPT_SEQ)
         model.dynamic_shape = bool(job.get("dynamic"))  # DeepSpeed's flag: shapes vary between micro-batches
+    elif job.get("model") == "emulated":  # "layers" emulated layers (testing.emulated) of "layer_ms" each
+        from deepspeed.pipe import LayerSpec, PipelineModule
+        from ds_pipemorph.testing.emulated import EmulatedStage
+
+        torch.manual_seed(1234)
+        ms = job["layer_ms"]
+        model = PipelineModule([LayerSpec(EmulatedStage, 16, ms, ms, ms) for _ in range(job["layers"])],
+                               num_stages=S, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     else:
         model = build_model(S, seed=1234, tied=job.get("tied", False))
     cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
@@ -110,6 +118,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
+                "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "parts": list(getattr(engine.module, "parts", []))},
                path + ".pt")
 

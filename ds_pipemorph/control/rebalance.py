@@ -1,0 +1,180 @@
+"""When and where to move layers away from a slowed stage (DynPipe's loop, for zero-bubble plans).
+
+Torch-free: the engine hands ``Rebalancer.observe`` each iteration's measured F, B and W of every
+stage (ms per micro-batch; with data parallelism, the slowest replica of the stage, since the
+pipeline waits for it) and gets back a ``Rebalance`` (new stage boundaries and the plan for them)
+or None.
+
+- **What a layer should cost.** A layer profile (``docs/partition.md``) if one is given; otherwise
+  learned from the first iterations, assumed healthy: the first is skipped (start-up work), the
+  next ``warmup`` are averaged, and each stage's F, B and W are split among its layers in proportion
+  to their parameter counts (evenly where a stage holds no parameters).
+- **Detection.** A stage's slowdown is its measured F + B + W over what its layers should cost. The
+  current partition was chosen for some slowdowns (all 1 at the start); when any stage's slowdown
+  sits more than ``noise`` away from its own (above or below: a straggler appears, or recovers) for
+  ``patience`` iterations in a row, the loop acts.
+- **Prediction.** The slowdown a stage will see is the mean over those iterations (persistence: on
+  this machine's interference data the learned predictor, ``control.interference``, did not beat
+  it). The slowdown belongs to the rank, whatever layers it holds, so a candidate partition's stage
+  s costs the sum of its layers' times times stage s's predicted factor.
+- **Choice.** ``plan.partition`` with those factors finds the partition whose best greedy plan runs
+  fastest. Live migration moves layers between neighbouring stages, so each boundary may move at
+  most up to the old position of its neighbours (one step; a later detection continues the way).
+  The step is proposed only if its predicted iteration beats the current partition's, under the
+  same factors, by ``min_gain``. Either way the predicted factors become the reference, so one
+  change is acted on once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..fileio import BadInput
+from ..plan.layer_profile import LayerProfile
+from ..plan.partition import evaluate, partition
+from ..plan.parts import check_parts, layer_moves
+from ..plan.search import search
+from ..plan.simulate import Schedule
+
+# The plan for a new partition: a deterministic search (stopped by evaluations, never by the clock,
+# so every rank that runs it gets the same plan).
+PLAN_EVALS = 300
+
+
+@dataclass
+class Rebalance:
+    parts: list[int]
+    slowdown: list[float]  # predicted per stage
+    current_ms: float  # the partition in force, under the predicted slowdowns
+    predicted_ms: float  # the proposed one (its best greedy plan, replayed)
+    plan: Schedule  # planned for the proposed partition under the predicted stage times
+    iteration: int  # observations so far (0-based index of the iteration that triggered it)
+
+
+@dataclass
+class Rebalancer:
+    stages: int
+    microbatches: int
+    parts: list[int]
+    caps: list[int]  # per-stage cap on in-flight activations the plans keep
+    noise: float = 0.15
+    patience: int = 2
+    min_gain: float = 0.05
+    warmup: int = 2
+    profile: Optional[LayerProfile] = None
+    iteration: int = 0
+    reference: list[float] = field(default_factory=list)  # slowdowns the current partition was chosen for
+    history: list[list[float]] = field(default_factory=list)  # recent slowdowns, while they deviate
+    decisions: list[Rebalance] = field(default_factory=list)
+    _learning: list[list[tuple[float, float, float]]] = field(default_factory=list)
+    _before: list[float] = field(default_factory=list)  # the reference before the last decision
+
+    def __post_init__(self) -> None:
+        self.parts = check_parts(list(self.parts), stages=self.stages)
+        if len(self.caps) != self.stages:
+            raise BadInput(f"caps: expected {self.stages} values (one per stage), got {len(self.caps)}")
+        if self.profile is not None:
+            self.profile = self._with_caps(self.profile)
+            self.profile.check(self.parts)
+        self.reference = [1.0] * self.stages
+
+    # -- per iteration --------------------------------------------------------------------------
+    def observe(self, stage_ms: Sequence[Sequence[float]],
+                layer_weight: Optional[Sequence[float]] = None) -> Optional[Rebalance]:
+        """One iteration: ``stage_ms[s]`` = (F, B, W) ms per micro-batch of stage s;
+        ``layer_weight[l]`` = parameter count of layer l (used only while learning layer costs)."""
+        if len(stage_ms) != self.stages:
+            raise BadInput(f"stage_ms: expected {self.stages} stages, got {len(stage_ms)}")
+        k, self.iteration = self.iteration, self.iteration + 1
+        if self.profile is None:
+            if k >= 1:  # the first iteration carries start-up work
+                self._learning.append([tuple(float(x) for x in row) for row in stage_ms])
+            if len(self._learning) == self.warmup:
+                self.profile = self._learned(layer_weight)
+            return None
+        slow = self.slowdowns(stage_ms)
+        off = any(abs(x / r - 1.0) > self.noise for x, r in zip(slow, self.reference))
+        self.history = self.history + [slow] if off else []
+        if len(self.history) < self.patience:
+            return None
+        predicted = [sum(h[s] for h in self.history) / len(self.history) for s in range(self.stages)]
+        self._before, self.history, self.reference = self.reference, [], predicted
+        return self._propose(predicted, k)
+
+    def slowdowns(self, stage_ms: Sequence[Sequence[float]]) -> list[float]:
+        """Per stage: measured F + B + W over what its layers cost in the profile."""
+        costs = self.profile.costs(self.parts)
+        out = []
+        for s, row in enumerate(stage_ms):
+            expected = costs.f[s] + costs.b[s] + costs.w[s]
+            out.append(sum(row) / expected if expected > 0 else 1.0)
+        return out
+
+    def moved(self, parts: list[int]) -> None:
+        """The engine moved to ``parts`` (every rank did)."""
+        self.parts = check_parts(list(parts), stages=self.stages)
+
+    def failed(self) -> None:
+        """The migration of the last decision failed (every rank kept its layers): the partition
+        is still the one chosen for the previous slowdowns, so the next iterations detect again."""
+        self.reference = self._before
+
+    # -- choosing ---------------------------------------------------------------------------------
+    def _propose(self, predicted: list[float], k: int) -> Optional[Rebalance]:
+        lp = self.profile
+        best = partition(lp, slowdown=predicted).parts
+        step = one_step(self.parts, best)
+        if step is None or step == self.parts:
+            return None
+        now_ms = evaluate(lp, self.parts, slowdown=predicted)
+        step_ms = evaluate(lp, step, slowdown=predicted)
+        if not step_ms < now_ms * (1.0 - self.min_gain):
+            return None
+        costs = lp.costs(step, slowdown=predicted)
+        caps = [c if c is not None else self.microbatches for c in lp.caps(step)]
+        plan = search(costs, self.microbatches, caps, budget_s=3600.0, max_evals=PLAN_EVALS).schedule
+        decision = Rebalance(step, predicted, now_ms, step_ms, plan, k)
+        self.decisions.append(decision)
+        return decision
+
+    def _with_caps(self, lp: LayerProfile) -> LayerProfile:
+        """The profile with the engine's in-flight caps where it sets no memory limit of its own."""
+        if lp.memory.capacity_mb is not None or lp.memory.max_inflight is not None:
+            return lp
+        data = lp.model_dump()
+        data["memory"] = {"max_inflight": list(self.caps)}
+        data["microbatches"] = self.microbatches
+        return LayerProfile.model_validate(data)
+
+    def _learned(self, layer_weight: Optional[Sequence[float]]) -> LayerProfile:
+        n = len(self._learning)
+        mean = [[sum(it[s][j] for it in self._learning) / n for j in range(3)] for s in range(self.stages)]
+        L = self.parts[-1]
+        weight = [1.0] * L if layer_weight is None else [max(0.0, float(x)) for x in layer_weight]
+        if len(weight) != L:
+            raise BadInput(f"layer_weight: expected {L} values (one per layer), got {len(weight)}")
+        per = [[0.0] * L for _ in range(3)]
+        for s in range(self.stages):
+            layers = range(self.parts[s], self.parts[s + 1])
+            total = sum(weight[l] for l in layers)
+            for l in layers:
+                share = weight[l] / total if total > 0 else 1.0 / len(layers)
+                for j in range(3):
+                    per[j][l] = mean[s][j] * share
+        return LayerProfile.model_validate({
+            "stages": self.stages, "microbatches": self.microbatches,
+            "layers": {"forward_ms": per[0], "backward_input_ms": per[1], "backward_weight_ms": per[2]},
+            "memory": {"max_inflight": list(self.caps)}})
+
+
+def one_step(old: list[int], target: list[int]) -> Optional[list[int]]:
+    """``target``'s boundaries moved no further than the old positions of their neighbours, so
+    every layer moves between neighbouring stages; None if that leaves a stage empty."""
+    S = len(old) - 1
+    step = [0] + [min(max(target[s], old[s - 1] + 1), old[s + 1] - 1) for s in range(1, S)] + [old[-1]]
+    try:
+        check_parts(step, layers=old[-1], stages=S)
+        layer_moves(old, step)
+    except BadInput:
+        return None
+    return step

@@ -1,0 +1,125 @@
+"""``control.rebalance``: the rebalance loop's decisions from recorded stage times.
+
+The stage times fed here are what the engine measures for 4 stages x 4 layers of equal cost
+(2.5 ms F, B and W per layer: 10 ms per op per stage), with stage 1 slowed 2x from some iteration.
+Expected partitions are derived by hand or by enumerating every partition one migration step can
+reach (the exact answer the branch-and-bound search must match).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ds_pipemorph.control.rebalance import Rebalancer, one_step
+from ds_pipemorph.fileio import BadInput
+from ds_pipemorph.plan.layer_profile import LayerProfile
+from ds_pipemorph.plan.parts import layer_moves
+from ds_pipemorph.plan.partition import evaluate
+
+S, N, L = 4, 12, 16
+UNIFORM = [0, 4, 8, 12, 16]
+HEALTHY = [[10.0, 10.0, 10.0]] * S
+
+
+def _slowed(parts, factor=2.0, stage=1, per_layer=2.5):
+    """What each stage measures under ``parts`` with ``stage`` slowed by ``factor``."""
+    return [[per_layer * (parts[s + 1] - parts[s]) * (factor if s == stage else 1.0)] * 3 for s in range(S)]
+
+
+def _rebalancer(**kw) -> Rebalancer:
+    return Rebalancer(S, N, UNIFORM, caps=[N] * S, **kw)
+
+
+def _reachable(old):
+    """Every partition one migration step reaches (each layer moves at most to a neighbour)."""
+    for cut in itertools.combinations(range(1, L), S - 1):
+        parts = [0, *cut, L]
+        try:
+            layer_moves(old, parts)
+        except BadInput:
+            continue
+        yield parts
+
+
+def test_layer_costs_are_learned_after_the_first_iteration_and_split_by_parameter_count():
+    rb = _rebalancer(warmup=2)
+    weights = [1.0] * L
+    weights[0] = 3.0  # layer 0 holds 3/6 of stage 0's parameters: half of its time
+    assert rb.observe([[99.0] * 3] * S, weights) is None  # skipped: start-up work
+    assert rb.observe(HEALTHY, weights) is None and rb.profile is None
+    assert rb.observe(HEALTHY, weights) is None
+    lp = rb.profile
+    assert lp.layers.forward_ms[0] == pytest.approx(5.0) and lp.layers.forward_ms[1] == pytest.approx(5.0 / 3)
+    assert lp.layers.forward_ms[4:8] == pytest.approx([2.5] * 4)
+    assert rb.slowdowns(_slowed(UNIFORM)) == pytest.approx([1.0, 2.0, 1.0, 1.0])
+
+
+def test_a_stage_slowed_twice_loses_layers_after_patience_iterations():
+    rb = _rebalancer(warmup=1, patience=2)
+    rb.observe(HEALTHY)
+    rb.observe(HEALTHY)  # learned: 2.5 ms per layer and op
+    assert rb.observe(HEALTHY) is None
+    assert rb.observe(_slowed(UNIFORM)) is None  # one slow iteration is not yet a straggler
+    d = rb.observe(_slowed(UNIFORM))
+    assert d is not None and d.slowdown == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    # Per micro-batch, a layer costs 7.5 ms (15 on stage 1). Stage 1 with k layers costs 15k, the
+    # other 16 - k layers over 3 stages at least 7.5 ceil((16 - k) / 3): k = 1 or 2 gives the
+    # least bottleneck, 37.5 ms, against 60 ms for the uniform cut.
+    bottleneck = max((d.parts[s + 1] - d.parts[s]) * 7.5 * (2 if s == 1 else 1) for s in range(S))
+    assert d.parts[2] - d.parts[1] in (1, 2) and bottleneck == 37.5
+    # The proposal is the best partition one step reaches, by exhaustive enumeration.
+    lp, slow = rb.profile, d.slowdown
+    best = min(evaluate(lp, p, slowdown=slow) for p in _reachable(UNIFORM))
+    assert d.predicted_ms == pytest.approx(best, abs=1e-6)
+    assert d.current_ms == pytest.approx(evaluate(lp, UNIFORM, slowdown=slow))
+    assert d.predicted_ms < d.current_ms * 0.7
+    for ops in d.plan:  # a plan for every stage, each micro-batch's F once
+        assert sorted(str(o) for o in ops if str(o).startswith("F")) == sorted(f"F{m}" for m in range(N))
+
+
+def test_after_the_move_the_same_slowdown_is_not_acted_on_again_and_recovery_moves_back():
+    rb = _rebalancer(warmup=1, patience=2)
+    for _ in range(2):
+        rb.observe(HEALTHY)
+    rb.observe(_slowed(UNIFORM))
+    d = rb.observe(_slowed(UNIFORM))
+    rb.moved(d.parts)
+    for _ in range(4):  # still 2x on stage 1, now with fewer layers there: nothing to do
+        assert rb.observe(_slowed(d.parts)) is None
+    rb.observe(_slowed(d.parts, factor=1.0))
+    back = rb.observe(_slowed(d.parts, factor=1.0))  # the straggler recovered
+    assert back is not None and back.slowdown == pytest.approx([1.0] * S)
+    assert back.parts[2] - back.parts[1] > d.parts[2] - d.parts[1]
+
+
+def test_noise_below_the_threshold_and_too_small_a_gain_change_nothing():
+    rb = _rebalancer(warmup=1, patience=2, noise=0.15)
+    for _ in range(2):
+        rb.observe(HEALTHY)
+    for f in (1.1, 0.92, 1.12, 1.1):  # within 15 %
+        assert rb.observe(_slowed(UNIFORM, factor=f)) is None
+    rb2 = _rebalancer(warmup=1, patience=1, noise=0.01, min_gain=0.5)
+    for _ in range(2):
+        rb2.observe(HEALTHY)
+    assert rb2.observe(_slowed(UNIFORM, factor=1.3)) is None  # some gain, far below 50 %
+    assert rb2.reference == pytest.approx([1.0, 1.3, 1.0, 1.0])  # the new normal: not re-examined each iteration
+
+
+def test_a_failed_migration_is_retried_at_the_next_detection():
+    rb = _rebalancer(warmup=1, patience=1)
+    for _ in range(2):
+        rb.observe(HEALTHY)
+    d = rb.observe(_slowed(UNIFORM))
+    assert d is not None
+    rb.failed()
+    again = rb.observe(_slowed(UNIFORM))
+    assert again is not None and again.parts == d.parts
+
+
+def test_one_step_clamps_boundaries_to_neighbouring_stages():
+    assert one_step(UNIFORM, [0, 1, 2, 3, 16]) == [0, 1, 5, 9, 16]
+    # Boundaries 1 and 2 cannot move (their neighbours' old positions are one layer away).
+    assert one_step([0, 1, 2, 3, 16], UNIFORM) == [0, 1, 2, 12, 16]
+    with pytest.raises(BadInput, match="expected 4 stages"):
+        _rebalancer().observe(HEALTHY[:3])
