@@ -9,8 +9,11 @@ limits; gap 0 to exhaustive search of the same objective on every small case. Re
 the proven gap of the chosen partition's greedy plans to the least lower bound over every
 partition, the uniform (``partition_method="uniform"``) and parameter-balanced
 (``"parameters"``) partitions under the same objective, and all three planned by the full planner.
-A last section shows where the search does not finish within 1 s (as many micro-batches as
-stages, where the lower bound is loosest): what the 1 s limit of ``pipemorph partition`` returns.
+The same 48 x 8 profiles are searched again with per-stage slowdown factors (stage 1 at 2x; on
+the memory-capped ones also stages 0, 3 and 6 at 1.5x, 1.2x and 2x), and half of the small cases
+get random factors. A last section shows where the search may not finish within 1 s (as many
+micro-batches as stages, where the lower bound is loosest): what the 1 s limit of
+``pipemorph partition`` returns.
 Times are wall clock on a shared machine: the load average is recorded.
 """
 from __future__ import annotations
@@ -56,44 +59,71 @@ def profile(L: int, S: int, N: int, rng: random.Random, hetero: bool, slow: bool
     return LayerProfile.model_validate(d)
 
 
-def large(seed: int) -> list:
-    """Section 1: 48 x 8, the whole search, against the bound and the baselines."""
+COLUMNS = ["case", "search s", "complete", "replayed", "chosen ms", "bound ms", "gap", "at 1 s limit ms", "uniform ms",
+           "parameters ms", "planned: chosen / uniform / parameters"]
+
+
+def large_profiles(seed: int) -> list[tuple[str, LayerProfile]]:
+    """The 16 profiles of section 1, named."""
     rng = random.Random(seed)
-    rows, out = [], []
+    out = []
     for N in (16, 32):
         for hetero in (False, True):
             for slow in (False, True):
                 for memory in (False, True):
                     lp = profile(48, 8, N, rng, hetero, slow, memory)
-                    name = (f"48x8 N={N} {'heterogeneous' if hetero else 'uniform'}"
-                            f"{', slow link' if slow else ''}{', 3 GB/stage' if memory else ''}")
-                    out.append(run_case(name, lp, None, rows))
-    print_table(f"48 layers x 8 stages: the whole search (target {TARGET_S:.0f} s), against a lower bound "
-                "and DeepSpeed's partitions (greedy: the search's objective; planned: full planner, "
-                f"{PLAN_BUDGET_S} s each)",
-                ["case", "search s", "complete", "replayed", "chosen ms", "bound ms", "gap", "at 1 s limit ms", "uniform ms",
-                 "parameters ms", "planned: chosen / uniform / parameters"], rows)
+                    out.append((f"48x8 N={N} {'heterogeneous' if hetero else 'uniform'}"
+                                f"{', slow link' if slow else ''}{', 3 GB/stage' if memory else ''}", lp))
     return out
 
 
-def run_case(name: str, lp: LayerProfile, limit, rows: list) -> dict:
+def large(cases: list[tuple[str, LayerProfile]]) -> list:
+    """Section 1: 48 x 8, the whole search, against the bound and the baselines."""
+    rows, out = [], []
+    for name, lp in cases:
+        out.append(run_case(name, lp, None, rows))
+    print_table(f"48 layers x 8 stages: the whole search (target {TARGET_S:.0f} s), against a lower bound "
+                "and DeepSpeed's partitions (greedy: the search's objective; planned: full planner, "
+                f"{PLAN_BUDGET_S} s each)", COLUMNS, rows)
+    return out
+
+
+def slowed(cases: list[tuple[str, LayerProfile]]) -> list:
+    """Section 1b: the same profiles with stages slowed down (a co-located job on their ranks):
+    stage 1 at 2x on every profile, and stages 0, 3, 6 at 1.5x, 1.2x, 2x on the memory-capped ones.
+    The baselines are scored and planned under the same factors."""
+    rows, out = [], []
+    for name, lp in cases:
+        factors = [[1.0, 2.0] + [1.0] * (lp.stages - 2)]
+        if lp.memory.capacity_mb is not None:
+            factors.append([1.5, 1.0, 1.0, 1.2, 1.0, 1.0, 2.0, 1.0])
+        for k in factors:
+            label = ", ".join(f"{s}:{x:g}" for s, x in enumerate(k) if x != 1.0)
+            out.append(run_case(f"{name}; slowdown {label}", lp, None, rows, k))
+    print_table(f"48 layers x 8 stages with per-stage slowdown factors (stage:factor; target {TARGET_S:.0f} s)",
+                COLUMNS, rows)
+    return out
+
+
+def run_case(name: str, lp: LayerProfile, limit, rows: list, slowdown=None) -> dict:
     L, S, N = lp.num_layers, lp.stages, lp.microbatches
     t = time.perf_counter()
-    res = partition(lp, time_limit_s=limit)
+    res = partition(lp, time_limit_s=limit, slowdown=slowdown)
     wall = time.perf_counter() - t
     base = {"uniform": uniform_parts(L, S), "parameters": balanced_parts(lp.layers.param_count, S)}
-    greedy = {k: evaluate(lp, p) for k, p in base.items()}
+    greedy = {k: evaluate(lp, p, slowdown) for k, p in base.items()}
     planned = {}
     for k, p in (("chosen", res.parts), *base.items()):
         if any(c is None for c in lp.caps(p)):
             planned[k] = None
             continue
-        prof = lp.stage_profile(p)
+        prof = lp.stage_profile(p, slowdown)
         planned[k] = search(prof.costs(), N, prof.caps(), budget_s=PLAN_BUDGET_S, seed=0).iteration_ms
     at_limit = None
     if limit is None and wall > TARGET_S:  # what ``pipemorph partition``'s default 1 s limit returns
-        at_limit = partition(lp, time_limit_s=TARGET_S)
+        at_limit = partition(lp, time_limit_s=TARGET_S, slowdown=slowdown)
     rec = {"case": name, "layers": L, "stages": S, "microbatches": N, "partitions": comb(L - 1, S - 1),
+           "slowdown": slowdown,
            "seconds": wall, "complete": res.complete, "replayed": res.replayed, "leaves": res.leaves,
            "parts": res.parts, "chosen_ms": res.iteration_ms, "lower_bound_ms": res.lower_bound_ms,
            "gap_to_bound": res.gap_to_bound, "time_limit_s": limit,
@@ -110,10 +140,12 @@ def run_case(name: str, lp: LayerProfile, limit, rows: list) -> dict:
 
 
 def small(seed: int, count: int) -> dict:
-    """Section 2: the branch and bound against exhaustive search (the same objective)."""
+    """Section 2: the branch and bound against exhaustive search (the same objective); every other
+    case with random slowdown factors (drawn apart, so the profiles are the same with or without)."""
     rng = random.Random(seed + 1)
+    rng_slow = random.Random(seed + 3)
     recs, mismatches, bb_s, ex_s, parts_total = [], 0, 0.0, 0.0, 0
-    for _ in range(count):
+    for i in range(count):
         L = rng.randint(6, 14)
         S = rng.randint(2, min(5, L))
         N = rng.randint(S, 3 * S)
@@ -121,25 +153,29 @@ def small(seed: int, count: int) -> dict:
         if rng.random() < 0.4:  # memory from loose to tight, so that some cuts do not fit
             per = sum(lp.layers.memory_mb) / S
             lp = LayerProfile.model_validate(dict(lp.model_dump(), memory={"capacity_mb": per * rng.uniform(1.2, 2.5)}))
+        factors = [rng_slow.choice([1.0, 1.5, 2.0, 3.0]) for _ in range(S)] if i % 2 else None
         t = time.perf_counter()
-        best, best_t = exhaustive(lp)
+        best, best_t = exhaustive(lp, slowdown=factors)
         ex_s += time.perf_counter() - t
         if best is None:
             continue
         t = time.perf_counter()
-        res = partition(lp)
+        res = partition(lp, slowdown=factors)
         bb_s += time.perf_counter() - t
         same = abs(res.iteration_ms - best_t) <= 1e-6
         mismatches += not same
         parts_total += comb(L - 1, S - 1)
-        recs.append({"layers": L, "stages": S, "microbatches": N, "exhaustive_ms": best_t, "bnb_ms": res.iteration_ms,
+        recs.append({"layers": L, "stages": S, "microbatches": N, "slowdown": factors,
+                     "exhaustive_ms": best_t, "bnb_ms": res.iteration_ms,
                      "same": same, "replayed": res.replayed, "bound_ms": res.lower_bound_ms})
-    summary = {"cases": len(recs), "mismatches": mismatches, "partitions": parts_total,
+    summary = {"cases": len(recs), "with_slowdown": sum(r["slowdown"] is not None for r in recs),
+               "mismatches": mismatches, "partitions": parts_total,
                "bnb_replayed": sum(r["replayed"] for r in recs), "exhaustive_s": ex_s, "bnb_s": bb_s,
                "max_gap_to_bound": max((r["bnb_ms"] - r["bound_ms"]) / r["bound_ms"] for r in recs) if recs else 0.0}
     print_table("branch and bound vs exhaustive search, small random cases (6-14 layers, 2-5 stages)",
-                ["cases", "mismatches", "partitions", "replayed by B&B", "exhaustive s", "B&B s", "max gap to bound"],
-                [[summary["cases"], summary["mismatches"], parts_total, summary["bnb_replayed"], f"{ex_s:.2f}",
+                ["cases", "with slowdown", "mismatches", "partitions", "replayed by B&B", "exhaustive s", "B&B s",
+                 "max gap to bound"],
+                [[summary["cases"], summary["with_slowdown"], summary["mismatches"], parts_total, summary["bnb_replayed"], f"{ex_s:.2f}",
                   f"{bb_s:.2f}", f"{summary['max_gap_to_bound']:.2%}"]])
     return {"summary": summary, "cases": recs}
 
@@ -151,9 +187,7 @@ def hard(seed: int) -> list:
     for k in range(3):
         lp = profile(48, 8, 8, rng, hetero=True, slow=k != 1, memory=k == 2)
         out.append(run_case(f"48x8 N=8 heterogeneous #{k}", lp, TARGET_S, rows))
-    print_table(f"48x8 with N = S = 8: what a {TARGET_S:.0f} s limit returns (complete: proved best)",
-                ["case", "search s", "complete", "replayed", "chosen ms", "bound ms", "gap", "at 1 s limit ms", "uniform ms",
-                 "parameters ms", "planned: chosen / uniform / parameters"], rows)
+    print_table(f"48x8 with N = S = 8: what a {TARGET_S:.0f} s limit returns (complete: proved best)", COLUMNS, rows)
     return out
 
 
@@ -167,7 +201,9 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     payload = {"benchmark": "partition_scale", "seed": args.seed, "compiled_core": native.lib() is not None,
                "load_average_1min_at_start": load, "target_s": TARGET_S}
-    payload["large"] = large(args.seed)
+    cases = large_profiles(args.seed)
+    payload["large"] = large(cases)
+    payload["large_slowdown"] = slowed(cases)
     payload["small_vs_exhaustive"] = small(args.seed, args.small_cases)
     payload["hard_time_limited"] = hard(args.seed)
     payload["load_average_1min_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

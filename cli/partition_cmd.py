@@ -1,14 +1,14 @@
 """``pipemorph partition PROFILE``: stage boundaries for a layer profile, against DeepSpeed's own."""
 from __future__ import annotations
 
-from math import comb
+from math import comb, isfinite
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from ds_pipemorph.fileio import dump
+from ds_pipemorph.fileio import BadInput, dump
 from ds_pipemorph.plan.bounds import lower_bound_ms
 from ds_pipemorph.plan.layer_profile import LayerProfile, read_layer_profile
 from ds_pipemorph.plan.ops import format_stage
@@ -35,17 +35,23 @@ def partition(
     ),
     budget: float = typer.Option(0.3, "--budget", min=0.0, help="Planning seconds for each partition in the table."),
     plan_out: Optional[Path] = typer.Option(None, "--plan", help="Also write the plan of the chosen parts (plan file format)."),
+    slowdown: Optional[list[str]] = typer.Option(
+        None, "--slowdown", metavar="STAGE=FACTOR",
+        help="Stage STAGE runs every layer it holds FACTOR times as long as profiled (e.g. 1=2.0); repeat it for "
+             "several stages.",
+    ),
 ) -> None:
     """Choose pipeline stage boundaries that minimise the planned iteration time, within memory."""
     with user_errors():
         lp = read_layer_profile(profile, stages, microbatches)
         L, S, N = lp.num_layers, lp.stages, lp.microbatches
-        res = search_partition(lp, time_limit_s=time_limit)
+        factors = parse_slowdown(slowdown, S)
+        res = search_partition(lp, time_limit_s=time_limit, slowdown=factors)
         rows: dict[str, dict] = {}
         planned: dict[tuple, tuple] = {}  # parts -> (search result, stage profile)
         for name, parts in (("searched", res.parts), ("uniform", uniform_parts(L, S)),
                             ("parameters", balanced_parts(lp.layers.param_count, S))):
-            rows[name] = _row(lp, parts, budget, planned)
+            rows[name] = _row(lp, parts, budget, planned, factors)
         # Write the search's partition, unless a baseline planned faster.
         name = "searched"
         for other in ("uniform", "parameters"):
@@ -74,12 +80,15 @@ def partition(
         write_outputs(outputs)
     search_info = {"seconds": round(res.seconds, 4), "complete": res.complete, "replayed": res.replayed,
                    "leaves": res.leaves, "partitions": comb(L - 1, S - 1), "parts": res.parts,
-                   "search_ms": res.iteration_ms, "lower_bound_ms": res.lower_bound_ms}
+                   "search_ms": res.iteration_ms, "lower_bound_ms": res.lower_bound_ms, "slowdown": factors}
     if as_json:
         print_json(dict(data, chosen=name, compare=rows, search=search_info))
         return
     console.print(f"[bold]Partition[/bold] of {L} layers into {S} stages, {N} micro-batches")
     done = "proved best" if res.complete else f"stopped at the {time_limit:g} s limit"
+    if factors is not None:
+        slower = ", ".join(f"stage {s} x{x:g}" for s, x in enumerate(factors) if x != 1.0)
+        console.print(f"stage times scaled: {slower or 'none'}")
     console.print(f"searched {res.seconds:.2f} s: {res.replayed} of {comb(L - 1, S - 1)} partitions replayed, {done}")
     console.print(_table(rows, name))
     console.print(
@@ -92,20 +101,45 @@ def partition(
         console.print(f"wrote {path}")
 
 
-def _row(lp: LayerProfile, parts: list[int], budget: float, planned: dict) -> dict:
-    """One partition of the table: its greedy (search) time, planned time and lower bound."""
+def parse_slowdown(items: Optional[list[str]], stages: int) -> Optional[list[float]]:
+    """``--slowdown STAGE=FACTOR`` options as one factor per stage (1.0 for stages not named), or
+    None without any; BadInput naming the option at fault."""
+    if not items:
+        return None
+    factors: list[float] = [1.0] * stages
+    named: set[int] = set()
+    for item in items:
+        stage, _, value = item.partition("=")
+        try:
+            s, x = int(stage), float(value)  # without '=', value is '' and float('') fails
+        except ValueError:
+            raise BadInput(f"--slowdown: '{item}' is not STAGE=FACTOR (e.g. 1=2.0)") from None
+        if not 0 <= s < stages:
+            raise BadInput(f"--slowdown: stage {s} does not exist (the pipeline has stages 0..{stages - 1})")
+        if s in named:
+            raise BadInput(f"--slowdown: stage {s} is given twice; give each stage one factor")
+        if not (isfinite(x) and x > 0):
+            raise BadInput(f"--slowdown: stage {s}'s factor must be a finite number above 0, got {value}")
+        named.add(s)
+        factors[s] = x
+    return factors
+
+
+def _row(lp: LayerProfile, parts: list[int], budget: float, planned: dict, slowdown: Optional[list[float]]) -> dict:
+    """One partition of the table: its greedy (search) time, planned time and lower bound, with
+    stage times scaled by ``slowdown``."""
     row = {"parts": parts, "fits_memory": True, "search_ms": None, "iteration_ms": None, "lower_bound_ms": None, "gap": None}
     if any(c is None for c in lp.caps(parts)):
         row["fits_memory"] = False
         return row
     key = tuple(parts)
     if key not in planned:
-        prof = lp.stage_profile(parts)
+        prof = lp.stage_profile(parts, slowdown)
         planned[key] = (search(prof.costs(), prof.microbatches, prof.caps(), budget_s=budget, seed=0), prof)
     res, prof = planned[key]
     costs, caps = prof.costs(), prof.caps()
     lb = max(lower_bound_ms(costs, prof.microbatches, caps), cap_bound_ms(costs, prof.microbatches, caps))
-    row.update(search_ms=evaluate(lp, parts), iteration_ms=res.iteration_ms, lower_bound_ms=lb,
+    row.update(search_ms=evaluate(lp, parts, slowdown), iteration_ms=res.iteration_ms, lower_bound_ms=lb,
                gap=0.0 if lb <= 0 else (res.iteration_ms - lb) / lb)
     return row
 

@@ -4,11 +4,14 @@ A stage profile (``profile.Profile``) says what each stage costs once the model 
 profile says what each layer costs, so that ``plan.partition`` can choose the cut. A partition
 (DeepSpeed's ``parts`` list) turns a layer profile into a stage profile: stage times are sums of
 layer times, a link's delay is its latency plus the boundary's transfer time, and the memory of a
-stage gives its cap on in-flight activations.
+stage gives its cap on in-flight activations. Per-stage slowdown factors (``check_slowdown``) scale
+a stage's layer times, for a stage that shares its device with other work.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+import numbers
+from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
@@ -153,22 +156,26 @@ class LayerProfile(BaseModel):
         """``parts`` if it cuts this profile's layers into its stages; else BadInput saying why."""
         return check_parts(parts, self.num_layers, self.stages)
 
-    def costs(self, parts: list[int]) -> Costs:
+    def costs(self, parts: list[int], slowdown: Optional[Sequence[float]] = None) -> Costs:
         """The stage cost model of a partition: per-stage sums of the layer times (from prefix
-        sums, so every caller gets the same floats) and per-link delays."""
+        sums, so every caller gets the same floats) and per-link delays. With ``slowdown`` (one
+        factor per stage, ``check_slowdown``), stage s's F, B and W sums are multiplied by
+        ``slowdown[s]``; link delays are not scaled."""
         S = self.stages
-        f, b, w = ([p[parts[s + 1]] - p[parts[s]] for s in range(S)] for p in self._prefix)
+        scale = check_slowdown(slowdown, S)
+        f, b, w = ([(p[parts[s + 1]] - p[parts[s]]) * scale[s] for s in range(S)] for p in self._prefix)
         return Costs(f, b, w, [self.link_ms(parts[i + 1] - 1, i) for i in range(S - 1)])
 
-    def stage_profile(self, parts: list[int]) -> Profile:
-        """The stage profile of a partition (what ``pipemorph plan`` reads); BadInput if a stage
-        does not fit its memory or ``parts`` does not cut the layers into the stages."""
+    def stage_profile(self, parts: list[int], slowdown: Optional[Sequence[float]] = None) -> Profile:
+        """The stage profile of a partition (what ``pipemorph plan`` reads), with stage times
+        scaled by ``slowdown`` as in ``costs``; BadInput if a stage does not fit its memory or
+        ``parts`` does not cut the layers into the stages."""
         self.check(parts)
         caps = self.caps(parts)
         for s, c in enumerate(caps):
             if c is None:
                 raise BadInput(f"stage {s} (layers {parts[s]}..{parts[s + 1] - 1}) does not fit memory.capacity_mb")
-        c = self.costs(parts)
+        c = self.costs(parts, slowdown)
         limited = any(k < self.microbatches for k in caps)
         return Profile(
             stages=self.stages, microbatches=self.microbatches,
@@ -176,6 +183,24 @@ class LayerProfile(BaseModel):
             links_ms=[round(x, 9) for x in c.links],
             memory=Memory(max_inflight=caps) if limited else None,
         )
+
+
+def check_slowdown(slowdown: Optional[Sequence[float]], stages: int) -> list[float]:
+    """One finite factor > 0 per stage (stage s runs each of its layers ``slowdown[s]`` times as
+    long as profiled); None means 1.0 everywhere. BadInput naming what to fix otherwise."""
+    if slowdown is None:
+        return [1.0] * stages
+    if isinstance(slowdown, (str, bytes)) or not hasattr(slowdown, "__len__"):
+        raise BadInput(f"slowdown: expected a list of {stages} factors (one per stage), got {slowdown!r}")
+    if len(slowdown) != stages:
+        raise BadInput(f"slowdown: expected {stages} factors (one per stage), got {len(slowdown)}")
+    out = []
+    for s, v in enumerate(slowdown):
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        if not ok:
+            raise BadInput(f"slowdown: stage {s}'s factor must be a finite number above 0, got {v!r}")
+        out.append(float(v))
+    return out
 
 
 def read_layer_profile(path, stages: Optional[int] = None, microbatches: Optional[int] = None) -> LayerProfile:

@@ -101,3 +101,52 @@ def test_bad_input_is_one_sentence_exit_2_and_no_output(tmp_path, data, needle):
 def test_missing_file(tmp_path):
     r = run("partition", tmp_path / "nope.yaml")
     assert r.exit_code == 2 and "no such file" in r.output
+
+
+# 4 equal layers (F = B = W = 1 ms) on 2 stages, 4 micro-batches, free links (tests/plan/test_partition_slowdown.py).
+EVEN = {"stages": 2, "microbatches": 4, "layers": {"forward_ms": [1] * 4, "backward_input_ms": 1, "backward_weight_ms": 1}}
+
+
+def test_slowdown_moves_the_cut_and_scales_the_written_stage_times(tmp_path):
+    prof = write(tmp_path, "even.yaml", EVEN)
+    out = tmp_path / "parts.json"
+    r = run("partition", prof, "--json", "-o", out, "--budget", 0.1)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["parts"] == [0, 2, 4] and json.loads(r.output)["search"]["slowdown"] is None
+    # Stage 0 at 3x: one layer there (3 ms per op) and three on stage 1 (3 ms per op) make two equal
+    # stages, 3·N·3 + 3 = 39 ms; two layers there would be 4·18 = 72 ms of work on stage 0 alone.
+    r = run("partition", prof, "--json", "-o", out, "--budget", 0.1, "--slowdown", "0=3")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.output)
+    assert obj["parts"] == [0, 1, 4] and obj["search"]["slowdown"] == [3.0, 1.0]
+    assert obj["search"]["search_ms"] == 39.0 and obj["predicted"]["iteration_ms"] == 39.0
+    assert obj["stage_ms"]["forward"] == [3.0, 3.0]  # the parts file records the scaled times it planned with
+    assert json.loads(out.read_text())["parts"] == [0, 1, 4]
+    r = run("partition", prof, "--slowdown", "1=3", "--slowdown", "0=1", "--budget", 0.1)
+    assert r.exit_code == 0, r.output
+    assert "stage times scaled: stage 1 x3" in r.output and "[0, 3, 4]" in r.output
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["1"], "--slowdown: '1' is not STAGE=FACTOR"),
+        (["x=2"], "--slowdown: 'x=2' is not STAGE=FACTOR"),
+        (["1=fast"], "--slowdown: '1=fast' is not STAGE=FACTOR"),
+        (["2=2.0"], "--slowdown: stage 2 does not exist (the pipeline has stages 0..1)"),
+        (["-1=2.0"], "--slowdown: stage -1 does not exist"),
+        (["1=0"], "--slowdown: stage 1's factor must be a finite number above 0, got 0"),
+        (["1=-2"], "--slowdown: stage 1's factor must be a finite number above 0, got -2"),
+        (["0=nan"], "--slowdown: stage 0's factor must be a finite number above 0, got nan"),
+        (["0=inf"], "--slowdown: stage 0's factor must be a finite number above 0, got inf"),
+        (["1=2", "1=3"], "--slowdown: stage 1 is given twice"),
+    ],
+)
+def test_bad_slowdown_is_one_sentence_exit_2_and_no_output(tmp_path, args, needle):
+    out = write(tmp_path, "parts.yaml", "old: content\n")
+    opts = [x for a in args for x in ("--slowdown", a)]
+    r = run("partition", write(tmp_path, "even.yaml", EVEN), "-o", out, *opts)
+    assert r.exit_code == 2, r.output
+    assert needle in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert out.read_text() == "old: content\n"
