@@ -10,9 +10,9 @@ or None.
   next ``warmup`` are averaged, and each stage's F, B and W are split among its layers in proportion
   to their parameter counts (evenly where a stage holds no parameters).
 - **Detection.** A stage's slowdown is its measured F + B + W over what its layers should cost. The
-  current partition was chosen for some slowdowns (all 1 at the start); when any stage's slowdown
-  sits more than ``noise`` away from its own (above or below: a straggler appears, or recovers) for
-  ``patience`` iterations in a row, the loop acts.
+  current partition was chosen for some slowdowns (all 1 at the start); when a stage's slowdown
+  sits more than ``noise`` away from its own, on the same side (above: a straggler appears; below:
+  it recovers), in each of the last ``patience`` iterations, the loop acts.
 - **Prediction.** The slowdown a stage will see is the mean over those iterations (persistence: on
   this machine's interference data the learned predictor, ``control.interference``, did not beat
   it). The slowdown belongs to the rank, whatever layers it holds, so a candidate partition's stage
@@ -64,7 +64,7 @@ class Rebalancer:
     profile: Optional[LayerProfile] = None
     iteration: int = 0
     reference: list[float] = field(default_factory=list)  # slowdowns the current partition was chosen for
-    history: list[list[float]] = field(default_factory=list)  # recent slowdowns, while they deviate
+    history: list[list[float]] = field(default_factory=list)  # the last ``patience`` iterations' slowdowns
     decisions: list[Rebalance] = field(default_factory=list)
     _learning: list[list[tuple[float, float, float]]] = field(default_factory=list)
     _before: list[float] = field(default_factory=list)  # the reference before the last decision
@@ -93,13 +93,21 @@ class Rebalancer:
                 self.profile = self._learned(layer_weight)
             return None
         slow = self.slowdowns(stage_ms)
-        off = any(abs(x / r - 1.0) > self.noise for x, r in zip(slow, self.reference))
-        self.history = self.history + [slow] if off else []
-        if len(self.history) < self.patience:
+        self.history = (self.history + [slow])[-self.patience:]
+        if len(self.history) < self.patience or not any(self._drifted(s) for s in range(self.stages)):
             return None
         predicted = [sum(h[s] for h in self.history) / len(self.history) for s in range(self.stages)]
         self._before, self.history, self.reference = self.reference, [], predicted
         return self._propose(predicted, k)
+
+    def _drifted(self, s: int) -> bool:
+        """Stage s sat more than ``noise`` away from its reference, on the same side, in each of
+        the last ``patience`` iterations (a straggler is one stage that stays slow, not noise
+        that visits a different stage each iteration)."""
+        r = self.reference[s]
+        above = all(h[s] > r * (1.0 + self.noise) for h in self.history)
+        below = all(h[s] < r / (1.0 + self.noise) for h in self.history)
+        return above or below
 
     def slowdowns(self, stage_ms: Sequence[Sequence[float]]) -> list[float]:
         """Per stage: measured F + B + W over what its layers cost in the profile."""

@@ -99,6 +99,9 @@ def test_noise_below_the_threshold_and_too_small_a_gain_change_nothing():
         rb.observe(HEALTHY)
     for f in (1.1, 0.92, 1.12, 1.1):  # within 15 %
         assert rb.observe(_slowed(UNIFORM, factor=f)) is None
+    for stage in (1, 2, 1, 3, 0, 2):  # beyond it, but a different stage each iteration: noise
+        assert rb.observe(_slowed(UNIFORM, factor=1.6, stage=stage)) is None
+    assert rb.observe(_slowed(UNIFORM, factor=1.6, stage=2)) is not None  # stage 2 twice in a row
     rb2 = _rebalancer(warmup=1, patience=1, noise=0.01, min_gain=0.5)
     for _ in range(2):
         rb2.observe(HEALTHY)
