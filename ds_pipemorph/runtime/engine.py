@@ -294,6 +294,20 @@ class PipeMorphEngine(PipelineEngine):
             logger.warning(report.describe())
         return report
 
+    def remap(self, topology):
+        """Give every rank its coordinate in ``topology`` (same stages and replicas, other ranks):
+        stage states move to their new ranks, DeepSpeed's groups are formed anew, and training
+        goes on (``runtime.remap``). Every rank calls it with the same topology, between two
+        ``train_batch`` calls; returns ``(engine, report)``: the engine to train with from now on
+        (this one, unchanged, if any rank's part failed) and what happened on this rank."""
+        from .remap import remap
+
+        fresh, report = remap(self, topology)
+        if self.global_rank == 0:
+            logger.warning(f"remap: {'done' if report.ok else 'failed, every rank kept its stage'} in "
+                           f"{report.seconds * 1e3:.0f} ms")
+        return fresh, report
+
     def _exec_stock_schedule(self, pipe_schedule):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []

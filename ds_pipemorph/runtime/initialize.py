@@ -55,7 +55,9 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     if mesh_param is not None:
         raise PipeMorphConfigError("mesh_param is not supported with pipeline parallelism")
     ds_dict = load_config(config)
-    pm = parse_config(ds_dict.pop("pipemorph", None))
+    section = ds_dict.pop("pipemorph", None)
+    pm = parse_config(section)
+    as_given = dict(copy.deepcopy(ds_dict), pipemorph=copy.deepcopy(section) or {})  # for engine.remap
 
     threads = apply_cpu_threads(get_accelerator().device_name())
     deepspeed.zero.partition_parameters.shutdown_init_context()
@@ -85,6 +87,9 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_dict,
                              config_class=config_class, pipemorph=pm, plan=plan, delays=delays)
     deepspeed.zero.partition_parameters.restore_init_context()
+    # What engine.remap needs to build this engine again on another topology.
+    engine._rebuild = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "training_data": training_data,
+                       "collate_fn": collate_fn, "config": as_given}
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 

@@ -131,31 +131,48 @@ class LayerMigrator:
         check_movable(pm._layer_specs, moves, new)
         if not moves:
             return MigrationReport(True, old, old, {}, 0.0, attempt=self.attempts)
-        if self._group is None:  # every rank is here (a collective call), so the groups form
-            self._form_groups()
-        attempt, self.attempts = self.attempts, self.attempts + 1
+        group = self.transfer_group()
+        attempt = self.next_attempt()
         t0 = time.perf_counter()
         report = MigrationReport(False, old, old, moves, 0.0, attempt=attempt)
         incoming: list[_Incoming] = []
         try:
-            incoming = self._exchange(engine, moves, attempt, report)
+            incoming = self._exchange(engine, group, moves, attempt, report)
             ok = 1
         except (MigrationFailed, RuntimeError) as e:  # gloo reports a timeout as RuntimeError
             report.reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             ok = 0
-        vote = torch.tensor([ok], dtype=torch.int64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._vote_group)
-        if vote.item() == 1:
+        if self.vote(ok):
             _commit(engine, new, moves, incoming)
             report.ok, report.after = True, new
-        else:  # every rank agrees here, so all of them form the next attempt's group together
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
         return report
 
+    # -- the protocol's parts, shared with re-mapping (runtime.remap) ------------------------------
+    def transfer_group(self):
+        """The gloo group transfers travel in (formed here at first use: every rank calls this together)."""
+        if self._group is None:
+            self._form_groups()
+        return self._group
+
+    def next_attempt(self) -> int:
+        """A fresh attempt number: its message tags were never used."""
+        attempt, self.attempts = self.attempts, self.attempts + 1
+        return attempt
+
+    def vote(self, ok: int) -> bool:
+        """True if every rank's part went well (every rank calls this together). After a failed
+        attempt the transfer group is replaced: gloo closes a connection whose receive timed out."""
+        ballot = torch.tensor([int(ok)], dtype=torch.int64)
+        dist.all_reduce(ballot, op=dist.ReduceOp.MIN, group=self.vote_group())
+        if ballot.item() != 1:
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+            return False
+        return True
+
     # -- transfer -------------------------------------------------------------------------------
-    def _exchange(self, engine, moves, attempt: int, report: MigrationReport) -> list[_Incoming]:
+    def _exchange(self, engine, group, moves, attempt: int, report: MigrationReport) -> list[_Incoming]:
         stage, grid = engine.stage_id, engine.grid
         base = attempt * _TAGS_PER_ATTEMPT
         drop = attempt in self.drop_payload_at
@@ -166,18 +183,18 @@ class LayerMigrator:
                 blob = _pack(engine, layers)
                 report.bytes_sent += blob.numel()
                 peer = grid.stage_to_global(peer_stage)
-                sends.append(dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), peer, self._group, tag))
+                sends.append(dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), peer, group, tag))
                 if not drop:
-                    sends.append(dist.isend(blob, peer, self._group, tag + 1))
+                    sends.append(dist.isend(blob, peer, group, tag + 1))
         incoming = []
         for peer_stage, tag in ((stage - 1, base), (stage + 1, base + 2)):
             layers = sorted(l for l, (a, b) in moves.items() if a == peer_stage and b == stage)
             if layers:
                 peer = grid.stage_to_global(peer_stage)
                 size = torch.zeros(1, dtype=torch.int64)
-                dist.irecv(size, peer, self._group, tag).wait(self.timeout)
+                dist.irecv(size, peer, group, tag).wait(self.timeout)
                 blob = torch.empty(int(size.item()), dtype=torch.uint8)
-                dist.irecv(blob, peer, self._group, tag + 1).wait(self.timeout)
+                dist.irecv(blob, peer, group, tag + 1).wait(self.timeout)
                 report.bytes_received += blob.numel()
                 incoming += _unpack(engine, layers, blob)
         for work in sends:

@@ -7,7 +7,8 @@ SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
-``engine.repartition(parts)``; the reports are recorded).
+``engine.repartition(parts)``; the reports are recorded), "remap": {"k": ranks[stage][replica]} (after k
+steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run and the transport's recovery log lines
 (failover, delegate restarts); or <name>.rank<r>.err with the message. The transport (and its
@@ -71,20 +72,33 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             with open(path + ".err", "w") as f:
                 f.write(str(e))
             return
-    if job.get("model") == "gpt":
-        g = torch.Generator().manual_seed(99 + engine.grid.data_parallel_id)
-        seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
-        ids = [torch.randint(0, GPT_VOCAB, (2, t + 1), generator=g) for t in seqs]
-        data = [(w[:, :-1], w[:, 1:]) for w in ids]
-    else:
-        data = batches(N * steps, 2, seed=99 + engine.grid.data_parallel_id)
+    def data_of(replica: int) -> list:  # the batches of a data-parallel replica, all steps
+        if job.get("model") == "gpt":
+            g = torch.Generator().manual_seed(99 + replica)
+            seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
+            ids = [torch.randint(0, GPT_VOCAB, (2, t + 1), generator=g) for t in seqs]
+            return [(w[:, :-1], w[:, 1:]) for w in ids]
+        return batches(N * steps, 2, seed=99 + replica)
+
+    data = data_of(engine.grid.data_parallel_id)
     it = iter(data)
     losses, peaks, ops, reduce_ms, seconds = [], [], [], [], []
     stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
     if stall.get("rank") == rank:
         time.sleep(stall["seconds"])
-    migrations = []
+    migrations, remaps = [], []
     for step in range(steps):
+        if str(step) in job.get("remap", {}):  # ranks[stage][replica]: every rank takes its new coordinate
+            from ds_pipemorph.runtime.topology_file import PlacedTopology
+
+            try:
+                engine, rep = engine.remap(PlacedTopology(job["remap"][str(step)]))
+            except ValueError as e:  # refused before anything moved (the same on every rank)
+                remaps.append({"step": step, "error": str(e)})
+            else:
+                remaps.append({"step": step, "ok": rep.ok, "old": rep.old, "new": rep.new, "sent": rep.bytes_sent,
+                               "received": rep.bytes_received, "reason": rep.reason})
+                it = iter(data_of(engine.grid.data_parallel_id)[step * N:])
         if str(step) in job.get("migrate", {}):
             try:
                 r = engine.repartition(job["migrate"][str(step)])
@@ -118,7 +132,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
-                "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
+                "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])), "remaps": remaps,
                 "parts": list(getattr(engine.module, "parts", []))},
                path + ".pt")
 

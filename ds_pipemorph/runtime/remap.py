@@ -1,0 +1,182 @@
+"""In-run re-mapping: the ranks take new (stage, replica) coordinates at an iteration boundary.
+
+``new_engine = engine.remap(topology)`` on every rank, between two ``train_batch`` calls, with the
+same topology (``runtime.topology_file.load_topology`` of a ``pipemorph place`` output, or any
+DeepSpeed ``ProcessTopology`` of the same pipeline and data-parallel sizes). No process restarts:
+
+1. **Exchange.** A rank whose stage changes receives its new stage's whole state (the module's
+   ``state_dict``: parameters, buffers, tied modules; the optimizer's per-parameter state and
+   group settings, by parameter name; gradients held at the boundary) from the rank that held its
+   new coordinate, the same packing and gloo transfer group as live layer migration
+   (``runtime.migrate``). A rank that keeps its stage keeps its own state: replicas of a stage are
+   identical after a step.
+2. **Vote.** Every rank votes on its part; if any failed, every rank keeps the engine it has (the
+   old one is returned unchanged) and training goes on.
+3. **Rebuild.** Every rank builds the new engine together, through DeepSpeed's own construction: a
+   ``PartsPipelineModule`` on the current partition (so migrated layers stay where they are) and the
+   new topology, whose ``PipelineParallelGrid`` forms the new data-parallel, pipeline and tied-weight
+   groups, and ``ds_pipemorph.initialize`` with the same config, optimizer and scheduler settings.
+4. **Load.** The module's and the optimizer's state, the scheduler's state, the engine's step and
+   sample counters and the running plan go into the new engine; the old one's transport, delegates
+   and control loop are closed.
+
+The data each rank loads is its *new* replica's: after a re-mapping, feed ``train_batch`` the batches
+of ``new_engine.grid.data_parallel_id``. Refused in one sentence: a client optimizer or scheduler
+given as an object (it cannot be rebuilt for new parameters; give the config's, or a callable), a
+topology of other sizes, and a ``PipelineModule`` subclass (its own code would be lost).
+"""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from ..fileio import BadInput
+from .partition_hook import PartsPipelineModule
+
+# Tags of a re-mapping transfer (size, payload), after every migration attempt's.
+_TAG = 1 << 20
+
+
+@dataclass
+class RemapReport:
+    ok: bool
+    seconds: float
+    old: tuple[int, int]  # this rank's (stage, replica) before
+    new: tuple[int, int]  # and after (== old when the re-mapping failed)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    reason: str = ""
+
+
+def check_remappable(engine, topology) -> None:
+    """BadInput (one sentence) if this engine cannot be rebuilt on ``topology``."""
+    rebuild = getattr(engine, "_rebuild", None)
+    if rebuild is None:
+        raise BadInput("re-mapping needs an engine made by ds_pipemorph.initialize")
+    if type(engine.module) not in (PipelineModule, PartsPipelineModule):
+        raise BadInput(f"re-mapping rebuilds the model as a PipelineModule; {type(engine.module).__name__} "
+                       f"(a subclass) would lose its own code")
+    for what in ("optimizer", "lr_scheduler"):
+        given = rebuild[what]
+        if given is not None and not callable(given):
+            raise BadInput(f"re-mapping cannot rebuild a client {what} object for new parameters: give it in "
+                           f"the DeepSpeed config or as a callable")
+    pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
+    if (pp, dp) != (engine.num_stages, engine.grid.data_parallel_size) or topology.world_size() != dist.get_world_size():
+        raise BadInput(f"the new topology is {pp} stages x {dp} replicas; the job runs {engine.num_stages} x "
+                       f"{engine.grid.data_parallel_size} on {dist.get_world_size()} ranks")
+
+
+def remap(engine, topology):
+    """(the engine to train with from now on, RemapReport); see the module docstring."""
+    check_remappable(engine, topology)
+    rank = dist.get_rank()
+    old_topo = engine.module._topo
+    old = old_topo.get_coord(rank)
+    new = topology.get_coord(rank)
+    t0 = time.perf_counter()
+    report = RemapReport(False, 0.0, (old.pipe, old.data), (old.pipe, old.data))
+    migrator = engine.migrator
+    group = migrator.transfer_group()
+    attempt = migrator.next_attempt()
+    tag = _TAG + 2 * attempt
+    state = None
+    try:
+        sends = []
+        # The rank that takes my old coordinate, if it comes from another stage, gets my state.
+        taker = topology.get_rank(pipe=old.pipe, data=old.data)
+        if old_topo.get_coord(taker).pipe != old.pipe:
+            blob = _pack_stage(engine)
+            report.bytes_sent = blob.numel()
+            sends.append(dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), taker, group, tag))
+            if attempt not in migrator.drop_payload_at:
+                sends.append(dist.isend(blob, taker, group, tag + 1))
+        if new.pipe != old.pipe:  # my new coordinate's state comes from its old holder
+            giver = old_topo.get_rank(pipe=new.pipe, data=new.data)
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.irecv(size, giver, group, tag).wait(migrator.timeout)
+            blob = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.irecv(blob, giver, group, tag + 1).wait(migrator.timeout)
+            report.bytes_received = blob.numel()
+            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        else:
+            state = _stage_state(engine)
+        for w in sends:
+            w.wait(migrator.timeout)
+        ok = 1
+    except RuntimeError as e:  # a timed-out transfer (gloo raises RuntimeError)
+        report.reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        ok = 0
+    if not migrator.vote(ok):
+        report.seconds = time.perf_counter() - t0
+        return engine, report
+    fresh = _rebuild(engine, topology)
+    _load_stage(fresh, state)
+    for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+        setattr(fresh, counter, getattr(engine, counter))
+    if engine.lr_scheduler is not None and fresh.lr_scheduler is not None:
+        fresh.lr_scheduler.load_state_dict(engine.lr_scheduler.state_dict())
+    fresh._set_plan(engine.plan)
+    engine.destroy()
+    report.ok, report.new = True, (new.pipe, new.data)
+    report.seconds = time.perf_counter() - t0
+    return fresh, report
+
+
+def _stage_state(engine) -> dict:
+    """This rank's stage: module state_dict, optimizer state and groups by parameter name, grads."""
+    module, opt = engine.module, engine.optimizer
+    name_of = {p: n for n, p in module.named_parameters()}
+    groups, per_param = [], {}
+    for g, group in enumerate(opt.param_groups):
+        groups.append({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            per_param[name_of[p]] = {"group": g, "grad": None if p.grad is None else p.grad.detach().cpu(),
+                                     "state": {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"}
+                                                   if torch.is_tensor(v) else v) for k, v in st.items()}}
+    return {"module": {k: v.detach().cpu() for k, v in module.state_dict().items()}, "groups": groups,
+            "params": per_param}
+
+
+def _pack_stage(engine) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(_stage_state(engine), buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _rebuild(engine, topology):
+    from .initialize import initialize
+
+    src = engine._rebuild
+    old = engine.module
+    module = PartsPipelineModule(old._layer_specs, list(old.parts), topology=topology, loss_fn=old.loss_fn,
+                                 seed_layers=old.seed_layers, seed_fn=old.seed_fn, base_seed=old.base_seed,
+                                 checkpointable_layers=old.checkpointable_layers, dynamic_shape=old.dynamic_shape)
+    fresh, *_ = initialize(args=src["args"], model=module, optimizer=src["optimizer"],
+                           model_parameters=module.parameters(), training_data=src["training_data"],
+                           lr_scheduler=src["lr_scheduler"], collate_fn=src["collate_fn"], config=src["config"])
+    return fresh
+
+
+def _load_stage(engine, state: dict) -> None:
+    module, opt = engine.module, engine.optimizer
+    module.load_state_dict(state["module"])
+    params = dict(module.named_parameters())
+    if sorted(params) != sorted(state["params"]):
+        raise RuntimeError(f"stage {engine.stage_id}: the rebuilt stage has parameters {sorted(params)}, the "
+                           f"state received holds {sorted(state['params'])}")
+    for g, settings in enumerate(state["groups"]):
+        opt.param_groups[g].update(settings)
+    device = engine.device
+    for name, sent in state["params"].items():
+        p = params[name]
+        if sent["grad"] is not None:
+            p.grad = sent["grad"].to(device)
+        if sent["state"]:
+            opt.state[p] = {k: ((v["tensor"] if v["host"] else v["tensor"].to(device)) if isinstance(v, dict) else v)
+                            for k, v in sent["state"].items()}
