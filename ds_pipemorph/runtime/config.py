@@ -69,6 +69,23 @@ class RebalanceConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0)
 
 
+class OrchestrateConfig(_Strict):
+    """A slow data-parallel link moved into the pipeline while training runs (PipeMorph §6)."""
+
+    # The link matrix of `pipemorph profile-links --all-pairs` (null: off).
+    matrix: Optional[str] = None
+    # Gradient MB per stage the all-reduce moves (null: each stage's parameter bytes, measured).
+    grad_mb: Optional[float] = Field(None, ge=0)
+    # The size of each all-reduce message in MB, as in `pipemorph place --chunk-mb` (null: one per part).
+    chunk_mb: Optional[float] = Field(None, gt=0)
+    # A stage's all-reduce this fraction above what the best placement's ring would take ...
+    noise: float = Field(0.25, gt=0)
+    # ... in each of this many iterations in a row is a data-parallel straggler.
+    patience: int = Field(2, ge=1)
+    # Re-map only if the predicted iteration time improves by at least this fraction.
+    min_gain: float = Field(0.05, ge=0, lt=1)
+
+
 class DelegationConfig(_Strict):
     mode: Literal["off", "auto", "always"] = "auto"
     queues: int = Field(2, ge=1)  # delegate FIFOs per link direction at the start
@@ -230,6 +247,7 @@ class PipeMorphConfig(_Strict):
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
+    orchestrate: OrchestrateConfig = Field(default_factory=OrchestrateConfig)
     inject: InjectConfig = Field(default_factory=InjectConfig)
     nvtx: bool = True
     timeline: Optional[str] = None

@@ -168,6 +168,12 @@ class PipeMorphEngine(PipelineEngine):
             from .rebalance_hook import RebalanceHook
 
             self.rebalance = RebalanceHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
+        self.orchestrate = None  # a slow data-parallel link moved into the pipeline (re-mapping, PipeMorph §6)
+        self.pending_remap = None  # ranks[stage][replica] the orchestrator chose at the last boundary
+        if pipemorph.orchestrate.matrix:
+            from .orchestrate_hook import OrchestrateHook
+
+            self.orchestrate = OrchestrateHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
         self._reset_iteration_state()
 
     def destroy(self):
@@ -267,8 +273,9 @@ class PipeMorphEngine(PipelineEngine):
         self._at_iteration_boundary()
 
     def _at_iteration_boundary(self) -> None:
-        """The one place where work between iterations happens: the control loop's decision is
-        applied here (the same on every rank; it runs from the next batch), then the timeline."""
+        """The one place where work between iterations happens, the same on every rank: the control
+        loop's decision is applied (it runs from the next batch), the rebalance loop may move layers,
+        the orchestrator may decide a re-mapping, then the timeline."""
         if self.adapter is not None:
             decision = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
             if decision is not None:  # every rank gets the same decision here; it runs from the next batch
@@ -280,6 +287,8 @@ class PipeMorphEngine(PipelineEngine):
                 self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
         if self.rebalance is not None:  # after the adapter: a migration's new plan is the last word
             self.rebalance.after_iteration(self, self.recorder.records)
+        if self.orchestrate is not None:  # a re-mapping it decides runs after train_batch (Orchestrated)
+            self.orchestrate.after_iteration(self, self.recorder.records)
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
 

@@ -91,6 +91,10 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     engine._rebuild = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "training_data": training_data,
                        "collate_fn": collate_fn, "config": as_given}
     engine._configure_python_gc()
+    if pm.orchestrate.matrix:  # re-mapping replaces the engine: the training loop holds a handle to it
+        from .orchestrated import Orchestrated
+
+        return Orchestrated(engine), engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

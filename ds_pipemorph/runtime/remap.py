@@ -160,7 +160,7 @@ def _rebuild(engine, topology):
     fresh, *_ = initialize(args=src["args"], model=module, optimizer=src["optimizer"],
                            model_parameters=module.parameters(), training_data=src["training_data"],
                            lr_scheduler=src["lr_scheduler"], collate_fn=src["collate_fn"], config=src["config"])
-    return fresh
+    return getattr(fresh, "engine", fresh)  # the engine itself, not the handle initialize gives with orchestrate
 
 
 def _load_stage(engine, state: dict) -> None:

@@ -8,7 +8,9 @@ SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
 ``engine.repartition(parts)``; the reports are recorded), "remap": {"k": ranks[stage][replica]} (after k
-steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches).
+steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches),
+"follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
+may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run and the transport's recovery log lines
 (failover, delegate restarts); or <name>.rank<r>.err with the message. The transport (and its
@@ -88,6 +90,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         time.sleep(stall["seconds"])
     migrations, remaps = [], []
     for step in range(steps):
+        if job.get("follow_replica"):  # the engine may re-map itself: feed the batches of its replica now
+            it = iter(data_of(engine.grid.data_parallel_id)[step * N:(step + 1) * N])
         if str(step) in job.get("remap", {}):  # ranks[stage][replica]: every rank takes its new coordinate
             from ds_pipemorph.runtime.topology_file import PlacedTopology
 
@@ -132,7 +136,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
-                "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])), "remaps": remaps,
+                "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
+                "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
                 "parts": list(getattr(engine.module, "parts", []))},
                path + ".pt")
 

@@ -1,0 +1,97 @@
+"""When to move a slow data-parallel link into the pipeline (PipeMorph §6), torch-free.
+
+The engine hands ``Orchestrator.observe`` each iteration's all-reduce time of every stage (its
+``ReduceGrads``, the slowest replica) and every stage's F, B and W. From the link matrix
+(``pipemorph profile-links --all-pairs``) and those op times, ``plan.place`` predicts the iteration
+time of the placement in force and of the best one: data-parallel rings priced by the matrix, slow
+pairs put where the planner absorbs them. The orchestrator acts when both say so:
+
+- **measured**: some stage's all-reduce took more than ``noise`` above what the best placement
+  predicts for that stage's ring, in each of the last ``patience`` iterations (a data-parallel
+  straggler is seen, not only listed in a file);
+- **predicted**: the best placement beats the one in force by at least ``min_gain``.
+
+The answer is the placement (``ranks[stage][replica]``); the engine re-maps to it
+(``runtime.remap``), then the control loop re-plans and delegates for the links now in the pipeline.
+A placement once left is not returned to for the same matrix: the orchestrator acts at most once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..plan.linkmatrix import LinkMatrix
+from ..plan.place import Job, Planner, place, predict
+from ..plan.placement import Placement, allreduce_ms
+from ..plan.profile import Costs
+
+# The planner's effort per planned pipeline: bounded by replays, not time (same answer on any machine).
+PLAN_EVALS = 200
+
+
+@dataclass
+class Remap:
+    ranks: list[list[int]]  # ranks[stage][replica]
+    current_ms: float  # the placement in force, predicted
+    predicted_ms: float  # the new one
+    measured_allreduce_ms: list[float]  # per stage, mean over the iterations that triggered it
+    predicted_allreduce_ms: list[float]  # per stage, in the new placement
+    iteration: int
+
+
+@dataclass
+class Orchestrator:
+    matrix: LinkMatrix
+    placement: Placement
+    microbatches: int
+    grad_mb: list[float]
+    chunk_mb: Optional[float] = None
+    caps: Optional[list[int]] = None
+    noise: float = 0.25
+    patience: int = 2
+    min_gain: float = 0.05
+    iteration: int = 0
+    done: bool = False
+    history: list[list[float]] = field(default_factory=list)
+    decisions: list[Remap] = field(default_factory=list)
+    _floor: Optional[list[float]] = None  # per stage: the all-reduce of the best placement
+
+    def observe(self, allreduce: Sequence[float], stage_ms: Sequence[Sequence[float]]) -> Optional[Remap]:
+        """One iteration: ``allreduce[s]`` = ms of stage s's all-reduce, ``stage_ms[s]`` = its (F, B, W)."""
+        k, self.iteration = self.iteration, self.iteration + 1
+        if self.done or k == 0:  # the first iteration carries start-up work
+            return None
+        self.history = (self.history + [list(allreduce)])[-self.patience:]
+        if len(self.history) < self.patience:
+            return None
+        if self._floor is None:  # what the best rings cost: planned once, with the first costs measured
+            self._floor = self._place(stage_ms)[0].orchestrator.allreduce_ms
+        P = self.placement.pp
+        if not any(all(h[s] > (1.0 + self.noise) * self._floor[s] + 1e-9 for h in self.history) for s in range(P)):
+            return None
+        res, job = self._place(stage_ms)
+        best = res.orchestrator
+        now = predict(self.placement, self.matrix, Planner(job, "full", 3600.0, PLAN_EVALS))
+        self.done = True  # acted on (or found nothing better): not again for this matrix
+        if best.placement == self.placement or not best.iteration_ms < now.iteration_ms * (1.0 - self.min_gain):
+            return None
+        measured = [sum(h[s] for h in self.history) / len(self.history) for s in range(P)]
+        d = Remap(best.placement.as_lists(), now.iteration_ms, best.iteration_ms, measured,
+                  [allreduce_ms(self.matrix, best.placement.dp_group(s), self.grad_mb[s], self.chunk_mb)
+                   for s in range(P)], k)
+        self.decisions.append(d)
+        return d
+
+    def _place(self, stage_ms: Sequence[Sequence[float]]):
+        P = self.placement.pp
+        f, b, w = ([float(stage_ms[s][j]) for s in range(P)] for j in range(3))
+        job = Job(Costs(f=f, b=b, w=w, links=[0.0] * (P - 1)), self.microbatches, list(self.grad_mb), self.caps,
+                  self.chunk_mb)
+        return place(self.matrix, P, self.placement.dp, job, max_evals=PLAN_EVALS, budget_s=3600.0), job
+
+    def moved(self, ranks: list[list[int]]) -> None:
+        self.placement = Placement.from_ranks(ranks)
+
+    def failed(self) -> None:
+        """The re-mapping failed on some rank (every rank kept its coordinate): try again."""
+        self.done, self.history = False, []

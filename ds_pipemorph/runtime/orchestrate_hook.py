@@ -1,0 +1,75 @@
+"""The orchestrator in the engine: measure every stage's all-reduce, decide on rank 0, re-map.
+
+At each iteration boundary every rank contributes its ``ReduceGrads`` time, its stage's mean F, B
+and W per micro-batch and its stage's gradient MB; the rows are all-gathered in the migration's
+gloo vote group and rank 0 runs the torch-free ``control.orchestrate.Orchestrator`` (its placement
+search is bounded by replays, but only one rank needs to run it). Rank 0 broadcasts the decision; a
+decision is stored as ``engine.pending_remap``, and ``Orchestrated.train_batch`` re-maps right after
+the ``train_batch`` that produced it (a re-mapping makes a new engine, which only the handle the
+training loop holds can swap in).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..control.orchestrate import Orchestrator
+from ..fileio import BadInput, load_model
+from ..plan.linkmatrix import LinkMatrix
+from ..plan.placement import Placement
+from .config import PipeMorphConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class OrchestrateHook:
+    def __init__(self, engine, caps: list[int]):
+        cfg = engine.pipemorph.orchestrate
+        try:
+            matrix = load_model(cfg.matrix, LinkMatrix)
+        except BadInput as e:
+            raise PipeMorphConfigError(f"orchestrate.matrix: {e}") from None
+        if matrix.world_size != dist.get_world_size():
+            raise PipeMorphConfigError(f"orchestrate.matrix {cfg.matrix} is for {matrix.world_size} ranks; the job "
+                                       f"has {dist.get_world_size()}")
+        topo = engine.module._topo
+        P, D = engine.num_stages, engine.grid.data_parallel_size
+        self.placement = Placement.from_ranks([[topo.get_rank(pipe=s, data=d) for d in range(D)] for s in range(P)])
+        self.cfg, self.caps, self.matrix = cfg, caps, matrix
+        self.orchestrator: Optional[Orchestrator] = None  # built at the first boundary (gradient sizes gathered)
+
+    def after_iteration(self, engine, records) -> None:
+        S = engine.num_stages
+        row = torch.zeros(5 * S, dtype=torch.float64)
+        s = engine.stage_id
+        fbw = {"F": 0, "B": 0, "W": 0}
+        reduce_ns = 0
+        for r in records:
+            if r.op == "ReduceGrads":
+                reduce_ns += r.end_ns - r.start_ns
+            elif r.op[:1] in fbw and r.op[1:].isdigit():
+                fbw[r.op[:1]] += r.end_ns - r.start_ns
+        row[s] = reduce_ns / 1e6
+        row[S + 3 * s: S + 3 * s + 3] = torch.tensor([fbw[k] / 1e6 / engine.micro_batches for k in "FBW"])
+        row[4 * S + s] = sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 1e6
+        group = engine.migrator.vote_group()
+        table = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(table, row, group=group)
+        table = torch.stack(table).amax(dim=0)
+        box = [None]
+        if dist.get_rank() == 0:
+            if self.orchestrator is None:
+                grad = [self.cfg.grad_mb if self.cfg.grad_mb is not None else table[4 * S + k].item() for k in range(S)]
+                self.orchestrator = Orchestrator(self.matrix, self.placement, engine.micro_batches, grad,
+                                                 self.cfg.chunk_mb, self.caps, self.cfg.noise, self.cfg.patience,
+                                                 self.cfg.min_gain)
+            d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())
+            if d is not None:
+                box[0] = d.ranks
+                logger.warning(f"orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
+                               f"ms; re-mapping to {d.ranks} (predicted {d.current_ms:.0f} -> {d.predicted_ms:.0f} ms)")
+        dist.broadcast_object_list(box, src=0, group=group)
+        engine.pending_remap = box[0]
