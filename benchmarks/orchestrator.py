@@ -16,7 +16,10 @@ the same link matrix (``plan.place``):
 - baseline: DeepSpeed's default placement, the static `zb` order;
 - re-placement only (Falcon-style): the placement fastest for the static order, static `zb`;
 - orchestrator: the placement fastest once its pipelines are planned, run with PipeMorph's control
-  loop (`adaptive`, slow links delegated: `delegation: auto`).
+  loop (`adaptive`, slow links delegated: `delegation: auto`);
+- in-run: DeepSpeed's default placement at launch with ``"orchestrate": {"matrix": ...}``: the
+  engine measures the slow all-reduce, re-maps its ranks to the orchestrator's placement while it
+  trains (``engine.remap``), and the control loop then re-plans for the links now in the pipeline.
 
 Iteration time: barrier before ``train_batch`` to barrier after it on rank 0, mean over the measured
 iterations (after a warm-up long enough for the control loop to re-plan). Prints measured and
@@ -44,6 +47,8 @@ WORLD = STAGES * REPLICAS
 GRAD_MB, CHUNK_MB = 100.0, 4.0
 ALLREDUCE_MESSAGES = math.ceil(GRAD_MB / REPLICAS / CHUNK_MB)
 MODES = ("baseline", "replacement", "orchestrator")
+IN_RUN = "in-run"  # starts on DeepSpeed's default placement; the engine re-maps itself while training
+IN_RUN_EXTRA = 4  # more unmeasured iterations for it: two to see the slow all-reduce, the re-mapping, a re-plan
 PAPER = {"orchestrator_vs_replacement": 1.96, "orchestrator_vs_baseline": 3.6}
 
 
@@ -72,6 +77,7 @@ def plan_placements(work: Path) -> dict:
         {"ranks": list(p), "latency_ms": SLOW_MS} for p in cross_pairs()]})
     job = Job(Costs.uniform(STAGES, OP_MS), MICROBATCHES, [GRAD_MB] * STAGES, chunk_mb=CHUNK_MB, direct=True)
     res = place(matrix, STAGES, REPLICAS, job)
+    write_atomic(str(work / "links.json"), dump(matrix.model_dump(mode="json"), True))
     out = {}
     for mode in MODES:
         pred = getattr(res, mode)
@@ -80,11 +86,15 @@ def plan_placements(work: Path) -> dict:
         write_atomic(str(path), dump(data, True))
         out[mode] = {"topology": str(path), "ranks": pred.placement.as_lists(), "predicted_ms": pred.iteration_ms,
                      "allreduce_ms": pred.allreduce_ms, "links_ms": pred.links_ms}
+    out[IN_RUN] = dict(out["baseline"], matrix=str(work / "links.json"), predicted_ms=res.orchestrator.iteration_ms)
     return out
 
 
-def section(mode: str) -> dict:
+def section(mode: str, matrix: str = "") -> dict:
     inject = {"rank_links": {f"{a}-{b}": SLOW_MS for a, b in cross_pairs()}, "allreduce_messages": ALLREDUCE_MESSAGES}
+    if mode == IN_RUN:
+        return {"schedule": "adaptive", "delegation": {"mode": "auto"}, "nvtx": False, "inject": inject,
+                "orchestrate": {"matrix": matrix, "grad_mb": GRAD_MB, "chunk_mb": CHUNK_MB}}
     if mode == "orchestrator":
         return {"schedule": "adaptive", "delegation": {"mode": "auto"}, "nvtx": False, "inject": inject}
     return {"schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False}, "nvtx": False,
@@ -107,26 +117,34 @@ def worker(spec_path: str) -> None:
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(MICROBATCHES)]
     results = {}
-    for mode in MODES:
+    for mode in (*MODES, IN_RUN):
         torch.manual_seed(0)
         model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, OP_MS, OP_MS, OP_MS) for _ in range(STAGES)],
                                topology=load_topology(spec["placements"][mode]["topology"]),
                                loss_fn=torch.nn.MSELoss(), partition_method="uniform")
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICROBATCHES,
                "train_batch_size": MICROBATCHES * REPLICAS, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-               "steps_per_print": 10**9, "pipemorph": section(mode)}
+               "steps_per_print": 10**9, "pipemorph": section(mode, spec["placements"][mode].get("matrix", ""))}
         engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        seconds = []
-        for k in range(spec["warmup"] + spec["iters"]):
+        warmup = spec["warmup"] + (IN_RUN_EXTRA if mode == IN_RUN else 0)
+        seconds, all_seconds, remapped = [], [], []
+        for k in range(warmup + spec["iters"]):
             dist.barrier()
             t0 = time.perf_counter()
             engine.train_batch(iter(data))
             dist.barrier()
-            if k >= spec["warmup"]:
-                seconds.append(time.perf_counter() - t0)
+            all_seconds.append(time.perf_counter() - t0)
+            if k >= warmup:
+                seconds.append(all_seconds[-1])
+            if len(getattr(engine, "remaps", [])) > len(remapped):  # the handle re-mapped after this batch
+                r = engine.remaps[-1]
+                remapped.append({"after_iteration": k, "ok": r.ok, "ms": round(r.seconds * 1e3, 1),
+                                 "bytes_sent": r.bytes_sent})
         replans = [vars(r)["iteration"] for r in engine.adapter.replans] if engine.adapter else []
+        ranks = [[engine.module._topo.get_rank(pipe=s, data=d) for d in range(REPLICAS)] for s in range(STAGES)]
         engine.destroy()
-        results[mode] = {"seconds": seconds, "replans_after": replans}
+        results[mode] = {"seconds": seconds, "all_seconds": all_seconds, "replans_after": replans,
+                         "remapped": remapped, "ranks_at_end": ranks}
         dist.barrier()
     if rank == 0:
         Path(spec["result"]).write_text(json.dumps(results))
@@ -150,14 +168,21 @@ def main() -> int:
         print(f"the 8-rank run failed (exit code {code})", file=sys.stderr)
         return 1
     measured = json.loads(Path(spec["result"]).read_text())
-    ms = {m: 1e3 * statistics.mean(measured[m]["seconds"]) for m in MODES}
-    rows = [[m, str(placements[m]["ranks"]), f"{ms[m]:.1f}", f"{placements[m]['predicted_ms']:.1f}"] for m in MODES]
+    ms = {m: 1e3 * statistics.mean(measured[m]["seconds"]) for m in (*MODES, IN_RUN)}
+    rows = [[m, str(placements[m]["ranks"]), f"{ms[m]:.1f}", f"{placements[m]['predicted_ms']:.1f}", "-"] for m in MODES]
+    moved = measured[IN_RUN]["remapped"]
+    rows.append([f"{IN_RUN} (starts on the default)", str(measured[IN_RUN]["ranks_at_end"]), f"{ms[IN_RUN]:.1f}",
+                 f"{placements[IN_RUN]['predicted_ms']:.1f}",
+                 ", ".join(f"after iteration {m['after_iteration']} in {m['ms']:.0f} ms" for m in moved if m["ok"]) or "never"])
     print_table(f"{REPLICAS} replicas x {STAGES} stages, {MICROBATCHES} micro-batches, even and odd ranks joined by "
-                f"a {SLOW_MS:.0f} ms link; mean of {args.iters} iterations after {args.warmup}",
-                ["mode", "ranks[stage][replica]", "measured ms", "predicted ms"], rows)
+                f"a {SLOW_MS:.0f} ms link; mean of {args.iters} iterations after {args.warmup} "
+                f"({args.warmup + IN_RUN_EXTRA} for {IN_RUN})",
+                ["mode", "ranks[stage][replica]", "measured ms", "predicted ms", "re-mapped in the run"], rows)
     ratios = {"replacement_vs_baseline": ms["baseline"] / ms["replacement"],
               "orchestrator_vs_replacement": ms["replacement"] / ms["orchestrator"],
-              "orchestrator_vs_baseline": ms["baseline"] / ms["orchestrator"]}
+              "orchestrator_vs_baseline": ms["baseline"] / ms["orchestrator"],
+              "in_run_vs_replacement": ms["replacement"] / ms[IN_RUN],
+              "in_run_vs_baseline": ms["baseline"] / ms[IN_RUN]}
     print_table("speed-ups (Fig. 19 reports orchestrator over re-placement alone 1.96x, over doing nothing 3.6x)",
                 ["ratio", "measured", "paper"],
                 [[k, f"{v:.2f}x", f"{PAPER[k]:.2f}x" if k in PAPER else "-"] for k, v in ratios.items()])
