@@ -14,6 +14,7 @@ estimator reads.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ class Inbox:
         self._workers: list[threading.Thread] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[tuple[str, int], Future] = {}
+        self._completed: collections.deque = collections.deque()  # (kind, mb) as receives end, for ``drain``
 
     def post(self, kind: str, mb: int, records: list) -> None:
         """Start receiving message (kind, mb); its record goes to ``records`` when it is in."""
@@ -55,9 +57,20 @@ class Inbox:
                 payload = self.transport.recv(kind, mb)
                 records.append(OpRecord(f"RECV_{kind}{mb}", t0, time.monotonic_ns()))  # list.append: atomic
             except BaseException as e:  # handed to the training thread at ``take``
+                self._completed.append((kind, mb))
                 fut.set_exception(e)
             else:
+                # Announced before the future is done, never after: a stage that saw the future done
+                # must find it in ``drain`` too (``take`` waits the microseconds in between).
+                self._completed.append((kind, mb))  # deque.append: atomic
                 fut.set_result(payload)
+
+    def drain(self) -> list[tuple[str, int]]:
+        """The receives that ended since the last call (a failed one too: ``take`` raises its error)."""
+        out = []
+        while self._completed:
+            out.append(self._completed.popleft())
+        return out
 
     def arrived(self, kind: str, mb: int) -> bool:
         return self._futures[(kind, mb)].done()
@@ -94,6 +107,7 @@ class Inbox:
         for fut in self._futures.values():
             fut.cancel()
         self._futures.clear()
+        self._completed.clear()
         for _ in self._workers:
             self._jobs.put(None)
         self._workers = []
