@@ -1,6 +1,6 @@
 """Compute straggler: the rebalance loop against the uniform partition and the best static one.
 
-4 stages, 12 micro-batches, 4 CPU ranks, the real engine (``zb``). Stage 1 is slowed 2x from
+4 stages (``--stages``), 12 micro-batches, one CPU rank per stage, the real engine (``zb``). Stage 1 is slowed 2x from
 iteration 5 on (``inject.compute_trace``: each of its F, B and W waits once more its own time). Per
 model, three runs side by side:
 
@@ -18,9 +18,12 @@ barrier on rank 0; reported: the median of the iterations after ``--settle`` slo
 shared cores give single iterations of any run spikes of up to 1.7x; the means are in the JSON), the
 iteration from which the new partition ran, the migration's time and bytes (all ranks).
 
-    DS_ACCELERATOR=cpu python benchmarks/rebalance.py [--models emulated,gpt] [--iters 14]
+    DS_ACCELERATOR=cpu python benchmarks/rebalance.py [--models emulated,gpt] [--stages 4] [--iters 18]
 
-(re-launches itself with ``torchrun --standalone --nproc_per_node 4`` when not started by torchrun).
+(re-launches itself with ``torchrun --standalone --nproc_per_node STAGES`` when not started by
+torchrun). With real compute, four ranks on a two-core machine share the cores: a stage that waits
+(the injected slowdown) lends its core to the others, so stage times move with what the other
+stages do; ``--stages 2`` gives each rank a core.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from _util import print_table, relaunch, write_json
 
-STAGES, MICROBATCHES, SLOW_STAGE, FACTOR, SLOW_FROM = 4, 12, 1, 2.0, 5
+MICROBATCHES, SLOW_STAGE, FACTOR, SLOW_FROM = 12, 1, 2.0, 5
 EMULATED_LAYERS, LAYER_MS = 16, 2.5
 GPT = {"vocab": 64, "d_model": 128, "heads": 4, "blocks": 10, "max_seq": 32}
 GPT_BATCH = 4
@@ -44,6 +47,7 @@ TARGET_BEST, TARGET_UNIFORM, TARGET_ITERS = 1.10, 1.3, 3
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="emulated,gpt")
+    ap.add_argument("--stages", type=int, default=4, help="pipeline stages, one CPU rank each (2 or more)")
     ap.add_argument("--iters", type=int, default=18, help="iterations per run (the slowdown starts at 5)")
     ap.add_argument("--settle", type=int, default=4, help="slowed iterations left out before measuring")
     ap.add_argument("--out", default="out/rebalance.json")
@@ -87,12 +91,12 @@ def loss_of(model: str):
     return next_token_loss
 
 
-def best_static(model: str) -> tuple[list[int], dict]:
+def best_static(model: str, stages: int) -> tuple[list[int], dict]:
     """What ``pipemorph partition --slowdown 1=2`` chooses for the model's layer profile (rank 0)."""
     from ds_pipemorph.plan.layer_profile import LayerProfile
     from ds_pipemorph.plan.partition import partition
 
-    slow = [FACTOR if s == SLOW_STAGE else 1.0 for s in range(STAGES)]
+    slow = [FACTOR if s == SLOW_STAGE else 1.0 for s in range(stages)]
     if model == "emulated":
         layers = {"forward_ms": [LAYER_MS] * EMULATED_LAYERS, "backward_input_ms": LAYER_MS,
                   "backward_weight_ms": LAYER_MS}
@@ -108,8 +112,8 @@ def best_static(model: str) -> tuple[list[int], dict]:
             costs, _ = profile_layers(layers_of(model), x, y, loss_of(model), warmup=3, reps=7)
         finally:
             torch.set_num_threads(threads)
-        layers = layer_profile_data(costs, STAGES, MICROBATCHES)["layers"]
-    lp = LayerProfile.model_validate({"stages": STAGES, "microbatches": MICROBATCHES, "layers": layers})
+        layers = layer_profile_data(costs, stages, MICROBATCHES)["layers"]
+    lp = LayerProfile.model_validate({"stages": stages, "microbatches": MICROBATCHES, "layers": layers})
     res = partition(lp, slowdown=slow)
     return res.parts, {"forward_ms": [round(v, 3) for v in lp.layers.forward_ms],
                        "search_ms": round(res.iteration_ms, 2)}
@@ -128,7 +132,8 @@ def run_one(model: str, kind: str, parts, trace: str, args) -> dict:
     if kind == "best static":
         module = PartsPipelineModule(layers, parts, loss_fn=loss_of(model))
     else:
-        module = PipelineModule(layers=layers, num_stages=STAGES, loss_fn=loss_of(model), partition_method="uniform")
+        module = PipelineModule(layers=layers, num_stages=args.stages, loss_fn=loss_of(model),
+                                partition_method="uniform")
     pm = {"schedule": "zb", "delegation": {"mode": "off"}, "nvtx": False, "inject": {"compute_trace": trace},
           "rebalance": {"enabled": kind == "rebalance"}}
     mbs = 1 if model == "emulated" else GPT_BATCH
@@ -154,7 +159,7 @@ def run_one(model: str, kind: str, parts, trace: str, args) -> dict:
 def main() -> int:
     args = parse_args()
     if "LOCAL_RANK" not in os.environ:
-        return relaunch(__file__, STAGES)
+        return relaunch(__file__, args.stages)
     import deepspeed
     import torch.distributed as dist
     import yaml
@@ -167,7 +172,7 @@ def main() -> int:
                                                             "factors": {str(SLOW_STAGE): FACTOR}}]}))
     results = {}
     for model in args.models.split(","):
-        box = [best_static(model) if rank == 0 else None]
+        box = [best_static(model, args.stages) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         parts, profile = box[0]
         results[model] = {"best_parts": parts, "profile": profile}
@@ -209,12 +214,12 @@ def report(results: dict, args) -> None:
                      str(res["rebalance"]["parts"]), str(res["best_parts"]),
                      "-" if from_iter is None else f"{from_iter} (+{from_iter - SLOW_FROM})",
                      f"{mig_ms:.0f} ms, {moved_bytes / 1e3:.0f} kB", "yes" if met else "NO"])
-    print_table(f"stage {SLOW_STAGE} slowed {FACTOR:g}x from iteration {SLOW_FROM}: {STAGES} stages x {MICROBATCHES} "
+    print_table(f"stage {SLOW_STAGE} slowed {FACTOR:g}x from iteration {SLOW_FROM}: {args.stages} stages x {MICROBATCHES} "
                 f"micro-batches, median of iterations {first}-{args.iters - 1} (ms)",
                 ["model", "healthy", "uniform", "rebalance", "best static", "rebalance / best",
                  "uniform / rebalance", "rebalance parts", "best parts", "moved from iteration", "migration",
                  "target met"], rows)
-    write_json(args.out, {"benchmark": "rebalance", "stages": STAGES, "microbatches": MICROBATCHES,
+    write_json(args.out, {"benchmark": "rebalance", "stages": args.stages, "microbatches": MICROBATCHES,
                           "slow_stage": SLOW_STAGE, "factor": FACTOR, "slow_from": SLOW_FROM, "iters": args.iters,
                           "settle": args.settle, "gpt": GPT, "results": out})
 
