@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from ..fileio import BadInput, describe, dump, write_atomic
 from ..plan.layer_profile import LayerProfile
 from .pipecapture import StageModule, _TiedCall, recording_pipeline_modules
-from .stages import _split_available, _stage_input, _sync, _tensors, _to
+from .stages import _split_available, _stage_input, _sync, _tensors, _to, time_stage
 
 MB = 2 ** 20
 
@@ -169,18 +169,15 @@ def _sizes(m, x, first: bool, loss) -> tuple[int, int, int, object, list]:
 
 
 def _time_layer(m, x, grads: list, *, first, loss, warmup, reps, split, device) -> tuple[float, float, float]:
-    """Median F, B and W (ms) of one layer, with the B/W split of ``runtime.bw_split`` (or
-    autograd's), as ``stages.time_stage`` runs it, except that the output gradients ``grads`` are
-    drawn once beforehand: time_stage draws them inside B's timed span, and drawing random normals
-    costs about 1 ms per MB on one CPU thread, ten times a ReLU's backward. Without ``grads``
-    (nothing to differentiate) B and W are 0."""
-    params = [p for p in m.parameters() if p.requires_grad]
-    if split == "runtime":
-        from ..runtime.bw_split import backward_input
-    f_ms, b_ms, w_ms = [], [], []
+    """Median F, B and W (ms) of one layer: ``stages.time_stage`` with the output gradients
+    ``grads`` drawn beforehand. Without ``grads`` (nothing to differentiate) only F runs; B and W
+    are 0."""
+    if grads:
+        t = time_stage(m, x, first=first, loss=loss, warmup=warmup, reps=reps, split=split, device=device,
+                       grads=grads)
+        return t.forward_ms, t.backward_input_ms, t.backward_weight_ms
+    f_ms = []
     for i in range(warmup + reps):
-        for p in params:
-            p.grad = None
         xi = _stage_input(x, needs_grad=not first)
         _sync(device)
         t0 = time.perf_counter()
@@ -188,31 +185,10 @@ def _time_layer(m, x, grads: list, *, first, loss, warmup, reps, split, device) 
         if loss is not None:
             out = loss(out)
         _sync(device)
-        t1 = t2 = t3 = time.perf_counter()
-        if grads:
-            outs = [o for o in _tensors(out) if o.requires_grad]
-            xin = [t for t in _tensors(xi) if t.requires_grad]
-            if split == "runtime":
-                _, work = backward_input(outs, grads, xin, params)
-                _sync(device)
-                t2 = time.perf_counter()
-                work.run()
-            else:
-                if xin:
-                    torch.autograd.grad(outs, xin, grads, retain_graph=True, allow_unused=True)
-                _sync(device)
-                t2 = time.perf_counter()
-                if params:
-                    torch.autograd.grad(outs, params, grads, allow_unused=True)
-            _sync(device)
-            t3 = time.perf_counter()
-            del outs, xin
         if i >= warmup:
-            f_ms.append((t1 - t0) * 1e3)
-            b_ms.append((t2 - t1) * 1e3)
-            w_ms.append((t3 - t2) * 1e3)
+            f_ms.append((time.perf_counter() - t0) * 1e3)
         del out, xi
-    return statistics.median(f_ms), statistics.median(b_ms), statistics.median(w_ms)
+    return statistics.median(f_ms), 0.0, 0.0
 
 
 def _nbytes(t: torch.Tensor) -> int:

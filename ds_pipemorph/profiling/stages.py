@@ -81,8 +81,12 @@ def _split_available() -> bool:
 
 def time_stage(module: torch.nn.Module, inputs, *, first: bool, loss: Optional[Callable] = None,
                warmup: int = 2, reps: int = 5, split: str = "runtime",
-               device: torch.device = torch.device("cpu")) -> StageTimes:
-    """Median F, B and W times (ms) of ``module`` on ``inputs``; ``loss(output)`` makes a scalar loss."""
+               device: torch.device = torch.device("cpu"), grads: Optional[list] = None) -> StageTimes:
+    """Median F, B and W times (ms) of ``module`` on ``inputs``; ``loss(output)`` makes a scalar loss.
+
+    The output gradients are ``grads``, or drawn once after the first F, outside every timed span
+    (drawing random normals costs about 1 ms per MB on one CPU thread: inside B's span it would
+    weigh as much as a small layer's backward)."""
     params = [p for p in module.parameters() if p.requires_grad]
     if split == "runtime":
         from ..runtime.bw_split import backward_input
@@ -101,7 +105,9 @@ def time_stage(module: torch.nn.Module, inputs, *, first: bool, loss: Optional[C
         outs = [o for o in _tensors(out) if o.requires_grad]
         if not outs:
             raise BadInput("a stage output does not depend on any parameter or input that needs a gradient")
-        grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
+        if grads is None:  # once, and not in B's span
+            grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
+            t1 = time.perf_counter()
         xin = [t for t in _tensors(x) if t.requires_grad]
         if split == "runtime":
             _, work = backward_input(outs, grads, xin, params)
@@ -121,7 +127,7 @@ def time_stage(module: torch.nn.Module, inputs, *, first: bool, loss: Optional[C
             f_ms.append((t1 - t0) * 1e3)
             b_ms.append((t2 - t1) * 1e3)
             w_ms.append((t3 - t2) * 1e3)
-        del out, outs, grads, x, xin
+        del out, outs, x, xin
     return StageTimes(statistics.median(f_ms), statistics.median(b_ms), statistics.median(w_ms),
                       sum(p.numel() for p in params))
 

@@ -4,6 +4,7 @@ baselines equal DeepSpeed's own partition methods, and bad input is one sentence
 import random
 
 import pytest
+from layer_cases import random_layer_data
 import yaml
 
 from ds_pipemorph.fileio import BadInput, load_model
@@ -21,23 +22,7 @@ def layer_profile(**kw) -> LayerProfile:
 def random_profile(rng: random.Random) -> LayerProfile:
     """Up to 10 layers, 4 stages, 10 micro-batches: integer-ish times (ties happen), boundary sizes
     from free to slow, and memory from unlimited to tight enough that some cuts do not fit."""
-    L = rng.randint(2, 10)
-    S = rng.randint(1, min(L, 4))
-    N = rng.randint(1, 10)
-    pick = lambda xs: [rng.choice(xs) for _ in range(L)]  # noqa: E731
-    d = {
-        "stages": S, "microbatches": N,
-        "layers": {"forward_ms": pick([0, 1, 2, 3, 5, 2.5]), "backward_input_ms": pick([0, 1, 2, 4, 3.3]),
-                   "backward_weight_ms": pick([0, 1, 2, 0.7]), "activation_mb": pick([0, 1, 4, 16, 50]),
-                   "memory_mb": pick([0, 10, 30]), "stash_mb": pick([0, 2, 5])},
-        "links": {"bandwidth_gbs": [rng.choice([0.5, 1, 4]) for _ in range(S - 1)],
-                  "latency_ms": [rng.choice([0, 0, 3, 10]) for _ in range(S - 1)]},
-    }
-    if rng.random() < 0.5:
-        d["memory"] = {"capacity_mb": [rng.choice([40, 60, 100, 200]) for _ in range(S)]}
-    if rng.random() < 0.3:
-        d.setdefault("memory", {})["max_inflight"] = [rng.randint(1, N) for _ in range(S)]
-    return LayerProfile.model_validate(d)
+    return LayerProfile.model_validate(random_layer_data(rng, capacity_p=0.5))
 
 
 def test_branch_and_bound_equals_exhaustive_search_on_small_random_cases():

@@ -5,6 +5,7 @@ import math
 import random
 
 import pytest
+from layer_cases import random_layer_data
 
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.bounds import lower_bound_ms
@@ -20,22 +21,8 @@ def layer_profile(**kw) -> LayerProfile:
 def random_case(rng: random.Random) -> tuple[LayerProfile, list[float]]:
     """Up to 10 layers, 4 stages, 10 micro-batches, as in test_partition.py, and one factor per
     stage: mostly 1, else from a little to much slower (and one faster than profiled)."""
-    L = rng.randint(2, 10)
-    S = rng.randint(1, min(L, 4))
-    N = rng.randint(1, 10)
-    pick = lambda xs: [rng.choice(xs) for _ in range(L)]  # noqa: E731
-    d = {
-        "stages": S, "microbatches": N,
-        "layers": {"forward_ms": pick([0, 1, 2, 3, 5, 2.5]), "backward_input_ms": pick([0, 1, 2, 4, 3.3]),
-                   "backward_weight_ms": pick([0, 1, 2, 0.7]), "activation_mb": pick([0, 1, 4, 16, 50]),
-                   "memory_mb": pick([0, 10, 30]), "stash_mb": pick([0, 2, 5])},
-        "links": {"bandwidth_gbs": [rng.choice([0.5, 1, 4]) for _ in range(S - 1)],
-                  "latency_ms": [rng.choice([0, 0, 3, 10]) for _ in range(S - 1)]},
-    }
-    if rng.random() < 0.4:
-        d["memory"] = {"capacity_mb": [rng.choice([40, 60, 100, 200]) for _ in range(S)]}
-    if rng.random() < 0.3:
-        d.setdefault("memory", {})["max_inflight"] = [rng.randint(1, N) for _ in range(S)]
+    d = random_layer_data(rng, capacity_p=0.4)
+    S = d["stages"]
     slow = [rng.choice([1.0, 1.0, 1.25, 1.5, 2.0, 3.0, 0.5, rng.uniform(1, 4)]) for _ in range(S)]
     return LayerProfile.model_validate(d), slow
 
