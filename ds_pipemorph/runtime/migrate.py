@@ -25,8 +25,10 @@ migration every parameter's ``step`` is set to its group's count (the largest on
 so whichever parameter is now last carries the right count.
 
 Not moved: tied layers (``TiedLayerSpec``: their reduction groups are fixed at start-up; a
-partition that moves one is refused) and the RNG (torch keeps one generator per process, not per
-layer: layers that draw random numbers, such as dropout, draw from their new stage's stream). The
+partition that moves one is refused). Random numbers need nothing moved with DeepSpeed's
+``seed_layers``: ``PipelineModule`` seeds each layer by its index and its forward count, equal on
+every stage at a boundary; without it, torch's one generator per process serves whatever layers
+the process holds, so a moved dropout layer draws from its new stage's stream. The
 transfer goes over a gloo group of its own, so it never mixes with training messages and works the
 same on NCCL jobs (state travels through host memory).
 """

@@ -121,6 +121,9 @@ def remap(engine, topology):
     if engine.lr_scheduler is not None and fresh.lr_scheduler is not None:
         fresh.lr_scheduler.load_state_dict(engine.lr_scheduler.state_dict())
     fresh._set_plan(engine.plan)
+    # DeepSpeed's seed_layers seeds each layer by its index and the module's forward count: carry the
+    # count, so layers draw the same random numbers on their new ranks.
+    fresh.module.micro_offset = engine.module.micro_offset
     engine.destroy()
     report.ok, report.new = True, (new.pipe, new.data)
     report.seconds = time.perf_counter() - t0

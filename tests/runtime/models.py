@@ -7,21 +7,25 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 WIDTH = 16
 
 
-def mlp_layers(stages: int, per_stage: int = 2, tied: bool = False) -> list:
+def mlp_layers(stages: int, per_stage: int = 2, tied: bool = False, dropout: float = 0.0) -> list:
     layers = []
     if tied:  # the same Linear at both ends of the pipeline (first and last stage)
         layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))
     for _ in range(stages * per_stage):
         layers += [LayerSpec(torch.nn.Linear, WIDTH, WIDTH), torch.nn.GELU()]
+        if dropout:
+            layers.append(LayerSpec(torch.nn.Dropout, dropout))
     if tied:
         layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))
     return layers
 
 
-def build_model(stages: int, seed: int, tied: bool = False) -> PipelineModule:
+def build_model(stages: int, seed: int, tied: bool = False, dropout: float = 0.0) -> PipelineModule:
+    """With ``dropout``, a Dropout after every GELU and DeepSpeed's ``seed_layers``: each layer's random
+    numbers are seeded by its index and the forward count, whatever stage runs it."""
     torch.manual_seed(seed)
-    return PipelineModule(layers=mlp_layers(stages, tied=tied), num_stages=stages,
-                          loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    return PipelineModule(layers=mlp_layers(stages, tied=tied, dropout=dropout), num_stages=stages,
+                          loss_fn=torch.nn.MSELoss(), partition_method="uniform", seed_layers=bool(dropout))
 
 
 def batches(n: int, micro_batch_size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

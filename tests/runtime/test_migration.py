@@ -6,7 +6,8 @@ throughout, once moving layers at iteration boundaries (several layers at a time
 and towards the output, twice). Losses of every step and every parameter of the model (gathered
 from all ranks by name: PipelineModule names a layer by its index in the model, wherever it runs)
 must agree within 1e-5. Adam's moments and step counts travel with the layers, so any slip would
-show in the steps after a move. The tied layer (first and last stage) stays where it is; moving it
+show in the steps after a move; with dropout and DeepSpeed's ``seed_layers`` so would the random
+numbers a moved layer draws. The tied layer (first and last stage) stays where it is; moving it
 is refused in one sentence, as is a layer skipping a stage.
 """
 from __future__ import annotations
@@ -52,10 +53,17 @@ def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(tmp_path)
         {**base, "name": "still_torch", "torch_adam": True},
         {**base, "name": "moved_torch", "torch_adam": True, "migrate": {"2": first}},
         {**base, "name": "refused", "steps": 1, "migrate": {"0": [0, 5, 6, 7, 18]}},
+        # Dropout after every GELU, with DeepSpeed's seed_layers (26 layers, uniform [0, 7, 14, 20, 26]):
+        # a moved layer draws the same random numbers on its new stage.
+        {**base, "name": "still_dropout", "dropout": 0.2},
+        {**base, "name": "moved_dropout", "dropout": 0.2,
+         "migrate": {"1": [0, 4, 14, 22, 26], "3": [0, 9, 12, 22, 26]}},
     ]
     run = launch(4, jobs, tmp_path, timeout=400)
     _assert_same_training(run, "still", "moved", 4, [[0, 1, 2, 3]])
     _assert_same_training(run, "still_torch", "moved_torch", 4, [[0, 1, 2, 3]])
+    _assert_same_training(run, "still_dropout", "moved_dropout", 4, [[0, 1, 2, 3]])
+    assert all(m["ok"] for m in run.result("moved_dropout", 2)["migrations"])
     for r in range(4):
         got = run.result("moved", r)
         assert [m["moved"] for m in got["migrations"]] == [[3, 4, 14], [3, 4, 5, 9]]

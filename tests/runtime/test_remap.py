@@ -36,17 +36,21 @@ def test_ranks_take_new_stages_and_train_as_if_they_had_not(tmp_path):
             {**base, "name": "moved_then_remapped", "migrate": {"1": [0, 3, 10]}, "remap": {"2": NEW}},
             # the first attempt's state never arrives: every rank keeps its engine; the second one moves
             {**base, "name": "retried", "pipemorph": lost, "remap": {"1": NEW, "2": NEW}},
+            # dropout with DeepSpeed's seed_layers (14 layers): the new ranks draw the same random numbers
+            {**base, "name": "still_dropout", "dropout": 0.2},
+            {**base, "name": "remapped_dropout", "dropout": 0.2, "remap": {"2": NEW}},
             # 4 stages x 1 replica for a 2 x 2 job: refused on every rank before anything moved
             {**base, "name": "wrong_size", "steps": 2, "remap": {"1": [[0], [1], [2], [3]]}}]
     run = launch(4, jobs, tmp_path, timeout=460)
     moved = {1: 1, 2: 0}  # rank -> its new stage (ranks 0 and 3 keep theirs)
-    for name in ("remapped", "moved_then_remapped", "retried"):
+    for name in ("remapped", "moved_then_remapped", "retried", "remapped_dropout"):
+        ref = "still_dropout" if name.endswith("dropout") else "still"
         for r in range(4):
-            a, b = run.result("still", r), run.result(name, r)
+            a, b = run.result(ref, r), run.result(name, r)
             assert b["losses"] == pytest.approx(a["losses"], abs=TOL), f"{name} rank {r}: losses differ"
             assert b["stage"] == moved.get(r, a["stage"]), f"{name} rank {r}: stage {b['stage']}"
             assert b["remaps"][-1]["ok"]
-        still = _replica_params(run, "still", [0, 2])  # replica 0 before: ranks 0 (stage 0), 2 (stage 1)
+        still = _replica_params(run, ref, [0, 2])  # replica 0 before: ranks 0 (stage 0), 2 (stage 1)
         for replica in ([0, 1], [2, 3]):  # after: ranks 0 and 1 are replica 0, ranks 2 and 3 replica 1
             got = _replica_params(run, name, replica)
             assert got.keys() == still.keys()

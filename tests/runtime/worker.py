@@ -58,7 +58,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         model = PipelineModule([LayerSpec(EmulatedStage, 16, ms, ms, ms) for _ in range(job["layers"])],
                                num_stages=S, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     else:
-        model = build_model(S, seed=1234, tied=job.get("tied", False))
+        model = build_model(S, seed=1234, tied=job.get("tied", False), dropout=job.get("dropout", 0.0))
     cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
     if job.get("torch_adam"):  # torch.optim.Adam (per-parameter step counts) instead of DeepSpeed's FusedAdam
         cfg["optimizer"]["params"]["torch_adam"] = True
