@@ -17,28 +17,33 @@ or None.
   this machine's interference data the learned predictor, ``control.interference``, did not beat
   it). The slowdown belongs to the rank, whatever layers it holds, so a candidate partition's stage
   s costs the sum of its layers' times times stage s's predicted factor.
-- **Choice.** ``plan.partition`` with those factors finds the partition whose best greedy plan runs
-  fastest. Live migration moves layers between neighbouring stages, so each boundary may move at
-  most up to the old position of its neighbours (one step; a later detection continues the way).
-  The step is proposed only if its predicted iteration beats the current partition's, under the
-  same factors, by ``min_gain``. Either way the predicted factors become the reference, so one
+- **Choice.** Live migration moves layers between neighbouring stages, so the candidates are the
+  partitions one step reaches (each boundary within its neighbours' old positions; tied layers stay
+  put): ``best_step`` takes ``plan.partition``'s optimum under those factors when it is within
+  reach, else the best reachable one (every one scored, or a descent when there are too many). A
+  later detection continues the way. The step is proposed only if its predicted iteration beats
+  the current partition's, under the same factors, by ``min_gain``. Either way the predicted factors become the reference, so one
   change is acted on once.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from ..fileio import BadInput
 from ..plan.layer_profile import LayerProfile
-from ..plan.partition import evaluate, partition
-from ..plan.parts import check_parts, layer_moves
+from ..plan.partition import block_shifts, evaluate, partition
+from ..plan.parts import check_parts, layer_moves, owner
 from ..plan.search import search
 from ..plan.simulate import Schedule
 
 # The plan for a new partition: a deterministic search (stopped by evaluations, never by the clock,
 # so every rank that runs it gets the same plan).
 PLAN_EVALS = 300
+# Partitions one migration step reaches, up to which every one is scored (a few seconds at most).
+REACHABLE_EXACT = 2000
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Rebalancer:
     min_gain: float = 0.05
     warmup: int = 2
     profile: Optional[LayerProfile] = None
+    pinned: tuple = ()  # layers that never change stage (tied ones)
     iteration: int = 0
     reference: list[float] = field(default_factory=list)  # slowdowns the current partition was chosen for
     history: list[list[float]] = field(default_factory=list)  # the last ``patience`` iterations' slowdowns
@@ -130,12 +136,10 @@ class Rebalancer:
     # -- choosing ---------------------------------------------------------------------------------
     def _propose(self, predicted: list[float], k: int) -> Optional[Rebalance]:
         lp = self.profile
-        best = partition(lp, slowdown=predicted).parts
-        step = one_step(self.parts, best)
-        if step is None or step == self.parts:
+        step, step_ms = best_step(lp, self.parts, predicted, self.pinned)
+        if step == self.parts:
             return None
         now_ms = evaluate(lp, self.parts, slowdown=predicted)
-        step_ms = evaluate(lp, step, slowdown=predicted)
         if not step_ms < now_ms * (1.0 - self.min_gain):
             return None
         costs = lp.costs(step, slowdown=predicted)
@@ -175,14 +179,60 @@ class Rebalancer:
             "memory": {"max_inflight": list(self.caps)}})
 
 
-def one_step(old: list[int], target: list[int]) -> Optional[list[int]]:
-    """``target``'s boundaries moved no further than the old positions of their neighbours, so
-    every layer moves between neighbouring stages; None if that leaves a stage empty."""
+def reachable(old: list[int], pinned: Sequence[int] = ()) -> Iterator[list[int]]:
+    """Every partition one migration step reaches from ``old``: each boundary within its
+    neighbours' old positions (so every layer moves at most to a neighbouring stage), no stage
+    empty, no ``pinned`` layer (a tied one) on another stage."""
+    S, L = len(old) - 1, old[-1]
+    windows = [range(old[s - 1], old[s + 1] + 1) for s in range(1, S)]
+    for cut in itertools.product(*windows):
+        parts = [0, *cut, L]
+        if all(a < b for a, b in zip(parts, parts[1:])) and all(owner(old, l) == owner(parts, l) for l in pinned):
+            yield parts
+
+
+def best_step(lp: LayerProfile, old: list[int], slowdown: list[float],
+              pinned: Sequence[int] = ()) -> tuple[list[int], float]:
+    """The partition one migration step reaches that ``evaluate`` scores best under ``slowdown``
+    (ties: the current one, then the first in ``reachable`` order), and its score. The global
+    optimum (``plan.partition``) when it is within reach; otherwise every reachable partition is
+    scored, or, past ``REACHABLE_EXACT`` of them, a descent by ``block_shifts`` from the optimum's
+    boundaries clamped into reach."""
+    score = lambda p: evaluate(lp, p, slowdown=slowdown)  # noqa: E731
+    best = partition(lp, slowdown=slowdown).parts
+    if _within(old, best, pinned):
+        return best, score(best)
+    if _count(old) <= REACHABLE_EXACT:
+        found, found_ms = old, score(old)
+        for p in reachable(old, pinned):
+            t = score(p)
+            if t < found_ms - 1e-9:
+                found, found_ms = p, t
+        return found, found_ms
     S = len(old) - 1
-    step = [0] + [min(max(target[s], old[s - 1] + 1), old[s + 1] - 1) for s in range(1, S)] + [old[-1]]
+    start = [0] + [min(max(best[s], old[s - 1]), old[s + 1]) for s in range(1, S)] + [old[-1]]
+    found = start if _within(old, start, pinned) else old
+    found_ms = score(found)
+    improved = True
+    while improved:
+        improved = False
+        for p in block_shifts(found):
+            if _within(old, p, pinned):
+                t = score(p)
+                if t < found_ms - 1e-9:
+                    found, found_ms, improved = p, t, True
+                    break
+    return found, found_ms
+
+
+def _count(old: list[int]) -> int:
+    return math.prod(old[s + 1] - old[s - 1] + 1 for s in range(1, len(old) - 1))
+
+
+def _within(old: list[int], parts: list[int], pinned: Sequence[int]) -> bool:
     try:
-        check_parts(step, layers=old[-1], stages=S)
-        layer_moves(old, step)
+        check_parts(parts, layers=old[-1], stages=len(old) - 1)
+        layer_moves(old, parts)
     except BadInput:
-        return None
-    return step
+        return False
+    return all(owner(old, l) == owner(parts, l) for l in pinned)

@@ -93,6 +93,12 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     engine._configure_python_gc()
     if pm.orchestrate.matrix:  # re-mapping replaces the engine: the training loop holds a handle to it
         from .orchestrated import Orchestrated
+        from .remap import check_remappable
+
+        try:  # now, not at the first re-mapping, hours into training
+            check_remappable(engine, engine.module._topo)
+        except BadInput as e:
+            raise PipeMorphConfigError(f"orchestrate.matrix is set, but {e}") from None
 
         return Orchestrated(engine), engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -21,8 +21,9 @@ Exactness: Adam's update is element-wise per parameter, data-parallel and tied-w
 element-wise sums, so a layer trained on another stage gets exactly the numbers it would have got
 where it was. One optimizer detail matters: DeepSpeed's ``FusedAdam`` counts steps in the state of
 the *last* parameter of each group (the others keep the count they were created with). After a
-migration every parameter's ``step`` is set to its group's count (the largest one in the group),
-so whichever parameter is now last carries the right count.
+migration, with ``FusedAdam``, every parameter's ``step`` is set to its group's count (the largest
+one in the group), so whichever parameter is now last carries the right count; optimizers that
+count per parameter (torch's Adam) keep each parameter's own.
 
 Not moved: tied layers (``TiedLayerSpec``: their reduction groups are fixed at start-up; a
 partition that moves one is refused). Random numbers need nothing moved with DeepSpeed's
@@ -34,6 +35,7 @@ same on NCCL jobs (state travels through host memory).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 from dataclasses import dataclass, field
@@ -141,8 +143,8 @@ class LayerMigrator:
         try:
             incoming = self._exchange(engine, group, moves, attempt, report)
             ok = 1
-        except (MigrationFailed, RuntimeError) as e:  # gloo reports a timeout as RuntimeError
-            report.reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except Exception as e:  # noqa: BLE001 - any failure here is a no vote, never a rank missing from the vote
+            report.reason = first_line(e)
             ok = 0
         if self.vote(ok):
             _commit(engine, new, moves, incoming)
@@ -169,7 +171,11 @@ class LayerMigrator:
         ballot = torch.tensor([int(ok)], dtype=torch.int64)
         dist.all_reduce(ballot, op=dist.ReduceOp.MIN, group=self.vote_group())
         if ballot.item() != 1:
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+            broken, self._group = self._group, dist.new_group(backend="gloo", timeout=self.timeout)
+            try:
+                dist.destroy_process_group(broken)
+            except Exception:  # noqa: BLE001 - a group whose connection already closed may refuse; it is unused
+                pass
             return False
         return True
 
@@ -239,7 +245,8 @@ def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
     for entry in entries:
         spec = engine.module._layer_specs[entry["layer"]]
         if isinstance(spec, LayerSpec):
-            module = spec.build()
+            with rng_kept(engine.device):  # initial weights are overwritten: draw no random numbers of training's
+                module = spec.build()
         elif isinstance(spec, torch.nn.Module):
             module = spec
         else:  # a callable without parameters
@@ -302,7 +309,7 @@ def _commit(engine, new: list[int], moves, incoming: list[_Incoming]) -> None:
     _regroup(opt, pm, leaving, incoming)
     if hasattr(engine, "param_names"):
         engine.param_names = {p: name for name, p in pm.named_parameters()}
-    engine.transport.reset_shapes()
+    engine.reset_activation_shape()  # DeepSpeed's evaluation buffers and the transport's layouts
 
 
 def _regroup(opt, pm, leaving: set, incoming: list[_Incoming]) -> None:
@@ -322,9 +329,10 @@ def _regroup(opt, pm, leaving: set, incoming: list[_Incoming]) -> None:
             if state:
                 opt.state[p] = state
     order = [p for p in pm.parameters() if p in group_of]
+    fused = type(opt).__name__ == "FusedAdam"  # its one step count per group lives in the last parameter
     for g, group in enumerate(opt.param_groups):
         group["params"] = [p for p in order if group_of[p] == g]
-        if counts[g] is None:
+        if counts[g] is None or not fused:
             continue
         for p in group["params"]:
             st = opt.state.get(p)
@@ -332,6 +340,21 @@ def _regroup(opt, pm, leaving: set, incoming: list[_Incoming]) -> None:
                 old = st["step"]
                 st["step"] = (torch.tensor(counts[g], dtype=old.dtype, device=old.device) if torch.is_tensor(old)
                               else type(old)(counts[g]))
+
+
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def rng_kept(device):
+    """Random numbers drawn inside (a new layer's initial weights) leave training's generators as
+    they were."""
+    cuda = getattr(device, "type", "cpu") == "cuda"
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 def _placed(sent: dict, device) -> torch.Tensor:

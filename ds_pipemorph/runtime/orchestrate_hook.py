@@ -61,15 +61,24 @@ class OrchestrateHook:
         table = torch.stack(table).amax(dim=0)
         box = [None]
         if dist.get_rank() == 0:
-            if self.orchestrator is None:
-                grad = [self.cfg.grad_mb if self.cfg.grad_mb is not None else table[4 * S + k].item() for k in range(S)]
-                self.orchestrator = Orchestrator(self.matrix, self.placement, engine.micro_batches, grad,
-                                                 self.cfg.chunk_mb, self.caps, self.cfg.noise, self.cfg.patience,
-                                                 self.cfg.min_gain)
-            d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())
-            if d is not None:
-                box[0] = d.ranks
-                logger.warning(f"orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
-                               f"ms; re-mapping to {d.ranks} (predicted {d.current_ms:.0f} -> {d.predicted_ms:.0f} ms)")
+            try:
+                box[0] = self._decide(engine, table, S)
+            except Exception as e:  # noqa: BLE001 - every rank waits in the broadcast: tell them, then fail
+                box[0] = {"error": f"{type(e).__name__}: {e}"}
         dist.broadcast_object_list(box, src=0, group=group)
-        engine.pending_remap = box[0]
+        if box[0] is not None and "error" in box[0]:
+            raise RuntimeError(f"orchestrate: rank 0 failed to decide: {box[0]['error']}")
+        engine.pending_remap = None if box[0] is None else box[0]["ranks"]
+
+    def _decide(self, engine, table, S: int) -> Optional[dict]:
+        if self.orchestrator is None:
+            grad = [self.cfg.grad_mb if self.cfg.grad_mb is not None else table[4 * S + k].item() for k in range(S)]
+            self.orchestrator = Orchestrator(self.matrix, self.placement, engine.micro_batches, grad,
+                                             self.cfg.chunk_mb, self.caps, self.cfg.noise, self.cfg.patience,
+                                             self.cfg.min_gain)
+        d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())
+        if d is None:
+            return None
+        logger.warning(f"orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
+                       f"ms; re-mapping to {d.ranks} (predicted {d.current_ms:.0f} -> {d.predicted_ms:.0f} ms)")
+        return {"ranks": d.ranks}

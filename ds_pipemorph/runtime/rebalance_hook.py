@@ -17,8 +17,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import TiedLayerSpec
 
 from ..control.rebalance import Rebalancer
+from ..fileio import BadInput
 from ..plan.layer_profile import read_layer_profile
 from .config import PipeMorphConfigError
 
@@ -32,12 +34,16 @@ class RebalanceHook:
         layers = engine.module._num_layers
         profile = None
         if cfg.layer_profile:
-            profile = read_layer_profile(cfg.layer_profile, stages=S)
+            try:
+                profile = read_layer_profile(cfg.layer_profile, stages=S, microbatches=N)
+            except BadInput as e:
+                raise PipeMorphConfigError(f"rebalance.layer_profile: {e}") from None
             if profile.num_layers != layers:
                 raise PipeMorphConfigError(f"rebalance.layer_profile {cfg.layer_profile}: {profile.num_layers} layers, "
                                            f"but the model has {layers}")
+        tied = tuple(i for i, spec in enumerate(engine.module._layer_specs) if isinstance(spec, TiedLayerSpec))
         self.rebalancer = Rebalancer(S, N, list(engine.module.parts), caps, noise=cfg.noise, patience=cfg.patience,
-                                     min_gain=cfg.min_gain, warmup=cfg.warmup_iterations, profile=profile)
+                                     min_gain=cfg.min_gain, warmup=cfg.warmup_iterations, profile=profile, pinned=tied)
         self.layers = layers
         self.events: list[dict] = []  # one per decision: what was decided and what the migration did
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..fileio import BadInput
+from .migrate import first_line, rng_kept
 from .partition_hook import PartsPipelineModule
 
 # Tags of a re-mapping transfer (size, payload), after every migration attempt's.
@@ -65,6 +66,9 @@ def check_remappable(engine, topology) -> None:
         if given is not None and not callable(given):
             raise BadInput(f"re-mapping cannot rebuild a client {what} object for new parameters: give it in "
                            f"the DeepSpeed config or as a callable")
+    if rebuild["training_data"] is not None:
+        raise BadInput("re-mapping cannot carry a DeepSpeed data loader's position to the new replica: feed "
+                       "train_batch an iterator of the rank's replica's batches instead of training_data")
     pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
     if (pp, dp) != (engine.num_stages, engine.grid.data_parallel_size) or topology.world_size() != dist.get_world_size():
         raise BadInput(f"the new topology is {pp} stages x {dp} replicas; the job runs {engine.num_stages} x "
@@ -108,26 +112,69 @@ def remap(engine, topology):
         for w in sends:
             w.wait(migrator.timeout)
         ok = 1
-    except RuntimeError as e:  # a timed-out transfer (gloo raises RuntimeError)
-        report.reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - any failure is a no vote, never a rank missing from the vote
+        report.reason = first_line(e)
         ok = 0
     if not migrator.vote(ok):
         report.seconds = time.perf_counter() - t0
         return engine, report
-    fresh = _rebuild(engine, topology)
-    _load_stage(fresh, state)
+    # Every rank builds the new engine together (DeepSpeed forms its groups collectively), then loads
+    # its stage and votes again: the old engine is closed only once every rank has a working new one.
+    fresh = None
+    try:
+        with rng_kept(engine.device):  # building draws initial weights: not from training's generators
+            fresh = _rebuild(engine, topology, state)
+        _load_stage(fresh, state)
+        ok = 1
+    except Exception as e:  # noqa: BLE001
+        report.reason = first_line(e)
+        ok = 0
+    if not migrator.vote(ok):
+        if fresh is not None:
+            fresh.destroy()
+        report.seconds = time.perf_counter() - t0
+        return engine, report
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(fresh, counter, getattr(engine, counter))
     if engine.lr_scheduler is not None and fresh.lr_scheduler is not None:
         fresh.lr_scheduler.load_state_dict(engine.lr_scheduler.state_dict())
     fresh._set_plan(engine.plan)
     # DeepSpeed's seed_layers seeds each layer by its index and the module's forward count: carry the
-    # count, so layers draw the same random numbers on their new ranks.
+    # count, so layers draw the same random numbers on their new ranks. Without it, a rank continues
+    # the random stream of the stage it took over.
     fresh.module.micro_offset = engine.module.micro_offset
+    if new.pipe != old.pipe:
+        _set_rng(state["rng"], engine.device)
+    _hand_over_controllers(engine, fresh, topology)
     engine.destroy()
     report.ok, report.new = True, (new.pipe, new.data)
     report.seconds = time.perf_counter() - t0
     return fresh, report
+
+
+def _hand_over_controllers(old, fresh, topology) -> None:
+    """What the control loops learned survives the re-mapping: the rebalance loop's layer costs and
+    reference (the partition is unchanged), the orchestrator's placement and that it has acted."""
+    if old.rebalance is not None and fresh.rebalance is not None:
+        fresh.rebalance.rebalancer = old.rebalance.rebalancer
+    if old.orchestrate is not None and fresh.orchestrate is not None and old.orchestrate.orchestrator is not None:
+        ranks = [[topology.get_rank(pipe=s, data=d) for d in range(topology.get_dim("data"))]
+                 for s in range(topology.get_dim("pipe"))]
+        old.orchestrate.orchestrator.moved(ranks)
+        fresh.orchestrate.orchestrator = old.orchestrate.orchestrator
+
+
+def _rng_state(device) -> dict:
+    out = {"cpu": torch.get_rng_state()}
+    if getattr(device, "type", "cpu") == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _set_rng(state: dict, device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _stage_state(engine) -> dict:
@@ -143,7 +190,7 @@ def _stage_state(engine) -> dict:
                                      "state": {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"}
                                                    if torch.is_tensor(v) else v) for k, v in st.items()}}
     return {"module": {k: v.detach().cpu() for k, v in module.state_dict().items()}, "groups": groups,
-            "params": per_param}
+            "params": per_param, "rng": _rng_state(engine.device)}
 
 
 def _pack_stage(engine) -> torch.Tensor:
@@ -152,7 +199,11 @@ def _pack_stage(engine) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def _rebuild(engine, topology):
+def _rebuild(engine, topology, state: dict):
+    """The engine on ``topology``: the same layers, partition, config, optimizer and scheduler
+    settings; this rank's optimizer groups as the stage it will hold has them (``state``)."""
+    import copy
+
     from .initialize import initialize
 
     src = engine._rebuild
@@ -160,8 +211,16 @@ def _rebuild(engine, topology):
     module = PartsPipelineModule(old._layer_specs, list(old.parts), topology=topology, loss_fn=old.loss_fn,
                                  seed_layers=old.seed_layers, seed_fn=old.seed_fn, base_seed=old.base_seed,
                                  checkpointable_layers=old.checkpointable_layers, dynamic_shape=old.dynamic_shape)
-    fresh, *_ = initialize(args=src["args"], model=module, optimizer=src["optimizer"],
-                           model_parameters=module.parameters(), training_data=src["training_data"],
+    named = dict(module.named_parameters())
+    members: list[list] = [[] for _ in state["groups"]]
+    for name, sent in state["params"].items():
+        members[sent["group"]].append(named[name])
+    groups = [dict(settings, params=ps) for settings, ps in zip(state["groups"], members)]
+    args = copy.copy(src["args"])
+    for attr in ("deepspeed_config", "deepscale_config"):  # the config goes as config=, once
+        if getattr(args, attr, None) is not None:
+            setattr(args, attr, None)
+    fresh, *_ = initialize(args=args, model=module, optimizer=src["optimizer"], model_parameters=groups,
                            lr_scheduler=src["lr_scheduler"], collate_fn=src["collate_fn"], config=src["config"])
     return getattr(fresh, "engine", fresh)  # the engine itself, not the handle initialize gives with orchestrate
 

@@ -8,10 +8,11 @@ reach (the exact answer the branch-and-bound search must match).
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
-from ds_pipemorph.control.rebalance import Rebalancer, one_step
+from ds_pipemorph.control.rebalance import Rebalancer, best_step, reachable
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.layer_profile import LayerProfile
 from ds_pipemorph.plan.parts import layer_moves
@@ -120,9 +121,43 @@ def test_a_failed_migration_is_retried_at_the_next_detection():
     assert again is not None and again.parts == d.parts
 
 
-def test_one_step_clamps_boundaries_to_neighbouring_stages():
-    assert one_step(UNIFORM, [0, 1, 2, 3, 16]) == [0, 1, 5, 9, 16]
-    # Boundaries 1 and 2 cannot move (their neighbours' old positions are one layer away).
-    assert one_step([0, 1, 2, 3, 16], UNIFORM) == [0, 1, 2, 12, 16]
-    with pytest.raises(BadInput, match="expected 4 stages"):
-        _rebalancer().observe(HEALTHY[:3])
+def test_reachable_partitions_are_those_whose_layers_move_to_neighbours_only():
+    # Independent: every cut of 16 layers into 4 stages, kept if layer_moves accepts it.
+    every = [[0, *c, L] for c in itertools.combinations(range(1, L), S - 1)]
+    for old in (UNIFORM, [0, 1, 2, 3, 16], [0, 7, 8, 9, 16]):
+        want = sorted(p for p in every if _moves_ok(old, p))
+        assert sorted(reachable(old)) == want
+    # Pinning layer 4 (a tied layer, say) keeps it on stage 1.
+    assert all(p[1] <= 4 < p[2] for p in reachable(UNIFORM, pinned=[4]))
+
+
+def _moves_ok(old, new) -> bool:
+    try:
+        layer_moves(old, new)
+    except BadInput:
+        return False
+    return True
+
+
+def test_the_proposed_step_is_the_best_partition_one_step_reaches():
+    rng = random.Random(7)
+    for _ in range(60):
+        L_, S_ = rng.randint(3, 9), rng.randint(2, 4)
+        S_ = min(S_, L_)
+        lp = LayerProfile.model_validate({"stages": S_, "microbatches": rng.randint(2, 8), "layers": {
+            "forward_ms": [rng.choice([1, 2, 3, 5]) for _ in range(L_)], "backward_input_ms": 1.0,
+            "backward_weight_ms": [rng.choice([0.5, 1, 2]) for _ in range(L_)]}})
+        old = [0, *sorted(rng.sample(range(1, L_), S_ - 1)), L_]
+        slow = [rng.choice([1.0, 1.0, 1.5, 2.0, 3.0]) for _ in range(S_)]
+        step, ms = best_step(lp, old, slow)
+        every = [[0, *c, L_] for c in itertools.combinations(range(1, L_), S_ - 1)]
+        best = min(evaluate(lp, p, slowdown=slow) for p in every if _moves_ok(old, p))
+        assert _moves_ok(old, step) and ms == pytest.approx(best, abs=1e-6), (old, slow, step)
+
+
+def test_a_rebalancer_never_moves_a_pinned_layer():
+    rb = Rebalancer(S, N, UNIFORM, caps=[N] * S, warmup=1, patience=1, pinned=(4, 5, 6, 7))
+    for _ in range(2):
+        rb.observe(HEALTHY)
+    d = rb.observe(_slowed(UNIFORM))  # stage 1 slowed, but it must keep layers 4-7
+    assert d is None or (d.parts[1] <= 4 and d.parts[2] >= 8)

@@ -56,6 +56,8 @@ def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(tmp_path)
         # Dropout after every GELU, with DeepSpeed's seed_layers (26 layers, uniform [0, 7, 14, 20, 26]):
         # a moved layer draws the same random numbers on its new stage.
         {**base, "name": "still_dropout", "dropout": 0.2},
+        {**base, "name": "still_groups", "param_groups": True, "steps": 4},
+        {**base, "name": "moved_groups", "param_groups": True, "steps": 4, "migrate": {"1": first, "2": second}},
         {**base, "name": "moved_dropout", "dropout": 0.2,
          "migrate": {"1": [0, 4, 14, 22, 26], "3": [0, 9, 12, 22, 26]}},
     ]
@@ -63,6 +65,7 @@ def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(tmp_path)
     _assert_same_training(run, "still", "moved", 4, [[0, 1, 2, 3]])
     _assert_same_training(run, "still_torch", "moved_torch", 4, [[0, 1, 2, 3]])
     _assert_same_training(run, "still_dropout", "moved_dropout", 4, [[0, 1, 2, 3]])
+    _assert_same_training(run, "still_groups", "moved_groups", 4, [[0, 1, 2, 3]])  # two optimizer groups
     assert all(m["ok"] for m in run.result("moved_dropout", 2)["migrations"])
     for r in range(4):
         got = run.result("moved", r)

@@ -39,12 +39,15 @@ def test_ranks_take_new_stages_and_train_as_if_they_had_not(tmp_path):
             # dropout with DeepSpeed's seed_layers (14 layers): the new ranks draw the same random numbers
             {**base, "name": "still_dropout", "dropout": 0.2},
             {**base, "name": "remapped_dropout", "dropout": 0.2, "remap": {"2": NEW}},
+            # two optimizer groups (weights with decay), the config given as --deepspeed_config
+            {**base, "name": "still_groups", "param_groups": True},
+            {**base, "name": "remapped_groups", "param_groups": True, "config_via_args": True, "remap": {"2": NEW}},
             # 4 stages x 1 replica for a 2 x 2 job: refused on every rank before anything moved
             {**base, "name": "wrong_size", "steps": 2, "remap": {"1": [[0], [1], [2], [3]]}}]
     run = launch(4, jobs, tmp_path, timeout=460)
     moved = {1: 1, 2: 0}  # rank -> its new stage (ranks 0 and 3 keep theirs)
-    for name in ("remapped", "moved_then_remapped", "retried", "remapped_dropout"):
-        ref = "still_dropout" if name.endswith("dropout") else "still"
+    for name in ("remapped", "moved_then_remapped", "retried", "remapped_dropout", "remapped_groups"):
+        ref = {"remapped_dropout": "still_dropout", "remapped_groups": "still_groups"}.get(name, "still")
         for r in range(4):
             a, b = run.result(ref, r), run.result(name, r)
             assert b["losses"] == pytest.approx(a["losses"], abs=TOL), f"{name} rank {r}: losses differ"

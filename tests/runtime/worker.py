@@ -9,7 +9,8 @@ instead of training (the launch then exits with code 2), "stall": {"rank", "seco
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
 ``engine.repartition(parts)``; the reports are recorded), "remap": {"k": ranks[stage][replica]} (after k
 steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches),
-"follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
+"param_groups": true (two optimizer groups), "config_via_args": true (the config as
+--deepspeed_config gives it), "follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
 may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run and the transport's recovery log lines
@@ -67,7 +68,21 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     else:
         try:
-            engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            params = model.parameters()
+            if job.get("param_groups"):  # weights with decay, the rest without: two optimizer groups
+                named = list(model.named_parameters())
+                params = [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.01},
+                          {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}]
+            if job.get("config_via_args"):  # as the deepspeed launcher's --deepspeed_config gives it
+                import argparse
+
+                cfg_path = os.path.join(out_dir, f"{job['name']}.rank{rank}.config.json")
+                with open(cfg_path, "w") as f:
+                    json.dump(cfg, f)
+                engine, _, _, _ = ds_pipemorph.initialize(args=argparse.Namespace(deepspeed_config=cfg_path),
+                                                          model=model, model_parameters=params)
+            else:
+                engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=params, config=cfg)
         except ValueError as e:
             if not job.get("expect_error"):
                 raise
