@@ -196,7 +196,8 @@ def report(results: dict, args) -> None:
         healthy = 1e3 * statistics.median(res["uniform"]["seconds"][2:SLOW_FROM])
         events = res["rebalance"]["events"]
         ok = [e for e in events if e["ok"]]
-        from_iter = ok[0]["iteration"] + 1 if ok else None
+        after = [e for e in ok if e["iteration"] + 1 > SLOW_FROM]  # a move before it answered noise
+        from_iter = after[0]["iteration"] + 1 if after else None
         moved_bytes = sum(b for rank in res["rebalance"]["per_rank"] for b, _ in rank[:1])
         mig_ms = 1e3 * max((s for rank in res["rebalance"]["per_rank"] for _, s in rank[:1]), default=0.0)
         vs_best, vs_uniform = ms["rebalance"] / ms["best static"], ms["uniform"] / ms["rebalance"]
@@ -212,7 +213,7 @@ def report(results: dict, args) -> None:
         rows.append([model, f"{healthy:.0f}", f"{ms['uniform']:.0f}", f"{ms['rebalance']:.0f}",
                      f"{ms['best static']:.0f}", f"{vs_best:.3f}", f"{vs_uniform:.2f}x",
                      str(res["rebalance"]["parts"]), str(res["best_parts"]),
-                     "-" if from_iter is None else f"{from_iter} (+{from_iter - SLOW_FROM})",
+                     ("-" if from_iter is None else f"{from_iter} (+{from_iter - SLOW_FROM})") + f", {len(ok)} moves",
                      f"{mig_ms:.0f} ms, {moved_bytes / 1e3:.0f} kB", "yes" if met else "NO"])
     print_table(f"stage {SLOW_STAGE} slowed {FACTOR:g}x from iteration {SLOW_FROM}: {args.stages} stages x {MICROBATCHES} "
                 f"micro-batches, median of iterations {first}-{args.iters - 1} (ms)",
