@@ -21,8 +21,10 @@ from rich.table import Table
 from pydantic import ValidationError
 
 from ds_pipemorph.bench.scenarios import dynamic_traces, link_sets, scenarios_for, trace_scenarios
-from ds_pipemorph.bench.spec import LABELS, NOTES, SCHEDULES, BenchSpec
+from ds_pipemorph.bench.spec import DISPATCHES, LABELS, NOTES, SCHEDULES, BenchSpec
 from ds_pipemorph.fileio import BadInput, describe
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.variation import vary_tables
 from ds_pipemorph.procs import kill_group, versioned_extensions_dir
 
 from .common import console, parse_floats, user_errors
@@ -48,6 +50,13 @@ def bench(
     iterations: int = typer.Option(5, min=1, help="Measured iterations per schedule."),
     warmup: int = typer.Option(4, min=0, help="Unmeasured iterations per schedule (PipeMorph re-plans in them)."),
     schedules: str = typer.Option(",".join(SCHEDULES), help="Which schedules to run."),
+    dispatch: str = typer.Option("ordered", help="ordered, ready or ordered,ready: run our engine's rows with "
+                                                 "each (ready: the plan is a hint, each stage runs the first "
+                                                 "ready op of it)."),
+    vary: Annotated[Optional[str], typer.Option(
+        "--vary", help="Per-op time variation, as in simulate --vary: jitter:0.5 (each F and B scaled by a "
+                       "factor with mean 1), heavy:frac=0.25,factor=3,stages=2 (heavy micro-batches on the "
+                       "first stages), table:FILE; seeded variations are drawn anew each iteration.")] = None,
     out: Path = typer.Option(Path("out/bench.json"), "--out", help="Results as JSON."),
     timeout_s: float = typer.Option(1800.0, help="Give up on the run after this many seconds."),
 ) -> None:
@@ -61,6 +70,14 @@ def bench(
             sets = link_sets(stages, link, links)
             scenarios = scenarios_for(stages, parse_floats(delays_ms or "0,20", "--delays-ms") or [0.0], sets)
         names = [s.strip() for s in schedules.split(",") if s.strip()]
+        dispatches = [d.strip() for d in dispatch.split(",") if d.strip()]
+        for d in dispatches:
+            if d not in DISPATCHES:
+                raise BadInput(f"--dispatch: unknown dispatch '{d}': choose from {', '.join(DISPATCHES)}")
+        if vary is not None:
+            if "stock-1f1b" in names:
+                raise BadInput("--vary times the ops of this package's engine; drop stock-1f1b from --schedules")
+            vary_tables(vary, Costs.uniform(stages, op_ms), microbatches)  # a spec that does not parse: here
         for name in names:  # before --dynamic writes its traces
             if name not in SCHEDULES:
                 raise BadInput(f"--schedules: unknown schedule '{name}': choose from {', '.join(SCHEDULES)}")
@@ -70,7 +87,7 @@ def bench(
             scenarios += trace_scenarios(stages, paths)
         try:
             spec = BenchSpec(stages=stages, microbatches=microbatches, op_ms=op_ms, scenarios=scenarios,
-                             schedules=names,
+                             schedules=names, dispatches=dispatches or ["ordered"], vary=vary,
                              iterations=iterations, warmup=warmup, progress_file=str(work / "progress"),
                              out=str(out))
         except ValidationError as e:
@@ -89,7 +106,7 @@ def _run(spec: BenchSpec, spec_path: Path, work: Path, timeout_s: float) -> dict
            "-m", "ds_pipemorph.bench.worker", str(spec_path)]
     log = open(work / "ranks.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    total = len(spec.scenarios) * len(spec.schedules)
+    total = len(spec.scenarios) * len(spec.rows())
     progress_file = Path(spec.progress_file)
     t0 = time.monotonic()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -130,11 +147,13 @@ def _print(spec: BenchSpec, result: dict) -> None:
         stock = next((r["median_ms"] for r in mine if r["schedule"] == "stock-1f1b"), None)
         for r in mine:
             ratio = f"{stock / r['median_ms']:.2f}x" if stock else "-"
-            t.add_row(sc.name, LABELS[r["schedule"]], f"{r['median_ms']:.0f}", f"{r['predicted_ms']:.0f}", ratio)
+            t.add_row(sc.name, _label(r), f"{r['median_ms']:.0f}", f"{r['predicted_ms']:.0f}", ratio)
     console.print(t)
     _print_notes(spec, rows)
     console.print("predicted: the replay simulator's time for that schedule's plan under the injected delays "
-                  "(direct slow links: one message in flight, the sender blocks)")
+                  "(direct slow links: one message in flight, the sender blocks)"
+                  + ("; with --vary, the mean over the measured iterations of the replay of each one's op times, "
+                     "ready rows replayed under ready dispatch" if spec.vary or "ready" in spec.dispatches else ""))
     console.print(f"results: {spec.out}")
 
 
@@ -150,7 +169,7 @@ def _print_traces(spec: BenchSpec, result: dict) -> None:
         ratios = result.get("ratios", {}).get(sc.name, {})
         for r in mine:
             ratio = ratios.get(r["schedule"])
-            t.add_row(sc.name, LABELS[r["schedule"]], f"{r['mean_ms']:.0f}", f"{r['predicted_ms']:.0f}",
+            t.add_row(sc.name, _label(r), f"{r['mean_ms']:.0f}", f"{r['predicted_ms']:.0f}",
                       "-" if ratio is None else f"{ratio:.2f}x")
     console.print(t)
     for sc in spec.scenarios:
@@ -164,7 +183,26 @@ def _print_traces(spec: BenchSpec, result: dict) -> None:
     console.print(f"results: {spec.out}")
 
 
+def _label(r: dict) -> str:
+    return LABELS[r["schedule"]] + (", ready" if r.get("dispatch") == "ready" else "")
+
+
+def _print_dispatch(spec: BenchSpec, rows: list[dict]) -> None:
+    """Ordered over ready dispatch of the same schedule, and what choosing an op cost."""
+    if "ready" not in spec.dispatches:
+        return
+    for r in rows:
+        if r.get("dispatch") != "ready":
+            continue
+        o = next((x for x in rows if x["scenario"] == r["scenario"] and x["schedule"] == r["schedule"]
+                  and x.get("dispatch") == "ordered"), None)
+        vs = f"ordered / ready {o['mean_ms'] / r['mean_ms']:.3f}x (means), " if o else ""
+        console.print(f"{r['scenario']}: {LABELS[r['schedule']]}: {vs}choosing the next op "
+                      f"{r['choosing_us_per_op']:.1f} us per op")
+
+
 def _print_notes(spec: BenchSpec, rows: list[dict]) -> None:
+    _print_dispatch(spec, rows)
     for r in rows:
         for ev in r["replans"][:3]:
             console.print(f"{r['scenario']}: PipeMorph re-planned after iteration {ev['iteration']} for measured "

@@ -6,6 +6,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEDULES = ("stock-1f1b", "zb", "zb-delegated", "pipemorph")
+DISPATCHES = ("ordered", "ready")
 LABELS = {  # short: the table must fit an 80-column terminal
     "stock-1f1b": "stock 1F1B",
     "zb": "static zb",
@@ -41,6 +42,10 @@ class BenchSpec(BaseModel):
     warmup: int = Field(ge=0)
     progress_file: str
     out: str
+    # Our engine's rows run once per dispatch ("ready": the plan is a hint, RRFP); stock 1F1B once.
+    dispatches: list[str] = Field(default_factory=lambda: ["ordered"], min_length=1)
+    # Per-op time variation (``plan.variation``: jitter:S, heavy:..., table:FILE), drawn anew each iteration.
+    vary: Optional[str] = None
 
     @model_validator(mode="after")
     def _shapes(self) -> "BenchSpec":
@@ -52,4 +57,13 @@ class BenchSpec(BaseModel):
         for s in self.schedules:
             if s not in SCHEDULES:
                 raise ValueError(f"unknown schedule '{s}': choose from {', '.join(SCHEDULES)}")
+        for d in self.dispatches:
+            if d not in DISPATCHES:
+                raise ValueError(f"unknown dispatch '{d}': choose from {', '.join(DISPATCHES)}")
+        if self.vary and "stock-1f1b" in self.schedules:
+            raise ValueError("--vary times the ops of this package's engine; drop stock-1f1b from --schedules")
         return self
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(schedule, dispatch) of every row of a scenario, in order."""
+        return [(s, d) for s in self.schedules for d in (["ordered"] if s == "stock-1f1b" else self.dispatches)]

@@ -34,8 +34,11 @@ from ..plan.simulate import replay
 from ..testing.inject import DelaySchedule, load_trace
 from .spec import BenchSpec, Scenario
 
+# The emulated stage's own F, B and W with --vary: the variation's table sets each op's time.
+VARIED_OP_MS = 0.1
 
-def build_engine(spec: BenchSpec, schedule: str, sc: Scenario):
+
+def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "ordered"):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -43,7 +46,7 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario):
     from ds_pipemorph.testing.emulated import EmulatedStage, anchor_stock_engine
 
     torch.manual_seed(0)
-    t = spec.op_ms
+    t = VARIED_OP_MS if spec.vary else spec.op_ms  # with --vary, the injector makes each op last its table's time
     model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, t, t, t) for _ in range(spec.stages)],
                            num_stages=spec.stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": spec.microbatches,
@@ -59,9 +62,14 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario):
         inject = {"links": {str(i): {"delay_ms": c} for i, c in enumerate(sc.links_ms) if c > 0}}
     delegation = {"zb": "off", "zb-delegated": "always", "pipemorph": "auto"}[schedule]
     section = {"schedule": "adaptive" if schedule == "pipemorph" else "zb", "delegation": {"mode": delegation},
-               "adapt": {"enabled": schedule == "pipemorph"}, "inject": inject, "nvtx": False}
+               "adapt": {"enabled": schedule == "pipemorph"}, "inject": inject, "nvtx": False, "dispatch": dispatch}
     cfg["pipemorph"] = section
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if spec.vary:
+        from ..plan.variation import vary_tables
+        from ..testing.vary_inject import install
+
+        install(engine, vary_tables(spec.vary, Costs.uniform(spec.stages, spec.op_ms), spec.microbatches))
     return engine
 
 
@@ -102,10 +110,22 @@ def measure(spec: BenchSpec, engine) -> list[float]:
     return out
 
 
-def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
+def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch: str = "ordered") -> float:
     """The replay simulator's time for the plan the schedule ran last, under the injected delays; slow
-    links on the direct path are modelled as such (one message in flight, the sender blocks)."""
+    links on the direct path are modelled as such (one message in flight, the sender blocks). With
+    --vary or ready dispatch: the mean over the measured iterations of ``plan.ready``'s replay of
+    each iteration's op times under that dispatch (caps: the plan's peak, as the engine holds)."""
     S, N = spec.stages, spec.microbatches
+    if spec.vary or dispatch == "ready":
+        from ..plan.ready import replay_varying
+        from ..plan.simulate import peak_inflight
+        from ..plan.variation import vary_tables
+
+        model = _link_model(schedule, engine)
+        tables = vary_tables(spec.vary, costs, N) if spec.vary else (lambda k: None)
+        ks = range(spec.warmup, spec.warmup + spec.iterations)
+        return sum(replay_varying(engine.plan, costs, N, dispatch, peak_inflight(engine.plan), tables(k),
+                                  link_model=model).iteration_ms for k in ks) / len(ks)
     if schedule == "stock-1f1b":
         return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, link_model=DIRECT).iteration_ms
     if schedule == "zb-delegated":  # every link: k FIFOs served by delegates, the sender never blocks
@@ -115,11 +135,19 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine) -> float:
     return replay(engine.plan, costs, N, link_model=DIRECT).iteration_ms
 
 
+def _link_model(schedule: str, engine):
+    if schedule == "zb-delegated":
+        return Delegated(engine.transport.queues_of(0))
+    if schedule == "pipemorph":
+        return engine.adapter.policy.link_model()
+    return DIRECT
+
+
 def ratios_to_pipemorph(results: list[dict]) -> dict:
     """Per scenario with a PipeMorph row: every schedule's mean iteration time over PipeMorph's."""
     out = {}
     for name in dict.fromkeys(r["scenario"] for r in results):
-        mine = {r["schedule"]: r for r in results if r["scenario"] == name}
+        mine = {r["schedule"]: r for r in results if r["scenario"] == name and r.get("dispatch", "ordered") == "ordered"}
         if "pipemorph" in mine:
             out[name] = {k: round(r["mean_ms"] / mine["pipemorph"]["mean_ms"], 3) for k, r in mine.items()}
     return out
@@ -132,21 +160,22 @@ def main(spec_path: str) -> None:
     spec = load_model(spec_path, BenchSpec)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    results, step, total = [], 0, len(spec.scenarios) * len(spec.schedules)
+    results, step, total = [], 0, len(spec.scenarios) * len(spec.rows())
     for sc in spec.scenarios:
         trace = load_trace(sc.trace, spec.stages - 1) if sc.trace else None
         costs = Costs.uniform(spec.stages, spec.op_ms, sc.links_ms)  # a trace's: its mean delays
-        for schedule in spec.schedules:
+        for schedule, dispatch in spec.rows():
             patch, stock_delays = None, None
             if schedule == "stock-1f1b" and (trace is not None or any(sc.links_ms)):
                 from ..testing.stock_inject import install
 
                 stock_delays = DelaySchedule(sc.links_ms if trace is None else [0.0] * (spec.stages - 1), trace)
                 patch = install(stock_delays)
-            engine = build_engine(spec, schedule, sc)
+            engine = build_engine(spec, schedule, sc, dispatch)
             skew = start_trace(engine, stock_delays, schedule == "zb-delegated") if trace is not None else 0.0
             times = measure(spec, engine)
-            predicted = predicted_ms(spec, schedule, costs, engine)
+            predicted = predicted_ms(spec, schedule, costs, engine, dispatch)
+            choosing = list(getattr(engine, "choosing_ns", []))[spec.warmup:]
             adapter = getattr(engine, "adapter", None)
             replans = [vars(r) for r in adapter.replans] if adapter is not None else []
             kept = [{"iteration": i, "target_ms": tg} for i, tg in adapter.kept] if adapter is not None else []
@@ -163,6 +192,7 @@ def main(spec_path: str) -> None:
             step += 1
             if rank == 0:
                 row = {"scenario": sc.name, "links_ms": sc.links_ms, "trace": sc.trace, "schedule": schedule,
+                       "dispatch": dispatch,
                        "iterations_ms": times, "median_ms": sorted(times)[len(times) // 2],
                        "mean_ms": sum(times) / len(times), "predicted_ms": predicted, "replans": replans}
                 if adapter is not None:
@@ -170,11 +200,13 @@ def main(spec_path: str) -> None:
                     row["switch_ms"] = switch_ms  # (iteration, ms) moving links between transports after re-plans
                 if trace is not None:
                     row["trace_skew_s"] = round(skew, 3)
+                if dispatch == "ready":  # rank 0's time choosing the next op, per op run
+                    row["choosing_us_per_op"] = sum(choosing) / 1e3 / (3 * spec.microbatches * len(choosing))
                 if overhead is not None:
                     row["profiler_overhead"] = overhead
                 results.append(row)
                 with open(spec.progress_file, "a") as f:
-                    f.write(f"{step} {total} {sc.name} {schedule}\n")
+                    f.write(f"{step} {total} {sc.name} {schedule}{'/ready' if dispatch == 'ready' else ''}\n")
     if rank == 0:
         write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "results": results,
                                            "ratios": ratios_to_pipemorph(results)}, indent=2))

@@ -28,7 +28,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -219,6 +219,28 @@ def parse_vary(spec: str, costs: Costs, microbatches: int) -> OpTable:
         f"--vary '{text}' is not a variation: write jitter:0.3,seed=1, "
         "heavy:frac=0.25,factor=3,stages=2,seed=0 or table:FILE"
     )
+
+
+def vary_tables(spec: str, costs: Costs, microbatches: int) -> Callable[[int], OpTable]:
+    """Iteration k -> its table: a seeded variation (``jitter``, ``heavy``) is drawn anew each
+    iteration with seed + k, as a real workload's heavy micro-batches and jitter change between
+    batches; a table file is the same every iteration. BadInput if the spec does not parse."""
+    first = parse_vary(spec, costs, microbatches)
+    text = spec.strip()
+    name, _, args = text.partition(":")
+    if name not in ("jitter", "heavy"):
+        return lambda k: first
+    kw = _keywords(text, args, first="spread" if name == "jitter" else None,
+                   allowed={"spread", "seed", "kinds"} if name == "jitter" else {"frac", "factor", "stages", "seed"})
+    seed = _integer(text, kw, "seed", 0)
+    rest = ",".join(f"{k}={v}" for k, v in kw.items() if k != "seed")
+    cache: dict[int, OpTable] = {0: first}
+
+    def table(k: int) -> OpTable:
+        if k not in cache:
+            cache[k] = parse_vary(f"{name}:{rest},seed={seed + k}", costs, microbatches)
+        return cache[k]
+    return table
 
 
 def _keywords(text: str, args: str, first: Optional[str], allowed: set[str]) -> dict[str, str]:
