@@ -74,6 +74,9 @@ def bench(
         for d in dispatches:
             if d not in DISPATCHES:
                 raise BadInput(f"--dispatch: unknown dispatch '{d}': choose from {', '.join(DISPATCHES)}")
+        for opt, vals in (("--dispatch", dispatches), ("--schedules", names)):
+            if len(set(vals)) != len(vals):
+                raise BadInput(f"{opt}: each value once, got {','.join(vals)}")
         if vary is not None:
             if "stock-1f1b" in names:
                 raise BadInput("--vary times the ops of this package's engine; drop stock-1f1b from --schedules")
@@ -168,7 +171,7 @@ def _print_traces(spec: BenchSpec, result: dict) -> None:
         mine = [r for r in rows if r["scenario"] == sc.name]
         ratios = result.get("ratios", {}).get(sc.name, {})
         for r in mine:
-            ratio = ratios.get(r["schedule"])
+            ratio = ratios.get(r["schedule"]) if r.get("dispatch", "ordered") == "ordered" else None
             t.add_row(sc.name, _label(r), f"{r['mean_ms']:.0f}", f"{r['predicted_ms']:.0f}",
                       "-" if ratio is None else f"{ratio:.2f}x")
     console.print(t)

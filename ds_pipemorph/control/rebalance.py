@@ -20,7 +20,8 @@ or None.
 - **Choice.** Live migration moves layers between neighbouring stages, so the candidates are the
   partitions one step reaches (each boundary within its neighbours' old positions; tied layers stay
   put): ``best_step`` takes ``plan.partition``'s optimum under those factors when it is within
-  reach, else the best reachable one (every one scored, or a descent when there are too many). A
+  reach, else the best reachable one (every one scored; past ``REACHABLE_EXACT`` of them, a
+  descent, which may stop short of the best). A
   later detection continues the way. The step is proposed only if its predicted iteration beats
   the current partition's, under the same factors, by ``min_gain``. Either way the predicted factors become the reference, so one
   change is acted on once.
@@ -42,7 +43,8 @@ from ..plan.simulate import Schedule
 # The plan for a new partition: a deterministic search (stopped by evaluations, never by the clock,
 # so every rank that runs it gets the same plan).
 PLAN_EVALS = 300
-# Partitions one migration step reaches, up to which every one is scored (a few seconds at most).
+# Partitions one migration step reaches, up to which every one is scored (well under a second on
+# small profiles, a few seconds at most).
 REACHABLE_EXACT = 2000
 
 
@@ -193,18 +195,19 @@ def reachable(old: list[int], pinned: Sequence[int] = ()) -> Iterator[list[int]]
 
 def best_step(lp: LayerProfile, old: list[int], slowdown: list[float],
               pinned: Sequence[int] = ()) -> tuple[list[int], float]:
-    """The partition one migration step reaches that ``evaluate`` scores best under ``slowdown``
-    (ties: the current one, then the first in ``reachable`` order), and its score. The global
-    optimum (``plan.partition``) when it is within reach; otherwise every reachable partition is
-    scored, or, past ``REACHABLE_EXACT`` of them, a descent by ``block_shifts`` from the optimum's
-    boundaries clamped into reach."""
+    """A partition one migration step reaches, and its ``evaluate`` score under ``slowdown``: the
+    global optimum (``plan.partition``) when it is within reach; else, when at most
+    ``REACHABLE_EXACT`` partitions are reachable, the best of them (ties: the current one, then
+    the first in ``reachable`` order); past that, a good one, not proven best: a descent by
+    ``block_shifts`` from the optimum's boundaries clamped into reach."""
     score = lambda p: evaluate(lp, p, slowdown=slowdown)  # noqa: E731
     best = partition(lp, slowdown=slowdown).parts
     if _within(old, best, pinned):
         return best, score(best)
-    if _count(old) <= REACHABLE_EXACT:
+    few = list(itertools.islice(reachable(old, pinned), REACHABLE_EXACT + 1))
+    if len(few) <= REACHABLE_EXACT:
         found, found_ms = old, score(old)
-        for p in reachable(old, pinned):
+        for p in few:
             t = score(p)
             if t < found_ms - 1e-9:
                 found, found_ms = p, t
@@ -223,10 +226,6 @@ def best_step(lp: LayerProfile, old: list[int], slowdown: list[float],
                     found, found_ms, improved = p, t, True
                     break
     return found, found_ms
-
-
-def _count(old: list[int]) -> int:
-    return math.prod(old[s + 1] - old[s - 1] + 1 for s in range(1, len(old) - 1))
 
 
 def _within(old: list[int], parts: list[int], pinned: Sequence[int]) -> bool:

@@ -105,9 +105,10 @@ def time_stage(module: torch.nn.Module, inputs, *, first: bool, loss: Optional[C
         outs = [o for o in _tensors(out) if o.requires_grad]
         if not outs:
             raise BadInput("a stage output does not depend on any parameter or input that needs a gradient")
-        if grads is None:  # once, and not in B's span
+        tb = t1  # B's span starts here: after the gradients are drawn, if they are drawn now
+        if grads is None:  # once, in no timed span
             grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
-            t1 = time.perf_counter()
+            tb = time.perf_counter()
         xin = [t for t in _tensors(x) if t.requires_grad]
         if split == "runtime":
             _, work = backward_input(outs, grads, xin, params)
@@ -125,7 +126,7 @@ def time_stage(module: torch.nn.Module, inputs, *, first: bool, loss: Optional[C
         t3 = time.perf_counter()
         if i >= warmup:
             f_ms.append((t1 - t0) * 1e3)
-            b_ms.append((t2 - t1) * 1e3)
+            b_ms.append((t2 - tb) * 1e3)
             w_ms.append((t3 - t2) * 1e3)
         del out, outs, x, xin
     return StageTimes(statistics.median(f_ms), statistics.median(b_ms), statistics.median(w_ms),

@@ -16,6 +16,10 @@ DeepSpeed ``ProcessTopology`` of the same pipeline and data-parallel sizes). No 
    ``PartsPipelineModule`` on the current partition (so migrated layers stay where they are) and the
    new topology, whose ``PipelineParallelGrid`` forms the new data-parallel, pipeline and tied-weight
    groups, and ``ds_pipemorph.initialize`` with the same config, optimizer and scheduler settings.
+   Loading the state follows, and a second vote: if a rank failed, every rank closes the new engine
+   and keeps the old one (DeepSpeed's module-level pipeline state is pointed back at it). A rank
+   failing *inside* the collective construction (running out of memory, say) is not covered: the
+   others wait in the construction until the process group's timeout.
 4. **Load.** The module's and the optimizer's state, the scheduler's state, the engine's step and
    sample counters and the running plan go into the new engine; the old one's transport, delegates
    and control loop are closed.
@@ -121,6 +125,7 @@ def remap(engine, topology):
     # Every rank builds the new engine together (DeepSpeed forms its groups collectively), then loads
     # its stage and votes again: the old engine is closed only once every rank has a working new one.
     fresh = None
+    saved = _deepspeed_globals()  # DeepSpeed's constructors re-point them at the new engine
     try:
         with rng_kept(engine.device):  # building draws initial weights: not from training's generators
             fresh = _rebuild(engine, topology, state)
@@ -132,6 +137,7 @@ def remap(engine, topology):
     if not migrator.vote(ok):
         if fresh is not None:
             fresh.destroy()
+        _restore_deepspeed_globals(saved)  # the old engine's evaluation path reads them
         report.seconds = time.perf_counter() - t0
         return engine, report
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
@@ -152,9 +158,28 @@ def remap(engine, topology):
     return fresh, report
 
 
+def _deepspeed_globals() -> dict:
+    """Module state DeepSpeed's engine constructor sets for its topology."""
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+
+    return {"p2p": (p2p._grid, p2p._groups), "mpu": getattr(groups, "mpu", None)}
+
+
+def _restore_deepspeed_globals(saved: dict) -> None:
+    from deepspeed.runtime.pipe import p2p
+    from deepspeed.utils import groups
+
+    p2p._grid, p2p._groups = saved["p2p"]
+    groups.mpu = saved["mpu"]
+
+
 def _hand_over_controllers(old, fresh, topology) -> None:
-    """What the control loops learned survives the re-mapping: the rebalance loop's layer costs and
-    reference (the partition is unchanged), the orchestrator's placement and that it has acted."""
+    """What the control loops learned survives the re-mapping: the adapter's plan in force, the
+    rebalance loop's layer costs and reference (the partition is unchanged), the orchestrator's
+    placement and that it has acted."""
+    if old.adapter is not None and fresh.adapter is not None:
+        fresh.adapter.policy.plan_in_force = old.plan
     if old.rebalance is not None and fresh.rebalance is not None:
         fresh.rebalance.rebalancer = old.rebalance.rebalancer
     if old.orchestrate is not None and fresh.orchestrate is not None and old.orchestrate.orchestrator is not None:
@@ -213,8 +238,9 @@ def _rebuild(engine, topology, state: dict):
                                  checkpointable_layers=old.checkpointable_layers, dynamic_shape=old.dynamic_shape)
     named = dict(module.named_parameters())
     members: list[list] = [[] for _ in state["groups"]]
-    for name, sent in state["params"].items():
-        members[sent["group"]].append(named[name])
+    for name, sent in state["params"].items():  # a name missing here fails the load, after every collective
+        if name in named:
+            members[sent["group"]].append(named[name])
     groups = [dict(settings, params=ps) for settings, ps in zip(state["groups"], members)]
     args = copy.copy(src["args"])
     for attr in ("deepspeed_config", "deepscale_config"):  # the config goes as config=, once

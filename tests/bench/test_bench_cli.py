@@ -59,6 +59,7 @@ def test_bench_runs_ordered_and_ready_dispatch_under_heavy_micro_batches(tmp_pat
     "args,needle",
     [
         (["--dispatch", "sideways"], "--dispatch: unknown dispatch 'sideways'"),
+        (["--dispatch", "ordered,ordered"], "--dispatch: each value once"),
         (["--schedules", "zb", "--vary", "jitter"], "give the spread"),
         (["--vary", "jitter:0.3"], "drop stock-1f1b from --schedules"),
         (["--stages", "4", "--link", "5"], "--link: 5 is not a link of 4 stages"),

@@ -155,6 +155,21 @@ def test_the_proposed_step_is_the_best_partition_one_step_reaches():
         assert _moves_ok(old, step) and ms == pytest.approx(best, abs=1e-6), (old, slow, step)
 
 
+def test_the_best_reachable_step_when_the_windows_hold_many_invalid_cuts():
+    # 16 layers, 5 stages: the boundary windows multiply to 2700 cuts, of which 733 are partitions;
+    # all of them must be scored (a descent from the clamped optimum stops at 239.25 ms here).
+    lp = LayerProfile.model_validate({"stages": 5, "microbatches": 5, "memory": {"max_inflight": [2] * 5},
+                                      "layers": {"forward_ms": [2, 1, 3, 1, 1, 2, 1, 2, 1, 5, 3, 5, 5, 5, 2, 1],
+                                                 "backward_input_ms": 1.0,
+                                                 "backward_weight_ms": [1, 2, 1, .5, 2, .5, .5, 1, 1, .5, 1, 1, 1,
+                                                                        .5, .5, 2]}})
+    old, slow = [0, 2, 4, 7, 12, 16], [3, 1, 1.5, 1, 2]
+    every = [[0, *c, 16] for c in itertools.combinations(range(1, 16), 4)]
+    best = min(evaluate(lp, p, slowdown=slow) for p in every if _moves_ok(old, p))
+    step, ms = best_step(lp, old, slow)
+    assert _moves_ok(old, step) and ms == pytest.approx(best, abs=1e-6)
+
+
 def test_a_rebalancer_never_moves_a_pinned_layer():
     rb = Rebalancer(S, N, UNIFORM, caps=[N] * S, warmup=1, patience=1, pinned=(4, 5, 6, 7))
     for _ in range(2):
