@@ -122,6 +122,14 @@ class LayerMigrator:
             self._form_groups()
         return self._vote_group
 
+    def gather_max(self, row: torch.Tensor) -> torch.Tensor:
+        """The element-wise largest of every rank's ``row`` (same shape everywhere), in the vote
+        group: where a rank reports its own stage's slots (zeros elsewhere), this is per stage its
+        slowest replica."""
+        table = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(table, row, group=self.vote_group())
+        return torch.stack(table).amax(dim=0)
+
     def _form_groups(self) -> None:
         if self._vote_group is None:
             self._vote_group = dist.new_group(backend="gloo")
@@ -190,19 +198,12 @@ class LayerMigrator:
             if layers:
                 blob = _pack(engine, layers)
                 report.bytes_sent += blob.numel()
-                peer = grid.stage_to_global(peer_stage)
-                sends.append(dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), peer, group, tag))
-                if not drop:
-                    sends.append(dist.isend(blob, peer, group, tag + 1))
+                sends += send_blob(blob, grid.stage_to_global(peer_stage), group, tag, drop)
         incoming = []
         for peer_stage, tag in ((stage - 1, base), (stage + 1, base + 2)):
             layers = sorted(l for l, (a, b) in moves.items() if a == peer_stage and b == stage)
             if layers:
-                peer = grid.stage_to_global(peer_stage)
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.irecv(size, peer, group, tag).wait(self.timeout)
-                blob = torch.empty(int(size.item()), dtype=torch.uint8)
-                dist.irecv(blob, peer, group, tag + 1).wait(self.timeout)
+                blob = recv_blob(grid.stage_to_global(peer_stage), group, tag, self.timeout)
                 report.bytes_received += blob.numel()
                 incoming += _unpack(engine, layers, blob)
         for work in sends:
@@ -220,22 +221,18 @@ def _pack(engine, layers: list[int]) -> torch.Tensor:
         entry = {"layer": layer, "params": {}, "buffers": {}}
         if module is not None:
             for name, p in module.named_parameters():
-                # a tensor's device kind travels with it: torch's Adam keeps ``step`` on the host
-                state = {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"} if torch.is_tensor(v) else v)
-                         for k, v in opt.state.get(p, {}).items()}
+                state = packed_state(opt.state.get(p, {}))
                 entry["params"][name] = {
                     "data": p.detach().cpu(), "requires_grad": p.requires_grad, "group": group_of.get(p),
                     "grad": None if p.grad is None else p.grad.detach().cpu(), "state": state}
             entry["buffers"] = {name: b.detach().cpu() for name, b in module.named_buffers()}
         out.append(entry)
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    return to_blob(out)
 
 
 def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
     """Build ``layers`` from their specs and load the state the neighbour sent."""
-    entries = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    entries = from_blob(blob)
     got = [e["layer"] for e in entries]
     if got != layers:
         raise MigrationFailed(f"stage {engine.stage_id}: expected layers {layers} from the neighbour, got {got} "
@@ -269,8 +266,7 @@ def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
                         raise MigrationFailed(f"layer {entry['layer']}: optimizer group {sent['group']} does not "
                                               f"exist on stage {engine.stage_id} ({groups} groups)")
                     inc.groups[p] = sent["group"]
-                    inc.states[p] = {k: (_placed(v, engine.device) if isinstance(v, dict) else v)
-                                     for k, v in sent["state"].items()}
+                    inc.states[p] = unpacked_state(sent["state"], engine.device)
             buffers = dict(module.named_buffers())
             for name, b in entry["buffers"].items():
                 buffers[name].copy_(b)
@@ -340,6 +336,45 @@ def _regroup(opt, pm, leaving: set, incoming: list[_Incoming]) -> None:
                 old = st["step"]
                 st["step"] = (torch.tensor(counts[g], dtype=old.dtype, device=old.device) if torch.is_tensor(old)
                               else type(old)(counts[g]))
+
+
+# -- what migration and re-mapping (runtime.remap) share -------------------------------------------
+def packed_state(opt_state: dict) -> dict:
+    """A parameter's optimizer state as it travels: tensors on the host, with their device kind
+    (torch's Adam keeps ``step`` on the host even for GPU parameters)."""
+    return {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"} if torch.is_tensor(v) else v)
+            for k, v in opt_state.items()}
+
+
+def unpacked_state(sent: dict, device) -> dict:
+    """``packed_state`` back, each tensor on the device kind it came from."""
+    return {k: (_placed(v, device) if isinstance(v, dict) else v) for k, v in sent.items()}
+
+
+def to_blob(obj) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def from_blob(blob: torch.Tensor):
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+
+
+def send_blob(blob: torch.Tensor, peer: int, group, tag: int, drop: bool = False) -> list:
+    """Its size (tag) then the blob (tag + 1), non-blocking; ``drop`` (testing): the size only."""
+    works = [dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), peer, group, tag)]
+    if not drop:
+        works.append(dist.isend(blob, peer, group, tag + 1))
+    return works
+
+
+def recv_blob(peer: int, group, tag: int, timeout: timedelta) -> torch.Tensor:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.irecv(size, peer, group, tag).wait(timeout)
+    blob = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.irecv(blob, peer, group, tag + 1).wait(timeout)
+    return blob
 
 
 def first_line(e: Exception) -> str:

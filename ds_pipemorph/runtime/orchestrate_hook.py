@@ -21,6 +21,7 @@ from ..fileio import BadInput, load_model
 from ..plan.linkmatrix import LinkMatrix
 from ..plan.placement import Placement
 from .config import PipeMorphConfigError
+from .oprecords import fbw_ms_per_microbatch
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +46,11 @@ class OrchestrateHook:
         S = engine.num_stages
         row = torch.zeros(5 * S, dtype=torch.float64)
         s = engine.stage_id
-        fbw = {"F": 0, "B": 0, "W": 0}
-        reduce_ns = 0
-        for r in records:
-            if r.op == "ReduceGrads":
-                reduce_ns += r.end_ns - r.start_ns
-            elif r.op[:1] in fbw and r.op[1:].isdigit():
-                fbw[r.op[:1]] += r.end_ns - r.start_ns
-        row[s] = reduce_ns / 1e6
-        row[S + 3 * s: S + 3 * s + 3] = torch.tensor([fbw[k] / 1e6 / engine.micro_batches for k in "FBW"])
+        row[s] = sum(r.end_ns - r.start_ns for r in records if r.op == "ReduceGrads") / 1e6
+        row[S + 3 * s: S + 3 * s + 3] = torch.tensor(fbw_ms_per_microbatch(records, engine.micro_batches))
         row[4 * S + s] = sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 1e6
+        table = engine.migrator.gather_max(row)
         group = engine.migrator.vote_group()
-        table = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(table, row, group=group)
-        table = torch.stack(table).amax(dim=0)
         box = [None]
         if dist.get_rank() == 0:
             try:

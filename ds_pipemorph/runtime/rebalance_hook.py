@@ -16,13 +16,13 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 
 from ..control.rebalance import Rebalancer
 from ..fileio import BadInput
 from ..plan.layer_profile import read_layer_profile
 from .config import PipeMorphConfigError
+from .oprecords import fbw_ms_per_microbatch
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +50,11 @@ class RebalanceHook:
     def after_iteration(self, engine, records) -> Optional[dict]:
         S, L = engine.num_stages, self.layers
         row = torch.zeros(3 * S + L, dtype=torch.float64)
-        row[3 * engine.stage_id: 3 * engine.stage_id + 3] = torch.tensor(_fbw_ms(records, engine.micro_batches))
+        row[3 * engine.stage_id: 3 * engine.stage_id + 3] = torch.tensor(fbw_ms_per_microbatch(records, engine.micro_batches))
         for i, func in enumerate(engine.module.forward_funcs):
             if isinstance(func, torch.nn.Module):
                 row[3 * S + engine.module._local_start + i] = sum(p.numel() for p in func.parameters())
-        group = engine.migrator.vote_group()
-        table = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(table, row, group=group)
-        table = torch.stack(table).amax(dim=0)  # per stage: its slowest replica
+        table = engine.migrator.gather_max(row)  # per stage: its slowest replica
         stage_ms = table[:3 * S].view(S, 3).tolist()
         decision = self.rebalancer.observe(stage_ms, table[3 * S:].tolist())
         if decision is None:
@@ -80,13 +77,3 @@ class RebalanceHook:
                            f"({decision.current_ms:.0f} -> {decision.predicted_ms:.0f} ms predicted): "
                            f"{report.describe()}")
         return event
-
-
-def _fbw_ms(records, microbatches: int) -> list[float]:
-    """Mean ms per micro-batch of this stage's F, B and W in the last iteration."""
-    total = {"F": 0, "B": 0, "W": 0}
-    for r in records:
-        kind = r.op[:1]
-        if kind in total and r.op[1:].isdigit():
-            total[kind] += r.end_ns - r.start_ns
-    return [total[k] / 1e6 / microbatches for k in "FBW"]

@@ -31,7 +31,6 @@ topology of other sizes, and a ``PipelineModule`` subclass (its own code would b
 """
 from __future__ import annotations
 
-import io
 import time
 from dataclasses import dataclass
 import torch
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..fileio import BadInput
-from .migrate import first_line, rng_kept
+from .migrate import first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob, unpacked_state
 from .partition_hook import PartsPipelineModule
 
 # Tags of a re-mapping transfer (size, payload), after every migration attempt's.
@@ -98,19 +97,13 @@ def remap(engine, topology):
         # The rank that takes my old coordinate, if it comes from another stage, gets my state.
         taker = topology.get_rank(pipe=old.pipe, data=old.data)
         if old_topo.get_coord(taker).pipe != old.pipe:
-            blob = _pack_stage(engine)
+            blob = to_blob(_stage_state(engine))
             report.bytes_sent = blob.numel()
-            sends.append(dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), taker, group, tag))
-            if attempt not in migrator.drop_payload_at:
-                sends.append(dist.isend(blob, taker, group, tag + 1))
+            sends += send_blob(blob, taker, group, tag, drop=attempt in migrator.drop_payload_at)
         if new.pipe != old.pipe:  # my new coordinate's state comes from its old holder
-            giver = old_topo.get_rank(pipe=new.pipe, data=new.data)
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.irecv(size, giver, group, tag).wait(migrator.timeout)
-            blob = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.irecv(blob, giver, group, tag + 1).wait(migrator.timeout)
+            blob = recv_blob(old_topo.get_rank(pipe=new.pipe, data=new.data), group, tag, migrator.timeout)
             report.bytes_received = blob.numel()
-            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+            state = from_blob(blob)
         else:
             state = _stage_state(engine)
         for w in sends:
@@ -212,16 +205,9 @@ def _stage_state(engine) -> dict:
         for p in group["params"]:
             st = opt.state.get(p, {})
             per_param[name_of[p]] = {"group": g, "grad": None if p.grad is None else p.grad.detach().cpu(),
-                                     "state": {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"}
-                                                   if torch.is_tensor(v) else v) for k, v in st.items()}}
+                                     "state": packed_state(st)}
     return {"module": {k: v.detach().cpu() for k, v in module.state_dict().items()}, "groups": groups,
             "params": per_param, "rng": _rng_state(engine.device)}
-
-
-def _pack_stage(engine) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(_stage_state(engine), buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def _rebuild(engine, topology, state: dict):
@@ -266,5 +252,4 @@ def _load_stage(engine, state: dict) -> None:
         if sent["grad"] is not None:
             p.grad = sent["grad"].to(device)
         if sent["state"]:
-            opt.state[p] = {k: ((v["tensor"] if v["host"] else v["tensor"].to(device)) if isinstance(v, dict) else v)
-                            for k, v in sent["state"].items()}
+            opt.state[p] = unpacked_state(sent["state"], device)
