@@ -1,7 +1,9 @@
 """Readiness-driven dispatch against ordered dispatch of the same hint, side by side in one run.
 
-4 stages, 12 micro-batches, emulated stages (F = B = W = 10 ms around tiny real math) on 4 CPU
-ranks, the real engine. Five workloads, each run with ``dispatch: "ordered"`` and ``"ready"``:
+4 stages, 12 micro-batches (``--stages``, ``--microbatches``: deeper pipelines give ready dispatch
+more room under the same caps, and this machine less CPU per rank), emulated stages (F = B = W =
+10 ms around tiny real math) on one CPU rank per stage, the real engine. Five workloads, each run
+with ``dispatch: "ordered"`` and ``"ready"``:
 
 1. heavy micro-batches: each iteration a seeded quarter of the micro-batches is 3x heavier (F, B, W)
    on the first two stages (a multimodal batch whose images go through the encoder there); hint `zb`;
@@ -20,9 +22,10 @@ the next op (``engine.choosing_ns``) over the ops it ran; "ops ahead of the hint
 stage, the ops of the last iteration that ready dispatch started while an op earlier in the hint
 was still to run. Prints a table and writes JSON.
 
-    DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py [--iters 10] [--out out/ready_dispatch.json]
+    DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py [--iters 10] [--stages 4] [--microbatches 12]
+        [--workloads heavy,jitter,dynamic,static,none] [--out out/ready_dispatch.json]
 
-(re-launches itself with ``torchrun --standalone --nproc_per_node 4`` when not started by torchrun).
+(re-launches itself with ``torchrun --standalone --nproc_per_node STAGES`` when not started by torchrun).
 """
 from __future__ import annotations
 
@@ -51,7 +54,13 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/ready_dispatch.json")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="a comma-separated subset of " + ",".join(WORKLOADS))
-    return ap.parse_args()
+    ap.add_argument("--stages", type=int, default=STAGES, help="pipeline stages (one rank each)")
+    ap.add_argument("--microbatches", type=int, default=MICROBATCHES)
+    args = ap.parse_args()
+    if args.stages <= SLOW_LINK + 1 or args.microbatches < args.stages:
+        ap.error(f"--stages should be at least {SLOW_LINK + 2} (link {SLOW_LINK} is slowed) "
+                 "and --microbatches at least --stages")
+    return args
 
 
 def tables(workload: str, seed: int):
@@ -145,7 +154,9 @@ def predict(workload: str, plan_text, dispatch: str, args) -> float:
 
 
 def main() -> int:
+    global STAGES, MICROBATCHES
     args = parse_args()
+    STAGES, MICROBATCHES = args.stages, args.microbatches
     if "LOCAL_RANK" not in os.environ:
         return relaunch(__file__, STAGES)
     import deepspeed

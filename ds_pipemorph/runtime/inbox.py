@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from .oprecords import OpRecord
 from .transport.protocol import TransportTimeout
@@ -76,8 +77,14 @@ class Inbox:
         return self._futures[(kind, mb)].done()
 
     def take(self, kind: str, mb: int):
-        """The message (kind, mb), which has arrived; a failed receive raises its error here."""
-        return self._futures.pop((kind, mb)).result()
+        """The message (kind, mb), which has arrived; a failed receive raises its error here. Its
+        completion was announced just before its result was set, so this waits microseconds; the
+        timeout turns a broken announcement into an error naming the message, not a silent hang."""
+        try:
+            return self._futures.pop((kind, mb)).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TransportTimeout(f"rank {self.rank}: RECV_{kind}{mb} was announced as in but not "
+                                   f"handed over within {self.timeout_s:g} s") from None
 
     def wait_any(self, waiting_for: list[str]) -> bool:
         """Sleep until one more receive completes; False at once if none is still running (one may

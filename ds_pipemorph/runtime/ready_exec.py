@@ -99,4 +99,8 @@ def run_ready(engine) -> int:
     engine._ready_expect = (arrived_at, {k: sum(v) / len(v) for k, v in spans.items()})
     if inbox.outstanding:  # every message was consumed by the op it feeds
         raise RuntimeError(f"stage {s}: {inbox.outstanding} received messages were never used")
+    late = inbox.drain()  # each op's message was drained before the op ran: nothing may be left over
+    if late:
+        raise RuntimeError(f"stage {s}: receives announced after their op ran: "
+                           f"{', '.join(f'RECV_{k}{m}' for k, m in late)}")
     return choosing

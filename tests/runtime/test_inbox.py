@@ -1,0 +1,74 @@
+"""The inbox of readiness-driven dispatch on a stand-in transport: completions in any order become
+readiness events, and nothing waits without a bound."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ds_pipemorph.runtime.inbox import Inbox
+from ds_pipemorph.runtime.transport.protocol import TransportTimeout
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class GatedTransport:
+    """``recv(kind, mb)`` returns once the test opens that message's gate (never, if it does not)."""
+
+    def __init__(self):
+        self.gates: dict[tuple[str, int], threading.Event] = {}
+
+    def post_recv(self, kind: str, mb: int) -> None:
+        self.gates.setdefault((kind, mb), threading.Event())
+
+    def recv(self, kind: str, mb: int):
+        self.gates[(kind, mb)].wait()
+        return f"{kind}{mb}"
+
+    def open(self, kind: str, mb: int) -> None:
+        self.gates[(kind, mb)].set()
+
+
+def _drained_until(inbox: Inbox, n: int) -> list:
+    seen: list = []
+    deadline = time.monotonic() + 5
+    while len(seen) < n and time.monotonic() < deadline:
+        if not inbox.wait_any([]):
+            seen += inbox.drain()
+            break
+        seen += inbox.drain()
+    return seen
+
+
+def test_completions_arrive_in_the_order_the_messages_come_not_the_order_posted():
+    t = GatedTransport()
+    inbox = Inbox(t, workers=4, timeout_s=5, rank=0)
+    records: list = []
+    for mb in range(3):
+        inbox.post("F", mb, records)
+    t.open("F", 2)
+    assert _drained_until(inbox, 1) == [("F", 2)]
+    assert inbox.arrived("F", 2) and not inbox.arrived("F", 0)
+    assert inbox.take("F", 2) == "F2"
+    t.open("F", 0)
+    t.open("F", 1)
+    assert sorted(_drained_until(inbox, 2)) == [("F", 0), ("F", 1)]
+    assert [inbox.take("F", m) for m in (1, 0)] == ["F1", "F0"]
+    assert inbox.outstanding == 0 and inbox.drain() == []
+    assert sorted(r.op for r in records) == ["RECV_F0", "RECV_F1", "RECV_F2"]
+    inbox.close()
+
+
+def test_a_message_that_never_comes_is_a_timeout_naming_it_not_a_hang():
+    t = GatedTransport()
+    inbox = Inbox(t, workers=2, timeout_s=0.2, rank=3)
+    inbox.post("B", 7, [])
+    with pytest.raises(TransportTimeout, match="rank 3: timed out after 0.2 s with no op ready, waiting for RECV_B7"):
+        inbox.wait_any(["RECV_B7"])
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match="rank 3: RECV_B7 was announced as in but not handed over within 0.2 s"):
+        inbox.take("B", 7)
+    assert time.monotonic() - t0 < 2
+    t.open("B", 7)  # lets the worker end
+    inbox.close()
