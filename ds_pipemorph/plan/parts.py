@@ -159,3 +159,24 @@ def layer_moves(old: list[int], new: list[int]) -> dict[int, tuple[int, int]]:
                                f"migration moves layers between neighbouring stages only (reach it in steps)")
             moves[layer] = (a, b)
     return moves
+
+
+def neighbour_steps(old: list[int], new: list[int]) -> list[list[int]]:
+    """Partitions leading from ``old`` to ``new`` (the last one is ``new``; none if they are equal),
+    each reachable from the one before by one live migration (``layer_moves`` accepts it).
+
+    Every step moves each cut towards its place in ``new``, but not past the neighbouring cuts'
+    positions before the step: no layer is crossed by two cuts, so each moves one stage at most, and
+    no stage empties. A cut never passes its place, so a layer whose stage is the same in ``old``
+    and ``new`` (a tied one) never moves; every step brings the layers it moves one stage nearer to
+    theirs, and some cut always can move, so the steps end."""
+    check_parts(old)
+    check_parts(new, layers=old[-1], stages=len(old) - 1)
+    cur, out = list(old), []
+    while cur != new:
+        nxt = list(cur)
+        for i in range(1, len(cur) - 1):
+            nxt[i] = min(max(new[i], cur[i - 1] + 1), cur[i + 1] - 1)
+        out.append(nxt)
+        cur = nxt
+    return out

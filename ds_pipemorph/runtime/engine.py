@@ -38,6 +38,7 @@ from ..plan.ops import Op
 from ..plan.simulate import Schedule
 from . import instructions as I
 from .bw_split import backward_input
+from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
 from ..plan.profile import Costs
@@ -299,6 +300,8 @@ class PipeMorphEngine(PipelineEngine):
         between two ``train_batch`` calls. If any rank's part fails, every rank keeps the partition
         it had (``report.ok`` is False) and training can go on."""
         report = self.migrator.migrate(self, list(parts))
+        if report.ok and self.rebalance is not None:  # the loop predicts from the partition in force
+            self.rebalance.rebalancer.moved(report.after)
         if report.moved and self.global_rank == 0:
             logger.warning(report.describe())
         return report
@@ -316,6 +319,22 @@ class PipeMorphEngine(PipelineEngine):
             logger.warning(f"remap: {'done' if report.ok else 'failed, every rank kept its stage'} in "
                            f"{report.seconds * 1e3:.0f} ms")
         return fresh, report
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        """DeepSpeed's checkpoint, with the partition in force written into it first
+        (``runtime.checkpoint``): a job whose layers moved resumes on the stages that hold their
+        optimizer state."""
+        tag = default_tag(self) if tag is None else str(tag)
+        save_parts(self, save_dir, tag)
+        return super().save_checkpoint(save_dir, tag=tag, client_state={} if client_state is None else client_state,
+                                       save_latest=save_latest,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """DeepSpeed's ``load_checkpoint``, after moving layers (live migration) to the partition the
+        checkpoint was saved on, if it says one (``runtime.checkpoint``). Every rank calls it."""
+        restore_parts(self, load_dir, tag)
+        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
     def _exec_stock_schedule(self, pipe_schedule):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())

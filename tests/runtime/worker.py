@@ -7,7 +7,9 @@ SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
-``engine.repartition(parts)``; the reports are recorded), "remap": {"k": ranks[stage][replica]} (after k
+``engine.repartition(parts)``; the reports are recorded), "save": {"k": dir} (after k steps every rank
+calls ``engine.save_checkpoint(OUT_DIR/dir)``), "load": {"dir", "step"} (right after start-up every
+rank calls ``engine.load_checkpoint(OUT_DIR/dir)`` and trains from that step on), "remap": {"k": ranks[stage][replica]} (after k
 steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches),
 "param_groups": true (two optimizer groups), "config_via_args": true (the config as
 --deepspeed_config gives it), "follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
@@ -97,14 +99,18 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             return [(w[:, :-1], w[:, 1:]) for w in ids]
         return batches(N * steps, 2, seed=99 + replica)
 
+    start = 0
+    if job.get("load"):  # resume from a checkpoint an earlier job of this launch saved
+        engine.load_checkpoint(os.path.join(out_dir, job["load"]["dir"]))
+        start = job["load"]["step"]
     data = data_of(engine.grid.data_parallel_id)
-    it = iter(data)
+    it = iter(data[start * N:])
     losses, peaks, ops, reduce_ms, seconds = [], [], [], [], []
     stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
     if stall.get("rank") == rank:
         time.sleep(stall["seconds"])
     migrations, remaps = [], []
-    for step in range(steps):
+    for step in range(start, steps):
         if job.get("follow_replica"):  # the engine may re-map itself: feed the batches of its replica now
             it = iter(data_of(engine.grid.data_parallel_id)[step * N:(step + 1) * N])
         if str(step) in job.get("remap", {}):  # ranks[stage][replica]: every rank takes its new coordinate
@@ -126,6 +132,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             else:
                 migrations.append({"step": step, "ok": r.ok, "after": r.after, "moved": sorted(r.moved),
                                    "sent": r.bytes_sent, "received": r.bytes_received, "reason": r.reason})
+        if str(step) in job.get("save", {}):
+            engine.save_checkpoint(os.path.join(out_dir, job["save"][str(step)]))
         try:
             t0 = time.perf_counter()
             losses.append(float(engine.train_batch(it)))
