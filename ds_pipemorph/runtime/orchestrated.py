@@ -21,6 +21,12 @@ class Orchestrated:
         """The engine in force."""
         return self._engine
 
+    @property
+    def __class__(self):
+        """The engine's class: ``isinstance(handle, PipelineEngine)`` holds, as code written for
+        DeepSpeed (checkpoint tools, training frameworks) checks it."""
+        return type(self._engine)
+
     def train_batch(self, data_iter=None):
         loss = self._engine.train_batch(data_iter)
         ranks = getattr(self._engine, "pending_remap", None)
