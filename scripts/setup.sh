@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check -e ".[dev,milp,plot]"
+python -m pip install -q --disable-pip-version-check -e ".[dev,milp,plot,interference]"

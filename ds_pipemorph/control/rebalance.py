@@ -127,8 +127,13 @@ class Rebalancer:
         return out
 
     def moved(self, parts: list[int]) -> None:
-        """The engine moved to ``parts`` (every rank did)."""
+        """The engine moved to ``parts`` (every rank did). Slowdowns seen on the old partition no
+        longer count, nor, while layer costs are still being learned, the iterations measured on it
+        (their stage times cannot be split over the new partition's layers)."""
         self.parts = check_parts(list(parts), stages=self.stages)
+        self.history = []
+        if self.profile is None:
+            self._learning = []
 
     def failed(self) -> None:
         """The migration of the last decision failed (every rank kept its layers): the partition

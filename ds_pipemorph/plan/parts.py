@@ -168,7 +168,7 @@ def neighbour_steps(old: list[int], new: list[int]) -> list[list[int]]:
     Every step moves each cut towards its place in ``new``, but not past the neighbouring cuts'
     positions before the step: no layer is crossed by two cuts, so each moves one stage at most, and
     no stage empties. A cut never passes its place, so a layer whose stage is the same in ``old``
-    and ``new`` (a tied one) never moves; every step brings the layers it moves one stage nearer to
+    and ``new`` never moves; every step brings the layers it moves one stage nearer to
     theirs, and some cut always can move, so the steps end."""
     check_parts(old)
     check_parts(new, layers=old[-1], stages=len(old) - 1)

@@ -24,6 +24,7 @@ parallelism inside a stage (``unsupported_reason``).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import Optional
@@ -325,16 +326,22 @@ class PipeMorphEngine(PipelineEngine):
         (``runtime.checkpoint``): a job whose layers moved resumes on the stages that hold their
         optimizer state."""
         tag = default_tag(self) if tag is None else str(tag)
-        save_parts(self, save_dir, tag)
+        if save_dir:  # DeepSpeed refuses an empty one
+            save_parts(self, save_dir, tag)
         return super().save_checkpoint(save_dir, tag=tag, client_state={} if client_state is None else client_state,
                                        save_latest=save_latest,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """DeepSpeed's ``load_checkpoint``, after moving layers (live migration) to the partition the
-        checkpoint was saved on, if it says one (``runtime.checkpoint``). Every rank calls it."""
-        restore_parts(self, load_dir, tag)
-        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+    def load_checkpoint(self, load_dir, *args, **kwargs):
+        """DeepSpeed's ``load_checkpoint`` (same arguments), after moving layers (live migration) to
+        the partition the checkpoint was saved on, if it says one and optimizer states are loaded
+        (``runtime.checkpoint``). Every rank calls it."""
+        bound = inspect.signature(PipelineEngine.load_checkpoint).bind(self, load_dir, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["load_optimizer_states"] and not a["load_module_only"] and not self.load_universal_checkpoint():
+            restore_parts(self, load_dir, a["tag"])
+        return super().load_checkpoint(load_dir, *args, **kwargs)
 
     def _exec_stock_schedule(self, pipe_schedule):
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())

@@ -176,3 +176,20 @@ def test_a_rebalancer_never_moves_a_pinned_layer():
         rb.observe(HEALTHY)
     d = rb.observe(_slowed(UNIFORM))  # stage 1 slowed, but it must keep layers 4-7
     assert d is None or (d.parts[1] <= 4 and d.parts[2] >= 8)
+
+
+def test_a_move_made_while_layer_costs_are_learned_restarts_the_learning_on_the_new_partition():
+    # Iteration 1 is measured on UNIFORM; the layers then move (engine.repartition). Splitting that
+    # iteration's stage times over the new partition's layers would be wrong, so learning starts
+    # again: the costs come from iterations on the new partition only, 2.5 ms per layer.
+    rb = _rebalancer(warmup=2)
+    weights = [1.0] * L
+    new = [0, 6, 8, 12, 16]
+    rb.observe(HEALTHY, weights)  # start-up, skipped
+    rb.observe(_slowed(UNIFORM, factor=3.0, stage=0), weights)  # on the old partition
+    rb.moved(new)
+    assert rb.profile is None and rb.parts == new
+    rb.observe(_slowed(new, factor=1.0), weights)
+    assert rb.profile is None  # one iteration on the new partition so far
+    rb.observe(_slowed(new, factor=1.0), weights)
+    assert rb.profile.layers.forward_ms == pytest.approx([2.5] * L)

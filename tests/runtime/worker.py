@@ -161,7 +161,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
-                "parts": list(getattr(engine.module, "parts", []))},
+                "parts": list(getattr(engine.module, "parts", [])),
+                "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
 
 
