@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch.distributed as dist
+
 from ..fileio import write_atomic
 from ..plan.parts import PartsFile, neighbour_steps, read_parts
 
@@ -67,8 +69,6 @@ def restore_parts(engine, load_dir: str, tag: Optional[str]) -> list[list[int]]:
     others, so every rank takes the same steps or raises the same error. Raises
     ``CheckpointPartitionError`` if a step failed: every rank then holds the partition the last
     good step reached."""
-    import torch.distributed as dist
-
     now = list(engine.module.parts)
     said: list = [None, None]  # the saved partition, or the error reading it
     if engine.global_rank == 0:
