@@ -1,0 +1,278 @@
+"""Writes docs/config.md, the reference of the ds_config ``"pipemorph"`` section, from its pydantic models.
+
+    python -m ds_pipemorph.runtime.config_doc            # rewrite docs/config.md (atomically)
+    python -m ds_pipemorph.runtime.config_doc --check    # exit 1 if docs/config.md differs from the models
+
+Names, types, limits and defaults come from the models in ``config.py``; the meaning of each key is
+``DESCRIPTIONS`` below, keyed by dotted path (``*`` stands for any key of a mapping, as in
+``inject.links.*.delay_ms``). ``missing_and_unknown`` names the keys of the models without a
+description and the descriptions naming no key; tests/docs/test_config_doc.py holds both empty.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterator, Literal, Union
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from ..fileio import write_atomic
+from .config import PipeMorphConfig
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+DESCRIPTIONS: dict[str, str] = {
+    "schedule": "`1f1b`: DeepSpeed's 1F1B order, each backward run as B immediately followed by its W; `zb`: "
+                "zero-bubble order with ZB-H1 warm-up (S − s) or `memory.max_inflight`; `adaptive`: Alg. 1 warm-up "
+                "from the memory caps, re-planned from measurements (see `adapt`); `plan`: the plan in `plan_file`, "
+                "never re-planned",
+    "plan_file": "a plan from `pipemorph plan`; required with `schedule: plan` and refused otherwise; its stages "
+                 "and micro-batches must match the job",
+    "dispatch": "`ordered`: each stage runs its plan's order as written; `ready`: the order is a hint (RRFP) and "
+                "each stage runs the first op in it that is ready (its activation or gradient arrived; F only "
+                "while it holds fewer activations than the plan's peak), every receive of the iteration posted "
+                "up front (`docs/ready_dispatch.md`)",
+    "memory": "how many activations a stage may hold",
+    "memory.max_inflight": "cap on in-flight activations (F done, B not done): one value for every stage or one "
+                           "per stage; `null`: the micro-batch count",
+    "adapt": "PipeMorph's control loop, with `schedule: adaptive`",
+    "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "
+                     "link slower than the plan absorbs; all ranks adopt the same plan at the next iteration",
+    "adapt.every_iterations": "run the detector every this many iterations, at iteration boundaries",
+    "adapt.replan": "`background`: a re-plan first adopts Alg. 2's closed-form warm-up, rank 0 runs the search in "
+                    "a low-priority worker process beside training, and every rank switches to the searched plan "
+                    "at the first boundary after it lands; `inline`: the search runs at the boundary while every "
+                    "rank waits",
+    "adapt.search_evals": "the search's effort per re-plan, in replays, not time: the same input gives the same "
+                          "plan on any machine",
+    "delegation": "delegate processes that carry a link's messages through host staging rings (PipeMorph §5)",
+    "delegation.mode": "`off`: every link direct (DeepSpeed p2p in the training process); `always`: every link "
+                       "through delegates (required with NCCL); `auto`: the control loop moves slow links to "
+                       "delegates and back",
+    "delegation.queues": "delegate FIFOs per link direction when a link is first delegated",
+    "delegation.max_queues": "the control loop gives a delegated link more FIFOs, up to this many, when its delay "
+                             "needs them to keep pace with the stages (§5.2, checked by replay); their delegates "
+                             "start with the link; `null`: max(`queues`, 4); equal to `queues`: never grows",
+    "delegation.interfaces": "network interfaces for the delegates' Gloo connections, in turn: a delegate pair that "
+                             "meets again after its connection broke uses the next one (§5.3); each rank checks at "
+                             "start-up that its host has them; `null`: Gloo's default",
+    "delegation.slot_mb": "staging slot size in MiB; a larger message travels in pieces, each costing the "
+                          "delegates round trips; on CPU only the pages messages reach are allocated, on a GPU the "
+                          "whole ring is pinned",
+    "delegation.slots": "slots per staging ring (one ring per delegate queue and end): messages a queue holds ahead",
+    "rebalance": "compute stragglers: layers move away from a stage that runs slower than its layers should "
+                 "(`docs/rebalance.md`)",
+    "rebalance.enabled": "compare each stage's F + B + W with what its layers should cost every iteration; when a "
+                         "stage stays slowed, move layers to the best partition one migration step reaches, with "
+                         "their parameters, gradients and Adam state, at an iteration boundary",
+    "rebalance.noise": "a stage counts as slowed (or recovered) when its F + B + W sit this fraction away, on the "
+                       "same side, from what its layers should cost ...",
+    "rebalance.patience": "... for this many iterations in a row",
+    "rebalance.min_gain": "move layers only if the predicted iteration time improves by at least this fraction",
+    "rebalance.warmup_iterations": "without `layer_profile`: iterations measured at the start to learn what each "
+                                   "layer costs (a stage's time split among its layers by parameter count)",
+    "rebalance.layer_profile": "a layer profile (`pipemorph profile-stages --per-layer`, `docs/partition.md`) used "
+                               "instead of the warm-up measurement",
+    "rebalance.timeout_s": "seconds a migration's transfer may take; past it every rank keeps its layers and the "
+                           "next detection tries again",
+    "orchestrate": "a slow link inside the data-parallel rings (PipeMorph §6): ranks re-mapped while training "
+                   "runs (`docs/placement.md`)",
+    "orchestrate.matrix": "the link matrix of `pipemorph profile-links --all-pairs`; when the all-reduce is "
+                          "measured slower than the best placement's rings would take, every rank takes the "
+                          "coordinate `pipemorph place` gives it and `ds_pipemorph.initialize`'s handle follows "
+                          "the new engine; `null`: off",
+    "orchestrate.grad_mb": "gradient MB per stage the all-reduce moves; `null`: each stage's parameter bytes",
+    "orchestrate.chunk_mb": "MB per all-reduce message, as `pipemorph place --chunk-mb`; `null`: one message per "
+                            "ring step",
+    "orchestrate.noise": "a stage's all-reduce this fraction above what the best placement's ring would take ...",
+    "orchestrate.patience": "... in this many iterations in a row is a data-parallel straggler",
+    "orchestrate.min_gain": "re-map only if the predicted iteration time improves by at least this fraction",
+    "inject": "testing only: slow links, faults and compute stragglers made on purpose; the control loop never "
+              "reads these settings",
+    "inject.links": "testing only: link index → delay, e.g. `{\"2\": {\"delay_ms\": 30}}`",
+    "inject.links.*.delay_ms": "testing only: extra one-way latency of every message on the link, in ms",
+    "inject.trace": "testing only: a delay trace file `points: [{t: 0.0, links_ms: [...]}, ...]` replayed in "
+                    "wall-clock time (`recipes/stragglers/make_trace.py`)",
+    "inject.faults": "testing only: link failures and killed delegates (failover, PipeMorph §5.3)",
+    "inject.faults.link_fails_after": "testing only: link index → K; each direction of the link's direct path "
+                                      "carries K messages, then fails",
+    "inject.faults.kill_delegate": "testing only: kill one delegate process mid-run (needs `delegation.mode: always`)",
+    "inject.faults.kill_delegate.link": "testing only: the link whose delegate is killed",
+    "inject.faults.kill_delegate.after": "testing only: activation messages on the link before the kill",
+    "inject.faults.kill_delegate.side": "testing only: which end's delegate is killed",
+    "inject.compute": "testing only: stage index → factor ≥ 1, e.g. `{\"2\": 2.0}`: each F, B and W of the stage "
+                      "waits (factor − 1) × its own measured time after it ran; numbers are unchanged",
+    "inject.compute_trace": "testing only: a file `points: [{iteration: 3, factors: {\"2\": 2.0}}, ...]`; from "
+                            "`train_batch` k on (0 = the first) the point's factors hold (unnamed stages: 1); not "
+                            "together with `inject.compute`",
+    "inject.rank_links": "testing only: `{\"0-4\": 30}` slows the link between global ranks 0 and 4 by 30 ms one "
+                         "way: a pipeline link between them per message, an all-reduce ring through it 2(D − 1) × "
+                         "`allreduce_messages` times per all-reduce",
+    "inject.allreduce_messages": "testing only: messages each part of a ring all-reduce travels as; each pays a "
+                                 "slow ring link's delay once",
+    "inject.migration_drop": "testing only: migration attempts (0 = the first) whose layer state is never sent, "
+                             "only its size, as a connection lost mid-transfer would leave it",
+    "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
+            "(`F3`, `SEND_F3`, `RECV_B3`, …); nothing is emitted while no profiler is attached",
+    "timeline": "path: rank 0 writes a Chrome/Perfetto trace of every rank's ops (last 20 iterations), readable "
+                "by `pipemorph trace inspect`",
+    "profile_out": "path: with the control loop, rank 0 writes the measured profile (input of `pipemorph plan`) "
+                   "at every re-plan and at the end of training",
+    "timeout_s": "seconds any wait on another rank may take before failing with a message naming the rank, link "
+                 "and op",
+}
+
+
+def _args(t) -> tuple:
+    return typing.get_args(t)
+
+
+def _is_optional(t) -> bool:
+    return typing.get_origin(t) in (Union, types.UnionType) and type(None) in _args(t)
+
+
+def _strip_none(t):
+    rest = [a for a in _args(t) if a is not type(None)]
+    return rest[0] if len(rest) == 1 else Union[tuple(rest)]
+
+
+def _model_in(t):
+    """The model class a field holds (directly, optionally, or as the values of a mapping), else None."""
+    if _is_optional(t):
+        t = _strip_none(t)
+    if isinstance(t, type) and issubclass(t, BaseModel):
+        return t, ""
+    if typing.get_origin(t) is dict and isinstance(_args(t)[1], type) and issubclass(_args(t)[1], BaseModel):
+        return _args(t)[1], "*."
+    return None, ""
+
+
+def walk(model: type[BaseModel] = PipeMorphConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, pydantic FieldInfo) of every key of ``model``, depth first in declaration order."""
+    for name, info in model.model_fields.items():
+        path = prefix + name
+        yield path, info
+        inner, glue = _model_in(info.annotation)
+        if inner is not None:
+            yield from walk(inner, f"{path}.{glue}")
+
+
+def missing_and_unknown() -> tuple[list[str], list[str]]:
+    """Keys of the models without a description, and descriptions that name no key of the models."""
+    paths = [p for p, _ in walk()]
+    return [p for p in paths if p not in DESCRIPTIONS], sorted(set(DESCRIPTIONS) - set(paths))
+
+
+def type_text(t) -> str:
+    if _is_optional(t):
+        return f"{type_text(_strip_none(t))} or null"
+    origin = typing.get_origin(t)
+    if origin is Literal:
+        return " or ".join(json.dumps(a) for a in _args(t))
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_text(a) for a in _args(t))
+    if origin is list:
+        return f"list of {type_text(_args(t)[0])}"
+    if origin is dict:
+        return f"mapping of {type_text(_args(t)[0])} to {type_text(_args(t)[1])}"
+    if isinstance(t, type) and issubclass(t, BaseModel):
+        return "section"
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def limits_text(info) -> str:
+    signs = {Gt: ("> ", "gt"), Ge: ("≥ ", "ge"), Lt: ("< ", "lt"), Le: ("≤ ", "le")}
+    parts = [sign + f"{getattr(m, attr):g}" for m in info.metadata for kind, (sign, attr) in signs.items()
+             if isinstance(m, kind)]
+    return ", ".join(parts)
+
+
+def default_text(info) -> str:
+    if info.default is not PydanticUndefined:
+        value = info.default
+    elif info.default_factory is not None:
+        value = info.default_factory()
+    else:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return json.dumps(value)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+HEADER = """\
+# The `"pipemorph"` section of a ds_config
+
+<!-- Generated by `python -m ds_pipemorph.runtime.config_doc` from ds_pipemorph/runtime/config.py; do not edit. -->
+
+`ds_pipemorph.initialize` reads this section of the ds_config (DeepSpeed ignores it). Every key is
+optional; unknown keys and wrong types are refused at start-up with one sentence naming the key,
+and settings without effect under the chosen schedule are named in a warning. A minimal section:
+
+```json
+"pipemorph": {"schedule": "adaptive", "memory": {"max_inflight": [7, 5, 3, 1]}}
+```
+
+`*` in a key stands for any key of a mapping (`inject.links.*.delay_ms` is `{"links": {"2":
+{"delay_ms": 30}}}` inside `inject`). Keys marked "testing only" make stragglers on purpose.
+"""
+
+
+def render() -> str:
+    """The whole of docs/config.md for the models as they are."""
+    missing, unknown = missing_and_unknown()
+    if missing or unknown:
+        raise ValueError(f"config_doc.DESCRIPTIONS: no description for {missing or 'nothing'}; "
+                         f"descriptions naming no key: {unknown or 'none'}")
+    groups: dict[str, list[str]] = {"": []}  # top-level section -> its rows ("": keys at the top level)
+    for path, info in walk():
+        top = path.split(".")[0]
+        if path == top and default_text(info) == "(section)":
+            groups[top] = []
+            continue
+        kind = type_text(info.annotation)
+        limits = limits_text(info)
+        kind = f"{kind} ({limits})" if limits else kind
+        default = default_text(info)
+        default = default if default == "required" else f"`{_cell(default)}`"
+        row = f"| `{path}` | {_cell(kind)} | {default} | {_cell(DESCRIPTIONS[path])} |"
+        groups[top if top in groups and top else ""].append(row)
+    out = [HEADER]
+    for top, rows in groups.items():
+        about = DESCRIPTIONS[top] if top else "keys outside the sections below"
+        out += [f"## {f'`{top}`' if top else 'Top level'}\n", f"{about[0].upper()}{about[1:]}.\n",
+                "| key | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ds_pipemorph.runtime.config_doc",
+                                 description="Write docs/config.md from the pipemorph config models.")
+    ap.add_argument("--out", type=Path, default=DOC, help=f"file to write (default: {DOC})")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file differs")
+    args = ap.parse_args(argv)
+    try:
+        text = render()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.check:
+        same = args.out.is_file() and args.out.read_text() == text
+        print(f"{args.out}: {'up to date' if same else 'differs from the models; run without --check'}")
+        return 0 if same else 1
+    write_atomic(args.out, text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
