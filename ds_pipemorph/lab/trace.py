@@ -1,0 +1,77 @@
+"""A rate trace: the rate of one shaped pair over time, as points ``[{t: seconds, rate: 100mbit}]``
+in a YAML or JSON file, played back with ``tc class change`` while a job runs."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ds_pipemorph.fileio import load_model
+
+
+class RatePoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    t: float = Field(ge=0, description="seconds after the trace starts")
+    rate: Union[str, int] = Field(description="rate from then on: 100mbit, 1gbit, or bit/s")
+
+    @field_validator("rate")
+    @classmethod
+    def _rate(cls, v):
+        from ds_pipemorph.lab.shape import parse_rate
+
+        parse_rate(v)
+        return v
+
+    @property
+    def bits(self) -> int:
+        from ds_pipemorph.lab.shape import parse_rate
+
+        return parse_rate(self.rate)
+
+
+class RateTrace(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    points: list[RatePoint] = Field(min_length=1)
+
+    @field_validator("points")
+    @classmethod
+    def _ordered(cls, pts):
+        for a, b in zip(pts, pts[1:]):
+            if b.t < a.t:
+                raise ValueError(f"point at t={b.t} comes after t={a.t}: order the points by time")
+        return pts
+
+
+def load_rate_trace(path: str) -> RateTrace:
+    return load_model(path, RateTrace)
+
+
+class TracePlayer:
+    """Calls ``apply(rate_bits)`` at each point's time on a thread; ``stop()`` ends it early."""
+
+    def __init__(self, trace: RateTrace, apply: Callable[[int], None]):
+        self.trace, self.apply = trace, apply
+        self._stop = threading.Event()
+        self.applied: list[tuple[float, int]] = []  # (seconds after start, rate) as applied
+        self._thread = threading.Thread(target=self._run, name="lab-rate-trace", daemon=True)
+
+    def start(self) -> "TracePlayer":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for p in self.trace.points:
+            if self._stop.wait(max(0.0, self._t0 + p.t - time.monotonic())):
+                return
+            self.apply(p.bits)
+            self.applied.append((time.monotonic() - self._t0, p.bits))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
