@@ -1,10 +1,10 @@
 """What the delegated path's two staging copies cost: modes that skip one or both (benchmarks only).
 
-A delegated message is copied into a send ring slot by the sending training process (the copy the
-issue prescribes: "copies the tensor into a staging slot and goes on") and out of a receive ring slot
-by the receiving one. The ablation modes run the same all-delegated pipeline with one or both of those
-copies skipped (the message header still goes through, so sizes, order and acknowledgements are real),
-which isolates their cost from everything else on the path (delegate processes, rings, extra Gloo
+A delegated message is copied into a send ring slot by the sending training process (the copy that
+delegation is made of: the training process copies the tensor into a staging slot and goes on) and
+out of a receive ring slot by the receiving one. The ablation modes run the same all-delegated
+pipeline with one or both of those copies skipped (the message header still goes through, so sizes,
+order and acknowledgements are real), which isolates their cost from everything else on the path (delegate processes, rings, extra Gloo
 messages, hand-offs). The data that arrives is garbage: these modes measure time, never correctness,
 and the library has no such switch; ``install`` patches the rank process it runs in.
 """

@@ -1,5 +1,6 @@
-"""The planner's pure-Python reference: the list scheduler and the replay simulator exactly as they
-were before the compiled core and the event-driven rewrite (``listsched``, ``simulate``, ``native``).
+"""The planner's pure-Python reference: the list scheduler and the replay simulator in their plainest
+form, against which the event-driven versions (``listsched``, ``simulate``) and the compiled core
+(``native``) are checked.
 
 Used only by tests (tests/plan/test_native.py): every faster version must give the same schedules,
 the same timelines (times equal to 1e-9) and the same errors as these, on many random cases.
