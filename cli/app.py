@@ -29,6 +29,8 @@ COMMANDS = {
     "profile-links": ("profile_cmd", "profile_links"),
     "profile-stages": ("profile_cmd", "profile_stages"),
     "trace": ("trace_cmd", "app"),
+    "lab": ("lab_cmd", "app"),
+    "paired": ("paired_cmd", "paired"),
 }
 
 

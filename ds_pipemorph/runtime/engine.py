@@ -182,8 +182,9 @@ class PipeMorphEngine(PipelineEngine):
         """Stop this rank's delegate processes (they also exit when the training process dies)."""
         if self.adapter is not None:  # rank 0: the final profile_out and the profiler's overhead line
             self.adapter.close()
-        if self.inbox is not None:
-            self.inbox.close()
+        for inbox in (self.inbox, getattr(self, "_idle_inbox", None)):
+            if inbox is not None:
+                inbox.close()
         self.transport.close()
         parent = getattr(super(), "destroy", None)
         if parent is not None:
@@ -223,6 +224,27 @@ class PipeMorphEngine(PipelineEngine):
         self.stream = streams[self.stage_id]
         self._schedule = None  # built at the next batch
         self._program_map = None
+
+    def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[str] = None) -> None:
+        """Run ``plan`` and/or ``dispatch`` ("ordered" or "ready") from the next ``train_batch``, as a
+        re-plan takes effect at an iteration boundary: every rank calls it with the same arguments
+        between two ``train_batch`` calls. Ready dispatch switched off keeps its receive threads for
+        when it is switched on again (a paired benchmark switches every iteration)."""
+        if plan is not None and plan is not self.plan:
+            self._set_plan(plan)
+            self._train_schedule()  # its program is built now, not inside the next train_batch
+        if dispatch not in (None, "ordered", "ready"):
+            raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
+        if dispatch is None or (dispatch == "ready") == (self.inbox is not None):
+            return
+        if dispatch == "ordered":
+            self._idle_inbox, self.inbox = self.inbox, None
+            return
+        if self.pipemorph.inject.faults is not None:
+            raise PipeMorphConfigError("inject.faults cannot be combined with dispatch 'ready'")
+        idle = getattr(self, "_idle_inbox", None)
+        self.inbox = idle or Inbox(self.transport, 2 * self.micro_batches, self.pipemorph.timeout_s, self.global_rank)
+        self._idle_inbox = None
 
     def _train_schedule(self):
         n = max((op.mb for op in self.stage_plan), default=-1) + 1

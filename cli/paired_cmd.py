@@ -1,0 +1,92 @@
+"""``pipemorph paired A B``: two configurations alternated in one run, compared pair by pair.
+
+The ratio B/A is the median of per-pair ratios with a bootstrap 95 % interval, next to the A/A noise
+check (``ds_pipemorph.bench.paired``); ``docs/paired.md`` explains the method.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ds_pipemorph.bench.paired import cycles_for
+from ds_pipemorph.bench.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
+from ds_pipemorph.fileio import BadInput, describe, write_atomic
+
+from .common import console, parse_floats, user_errors
+
+
+def paired(
+    a: Annotated[str, typer.Argument(help="Side A, the reference: PLAN[+MODIFIER...] with PLAN zb, 1f1b, "
+                                          "plan:FILE, stock-1f1b or pipemorph; modifiers ordered, ready, "
+                                          "direct, delegated (e.g. zb+ready).")],
+    b: Annotated[str, typer.Argument(help="Side B, compared with A (B/A > 1: B takes longer).")],
+    stages: int = typer.Option(4, min=2, help="Pipeline stages (one rank each)."),
+    microbatches: int = typer.Option(12, min=1, help="Micro-batches per iteration."),
+    op_ms: float = typer.Option(10.0, min=0.5, help="Emulated time of each F, B and W in ms."),
+    links_ms: Annotated[Optional[str], typer.Option(
+        "--links-ms", help="Injected one-way delay of every link, S-1 values (e.g. 0,0,30).",
+        show_default="no delay")] = None,
+    pairs: int = typer.Option(20, min=2, help="B/A pairs to measure (A B A' B gives two, and one A/A pair)."),
+    warmup: int = typer.Option(4, min=0, help="Unmeasured iterations first (whole jobs: in each job)."),
+    job_iterations: int = typer.Option(5, min=1, help="Whole jobs only: measured iterations per job."),
+    seed: int = typer.Option(0, help="Seed of the bootstrap."),
+    out: Path = typer.Option(Path("out/paired.json"), "--out", help="Results as JSON."),
+    timeout_s: float = typer.Option(1800.0, min=1.0, help="Give up on the run after this many seconds."),
+) -> None:
+    """Alternate A and B every iteration in one job (or whole jobs where they cannot share one) and print B/A."""
+    from ds_pipemorph.bench.paired_launch import PairedRunError, run
+
+    with user_errors():
+        side_a, side_b = parse_side(a, "A"), parse_side(b, "B")
+        if not share_a_job(side_a, side_b):
+            check_job_sides(side_a, side_b)
+        delays = parse_floats(links_ms, "--links-ms") if links_ms is not None else [0.0] * (stages - 1)
+        work = Path(tempfile.mkdtemp(prefix="pipemorph-paired-"))
+        try:
+            spec = PairedSpec(a=side_a, b=side_b, stages=stages, microbatches=microbatches, op_ms=op_ms,
+                              links_ms=delays, cycles=cycles_for(pairs), warmup=warmup,
+                              job_iterations=job_iterations, seed=seed, out=str(work / "iterations.json"),
+                              progress_file=str(work / "progress"))
+        except ValidationError as e:
+            raise BadInput(describe(e)) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting ranks", total=spec.iterations)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        try:
+            result = run(spec, work, timeout_s, progress)
+        except PairedRunError as e:
+            console.print(f"error: {e}", markup=False)
+            raise typer.Exit(1) from None
+    write_atomic(str(out), json.dumps(result, indent=2) + "\n")
+    print_result(spec, result)
+    console.print(f"results: {out}")
+
+
+def print_result(spec: PairedSpec, result: dict) -> None:
+    c = result["comparison"]
+    t = Table(title=f"{spec.stages} stages x {spec.microbatches} micro-batches, F=B=W={spec.op_ms:g} ms (emulated), "
+                    f"links {spec.links_ms} ms", title_justify="left")
+    for col in ("comparison", "median ratio", "95% interval", "pairs", "median ms"):
+        t.add_column(col, justify="right")
+    r = c["ratio"]
+    t.add_row(f"B/A  {spec.b.text} / {spec.a.text}", f"{r['median']:.3f}", f"[{r['lo']:.3f}, {r['hi']:.3f}]",
+              str(r["pairs"]), f"{c['b_median_ms']:.1f} / {c['a_median_ms']:.1f}")
+    n = c["noise"]
+    if n is not None:
+        t.add_row(f"A'/A {spec.a.text} / itself", f"{n['median']:.3f}", f"[{n['lo']:.3f}, {n['hi']:.3f}]",
+                  str(n["pairs"]), "")
+    console.print(t)
+    console.print(f"alternation: {result['mode']}", markup=False)
+    console.print(f"verdict: {c['verdict']}", markup=False)
