@@ -41,13 +41,14 @@ def wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_wheel_carries_the_staging_sources_and_the_cli_but_no_recipes(wheel):
+def test_wheel_carries_the_staging_sources_the_planner_core_and_the_cli_but_no_recipes(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = sorted(p.name for p in (REPO / "cuda_ext").iterdir() if p.suffix in (".cpp", ".cu", ".h"))
     assert sources, "cuda_ext/ holds no sources"
     for s in sources:
         assert f"ds_pipemorph/staging/cuda_ext/{s}" in names
     assert "ds_pipemorph_cli/app.py" in names and "ds_pipemorph/staging/builder.py" in names
+    assert "ds_pipemorph/plan/plancore.c" in names  # the planner core's source, compiled at first use
     assert not [n for n in names if n.startswith(("recipes/", "tests/", "benchmarks/", "cuda_ext/"))]
     entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "pipemorph = ds_pipemorph_cli.app:console_main" in zipfile.ZipFile(wheel).read(entry[0]).decode()

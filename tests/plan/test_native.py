@@ -5,11 +5,19 @@ random warm-ups within caps and outside them, every policy of ``search.policies`
 Latency, Direct and Delegated(k), split and fused backward): the list scheduler gives the same
 orders and the same errors; the replay the same slots in the same order (times to 1e-9), busy
 times, peaks, iteration time and stuck messages. Both the compiled core (when a C compiler is
-there) and the pure-Python fallback are checked.
+there) and the pure-Python fallback are checked. The core is built from the C file the package
+ships, cached under a hash of that source and the compiler, and checked before use: without a
+compiler, with an unusable cache dir, or with a wrong, stale or corrupt library the planner says so
+in one line and runs its Python code, or rebuilds.
 """
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -186,23 +194,142 @@ def test_large_cases_match_the_reference(impl):
                   _replayed(reference.replay, sched, costs, N, False, model))
 
 
-@pytest.mark.skipif(not HAVE_NATIVE, reason="no C compiler: the compiled core is not available")
+needs_cc = pytest.mark.skipif(native._compiler()[0] is None, reason="no C compiler")
+# The same core with one wrong number: the replay's last end one millisecond late.
+WRONG = (b"res[1] = last_end;", b"res[1] = last_end + 1.0;")
+
+
+def _key(src: bytes) -> str:
+    return native.build_key(src, native._compiler()[0])
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == native.__name__]
+
+
+@needs_cc
 def test_native_switch_and_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DS_PIPEMORPH_NATIVE", "0")
     assert native.lib() is None
     monkeypatch.setenv("DS_PIPEMORPH_NATIVE", "1")
     monkeypatch.setenv("DS_PIPEMORPH_CACHE", str(tmp_path))
-    lib = native._build()  # a fresh build into an empty cache, then a load of what it left
-    assert lib is not None and len(list(tmp_path.glob("plancore-*.so"))) == 1
-    assert native._build() is not None
+    lib = native.load()  # a fresh build into an empty cache, then a load of what it left
+    assert lib is not None
+    assert [p.name for p in tmp_path.iterdir()] == [f"plancore-{_key(native.source())}.so"]  # no temporaries left
+    again = native.load()
+    assert again is not None and again.pm_build_key().decode() == _key(native.source())
 
 
 def test_the_compiled_core_builds_where_there_is_a_compiler():
     """A C compiler on PATH and no core means the source does not compile: fail loudly (the
     planner would silently run the Python code, correct but far slower at scale)."""
-    if native._compiler() is None or not native.enabled():
+    if native._compiler()[0] is None or not native.enabled():
         pytest.skip("no C compiler, or the core is switched off")
     assert native.lib() is not None
+
+
+def test_the_source_is_a_c_file_beside_the_module():
+    here = Path(native.__file__).parent / "plancore.c"
+    assert native.source() == here.read_bytes()
+    assert b"int pm_replay(" in native.source() and b"const char *pm_build_key(void)" in native.source()
+
+
+def test_cc_naming_a_missing_compiler_says_so_in_one_line_and_the_planner_still_plans(tmp_path):
+    """A process with ``$CC`` naming a missing binary and no compiler on PATH: one log line naming
+    the cause and the cost, and the plans and replays of the Python code."""
+    code = (
+        "from ds_pipemorph.plan import native, simulate\n"
+        "from ds_pipemorph.plan.listsched import list_schedule\n"
+        "from ds_pipemorph.plan.profile import Costs\n"
+        "c = Costs.uniform(4, 10.0)\n"
+        "s = list_schedule(c, 8, [8, 6, 4, 2])\n"
+        "print(native.lib() is None, simulate.replay(s, c, 8).iteration_ms, simulate.makespan(s, c, 8))\n"
+    )
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "PATH": str(empty),
+           "DS_PIPEMORPH_CACHE": str(tmp_path / "cache"), "DS_PIPEMORPH_NATIVE": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [x for x in p.stderr.splitlines() if "planner core" in x]
+    assert lines == [f"planner core not built ($CC names {tmp_path / 'no-such-cc'}, which is not found): replays run "
+                     f"in Python, {native.PYTHON_COST}"], p.stderr
+    none, t_replay, t_span = p.stdout.split()
+    # 4 stages x 8 micro-batches, 10 ms per F, B and W: the zero-bubble optimum 3 N t + (S - 1) t.
+    assert none == "True" and float(t_replay) == float(t_span) == 270.0
+    assert not (tmp_path / "cache").exists()
+
+
+def test_no_compiler_on_path_and_no_cc_says_so(monkeypatch, caplog, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # empty: neither Python's compiler nor cc, gcc, clang
+    monkeypatch.setenv("DS_PIPEMORPH_CACHE", str(tmp_path / "cache"))
+    if native._compiler()[0] is not None:
+        pytest.skip("Python's own compiler is named by an absolute path")
+    assert native.load() is None
+    assert _lines(caplog) == [f"planner core not built (no C compiler found): replays run in Python, {native.PYTHON_COST}"]
+
+
+@needs_cc
+def test_an_unusable_cache_dir_says_so_in_one_line(monkeypatch, caplog, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache dir should be")
+    monkeypatch.setenv("DS_PIPEMORPH_CACHE", str(blocker / "cache"))
+    assert native.load() is None
+    (line,) = _lines(caplog)
+    assert line.startswith(f"planner core not built (cache dir {blocker / 'cache'} is not usable: ") and \
+        line.endswith(f"): replays run in Python, {native.PYTHON_COST}"), line
+
+
+@needs_cc
+def test_a_core_that_disagrees_with_the_python_code_is_not_used(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("DS_PIPEMORPH_CACHE", str(tmp_path))
+    src = native.source()
+    assert src.count(WRONG[0]) == 1
+    assert native.load(src.replace(*WRONG)) is None
+    assert _lines(caplog) == ["planner core not used (it disagrees with the Python code on the replay (Latency "
+                              f"links)): replays run in Python, {native.PYTHON_COST}"]
+
+
+@needs_cc
+def test_a_library_built_from_other_source_under_the_cached_name_is_rebuilt(monkeypatch, caplog, tmp_path):
+    """A stale library at the name the current source hashes to (as if the source changed and the
+    hash did not): it says which source it was built from, so it is not used but rebuilt."""
+    monkeypatch.setenv("DS_PIPEMORPH_CACHE", str(tmp_path))
+    src = native.source()
+    stale_src = src.replace(*WRONG)
+    native.load(stale_src)  # builds plancore-<stale key>.so (and refuses to use it)
+    caplog.clear()
+    cached = tmp_path / f"plancore-{_key(src)}.so"
+    shutil.copyfile(tmp_path / f"plancore-{_key(stale_src)}.so", cached)
+    lib = native.load()
+    assert lib is not None and lib.pm_build_key().decode() == _key(src)
+    assert native.disagreement(lib) is None and _lines(caplog) == []
+    check = subprocess.run([sys.executable, "-c", f"import ctypes; f = ctypes.CDLL({str(cached)!r}).pm_build_key; "
+                            "f.restype = ctypes.c_char_p; print(f().decode())"], capture_output=True, text=True, timeout=60)
+    assert check.stdout.strip() == _key(src)  # the file under the name now holds the current build
+
+
+@needs_cc
+def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("DS_PIPEMORPH_CACHE", str(tmp_path))
+    cached = tmp_path / f"plancore-{_key(native.source())}.so"
+    cached.write_bytes(b"\x7fELF" + b"\0" * 60)  # a truncated write
+    lib = native.load()
+    assert lib is not None and native.disagreement(lib) is None and _lines(caplog) == []
+    assert cached.read_bytes()[:4] == b"\x7fELF" and cached.stat().st_size > 1000
+
+
+def test_the_build_key_changes_with_the_source_and_the_compiler(tmp_path):
+    cmd = native._compiler()[0]
+    if cmd is None:
+        pytest.skip("no C compiler")
+    src = native.source()
+    wrapper = tmp_path / "cc-wrapper"  # another compiler: a script that says another version
+    wrapper.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && {{ echo other 1.0; exit 0; }}\nexec {shutil.which(cmd[0])} \"$@\"\n")
+    wrapper.chmod(0o755)
+    keys = {native.build_key(src, cmd), native.build_key(src + b"\n", cmd), native.build_key(src, [str(wrapper)])}
+    assert len(keys) == 3 and native.build_key(src, cmd) == native.build_key(src, cmd)
 
 
 @pytest.mark.parametrize("seed", range(3))

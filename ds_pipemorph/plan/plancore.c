@@ -1,23 +1,26 @@
-"""The C source of the planner's compiled core (``plan.native`` builds it on first use).
+/* Compiled core of the planner: line-by-line ports of listsched.list_schedule_py and simulate._run_py,
+plus the link-tolerance search of tolerance.py.
 
-Kept in a Python module so that every install carries it (a wheel ships the package's ``.py``
-files). Line-by-line ports of ``listsched.list_schedule_py`` and ``simulate._run_py``, plus the
-link-tolerance search of ``tolerance``; tests/plan/test_native.py holds them to the Python code.
-"""
-
-SOURCE = r"""/* Compiled core of the planner: line-by-line ports of listsched.list_schedule_py and simulate._run_py.
-
-Built on first use by plan/native.py with the system C compiler (no Python headers: called through
-ctypes) and cached; without a compiler the planner runs its pure-Python code, which stays the
-reference these functions are tested against (tests/plan/test_native.py). Same IEEE double
-operations in the same order as the Python code (-ffp-contract=off: no fused multiply-adds), so
-the same schedules and bit-identical times.
+Shipped as package data and built on first use by plan/native.py with the system C compiler (no
+Python headers: called through ctypes); the library is cached under a name hashed from this file
+and the compiler, and carries that hash (pm_build_key), so a library built from other source is
+never used. Without a compiler the planner runs its pure-Python code, which stays the reference
+these functions are tested against (tests/plan/test_native.py). Same IEEE double operations in the
+same order as the Python code (-ffp-contract=off: no fused multiply-adds), so the same schedules and
+bit-identical times.
 
 Codes: an op is kind * N + m with kind 0 = F, 1 = B, 2 = W.
 */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifndef PM_BUILD_KEY
+#define PM_BUILD_KEY ""
+#endif
+
+/* The key plan/native.py built this library for (hash of this source, flags and compiler). */
+const char *pm_build_key(void) { return PM_BUILD_KEY; }
 
 /* ---------------------------------------------------------------- list scheduler */
 
@@ -723,4 +726,3 @@ done:
     free(lk);
     return ok;
 }
-"""
