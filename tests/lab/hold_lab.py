@@ -1,0 +1,14 @@
+"""Build a 2-node lab with a shaped pair and a process running in node 1, print the lab id and that
+process's pid, then wait (the test kills this process) or fail (``fail`` argument)."""
+import sys
+import time
+
+from ds_pipemorph.lab import Lab
+
+with Lab(nodes=2) as lab:
+    lab.shape(0, 1, "10mbit", both=True)
+    job = lab.popen(1, ["sleep", "600"])
+    print(lab.lab_id, job.pid, flush=True)
+    if sys.argv[1:] == ["fail"]:
+        raise SystemExit("the job failed")
+    time.sleep(600)

@@ -1,0 +1,70 @@
+"""Nothing a lab made outlives it: namespaces, veth pairs, bridges, qdiscs and the processes started
+in its nodes are gone after a normal exit, a failing job, Ctrl-C and ``kill -9`` of the lab process."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_pipemorph.lab import Lab, names
+from lab_helpers import host_network, namespaces
+
+HOLD = str(Path(__file__).with_name("hold_lab.py"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (killed, not yet reaped by its parent) has left every namespace already.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(prefix: str, pid: int, seconds: float = 30) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and (namespaces(prefix) or alive(pid)):
+        time.sleep(0.1)
+
+
+def start_holder(*args: str) -> tuple[subprocess.Popen, str, int]:
+    proc = subprocess.Popen([sys.executable, HOLD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().split()
+    assert line, proc.stderr.read()
+    return proc, names.lab_prefix(line[0]), int(line[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_job_leaves_nothing_behind(lab_capable):
+    before = host_network()
+    with pytest.raises(subprocess.CalledProcessError):
+        with Lab(nodes=2, networks=2) as lab:
+            lab.shape(0, 1, "10mbit")
+            lab.shape(1, 0, "20mbit", net=1)
+            sleeper = lab.popen(0, ["sleep", "600"])
+            assert len(namespaces(lab.prefix)) == 3  # two nodes and the switch
+            job = lab.popen(1, ["sh", "-c", "exit 3"])
+            if job.wait() != 0:
+                raise subprocess.CalledProcessError(job.returncode, job.args)
+    assert namespaces(lab.prefix) == []
+    assert sleeper.poll() is not None
+    assert host_network() == before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["fail", "sigint", "sigkill"])
+def test_the_lab_process_ending_any_way_removes_its_lab(lab_capable, how):
+    before = host_network()
+    proc, prefix, job_pid = start_holder(*(["fail"] if how == "fail" else []))
+    assert len(namespaces(prefix)) == 3 and alive(job_pid)
+    if how != "fail":
+        proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
+    proc.wait(timeout=30)
+    wait_gone(prefix, job_pid)  # after kill -9 the watchdog does it, a moment later
+    assert namespaces(prefix) == []
+    assert not alive(job_pid)
+    assert host_network() == before
