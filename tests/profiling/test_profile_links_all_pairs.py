@@ -6,7 +6,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import pytest
 import yaml
@@ -75,19 +74,16 @@ def _torchrun(tmp_path, nproc, *args, timeout):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TERMINAL_WIDTH="200", COLUMNS="200")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "ds_pipemorph_cli.app", "profile-links", "--all-pairs", *[str(a) for a in args]]
-    t0 = time.monotonic()
-    proc = run_group(cmd, timeout, env=env, cwd=tmp_path)
-    return proc, time.monotonic() - t0
+    return run_group(cmd, timeout, env=env, cwd=tmp_path)  # its timeout is the only bound on time
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_four_ranks_find_the_injected_30ms_on_pair_0_2_and_place_accepts_the_matrix(tmp_path):
     out, report = tmp_path / "links.yaml", tmp_path / "report.json"
-    proc, took = _torchrun(tmp_path, 4, "--inject-pairs-ms", "0-2:30", "--sizes", "4K,256K,4M", "--reps", "5",
+    proc = _torchrun(tmp_path, 4, "--inject-pairs-ms", "0-2:30", "--sizes", "4K,256K,4M", "--reps", "5",
                            "-o", out, "--report", report, timeout=140)
     assert out.exists() and report.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert took < 60, f"took {took:.1f} s"
 
     matrix = load_model(out, LinkMatrix)  # as `pipemorph place` reads it
     assert matrix.world_size == 4
@@ -140,7 +136,7 @@ def test_four_ranks_find_the_injected_30ms_on_pair_0_2_and_place_accepts_the_mat
 @pytest.mark.timeout(120)
 def test_three_ranks_one_sitting_out_each_round_measure_all_three_pairs(tmp_path):
     out = tmp_path / "links.json"
-    proc, _ = _torchrun(tmp_path, 3, "--sizes", "4K,64K", "--reps", "2", "-o", out, timeout=110)
+    proc = _torchrun(tmp_path, 3, "--sizes", "4K,64K", "--reps", "2", "-o", out, timeout=110)
     assert out.exists(), proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     matrix = LinkMatrix.model_validate(data)

@@ -20,7 +20,7 @@ def test_pop_timeout_names_ring_slot_and_duration_without_burning_cpu(staging_op
         wall, cpu = time.monotonic() - t0, time.process_time() - c0
         msg = str(err.value)
         assert ring_name in msg and "slot 0 of 2" in msg and "1 s" in msg and "message 0" in msg, msg
-        assert 1.0 <= wall < 3.0
+        assert wall >= 1.0  # it waited its whole timeout (the test's timeout bounds it from above)
         assert cpu < 0.3 * wall, f"waiting used {cpu:.2f} s of CPU in {wall:.2f} s: busy loop?"
         # The ring still works after a timeout.
         ring.push(torch.tensor([4]), tag=1)
@@ -92,7 +92,7 @@ def test_a_signal_interrupts_an_endless_pop(staging_op, ring_name):
             timer.start()
             with pytest.raises(Interrupted):
                 ring.pop(timeout_s=None)  # no timeout: only the signal ends the wait
-            assert 0.3 <= time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 >= 0.3  # ended by the signal, not before it
             ring.push(torch.ones(1), tag=5)  # the ring is still usable
             assert ring.pop(timeout_s=1.0)[1] == 5
     finally:
