@@ -1,0 +1,176 @@
+"""Every command README.md shows in a ```bash block is exercised: run here, or by a named test.
+
+``REGISTRY`` maps each command (as written, comments dropped, ``&&`` chains split) to how it is
+exercised: ``Here`` runs it in this file against real files; ``Node`` names the test that runs it
+(or, for GPU-only launches, its CPU equivalent). A README command missing from the registry fails.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+@dataclass(frozen=True)
+class Here:
+    """Run in this file (``test_readme_commands_run_here``), from a scratch copy of what it reads."""
+    why: str
+
+
+@dataclass(frozen=True)
+class Node:
+    """Exercised by these tests (``path::function``); a GPU-only command by its CPU equivalent."""
+    nodes: tuple[str, ...]
+    why: str
+
+
+RUNS = "tests/docs/test_readme_runs.py"
+REGISTRY: dict[str, Here | Node] = {
+    "bash scripts/setup.sh": Node((
+        "tests/docs/test_setup_sh.py::test_dry_run_prints_the_pip_commands_of_each_setting",
+        "tests/docs/test_setup_sh.py::test_without_dry_run_the_same_commands_run_from_the_repository_root"),
+        "the commands it runs, recorded without reinstalling torch"),
+    "PIPEMORPH_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh": Here("dry run"),
+    "PIPEMORPH_SKIP_TORCH=1 bash scripts/setup.sh": Here("dry run"),
+    "pipemorph demo": Node((f"{RUNS}::test_demo_prints_the_table_of_three_schedules_with_and_without_delay",),
+                           "the same demo with one measured iteration per schedule"),
+    "python -m pytest": Node(("tests/docs/test_readme_commands.py::test_every_readme_command_is_in_the_registry",),
+                             "the suite itself, of which this file is part"),
+    "DS_ACCELERATOR=cpu deepspeed --num_gpus 4 recipes/tiny_gpt/train.py --steps 40": Node(
+        (f"{RUNS}::test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks",), "3 steps instead of 40"),
+    "pipemorph plan recipes/profiles/paper_fig4.yaml -o plan.yaml": Here("writes a plan"),
+    "pipemorph simulate plan.yaml --links-ms 20,0,0": Here("replays that plan under 20 ms on link 0"),
+    "deepspeed --hostfile hostfile recipes/tiny_gpt/train.py --config recipes/gpu_cluster/ds_config.json": Node(
+        (f"{RUNS}::test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu",),
+        "GPU only; the CPU equivalent: `--num_gpus 4` on this host (a hostfile needs ssh), gloo, same config"),
+    "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint node-a:29500 "
+    "recipes/tiny_gpt/train.py --config recipes/gpu_cluster/ds_config.json": Node(
+        (f"{RUNS}::test_gpu_cluster_config_trains_under_torchrun_c10d_rendezvous_on_cpu",),
+        "GPU only; the CPU equivalent: one node of 4 ranks through the same c10d rendezvous, gloo, same config"),
+    "pipemorph --version": Here("prints the package version"),
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Each command of the ```bash blocks, in order: comments dropped, continuations joined, && split."""
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                out.append(" ".join(words[:cut]))
+                words = words[cut + 1:]
+    return out
+
+
+COMMANDS = readme_commands(README.read_text())
+
+
+def test_every_readme_command_is_in_the_registry():
+    assert COMMANDS, "README.md shows no ```bash block"
+    missing = [c for c in COMMANDS if c not in REGISTRY]
+    assert not missing, f"README.md shows commands no test exercises; add them to REGISTRY: {missing}"
+
+
+def test_the_readme_shows_few_commands():
+    assert len(set(COMMANDS)) <= 15
+
+
+def test_the_extraction_reads_comments_chains_and_continuations():
+    text = "x\n```bash\na --b 1 && c   # why\nd \\\n  e\n```\n```python\nnot_a_command()\n```\n"
+    assert readme_commands(text) == ["a --b 1", "c", "d e"]
+
+
+def _defined_tests(path: Path) -> set[str]:
+    return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("command", sorted({c for c in COMMANDS if isinstance(REGISTRY.get(c), Node)}))
+def test_the_tests_named_for_a_command_exist(command):
+    for node in REGISTRY[command].nodes:
+        path, _, name = node.partition("::")
+        assert name in _defined_tests(ROOT / path), f"{node} (named for `{command}`) does not exist"
+
+
+def _run(command: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    words = shlex.split(command)
+    assigns = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
+    argv = [w for w in words if w.split("=", 1)[0] not in assigns]
+    if argv[:2] == ["bash", "scripts/setup.sh"]:
+        argv[1] = str(ROOT / argv[1])
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PIPEMORPH_")}
+    return subprocess.run(argv, cwd=cwd, env={**full_env, **assigns, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.timeout(600)
+def test_readme_commands_run_here(tmp_path):
+    """The README's commands marked ``Here``, in README order, in a scratch copy of the files they read."""
+    shutil.copytree(ROOT / "recipes" / "profiles", tmp_path / "recipes" / "profiles")
+    here = [c for c in dict.fromkeys(COMMANDS) if isinstance(REGISTRY.get(c), Here)]
+    assert here
+    for command in here:
+        if "scripts/setup.sh" in command:
+            r = _run(command, tmp_path, PIPEMORPH_DRY_RUN="1")  # prints the pip commands, installs nothing
+        else:
+            r = _run(command, tmp_path)
+        assert r.returncode == 0, f"`{command}`: {r.stderr}"
+        check(command, r.stdout, tmp_path)
+
+
+def check(command: str, stdout: str, cwd: Path) -> None:
+    """What each command must have done, from sources other than the code that did it."""
+    if command.startswith("PIPEMORPH_TORCH_INDEX_URL="):
+        torch_line = shlex.split(stdout.splitlines()[0])
+        assert torch_line[-3:] == ["--index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0"]
+    elif command.startswith("PIPEMORPH_SKIP_TORCH=1"):
+        assert not any(w.startswith("torch") for line in stdout.splitlines() for w in shlex.split(line))
+        assert "-e" in stdout
+    elif command.startswith("pipemorph plan"):
+        import yaml
+
+        plan = yaml.safe_load((cwd / "plan.yaml").read_text())
+        assert plan["stages"] == 4 and plan["microbatches"] == 12
+        for ops in plan["schedule"]:  # every F, B, W of every micro-batch exactly once per stage
+            assert sorted(ops) == sorted(f"{k}{m}" for k in "FBW" for m in range(12))
+        # PipeMorph Fig. 4: 4 stages x 12 micro-batches of 10 ms ops plan to 390 ms with warm-up 7, 5, 3, 1.
+        assert plan["warmup"] == [7, 5, 3, 1] and plan["predicted"]["iteration_ms"] == pytest.approx(390.0)
+    elif command.startswith("pipemorph simulate"):
+        # PipeMorph Fig. 5: the same fixed plan with 20 ms on link 0 takes 440 ms (README's comment says so).
+        row = next(line for line in stdout.splitlines() if re.search(r"\bplan\b", line) and "│" in line)
+        assert "440.0" in row
+        assert "440 ms" in next(line for line in README.read_text().splitlines() if command in line)
+    elif command == "pipemorph --version":
+        from importlib.metadata import version
+
+        assert stdout.split() == ["pipemorph", version("ds_pipemorph")]
+    else:
+        raise AssertionError(f"no check written for `{command}`")
+
+
+def test_the_cli_table_lists_every_command():
+    from ds_pipemorph_cli.app import COMMANDS as CLI
+
+    table = README.read_text().split("## The CLI", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"\| `pipemorph ([a-z-]+)", table)) | set(re.findall(r", `([a-z-]+)(?: [a-z]+)?`", table))
+    assert set(CLI) <= listed, f"README's CLI table lacks {sorted(set(CLI) - listed)}"
+
+
+def test_the_config_in_the_readme_is_accepted():
+    from ds_pipemorph.runtime.config import parse_config
+
+    section = re.search(r'```json\n"pipemorph": (\{.*?\})\n```', README.read_text(), re.S).group(1)
+    cfg = parse_config(json.loads(section))
+    assert cfg.schedule == "adaptive" and cfg.memory.max_inflight == [7, 5, 3, 1]
