@@ -77,8 +77,19 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from ds_pipemorph.version import __version__
+
+        print(f"pipemorph {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def pipemorph() -> None:
+def pipemorph(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version of ds_pipemorph and exit."),
+) -> None:
     """Plan, simulate and inspect straggler-resilient zero-bubble pipeline schedules."""
 
 

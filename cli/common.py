@@ -1,15 +1,18 @@
-"""What every command shares: one-sentence errors with exit code 2, list options, atomic outputs."""
+"""What every command shares: one-sentence errors with exit code 2, list options, outputs checked
+before work starts and written atomically, each announced as ``wrote PATH``."""
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
 
-from ds_pipemorph.fileio import BadInput, write_atomic
+from ds_pipemorph.fileio import BadInput, check_writable, write_atomic
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -63,8 +66,34 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
+def check_outputs(paths: dict[str, "Path | str | None"], pictures: Optional[dict[str, "Path | str | None"]] = None) -> None:
+    """Refuse, before any long work, outputs that cannot be written: ``paths`` maps each option to
+    its path (None: not given); ``pictures`` are Gantt pictures, whose suffix must also name a
+    format matplotlib writes. Two options naming one file are refused too."""
+    given = {opt: p for opt, p in {**paths, **(pictures or {})}.items() if p is not None}
+    seen: dict[str, str] = {}
+    for opt, p in given.items():
+        check_writable(p, opt)
+        key = os.path.realpath(p)
+        if key in seen:
+            raise BadInput(f"{seen[key]} and {opt} both name '{p}'; give each output its own file")
+        seen[key] = opt
+    for opt, p in (pictures or {}).items():
+        if p is not None:
+            from ds_pipemorph.trace.gantt import image_format
+
+            image_format(p, opt)
+
+
+def announce(paths, to_stderr: bool = False) -> None:
+    """``wrote PATH`` for each file written (on stderr when stdout carries JSON)."""
+    for path in paths:
+        (err_console if to_stderr else console).print(f"wrote {path}", markup=False, soft_wrap=True)
+
+
 def write_outputs(outputs: dict[str, "str | bytes"]) -> None:
-    """Write every output only after all of them were computed (no partial results on errors)."""
+    """Write every output only after all of them were computed (no partial results on errors); the
+    command says ``announce(outputs)`` once it has printed its results."""
     for path, data in outputs.items():
         write_atomic(path, data)
 
@@ -72,9 +101,9 @@ def write_outputs(outputs: dict[str, "str | bytes"]) -> None:
 def timeline_outputs(tl, gantt: Optional[str], chrome: Optional[str], title: str, links_ms=None) -> dict:
     out: dict = {}
     if gantt:
-        from ds_pipemorph.trace.gantt import gantt_png
+        from ds_pipemorph.trace.gantt import gantt_image, image_format
 
-        out[gantt] = gantt_png(tl, title, links_ms)
+        out[gantt] = gantt_image(tl, title, links_ms, image_format(gantt))
     if chrome:
         from ds_pipemorph.trace.chrome import chrome_json
 

@@ -12,7 +12,7 @@ from ds_pipemorph.plan.lower import dry_run, lower
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.torch_csv import check_torch_runnable, torch_csv
 
-from .common import console, user_errors, write_outputs
+from .common import check_outputs, console, user_errors, write_outputs
 
 FORMATS = ("torch-csv",)
 
@@ -25,6 +25,7 @@ def export(
 ) -> None:
     """Lower a plan (communication placed, checked deadlock-free) and write it for another runtime."""
     with user_errors():
+        check_outputs({"--output": output})
         if fmt not in FORMATS:
             raise BadInput(f"--format: unknown format '{fmt}'; choose from {', '.join(FORMATS)}")
         pf, sched = PlanFile.read(plan_path)

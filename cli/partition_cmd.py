@@ -18,7 +18,8 @@ from ds_pipemorph.plan.parts import PartsFile, PartsPredicted, StageMs, balanced
 from ds_pipemorph.plan.search import search
 from ds_pipemorph.plan.simulate import warmup_counts
 
-from .common import console, print_json, user_errors, write_outputs
+from .common import announce, check_outputs, console, print_json, user_errors, write_outputs
+from .progress import budget_bar
 
 
 def partition(
@@ -43,10 +44,12 @@ def partition(
 ) -> None:
     """Choose pipeline stage boundaries that minimise the planned iteration time, within memory."""
     with user_errors():
+        check_outputs({"--output": output, "--plan": plan_out})
         lp = read_layer_profile(profile, stages, microbatches)
         L, S, N = lp.num_layers, lp.stages, lp.microbatches
         factors = parse_slowdown(slowdown, S)
-        res = search_partition(lp, time_limit_s=time_limit, slowdown=factors)
+        with budget_bar(f"searching partitions of {L} layers into {S} stages", time_limit):
+            res = search_partition(lp, time_limit_s=time_limit, slowdown=factors)
         rows: dict[str, dict] = {}
         planned: dict[tuple, tuple] = {}  # parts -> (search result, stage profile)
         for name, parts in (("searched", res.parts), ("uniform", uniform_parts(L, S)),
@@ -83,6 +86,7 @@ def partition(
                    "search_ms": res.iteration_ms, "lower_bound_ms": res.lower_bound_ms, "slowdown": factors}
     if as_json:
         print_json(dict(data, chosen=name, compare=rows, search=search_info))
+        announce(outputs, to_stderr=True)
         return
     console.print(f"[bold]Partition[/bold] of {L} layers into {S} stages, {N} micro-batches")
     done = "proved best" if res.complete else f"stopped at the {time_limit:g} s limit"
@@ -97,8 +101,7 @@ def partition(
     )
     if name != "searched":
         console.print(f"the {name} partition planned faster than the search's choice: it is the one written")
-    for path in outputs:
-        console.print(f"wrote {path}")
+    announce(outputs)
 
 
 def parse_slowdown(items: Optional[list[str]], stages: int) -> Optional[list[float]]:

@@ -14,7 +14,7 @@ from ds_pipemorph.plan.place import Job, PlaceResult, Prediction, place as place
 from ds_pipemorph.plan.placesearch import placements_modulo_renaming
 from ds_pipemorph.plan.profile import Costs, Profile
 
-from .common import console, parse_compute, parse_floats, print_json, user_errors, write_outputs
+from .common import announce, check_outputs, console, parse_compute, parse_floats, print_json, user_errors, write_outputs
 
 MODES = (("baseline", "DeepSpeed's default placement"), ("replacement", "re-placement only (Falcon)"),
          ("orchestrator", "placement + PipeMorph planning"))
@@ -41,17 +41,19 @@ def place(
 ) -> None:
     """Place ranks on the pipeline x data-parallel grid so that slow links carry pipeline traffic."""
     with user_errors():
+        check_outputs({"--output": output})
         matrix = load_model(matrix_path, LinkMatrix)
         job = _job(profile, compute_ms, microbatches, grad_mb, chunk_mb, activation_mb, direct, pp)
         res = place_ranks(matrix, pp, dp, job, budget_s=budget, max_evals=search_evals, exact=exact, seed=seed,
                           search_budget_s=search_budget)
         topo = topology_file(res)
-        if output:
-            write_outputs({str(output): dump(topo, output.suffix.lower() == ".json")})
+        outputs = {str(output): dump(topo, output.suffix.lower() == ".json")} if output else {}
+        write_outputs(outputs)
     if as_json:
         print_json({"world_size": matrix.world_size, "pp": pp, "dp": dp, "exact": res.exact,
                     **{name: _pred(getattr(res, name)) for name, _ in MODES},
                     "speedup": res.ratios(), "topology": topo})
+        announce(outputs, to_stderr=True)
         return
     how = (f"every placement tried: {placements_modulo_renaming(pp, dp):,} up to renaming replicas" if res.exact
            else "swap local search")
@@ -65,8 +67,7 @@ def place(
     r = res.ratios()
     console.print(f"speed-up: re-placement {r['replacement_vs_baseline']:.2f}x over baseline, orchestrator "
                   f"{r['orchestrator_vs_replacement']:.2f}x over re-placement, {r['orchestrator_vs_baseline']:.2f}x over baseline")
-    if output:
-        console.print(f"wrote {output}")
+    announce(outputs)
 
 
 def _job(profile, compute_ms, microbatches, grad_mb, chunk_mb, activation_mb, direct, pp) -> Job:

@@ -16,7 +16,8 @@ from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.tolerance import link_tolerances
 from ds_pipemorph.plan.warmup import initial_warmup
 
-from .common import console, print_json, timeline_outputs, user_errors, write_outputs
+from .common import announce, check_outputs, console, print_json, timeline_outputs, user_errors, write_outputs
+from .progress import budget_bar
 
 
 def plan(
@@ -30,17 +31,19 @@ def plan(
         help="Also run the exact MILP (needs the milp extra). Default: on for small cases with --budget >= 3 when installed.",
     ),
     greedy: bool = typer.Option(False, "--greedy", help="Only the paper's single greedy pass (Alg. 1 + Alg. 3/4)."),
-    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the planned timeline."),
+    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the planned timeline (format from the suffix: .png, .pdf, .svg, ...)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the planned timeline as a Chrome/Perfetto trace."),
 ) -> None:
     """Plan a zero-bubble schedule that absorbs the profile's link delays within its memory caps."""
     with user_errors():
+        check_outputs({"--output": output, "--chrome": chrome}, pictures={"--gantt": gantt})
         prof = load_model(profile, Profile)
         costs, n, caps = prof.costs(), prof.microbatches, prof.caps()
         if greedy:
             sched, lb, note = list_schedule(costs, n, initial_warmup(caps)), None, "paper's greedy pass"
         else:
-            res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact)
+            with budget_bar(f"searching plans for {prof.stages} stages x {n} micro-batches", budget):
+                res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact)
             sched, lb = res.schedule, res.lower_bound_ms
             note = f"searched {res.seconds:.2f} s, {res.evaluated} candidates, best from {res.source}"
         pf = PlanFile.build(sched, prof)
@@ -55,6 +58,7 @@ def plan(
         write_outputs(outputs)
     if as_json:
         print_json(data)
+        announce(outputs, to_stderr=True)
         return
     p = pf.predicted
     console.print(f"[bold]Plan[/bold] for {prof.stages} stages x {n} micro-batches ({note})")
@@ -66,8 +70,7 @@ def plan(
     )
     if tols:
         console.print(_tolerance_table(tols))
-    for path in outputs:
-        console.print(f"wrote {path}")
+    announce(outputs)
 
 
 def _tolerance_table(tols) -> Table:

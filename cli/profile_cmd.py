@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput
 
-from .common import console, err_console, parse_floats, user_errors, write_outputs
+from .common import announce, check_outputs, console, err_console, parse_floats, user_errors, write_outputs
 
 
 def _progress() -> Progress:
@@ -43,6 +43,7 @@ def profile_links(
     from ds_pipemorph.profiling.profileparts import load_base
 
     with user_errors():
+        check_outputs({"--out": out, "--report": report} if out is not None or all_pairs else {"--merge": merge, "--report": report})
         size_list = parse_sizes(sizes)
         inject = parse_floats(inject_links_ms, "--inject-links-ms")
         pair_delays = parse_pair_delays(inject_pairs_ms)
@@ -73,8 +74,7 @@ def _write_and_show(outputs: dict, report, rep: dict, table) -> None:
         outputs[str(report)] = json.dumps(rep, indent=2) + "\n"
     write_outputs(outputs)
     console.print(table)
-    for path in outputs:
-        console.print(f"wrote {path}")
+    announce(outputs)
 
 
 def _rank_error(env, e: Exception) -> typer.Exit:
@@ -258,6 +258,7 @@ def profile_stages(
     from ds_pipemorph.profiling.stages import profile_stages as run_profile
 
     with user_errors():
+        check_outputs({"--out": out} if out is not None or per_layer else {"--merge": merge})
         if (input_shape is None) == (sample is None):
             raise BadInput("give exactly one of --input-shape and --sample")
         if split not in (None, "runtime", "autograd"):
@@ -316,8 +317,7 @@ def profile_stages(
         t.add_row(str(s), layers, f"{x.params:,}", f"{x.forward_ms:.3f}", f"{x.backward_input_ms:.3f}",
                   f"{x.backward_weight_ms:.3f}")
     console.print(t)
-    for path in outputs:
-        console.print(f"wrote {path}")
+    announce(outputs)
 
 
 def _profile_layers(factory, inputs, labels, stages, microbatches, out, warmup, reps, split, dev) -> None:
@@ -350,5 +350,4 @@ def _profile_layers(factory, inputs, labels, stages, microbatches, out, warmup, 
         t.add_row(str(i), c.name, f"{c.params:,}", f"{c.forward_ms:.3f}", f"{c.backward_input_ms:.3f}",
                   f"{c.backward_weight_ms:.3f}", f"{c.activation_mb:.3f}", f"{c.stash_mb:.3f}", f"{c.memory_mb:.3f}")
     console.print(t)
-    for path in outputs:
-        console.print(f"wrote {path}")
+    announce(outputs)

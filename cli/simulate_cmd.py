@@ -18,7 +18,7 @@ from ds_pipemorph.plan.simulate import peak_inflight, replay
 from ds_pipemorph.plan.torch_csv import read_torch_plan
 from ds_pipemorph.plan.variation import link_trace, parse_vary
 
-from .common import console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
+from .common import announce, check_outputs, console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
 
 
 def simulate(
@@ -32,11 +32,12 @@ def simulate(
     link_trace_path: Optional[Path] = typer.Option(None, "--link-trace", metavar="FILE", help="Per-link delay over time, YAML/JSON: points: [{t: seconds, links_ms: [...]}, ...] (the inject.trace format); instead of --links-ms."),
     lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank) instead of replaying."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
-    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the replayed plan."),
+    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the replayed plan (format from the suffix: .png, .pdf, .svg, ...)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),
 ) -> None:
     """Replay a plan under the given delays and compute times and compare it with baselines."""
     with user_errors():
+        check_outputs({"--chrome": chrome}, pictures={"--gantt": gantt})
         pf, sched = read_torch_plan(plan_path) if plan_path.suffix.lower() == ".csv" else PlanFile.read(plan_path)
         S, N = pf.stages, pf.microbatches
         if lowered:
@@ -86,8 +87,8 @@ def simulate(
         under = f"link trace {link_trace_path.name}" if curves else f"links_ms={[round(x, 1) for x in links]}"
         under += f", {vary}" if vary else ""
         title = f"{plan_path.name} replayed ({dispatch} dispatch), {under}"
-        write_outputs(timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title,
-                                       None if curves else links))
+        outputs = timeline_outputs(tl, gantt and str(gantt), chrome and str(chrome), title, None if curves else links)
+        write_outputs(outputs)
     result = {
         "dispatch": dispatch,
         "iteration_ms": tl.iteration_ms,
@@ -107,6 +108,7 @@ def simulate(
     }
     if as_json:
         print_json(result)
+        announce(outputs, to_stderr=True)
         return
     t = Table(title=f"replay under {under}", title_justify="left")
     for col in ("schedule", "iteration ms", "bubble rate", "vs plan"):
@@ -120,3 +122,4 @@ def simulate(
                       "activations per stage than the plan")
     if pf.predicted:
         console.print(f"planned for its profile: {pf.predicted.iteration_ms:.1f} ms")
+    announce(outputs)

@@ -14,7 +14,7 @@ from ds_pipemorph.trace.compare import compare as compare_timelines
 from ds_pipemorph.trace.load import load_measured
 from ds_pipemorph.trace.measured import analyze, check_iteration, iteration_timeline
 
-from .common import console, err_console, print_json, user_errors, write_outputs
+from .common import announce, check_outputs, console, err_console, print_json, user_errors, write_outputs
 
 app = typer.Typer(
     help="Read measured timelines: Nsight Systems SQLite exports and Chrome traces of the engine.",
@@ -37,12 +37,13 @@ def _warn(trace) -> None:
 def inspect(
     report: Path = typer.Argument(..., metavar="REPORT", help="`nsys export --type sqlite` output (or a Chrome trace JSON of the engine)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write a Perfetto trace: a process per rank, compute/send/receive tracks, message arrows."),
-    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture (PNG) of the compute ops of one iteration."),
+    gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the compute ops of one iteration (format from the suffix: .png, .pdf, .svg, ...)."),
     iteration: Optional[int] = typer.Option(None, "--iteration", help="Iteration for --gantt (default: the last complete one)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the tables."),
 ) -> None:
     """Per-rank iteration times, bubble rates, blocked send/receive time and the slowest links."""
     with user_errors():
+        check_outputs({"--chrome": chrome}, pictures={"--gantt": gantt})
         trace = load_measured(report)
         an = analyze(trace)
         k = check_iteration(trace, iteration)
@@ -52,15 +53,17 @@ def inspect(
 
             outputs[str(chrome)] = chrome_json(trace)
         if gantt:
-            from ds_pipemorph.trace.gantt import gantt_png
+            from ds_pipemorph.trace.gantt import gantt_image, image_format
 
             tl = iteration_timeline(trace, k)
-            outputs[str(gantt)] = gantt_png(tl, f"measured iteration {k}: {tl.iteration_ms:.1f} ms, bubble rate {tl.bubble_rate:.1%}")
+            outputs[str(gantt)] = gantt_image(tl, f"measured iteration {k} (compute ops)",
+                                              fmt=image_format(gantt))
         write_outputs(outputs)
     _warn(trace)
     result = an.to_json()
     if as_json:
         print_json({"source": str(report), "warnings": trace.warnings, **result})
+        announce(outputs, to_stderr=True)
         return
     t = Table(title=f"{report}: {len(trace.ranks)} ranks, {trace.stages} stages, iterations {an.iterations}", title_justify="left")
     for col in ("rank", "stage", "iterations", "mean iter ms", "median iter ms", "bubble rate", "send-blocked ms", "recv-blocked ms"):
@@ -80,6 +83,7 @@ def inspect(
         for ln in result["links"]:
             lt.add_row(str(ln["link"]), f"{ln['link']}-{ln['link'] + 1}", _f(ln["median_ms"], ".2f"), str(ln["messages"]))
         console.print(lt)
+    announce(outputs)
 
 
 @app.command("compare")

@@ -54,12 +54,41 @@ def describe(e: ValidationError) -> str:
     return f"{loc}: {msg}" if loc else msg
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write text or bytes so that readers see the old file or the whole new one, never a part."""
+def check_writable(path: str | os.PathLike, what: str) -> None:
+    """Refuse, before any work, an output path that cannot be written: one sentence naming it.
+
+    The path must not be a directory, its nearest existing ancestor must be a directory, and a file
+    must really be creatable there (tried and removed at once: permission bits say nothing for root,
+    a read-only mount or ``/proc`` only answer to a real attempt). Missing parents are not created.
+    """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    if str(path) == "" or p.is_dir():
+        raise BadInput(f"{what}: '{p}' is a directory; give a file name")
+    anc = p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise BadInput(f"{what}: cannot write '{p}' because '{anc}' is a file, not a directory")
     try:
+        fd, tmp = tempfile.mkstemp(dir=anc, prefix=".pipemorph-check-")
+    except OSError as e:
+        raise BadInput(f"{what}: cannot write '{p}': no file can be created in '{anc}' ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write text or bytes so that readers see the old file or the whole new one, never a part.
+
+    Missing parent directories are created; should the write fail, the ones made here are removed
+    again and the error is ``BadInput`` naming the path.
+    """
+    p = Path(path)
+    made = [d for d in reversed(p.parents) if not d.exists()]
+    tmp = None
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
@@ -68,11 +97,19 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        for d in reversed(made):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise BadInput(f"cannot write '{p}' ({e.strerror or _first_line(e)})") from None
         raise
 
 

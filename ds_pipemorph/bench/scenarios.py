@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 from ..fileio import BadInput, load_model
 from ..plan.baselines import deepspeed_1f1b
@@ -17,11 +17,9 @@ from .spec import Scenario
 from .traces import mean_delays, write_paper_traces
 
 
-def link_sets(stages: int, link: Optional[Union[int, list[int]]], links: Optional[list[str]]) -> list[list[int]]:
+def link_sets(stages: int, link: Optional[list[int]], links: Optional[list[str]]) -> list[list[int]]:
     """The slow-link sets, each one scenario group: every ``--links`` value (``0,2``) is a set of links
     slow at once, so are all ``--link`` values together; negative indices count from the last link."""
-    if isinstance(link, int):  # as ``pipemorph demo`` calls it
-        link = [link]
     if link and links:
         raise BadInput("--link and --links: give one of them (--link 0 --link -1 makes one set of two slow "
                        "links; each --links 0,-1 is one set)")

@@ -57,13 +57,17 @@ def trace_text(trace: dict, header: str) -> str:
     return f"# {header}\n" + yaml.safe_dump(trace, sort_keys=False, default_flow_style=None, width=200)
 
 
+def paper_trace_paths(out_dir: Path) -> list[Path]:
+    """Where ``write_paper_traces`` puts the three cases: ``dynamic_A.yaml``, ``dynamic_B.yaml``, ``dynamic_C.yaml``."""
+    return [out_dir / f"dynamic_{rate}.yaml" for rate in RATES]
+
+
 def write_paper_traces(out_dir: Path, stages: int, duration_s: float, seed: int = 0) -> list[Path]:
     """The three §7.2 cases for every link of ``stages`` stages: ``dynamic_A.yaml`` (U(50, 100) ms),
     ``dynamic_B.yaml`` and ``dynamic_C.yaml``, written atomically into ``out_dir``; their paths."""
     paths = []
-    for rate, interval in RATES.items():
+    for (rate, interval), path in zip(RATES.items(), paper_trace_paths(out_dir)):
         tr = make_trace(stages - 1, range(stages - 1), duration_s, interval, seed=seed)
-        path = out_dir / f"dynamic_{rate}.yaml"
         write_atomic(path, trace_text(tr, f"pipemorph bench --dynamic: every link N(30, 10) ms, changed every "
                                           f"U({interval[0]:g}, {interval[1]:g}) ms, {duration_s:g} s, seed {seed}"))
         paths.append(path)

@@ -6,7 +6,9 @@ schedule for ``warmup + iterations`` iterations on an emulated pipeline (F, B, W
 ``train_batch`` to the last rank's return. The PipeMorph row is the engine's ``adaptive`` schedule
 with its control loop: it measures ops and links itself and re-plans (never reading the injection
 settings); the warm-up iterations give it time to act, and its row also reports what that control
-loop cost (``profiler_overhead``). Rank 0 writes the results as JSON.
+loop cost (``profiler_overhead``). Rank 0 writes the results as JSON, and after every iteration
+appends one JSON line to ``spec.progress_file`` (``progress_line``, outside the timed span) that
+the parent shows as progress.
 
 A scenario with a delay trace replays it on every row from t = 0 at that row's first iteration
 (warm-up included): one epoch for all ranks, taken by rank 0 after a barrier and broadcast (one
@@ -20,8 +22,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import statistics
 import sys
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,7 +99,9 @@ def start_trace(engine, stock: DelaySchedule | None, delegates_started: bool) ->
     return lead.item()
 
 
-def measure(spec: BenchSpec, engine) -> list[float]:
+def measure(spec: BenchSpec, engine, done: Optional[Callable[[int], None]] = None) -> list[float]:
+    """Iteration times in ms of the measured iterations; ``done(i)`` after iteration i (0-based, warm-up
+    included) on every rank, outside the timed span."""
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec.microbatches)]
     out = []
@@ -107,7 +113,22 @@ def measure(spec: BenchSpec, engine) -> list[float]:
         dist.all_reduce(span, op=dist.ReduceOp.MAX)
         if i >= spec.warmup:
             out.append((span[0].item() + span[1].item()) / 1e6)
+        if done is not None:
+            done(i)
     return out
+
+
+def progress_line(row: int, rows: int, scenario: int, scenarios: int, name: str, schedule: str,
+                  iteration: int, spec: BenchSpec) -> str:
+    """One line of the progress file: where the run is (1-based counts), as JSON."""
+    return json.dumps({"row": row, "rows": rows, "scenario": scenario, "scenarios": scenarios, "name": name,
+                       "schedule": schedule, "iteration": iteration, "iterations": spec.warmup + spec.iterations,
+                       "warmup": iteration <= spec.warmup}) + "\n"
+
+
+def append(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line)
 
 
 def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch: str = "ordered") -> float:
@@ -161,7 +182,7 @@ def main(spec_path: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     results, step, total = [], 0, len(spec.scenarios) * len(spec.rows())
-    for sc in spec.scenarios:
+    for k, sc in enumerate(spec.scenarios):
         trace = load_trace(sc.trace, spec.stages - 1) if sc.trace else None
         costs = Costs.uniform(spec.stages, spec.op_ms, sc.links_ms)  # a trace's: its mean delays
         for schedule, dispatch in spec.rows():
@@ -173,7 +194,14 @@ def main(spec_path: str) -> None:
                 patch = install(stock_delays)
             engine = build_engine(spec, schedule, sc, dispatch)
             skew = start_trace(engine, stock_delays, schedule == "zb-delegated") if trace is not None else 0.0
-            times = measure(spec, engine)
+            label = f"{schedule}{'/ready' if dispatch == 'ready' else ''}"
+
+            def done(i: int) -> None:
+                if rank == 0:
+                    append(spec.progress_file, progress_line(step + 1, total, k + 1, len(spec.scenarios), sc.name,
+                                                             label, i + 1, spec))
+
+            times = measure(spec, engine, done)
             predicted = predicted_ms(spec, schedule, costs, engine, dispatch)
             choosing = list(getattr(engine, "choosing_ns", []))[spec.warmup:]
             adapter = getattr(engine, "adapter", None)
@@ -193,7 +221,7 @@ def main(spec_path: str) -> None:
             if rank == 0:
                 row = {"scenario": sc.name, "links_ms": sc.links_ms, "trace": sc.trace, "schedule": schedule,
                        "dispatch": dispatch,
-                       "iterations_ms": times, "median_ms": sorted(times)[len(times) // 2],
+                       "iterations_ms": times, "median_ms": statistics.median(times),
                        "mean_ms": sum(times) / len(times), "predicted_ms": predicted, "replans": replans}
                 if adapter is not None:
                     row["plans_kept"] = kept  # re-plan decisions that kept the plan in force (near the bound)
@@ -205,8 +233,6 @@ def main(spec_path: str) -> None:
                 if overhead is not None:
                     row["profiler_overhead"] = overhead
                 results.append(row)
-                with open(spec.progress_file, "a") as f:
-                    f.write(f"{step} {total} {sc.name} {schedule}{'/ready' if dispatch == 'ready' else ''}\n")
     if rank == 0:
         write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "results": results,
                                            "ratios": ratios_to_pipemorph(results)}, indent=2))

@@ -1,7 +1,14 @@
-"""Gantt picture of an op timeline: one row per stage, F/B/W coloured, bubbles left blank."""
+"""Gantt picture of an op timeline: one row per stage, F/B/W coloured, bubbles left blank.
+
+The picture's format follows the output file's suffix (``.png``, ``.pdf``, ``.svg``, ... whatever
+matplotlib can save); ``image_format`` refuses any other suffix before work starts.
+"""
 from __future__ import annotations
 
 import io
+from pathlib import Path
+
+from ..fileio import BadInput
 
 from ..plan.simulate import Timeline
 
@@ -9,19 +16,40 @@ COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 LABELS = {"F": "F (forward)", "B": "B (backward-input)", "W": "W (backward-weight)"}
 
 
-def gantt_png(tl: Timeline, title: str = "", links_ms: list[float] | None = None) -> bytes:
-    """PNG bytes (write them atomically where they should go). Needs matplotlib (``plot`` extra).
-
-    ``links_ms``: delays to mark between the rows of the stages a slow link joins.
-    """
+def _matplotlib():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        return matplotlib
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("--gantt needs matplotlib: pip install 'ds_pipemorph[plot]'") from e
+
+
+def image_format(path: str | Path, what: str = "--gantt") -> str:
+    """The picture format matplotlib writes for ``path``'s suffix; BadInput naming the choices if none."""
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    fmt = Path(path).suffix.lower().lstrip(".")
+    if fmt not in kinds:
+        shown = f"'.{fmt}'" if fmt else "no suffix"
+        raise BadInput(f"{what}: {path} has {shown}; name a picture file ending in "
+                       f"{', '.join('.' + k for k in sorted(kinds))}")
+    return fmt
+
+
+def gantt_image(tl: Timeline, title: str = "", links_ms: list[float] | None = None, fmt: str = "png") -> bytes:
+    """The picture's bytes in format ``fmt`` (``image_format``'s answer; write them atomically where
+    they should go). Needs matplotlib (``plot`` extra).
+
+    ``links_ms``: delays to mark between the rows of the stages a slow link joins.
+    """
+    _matplotlib()
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     t0 = min((s.start for s in tl.slots), default=0.0)
     width = max(8.0, min(16.0, tl.iteration_ms / 60.0))
     fig, ax = plt.subplots(figsize=(width, 0.75 * tl.stages + 1.6))
@@ -47,6 +75,6 @@ def gantt_png(tl: Timeline, title: str = "", links_ms: list[float] | None = None
               loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format=fmt, dpi=110)
     plt.close(fig)
     return buf.getvalue()

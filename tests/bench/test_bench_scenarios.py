@@ -20,7 +20,7 @@ runner = CliRunner()
 
 def test_link_sets_take_any_link_and_several_at_once():
     assert link_sets(4, None, None) == [[0]]
-    assert link_sets(4, 0, None) == [[0]]  # as `pipemorph demo` passes it
+    assert link_sets(4, [0], None) == [[0]]
     assert link_sets(4, [0, -1], None) == [[0, 2]]  # --link 0 --link -1: one set, both slow at once
     assert link_sets(4, None, ["0", "-1", "0,-1", "2"]) == [[0], [2], [0, 2]]  # one group per --links
 

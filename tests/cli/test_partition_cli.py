@@ -47,7 +47,7 @@ def test_partition_prints_the_comparison_and_writes_parts_and_plan(tmp_path):
     assert [" ".join(r) for r in plan_file.schedule] == [" ".join(r) for r in pf.schedule]
     r = run("simulate", plan, "--compare", "", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["iteration_ms"] == pytest.approx(pf.predicted.iteration_ms)
+    assert json.loads(r.stdout)["iteration_ms"] == pytest.approx(pf.predicted.iteration_ms)
 
 
 def test_partition_json_and_stage_and_microbatch_overrides(tmp_path):
@@ -59,7 +59,7 @@ def test_partition_json_and_stage_and_microbatch_overrides(tmp_path):
     one_link = dict(PROFILE, links={"bandwidth_gbs": 10, "latency_ms": 5}, memory={"capacity_mb": 3000})
     r = run("partition", write(tmp_path, "l2.yaml", one_link), "--stages", 2, "--microbatches", 6, "--json", "-o", out)
     assert r.exit_code == 0, r.output
-    obj = json.loads(r.output)
+    obj = json.loads(r.stdout)
     assert obj["microbatches"] == 6 and len(obj["parts"]) == 3 and obj["chosen"] == "searched"
     assert set(obj["compare"]) == {"searched", "uniform", "parameters"}
     assert obj["search"]["partitions"] == 11 and obj["search"]["complete"]
@@ -112,12 +112,12 @@ def test_slowdown_moves_the_cut_and_scales_the_written_stage_times(tmp_path):
     out = tmp_path / "parts.json"
     r = run("partition", prof, "--json", "-o", out, "--budget", 0.1)
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["parts"] == [0, 2, 4] and json.loads(r.output)["search"]["slowdown"] is None
+    assert json.loads(r.stdout)["parts"] == [0, 2, 4] and json.loads(r.stdout)["search"]["slowdown"] is None
     # Stage 0 at 3x: one layer there (3 ms per op) and three on stage 1 (3 ms per op) make two equal
     # stages, 3·N·3 + 3 = 39 ms; two layers there would be 4·18 = 72 ms of work on stage 0 alone.
     r = run("partition", prof, "--json", "-o", out, "--budget", 0.1, "--slowdown", "0=3")
     assert r.exit_code == 0, r.output
-    obj = json.loads(r.output)
+    obj = json.loads(r.stdout)
     assert obj["parts"] == [0, 1, 4] and obj["search"]["slowdown"] == [3.0, 1.0]
     assert obj["search"]["search_ms"] == 39.0 and obj["predicted"]["iteration_ms"] == 39.0
     assert obj["stage_ms"]["forward"] == [3.0, 3.0]  # the parts file records the scaled times it planned with

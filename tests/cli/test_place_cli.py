@@ -31,7 +31,7 @@ def test_place_json_and_json_topology_file(tmp_path):
     out = tmp_path / "topology.json"
     r = run("place", write(tmp_path, "m.yaml", SPLIT), "--pp", 4, "--dp", 2, "--chunk-mb", 4, "--json", "-o", out, *FAST)
     assert r.exit_code == 0, r.output
-    obj = json.loads(r.output)
+    obj = json.loads(r.stdout)
     b, rp, o = (obj[k]["iteration_ms"] for k in ("baseline", "replacement", "orchestrator"))
     assert o < rp < b and obj["exact"] is True
     assert obj["baseline"]["ranks"] == Placement.default(4, 2).as_lists() and obj["baseline"]["moved"] == 0
@@ -45,7 +45,7 @@ def test_uniform_matrix_keeps_deepspeeds_default(tmp_path):
     r = run("place", write(tmp_path, "m.yaml", {"world_size": 6, "default": {"latency_ms": 2}}), "--pp", 3, "--dp", 2,
             "--json", "-o", out, *FAST)
     assert r.exit_code == 0, r.output
-    obj = json.loads(r.output)
+    obj = json.loads(r.stdout)
     for k in ("baseline", "replacement", "orchestrator"):
         assert obj[k]["ranks"] == [[0, 1], [2, 3], [4, 5]]
     assert yaml.safe_load(out.read_text())["ranks"] == [[0, 1], [2, 3], [4, 5]]
@@ -57,7 +57,7 @@ def test_profile_gives_op_times_and_caps(tmp_path):
     r = run("place", write(tmp_path, "m.yaml", SPLIT), "--pp", 4, "--dp", 2, "--profile", write(tmp_path, "p.yaml", prof),
             "--json", *FAST)
     assert r.exit_code == 0, r.output
-    obj = json.loads(r.output)
+    obj = json.loads(r.stdout)
     assert max(obj["orchestrator"]["warmup"]) <= 4 and obj["baseline"]["warmup"] == [4, 3, 2, 1]
 
 
