@@ -9,9 +9,11 @@ Definitions (docs/design.md vocabulary):
 
 - iteration time of a rank: its ``ITER<k>`` range when the trace has one, else first to last op of
   the rank in that iteration; idle time = iteration time - compute time; bubble rate = idle / time.
-- iteration time of the pipeline: start of the first compute op to the end of the last compute op
-  of iteration k over all ranks; pipeline bubble rate (ZB paper) = (T - busy of the busiest rank) / T,
-  where busy = the measured N·(t_F+t_B+t_W) of that rank.
+- iteration time of the pipeline: from the earliest start to the latest end of the ranks' own
+  iterations k (the union of their spans, as above), so it is never shorter than any rank's: the
+  pipeline's iteration ends when its last rank's does (a span of compute ops only would leave out
+  receives waited for and the optimizer step inside the ``ITER`` ranges). Pipeline bubble rate (ZB
+  paper) = (T - busy of the busiest rank) / T, where busy = the measured N·(t_F+t_B+t_W) of that rank.
 - send/receive-blocked time: sum of the ``SEND_*`` / ``RECV_*`` range durations in an iteration;
   op counts: how many ``F``, ``B``, ``W``, ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B`` it ran.
 - link i (stage i to i+1): ``SEND_F m`` on stage i pairs with ``RECV_F m`` on stage i+1 and
@@ -266,15 +268,24 @@ def _ms(ns: int) -> float:
     return ns / NS_PER_MS
 
 
-def rank_iteration(r: RankTrace, k: int) -> Optional[RankIteration]:
+def rank_span(r: RankTrace, k: int) -> Optional[tuple[int, int]]:
+    """(start, end) in ns of rank ``r``'s iteration k: its closed ``ITER<k>`` range, else its first to
+    last op of any kind; None when the rank ran no op in it."""
     ops = r.by_iteration.get(k, [])
     if not ops:
         return None
     mark = r.marks.get(k)
     if mark is not None and mark.end_ns is not None:
-        span = mark.end_ns - mark.start_ns
-    else:
-        span = max(o.end_ns for o in ops) - min(o.start_ns for o in ops)
+        return mark.start_ns, mark.end_ns
+    return min(o.start_ns for o in ops), max(o.end_ns for o in ops)
+
+
+def rank_iteration(r: RankTrace, k: int) -> Optional[RankIteration]:
+    bounds = rank_span(r, k)
+    if bounds is None:
+        return None
+    ops = r.by_iteration[k]
+    span = bounds[1] - bounds[0]
     busy = sum(o.dur_ns for o in ops if o.what == "compute")
     send = sum(o.dur_ns for o in ops if o.what == "send")
     recv = sum(o.dur_ns for o in ops if o.what == "recv")
@@ -286,10 +297,11 @@ def rank_iteration(r: RankTrace, k: int) -> Optional[RankIteration]:
 
 
 def pipeline_iteration(trace: MeasuredTrace, k: int) -> Optional[PipelineIteration]:
-    comp = [o for r in trace.ranks for o in r.of("compute", k)]
-    if not comp:
+    """Iteration k of the whole pipeline: the union of the ranks' spans (module docstring)."""
+    if not any(r.of("compute", k) for r in trace.ranks):
         return None
-    t = max(o.end_ns for o in comp) - min(o.start_ns for o in comp)
+    spans = [b for b in (rank_span(r, k) for r in trace.ranks) if b is not None]
+    t = max(e for _, e in spans) - min(s for s, _ in spans)
     busy = max(sum(o.dur_ns for o in r.of("compute", k)) for r in trace.ranks)
     return PipelineIteration(k, _ms(t), _ms(busy))
 
