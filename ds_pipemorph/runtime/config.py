@@ -7,6 +7,7 @@ at start-up (``pending_notes``).
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -291,6 +292,35 @@ def parse_config(section) -> PipeMorphConfig:
     except ValidationError as e:
         raise PipeMorphConfigError(f"ds_config pipemorph: {describe(e)}") from None
     return cfg
+
+
+# Every file path of the section, as (section, key) routes: relative ones are resolved by ``resolve_paths``.
+PATH_KEYS = (("plan_file",), ("timeline",), ("profile_out",), ("rebalance", "layer_profile"),
+             ("orchestrate", "matrix"), ("inject", "trace"), ("inject", "compute_trace"))
+
+
+def resolve_paths(section, base: str | os.PathLike):
+    """A copy of the ``pipemorph`` section (a dict) with every relative path of ``PATH_KEYS`` made absolute
+    against ``base`` (``~`` expanded); anything that is not a non-blank string is left for validation.
+
+    ``base`` is the directory of the config file when the config was given as a file, else the working
+    directory: a config and the files it names can move together, and every later reader (each rank, a
+    re-mapping's new engine, an error message) sees the one absolute path that was tried."""
+    if not isinstance(section, dict):
+        return section
+    out = dict(section)
+    for route in PATH_KEYS:
+        *parents, key = route
+        holder = out
+        for name in parents:
+            if not isinstance(holder.get(name), dict):
+                break
+            holder[name] = holder = dict(holder[name])
+        else:
+            v = holder.get(key)
+            if isinstance(v, str) and v.strip():
+                holder[key] = os.path.normpath(os.path.join(os.fspath(base), os.path.expanduser(v)))
+    return out
 
 
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:

@@ -326,7 +326,7 @@ class PipeMorphEngine(PipelineEngine):
         if report.ok and self.rebalance is not None:  # the loop predicts from the partition in force
             self.rebalance.rebalancer.moved(report.after)
         if report.moved and self.global_rank == 0:
-            logger.warning(report.describe())
+            logger.warning(f"pipemorph: {report.describe()}")
         return report
 
     def remap(self, topology):
@@ -339,7 +339,10 @@ class PipeMorphEngine(PipelineEngine):
 
         fresh, report = remap(self, topology)
         if self.global_rank == 0:
-            logger.warning(f"remap: {'done' if report.ok else 'failed, every rank kept its stage'} in "
+            ranks = [[topology.get_rank(pipe=s, data=d) for d in range(topology.get_dim("data"))]
+                     for s in range(topology.get_dim("pipe"))]
+            outcome = "done" if report.ok else f"failed ({report.reason}), every rank kept its stage"
+            logger.warning(f"pipemorph: re-mapping to ranks {ranks} (per stage, per replica): {outcome} in "
                            f"{report.seconds * 1e3:.0f} ms")
         return fresh, report
 

@@ -11,8 +11,14 @@ hooks PipeMorph runs through (``UnsupportedDeepSpeedError``, checked before the 
 touched), and every config problem (bad key, unknown schedule, a plan for another pipeline, an
 invalid plan: ``PipeMorphConfigError``).
 
+Relative file paths in the ``pipemorph`` section (``plan_file``, ``inject.trace``, ...:
+``config.PATH_KEYS``) are resolved against the config file's directory when the config is a file,
+else against the working directory (``paths_base``); errors name the absolute path tried.
+
 On a CPU accelerator with ``OMP_NUM_THREADS`` unset, each rank's intra-op threads are set to its
-share of the host's cores (``cpu_threads``), and rank 0 logs the choice.
+share of the host's cores (``cpu_threads``), and rank 0 logs the choice. Once the engine is built,
+rank 0 logs one line naming the schedule, the dispatch and the plan in force with its predicted
+iteration time.
 """
 from __future__ import annotations
 
@@ -30,6 +36,18 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
                dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
                config_params=None):
+    return build_engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                        training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                        mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                        mesh_param=mesh_param, config_params=config_params, announce=True)
+
+
+def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                 lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
+                 dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
+                 config_params=None, *, announce: bool = True):
+    """``initialize``'s work; with ``announce`` rank 0 logs the start-up line (``plans.describe_start``).
+    A re-mapping builds its new engine without it: it logs its own line, and the plan in force carries over."""
     from .ds_compat import require_pipeline_hooks
 
     require_pipeline_hooks()  # before anything else: never train stock 1F1B in PipeMorph's place
@@ -41,11 +59,11 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     from deepspeed.runtime.pipe.module import PipelineModule
 
     from ..fileio import BadInput
-    from .config import PipeMorphConfigError, parse_config, pending_notes
+    from .config import PipeMorphConfigError, parse_config, pending_notes, resolve_paths
     from .cpu_threads import apply_cpu_threads
     from .engine import PipeMorphEngine
     from ..testing.inject import delay_schedule
-    from .plans import build_plan
+    from .plans import build_plan, describe_start
 
     config = _config_source(args, config, config_params)
     if not isinstance(model, PipelineModule):
@@ -55,7 +73,7 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     if mesh_param is not None:
         raise PipeMorphConfigError("mesh_param is not supported with pipeline parallelism")
     ds_dict = load_config(config)
-    section = ds_dict.pop("pipemorph", None)
+    section = resolve_paths(ds_dict.pop("pipemorph", None), paths_base(config))
     pm = parse_config(section)
     as_given = dict(copy.deepcopy(ds_dict), pipemorph=copy.deepcopy(section) or {})  # for engine.remap
 
@@ -91,6 +109,8 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
     engine._rebuild = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "training_data": training_data,
                        "collate_fn": collate_fn, "config": as_given}
     engine._configure_python_gc()
+    if announce and dist.get_rank() == 0:
+        logger.warning(describe_start(pm, plan, model.num_stages, config_class.gradient_accumulation_steps))
     if pm.orchestrate.matrix:  # re-mapping replaces the engine: the training loop holds a handle to it
         from .orchestrated import Orchestrated
         from .remap import check_remappable
@@ -128,6 +148,14 @@ def _config_source(args, config, config_params):
         raise PipeMorphConfigError("no DeepSpeed config: pass config= (a dict, a JSON file path or base64-encoded "
                                    "JSON) or args.deepspeed_config (--deepspeed_config)")
     return config
+
+
+def paths_base(config) -> str:
+    """The directory relative paths of the ``pipemorph`` section are resolved against: the config
+    file's when the config is a file, else the working directory (a dict, base64-encoded JSON)."""
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        return os.path.dirname(os.path.abspath(config))
+    return os.getcwd()
 
 
 def load_config(config) -> dict:

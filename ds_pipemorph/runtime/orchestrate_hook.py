@@ -71,6 +71,6 @@ class OrchestrateHook:
         d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())
         if d is None:
             return None
-        logger.warning(f"orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
+        logger.warning(f"pipemorph: orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
                        f"ms; re-mapping to {d.ranks} (predicted {d.current_ms:.0f} -> {d.predicted_ms:.0f} ms)")
         return {"ranks": d.ranks}

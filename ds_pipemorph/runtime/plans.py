@@ -20,7 +20,7 @@ from ..plan.baselines import deepspeed_1f1b, zb_h1_warmup
 from ..plan.listsched import list_schedule
 from ..plan.planfile import PlanFile
 from ..plan.profile import Costs
-from ..plan.simulate import Schedule, makespan
+from ..plan.simulate import Schedule, makespan, warmup_counts
 from ..plan.validate import InvalidPlan, validate_schedule
 from ..plan.warmup import check_lemma1, initial_warmup
 from .config import PipeMorphConfig, PipeMorphConfigError
@@ -95,3 +95,30 @@ def _check_warmup(warmup: list[int]) -> None:
         check_lemma1(warmup)
     except ValueError as e:
         raise PipeMorphConfigError(f"ds_config pipemorph.memory.max_inflight cannot be a zb warm-up: {e}") from None
+
+
+def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatches: int) -> str:
+    """The start-up log line: schedule, dispatch, the plan (its warm-up) and its predicted iteration time.
+
+    A plan file's own prediction (from the profile it was made for) when it has one; otherwise the
+    makespan with ``DEFAULT_OP_MS`` per F, B and W and free links, the model the built-in plans start from."""
+    S, N = stages, microbatches
+    what = {"1f1b": "DeepSpeed's 1F1B order", "zb": "zero-bubble order", "adaptive": "Alg. 1 warm-up",
+            "plan": f"plan file {cfg.plan_file}"}[cfg.schedule]
+    predicted = None
+    if cfg.schedule == "plan":
+        try:
+            pf = load_model(cfg.plan_file, PlanFile)
+            predicted = pf.predicted.iteration_ms if pf.predicted is not None else None
+        except BadInput:  # read a moment ago: only a file changed since could get here
+            predicted = None
+    if predicted is not None:
+        when = f"predicted iteration {predicted:.1f} ms (the plan file's prediction)"
+    else:
+        ms = makespan(plan, Costs.uniform(S, DEFAULT_OP_MS), N)
+        when = f"predicted iteration {ms:.1f} ms at {DEFAULT_OP_MS:g} ms per F, B and W before any measurement"
+    adapt = ""
+    if cfg.schedule == "adaptive" and cfg.adapt.enabled:
+        adapt = f"; re-planned from measurements ({cfg.adapt.replan}, every {cfg.adapt.every_iterations} iteration(s))"
+    return (f"pipemorph: schedule '{cfg.schedule}' ({what}), dispatch '{cfg.dispatch}', plan for {S} stages x "
+            f"{N} micro-batches with warm-up {warmup_counts(plan)}, {when}{adapt}")

@@ -73,7 +73,7 @@ class RebalanceHook:
             self.rebalancer.failed()
         self.events.append(event)
         if engine.global_rank == 0:
-            logger.warning(f"rebalance: predicted slowdowns {event['slowdown']} -> parts {decision.parts} "
+            logger.warning(f"pipemorph: rebalance: predicted slowdowns {event['slowdown']} -> parts {decision.parts} "
                            f"({decision.current_ms:.0f} -> {decision.predicted_ms:.0f} ms predicted): "
                            f"{report.describe()}")
         return event

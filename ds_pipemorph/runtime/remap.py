@@ -215,7 +215,7 @@ def _rebuild(engine, topology, state: dict):
     settings; this rank's optimizer groups as the stage it will hold has them (``state``)."""
     import copy
 
-    from .initialize import initialize
+    from .initialize import build_engine
 
     src = engine._rebuild
     old = engine.module
@@ -232,8 +232,9 @@ def _rebuild(engine, topology, state: dict):
     for attr in ("deepspeed_config", "deepscale_config"):  # the config goes as config=, once
         if getattr(args, attr, None) is not None:
             setattr(args, attr, None)
-    fresh, *_ = initialize(args=args, model=module, optimizer=src["optimizer"], model_parameters=groups,
-                           lr_scheduler=src["lr_scheduler"], collate_fn=src["collate_fn"], config=src["config"])
+    fresh, *_ = build_engine(args=args, model=module, optimizer=src["optimizer"], model_parameters=groups,
+                             lr_scheduler=src["lr_scheduler"], collate_fn=src["collate_fn"], config=src["config"],
+                             announce=False)
     return getattr(fresh, "engine", fresh)  # the engine itself, not the handle initialize gives with orchestrate
 
 

@@ -67,8 +67,9 @@ for step in $STEPS; do
     pipemorph plan "$OUT/profile.yaml" -o "$OUT/plan.yaml" --gantt "$OUT/plan.png" ;;
   train)   # 4. train: "adaptive" re-plans online from its own measurements; SCHEDULE=plan runs plan.yaml as is
     python - "$CONFIG" "$OUT" "$SCHEDULE" <<'PY'
-import json, sys
+import json, os, sys
 config, out, schedule = sys.argv[1:]
+out = os.path.abspath(out)  # relative paths in the config would be read against its own directory
 cfg = json.load(open(config))
 pm = cfg["pipemorph"]
 if schedule == "plan":  # the offline plan, never re-planned (links stay delegated, as NCCL needs)

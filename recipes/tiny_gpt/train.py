@@ -3,7 +3,8 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 recipes/tiny_gpt/train.py --steps 40
     deepspeed --num_gpus 4 recipes/tiny_gpt/train.py --steps 40
 
-Data: character-level next-token prediction on random windows of a small built-in text.
+Data: character-level next-token prediction on random windows of a small built-in text. A config
+the engine cannot use ends the job with one sentence on rank 0 and exit code 2.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
+from ds_pipemorph.runtime.exit_on_error import exit_on_config_error  # noqa: E402
 from model import tiny_gpt  # noqa: E402
 
 TEXT = (
@@ -56,33 +58,51 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--config", default=str(HERE / "ds_config.json"), help="DeepSpeed config with a pipemorph section")
+    ap.add_argument("--save-params", metavar="DIR",
+                    help="write each stage's final parameters and every step's loss to DIR/stage<s>.pt")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = ap.parse_args()
 
-    deepspeed.init_distributed()
-    torch.manual_seed(0)
-    data = CharWindows(args.seq, size=100_000)
-    model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
-    engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
-                                              config=args.config)
+    with exit_on_config_error():
+        deepspeed.init_distributed()
+        torch.manual_seed(0)
+        data = CharWindows(args.seq, size=100_000)
+        model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
+        engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
+                                                  config=args.config)
     loader = RepeatingLoader(torch.utils.data.DataLoader(
         data, batch_size=engine.train_micro_batch_size_per_gpu(),
         sampler=torch.utils.data.DistributedSampler(data, num_replicas=engine.dp_world_size,
                                                     rank=engine.mpu.get_data_parallel_rank(), shuffle=False)))
     it = iter(loader)
     first = last = None
+    losses = []
     t0 = time.monotonic()
     for step in range(1, args.steps + 1):
         loss = float(engine.train_batch(it))
         first = loss if first is None else first
         last = loss
+        losses.append(loss)
         if dist.get_rank() == 0 and (step == 1 or step % 5 == 0):
             print(f"step {step:4d}  loss {loss:.4f}  ({time.monotonic() - t0:.1f} s)", flush=True)
     if dist.get_rank() == 0:
         print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps "
               f"(peak in-flight activations on stage 0: {engine.measured_peak_inflight})", flush=True)
+    if args.save_params:
+        save_stage(args.save_params, engine, losses)
     dist.destroy_process_group()
     return 0
+
+
+def save_stage(out_dir: str, engine, losses: list[float]) -> None:
+    """This rank's stage parameters and the loss of every step, written atomically."""
+    import io
+
+    from ds_pipemorph.fileio import write_atomic
+
+    buf = io.BytesIO()
+    torch.save({"stage": engine.stage_id, "losses": losses, "params": engine.module.state_dict()}, buf)
+    write_atomic(Path(out_dir) / f"stage{engine.stage_id}.pt", buf.getvalue())
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ def test_launch_script_parses():
 def test_straggler_configs_are_accepted_and_their_trace_loads(name):
     pm = parse_config(json.loads((STRAG / name).read_text())["pipemorph"])
     if pm.inject.trace:
-        tr = load_trace(str(ROOT / pm.inject.trace), 3)
+        tr = load_trace(str(STRAG / pm.inject.trace), 3)  # relative paths are read against the config's directory
         assert tr.points[0].t == 0.0 and len(tr.points) > 100
     else:
         assert pm.inject.links["2"].delay_ms == 30

@@ -1,0 +1,69 @@
+"""A config the engine cannot use ends a recipe run with one sentence, printed once per job.
+
+The tiny GPT recipe runs under torchrun on 2 CPU ranks from a working directory that is not the
+config's, with its config in a directory of its own. Every rank exits 2 (torchrun reports the child
+exit codes and exits 1 itself); rank 0 prints ``error: <sentence>``; no rank prints a traceback (the
+one traceback left is torchrun's own report of the failed children). Relative paths in the
+``pipemorph`` section are read against the config file's directory, and the message names the
+absolute path tried.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_pipemorph.plan.baselines import zb_h1
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.procs import run_group
+
+from .launch import REPO
+from .plans_io import write_plan
+
+RECIPE = REPO / "recipes" / "tiny_gpt"
+
+
+def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None):
+    conf = tmp_path / "conf"
+    (conf / "plans").mkdir(parents=True, exist_ok=True)
+    write_plan(conf / "plans" / "three_stages.yaml", zb_h1(Costs.uniform(3), 8), 8)
+    cfg = {**json.loads((RECIPE / "ds_config.json").read_text()), **(extra or {}), "pipemorph": pipemorph}
+    (conf / "ds_config.json").write_text(json.dumps(cfg))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(RECIPE / "train.py"), "--stages", "2", "--steps", "1", "--config", "../conf/ds_config.json"]
+    p = run_group(cmd, 280, cwd=elsewhere, env=env)
+    return conf, p.returncode, p.stdout + p.stderr
+
+
+CASES = {
+    "missing_relative_plan": ({"schedule": "plan", "plan_file": "plans/missing.yaml"}, None,
+                              "ds_config pipemorph.plan_file {conf}/plans/missing.yaml: no such file"),
+    "plan_for_another_job": ({"schedule": "plan", "plan_file": "plans/three_stages.yaml"}, None,
+                             "plan file {conf}/plans/three_stages.yaml is for 3 stages but the job has 2 pipeline "
+                             "stages"),
+    "unknown_key": ({"schedule": "zb", "shedule_hint": 1}, None, "ds_config pipemorph: unknown key 'shedule_hint'"),
+    "fp16": ({"schedule": "zb"}, {"fp16": {"enabled": True}},
+             "pipemorph trains in fp32 only for now: its split backward does not drive DeepSpeed's fp16/bf16 loss "
+             "scaling and master weights yet (remove the 'fp16'/'bf16' sections)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_config_ends_the_recipe_with_one_sentence_and_exit_code_2(tmp_path, case):
+    pipemorph, extra, sentence = CASES[case]
+    conf, code, output = _run_recipe(tmp_path, pipemorph, extra)
+    expected = "error: " + sentence.format(conf=conf)
+    assert code == 1, output[-3000:]  # torchrun's own code when a child failed
+    assert output.count("exitcode  : 2") == 2, output[-3000:]  # both ranks exited 2
+    assert [line for line in output.splitlines() if line.startswith("error: ")] == [expected], output[-3000:]
+    # The only traceback is torchrun's report of the failed children, none from a rank.
+    assert output.count("Traceback") == output.count("raise ChildFailedError(") == 1, output[-3000:]
+    assert "step " not in output  # no training step ran
