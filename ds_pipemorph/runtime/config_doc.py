@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from ..fileio import write_atomic
+from . import config
 from .config import PipeMorphConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -227,6 +228,15 @@ and settings without effect under the chosen schedule are named in a warning. A 
 """
 
 
+def paths_text() -> str:
+    """The sentence on relative paths, naming the keys ``config.PATH_KEYS`` resolves (none: no sentence)."""
+    keys = [".".join(route) for route in getattr(config, "PATH_KEYS", ())]
+    if not keys:
+        return ""
+    return (f"Relative paths in {', '.join(f'`{k}`' for k in keys)} are read against the directory of the "
+            f"config file (the working directory when the config is not a file); see [`paths.md`](paths.md).\n")
+
+
 def render() -> str:
     """The whole of docs/config.md for the models as they are."""
     missing, unknown = missing_and_unknown()
@@ -246,7 +256,7 @@ def render() -> str:
         default = default if default == "required" else f"`{_cell(default)}`"
         row = f"| `{path}` | {_cell(kind)} | {default} | {_cell(DESCRIPTIONS[path])} |"
         groups[top if top in groups and top else ""].append(row)
-    out = [HEADER]
+    out = [HEADER, paths_text()] if paths_text() else [HEADER]
     for top, rows in groups.items():
         about = DESCRIPTIONS[top] if top else "keys outside the sections below"
         out += [f"## {f'`{top}`' if top else 'Top level'}\n", f"{about[0].upper()}{about[1:]}.\n",

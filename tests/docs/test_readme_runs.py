@@ -49,6 +49,13 @@ def untrained_loss() -> float:
     return math.log(len(set(text)))
 
 
+def gpu_config_copy(cwd: Path) -> Path:
+    """The GPU recipe's config, unchanged, beside the run: its relative profile_out lands in ``cwd``."""
+    copy = cwd / "ds_config.json"
+    copy.write_text(GPU_CONFIG.read_text())
+    return copy
+
+
 def check_measured_profile(cwd: Path) -> None:
     """The GPU config's profile_out, written by rank 0's control loop at the end of training."""
     config = json.loads(GPU_CONFIG.read_text())
@@ -87,7 +94,7 @@ def test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks(tmp_path
 @pytest.mark.timeout(900)
 def test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu(tmp_path):
     stdout = run([BIN / "deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
-                  "--config", GPU_CONFIG, "--steps", "2"], tmp_path, timeout=880)
+                  "--config", gpu_config_copy(tmp_path), "--steps", "2"], tmp_path, timeout=880)
     losses(stdout, 2)
     check_measured_profile(tmp_path)
 
@@ -96,7 +103,8 @@ def test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu(tmp_path)
 @pytest.mark.timeout(900)
 def test_gpu_cluster_config_trains_under_torchrun_c10d_rendezvous_on_cpu(tmp_path):
     stdout = run([BIN / "torchrun", "--nnodes", "1", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
-                  "--rdzv_endpoint", f"127.0.0.1:{free_port()}", TRAIN, "--config", GPU_CONFIG, "--steps", "2"],
+                  "--rdzv_endpoint", f"127.0.0.1:{free_port()}", TRAIN, "--config", gpu_config_copy(tmp_path),
+                  "--steps", "2"],
                  tmp_path, timeout=880)
     losses(stdout, 2)
     check_measured_profile(tmp_path)
