@@ -6,6 +6,7 @@ check (``ds_pipemorph.bench.paired``); ``docs/paired.md`` explains the method.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
@@ -19,7 +20,7 @@ from ds_pipemorph.bench.paired import cycles_for
 from ds_pipemorph.bench.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
 from ds_pipemorph.fileio import BadInput, describe, write_atomic
 
-from .common import console, parse_floats, user_errors
+from .common import announce, check_outputs, console, parse_floats, user_errors
 
 
 def paired(
@@ -47,6 +48,7 @@ def paired(
         side_a, side_b = parse_side(a, "A"), parse_side(b, "B")
         if not share_a_job(side_a, side_b):
             check_job_sides(side_a, side_b)
+        check_outputs({"--out": out})
         delays = parse_floats(links_ms, "--links-ms") if links_ms is not None else [0.0] * (stages - 1)
         work = Path(tempfile.mkdtemp(prefix="pipemorph-paired-"))
         try:
@@ -69,9 +71,10 @@ def paired(
         except PairedRunError as e:
             console.print(f"error: {e}", markup=False)
             raise typer.Exit(1) from None
+    shutil.rmtree(work, ignore_errors=True)  # kept only when the run failed: its logs are named then
     write_atomic(str(out), json.dumps(result, indent=2) + "\n")
     print_result(spec, result)
-    console.print(f"results: {out}")
+    announce([out])
 
 
 def print_result(spec: PairedSpec, result: dict) -> None:
