@@ -106,7 +106,7 @@ def run_bench(args: BenchArgs) -> None:
     try:
         result = _run_with_progress(spec, spec_path, work, args.timeout_s)
     except JobFailed as e:
-        err_console.print(f"error: {e}", markup=False)
+        err_console.print(f"error: {e}", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None
     print_results(spec, result)
     announce([args.out])

@@ -25,7 +25,7 @@ def user_errors() -> Iterator[None]:
         yield
     except (BadInput, ValueError, ImportError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err_console.print(f"error: {msg}", markup=False)
+        err_console.print(f"error: {msg}", markup=False, soft_wrap=True)  # one line, however long
         raise typer.Exit(2) from None
 
 

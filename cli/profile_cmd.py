@@ -80,7 +80,7 @@ def _write_and_show(outputs: dict, report, rep: dict, table) -> None:
 def _rank_error(env, e: Exception) -> typer.Exit:
     """One line naming the rank; exit code 2 for bad input, 1 for a failed measurement."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    err_console.print(f"error: rank {env.rank}: {msg}", markup=False)
+    err_console.print(f"error: rank {env.rank}: {msg}", markup=False, soft_wrap=True)
     return typer.Exit(2 if isinstance(e, BadInput) else 1)
 
 
