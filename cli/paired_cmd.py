@@ -20,7 +20,7 @@ from ds_pipemorph.bench.paired import cycles_for
 from ds_pipemorph.bench.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
 from ds_pipemorph.fileio import BadInput, describe, write_atomic
 
-from .common import announce, check_outputs, console, parse_floats, user_errors
+from .common import announce, check_outputs, console, err_console, parse_floats, user_errors
 
 
 def paired(
@@ -57,6 +57,7 @@ def paired(
                               job_iterations=job_iterations, seed=seed, out=str(work / "iterations.json"),
                               progress_file=str(work / "progress"))
         except ValidationError as e:
+            shutil.rmtree(work, ignore_errors=True)
             raise BadInput(describe(e)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -69,7 +70,7 @@ def paired(
         try:
             result = run(spec, work, timeout_s, progress)
         except PairedRunError as e:
-            console.print(f"error: {e}", markup=False)
+            err_console.print(f"error: {e}", markup=False)
             raise typer.Exit(1) from None
     shutil.rmtree(work, ignore_errors=True)  # kept only when the run failed: its logs are named then
     write_atomic(str(out), json.dumps(result, indent=2) + "\n")

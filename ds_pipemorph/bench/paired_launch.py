@@ -44,13 +44,17 @@ def torchrun(module: str, spec_path: Path, nproc: int, log: Path) -> subprocess.
 
 
 def _wait(proc: subprocess.Popen, deadline: float, log: Path, poll: Optional[Callable[[], None]] = None) -> None:
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            kill_group(proc)
-            raise PairedRunError(f"the paired run did not finish in time; see {log}")
-        if poll is not None:
-            poll()
-        time.sleep(0.5)
+    """Until the ranks exit; past the deadline, or when the caller is interrupted, their whole group is killed."""
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise PairedRunError(f"the paired run did not finish in time; see {log}")
+            if poll is not None:
+                poll()
+            time.sleep(0.5)
+    except BaseException:
+        kill_group(proc)
+        raise
 
 
 def run(spec: PairedSpec, work: Path, timeout_s: float, progress: Optional[Progress] = None) -> dict:
