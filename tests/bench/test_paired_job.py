@@ -75,7 +75,7 @@ def test_one_job_alternates_plan_dispatch_and_transport_and_trains_as_a_alone(tm
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # four jobs, each starting its ranks anew
 def test_stock_deepspeed_against_this_engine_alternates_whole_jobs(tmp_path):
     out = tmp_path / "jobs.json"
     r = runner.invoke(app, ["paired", "stock-1f1b", "zb", "--stages", "2", "--microbatches", "2", "--op-ms", "1",
