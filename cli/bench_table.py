@@ -28,7 +28,8 @@ def print_results(spec: BenchSpec, result: dict) -> None:
     if spec.iterations < FEW_ITERATIONS:
         _, word = statistic(spec)
         console.print(f"note: only {spec.iterations} measured iteration{'s' if spec.iterations > 1 else ''} per row; "
-                      f"each {word} is over that few (--iterations {FEW_ITERATIONS} or more for a steadier one)")
+                      f"each {word} is over that few (--iterations {FEW_ITERATIONS} or more for a steadier one)",
+                      soft_wrap=True)
 
 
 def _print_static(spec: BenchSpec, result: dict) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -37,6 +36,7 @@ from ..plan.profile import Costs
 from ..plan.simulate import replay
 from ..testing.inject import DelaySchedule, load_trace
 from .spec import BenchSpec, Scenario
+from .summary import summarize
 
 # The emulated stage's own F, B and W with --vary: the variation's table sets each op's time.
 VARIED_OP_MS = 0.1
@@ -221,8 +221,7 @@ def main(spec_path: str) -> None:
             if rank == 0:
                 row = {"scenario": sc.name, "links_ms": sc.links_ms, "trace": sc.trace, "schedule": schedule,
                        "dispatch": dispatch,
-                       "iterations_ms": times, "median_ms": statistics.median(times),
-                       "mean_ms": sum(times) / len(times), "predicted_ms": predicted, "replans": replans}
+                       **summarize(times), "predicted_ms": predicted, "replans": replans}
                 if adapter is not None:
                     row["plans_kept"] = kept  # re-plan decisions that kept the plan in force (near the bound)
                     row["switch_ms"] = switch_ms  # (iteration, ms) moving links between transports after re-plans

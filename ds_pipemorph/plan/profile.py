@@ -14,10 +14,20 @@ Number = Union[float, int]
 
 
 class ComputeMs(BaseModel):
+    """F, B and W ms per stage; one number for a kind means every stage, and ``compute_ms: 10``
+    alone means F = B = W = 10 ms on every stage."""
+
     model_config = ConfigDict(extra="forbid")
     forward: Union[list[float], float]
     backward_input: Union[list[float], float]
     backward_weight: Union[list[float], float]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_number(cls, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return {"forward": v, "backward_input": v, "backward_weight": v}
+        return v
 
 
 class Memory(BaseModel):
