@@ -7,6 +7,7 @@ the command line into a ``BenchArgs``.
 """
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,10 @@ def run_bench(args: BenchArgs) -> None:
     spec_path.write_text(spec.model_dump_json())
     try:
         result = _run_with_progress(spec, spec_path, work, args.timeout_s)
-    except JobFailed as e:
+    except JobFailed as e:  # the ranks' log stays for the message to point at
         err_console.print(f"error: {e}", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None
+    shutil.rmtree(work, ignore_errors=True)
     print_results(spec, result)
     announce([args.out])
 

@@ -28,7 +28,10 @@ def test_bench_runs_stock_zb_and_pipemorph_on_two_stages_with_a_slow_link(tmp_pa
     # PipeMorph's plan, whatever its control loop chose, is predicted no slower than static zb's.
     assert slow["pipemorph"]["predicted_ms"] <= slow["zb"]["predicted_ms"]
     assert all(x["replans"] == [] for x in res if x["schedule"] != "pipemorph")
-    assert "speedup vs stock" in r.output
+    assert "speedup vs stock" in r.output and r.output.rstrip().endswith(f"wrote {out}")
+    # Not a terminal: no progress drawn (rich's default); 2 iterations per row is said once.
+    assert "scenario 1/2" not in r.output
+    assert r.output.count("note: only 2 measured iterations per row") == 1
 
 
 @pytest.mark.slow

@@ -1,0 +1,41 @@
+"""`pipemorph demo --iterations 2` as a user runs it: a separate process on 4 CPU ranks, progress
+while it runs, the six-row table, PipeMorph's re-plan for the slow link, the results file."""
+import json
+import os
+import re
+import statistics
+import sys
+
+import pytest
+
+from ds_pipemorph.procs import run_group
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_short_demo_shows_progress_prints_the_table_and_writes_results(tmp_path):
+    out = tmp_path / "demo.json"
+    # A terminal as rich sees one (progress is drawn only there), wide enough for every line.
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "COLUMNS": "160", "DS_ACCELERATOR": "cpu"}
+    p = run_group([sys.executable, "-m", "ds_pipemorph_cli.app", "demo", "--iterations", "2", "--out", str(out)],
+                  timeout=1400, env=env, cwd=tmp_path)
+    text = ANSI.sub("", p.stdout)
+    assert p.returncode == 0, text + p.stderr
+    # Progress: scenario k of 2, the row, warm-up and measured iterations of 4 + 2, elapsed time.
+    assert re.search(r"scenario 1/2 no_delay: stock 1F1B \(row 1/6\), (warm-up )?iteration [1-6]/6 .*\d:\d\d:\d\d", text)
+    assert re.search(r"scenario 2/2 20ms_link0: \S+.* \(row [4-6]/6\), (warm-up )?iteration [1-6]/6", text)
+    for scenario in ("no_delay", "20ms_link0"):
+        for schedule in ("stock 1F1B", "static zb", "PipeMorph"):
+            assert re.search(rf"│ *{scenario} │ *{schedule} │ *\d+ │ *\d+ │ *[\d.]+x │", text), (scenario, schedule)
+    assert re.search(r"^20ms_link0: PipeMorph re-planned after iteration [1-4] ", text, re.M)
+    assert "note: only 2 measured iterations per row" in text
+    assert text.rstrip().endswith(f"wrote {out}")
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 6
+    for r in rows:
+        a, b = r["iterations_ms"]
+        assert r["median_ms"] == pytest.approx((a + b) / 2) == pytest.approx(statistics.fmean([a, b]))
+        # 12 micro-batches of F + B + W = 30 ms on each stage: no iteration is shorter than 360 ms.
+        assert min(a, b) >= 360
