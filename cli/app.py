@@ -30,7 +30,6 @@ COMMANDS = {
     "profile-stages": ("profile_cmd", "profile_stages"),
     "trace": ("trace_cmd", "app"),
     "lab": ("lab_cmd", "app"),
-    "lab": ("lab_cmd", "app"),
     "paired": ("paired_cmd", "paired"),
 }
 

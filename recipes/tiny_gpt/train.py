@@ -3,7 +3,8 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 4 recipes/tiny_gpt/train.py --steps 40
     deepspeed --num_gpus 4 recipes/tiny_gpt/train.py --steps 40
 
-Data: character-level next-token prediction on random windows of a small built-in text.
+Data: character-level next-token prediction on random windows of a small built-in text. A config
+the engine cannot use ends the job with one sentence on rank 0 and exit code 2.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
+from ds_pipemorph.runtime.exit_on_error import exit_on_config_error  # noqa: E402
 from model import tiny_gpt  # noqa: E402
 
 TEXT = (
@@ -61,12 +63,13 @@ def main() -> int:
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = ap.parse_args()
 
-    deepspeed.init_distributed()
-    torch.manual_seed(0)
-    data = CharWindows(args.seq, size=100_000)
-    model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
-    engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
-                                              config=args.config)
+    with exit_on_config_error():
+        deepspeed.init_distributed()
+        torch.manual_seed(0)
+        data = CharWindows(args.seq, size=100_000)
+        model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
+        engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
+                                                  config=args.config)
     loader = RepeatingLoader(torch.utils.data.DataLoader(
         data, batch_size=engine.train_micro_batch_size_per_gpu(),
         sampler=torch.utils.data.DistributedSampler(data, num_replicas=engine.dp_world_size,
