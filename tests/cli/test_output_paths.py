@@ -58,6 +58,8 @@ COMMANDS = {
     "profile-links --report": (["profile-links", "--report", "{OUT}"], "--report"),
     "profile-links --merge": (["profile-links", "--merge", "{OUT}"], "--merge"),
     "profile-stages -o": (["profile-stages", "--model", "nowhere:model", "--input-shape", "2,4", "-o", "{OUT}"], "--out"),
+    "profile-stages --merge": (["profile-stages", "--model", "nowhere:model", "--input-shape", "2,4", "--merge", "{OUT}"],
+                               "--merge"),
 }
 
 

@@ -132,6 +132,16 @@ def test_inspect_gantt_writes_a_png_of_the_chosen_iteration(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_inspect_writes_a_pdf_gantt_and_the_chrome_trace_and_says_so(tmp_path):
+    pdf, chrome = tmp_path / "g.pdf", tmp_path / "t.json"
+    r = run("inspect", two_stage(tmp_path / "r.sqlite"), "--gantt", pdf, "--chrome", chrome)
+    assert r.exit_code == 0, r.output
+    assert pdf.read_bytes().startswith(b"%PDF") and json.loads(chrome.read_text())["traceEvents"]
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("wrote ")] == [f"wrote {chrome}", f"wrote {pdf}"]
+    r = run("inspect", two_stage(tmp_path / "r2.sqlite"), "--json", "--chrome", tmp_path / "t2.json")
+    assert json.loads(r.stdout)["pipeline"] and r.stderr.strip() == f"wrote {tmp_path / 't2.json'}"
+
+
 def test_chrome_output_reads_back_with_the_same_figures(tmp_path):
     out = tmp_path / "t.json"
     assert run("inspect", two_stage(tmp_path / "r.sqlite"), "--chrome", out).exit_code == 0
