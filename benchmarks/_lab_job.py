@@ -1,0 +1,274 @@
+"""One 4-node pipeline job in the network lab: each lab node runs one rank (one stage) under its own
+``torchrun --nnodes 4 --node_rank k``, as on a cluster; the lab benchmarks and the failover test use it.
+
+The job trains the emulated pipeline of ``pipemorph bench`` (``testing.emulated.EmulatedStage``: F, B
+and W take fixed times around tiny real math), fed with micro-batches of ``rows`` x 8 float32 values,
+so every activation and every input gradient that crosses a link is ``32 * rows`` real bytes (the
+bench itself sends 1 x 8 values, 32 bytes). One job runs several rows (engine settings) one after the
+other, each on a fresh engine; per iteration it records the time from a barrier to the last rank's
+return from ``train_batch``, every rank's time in sends, receives, ``WaitSends`` and compute (from the
+engine's op records), the link-delay estimator's reading (``control.estimate.link_delays`` on the
+same records, as the control loop computes it; the control loop's own reading too when it runs) and
+the path of every link. Rank 0 writes the results as JSON; each rank can save its stage's parameters.
+
+    python benchmarks/_lab_job.py SPEC.json      (the rank side: torchrun starts it in each node)
+
+The launcher side is ``run_job(lab, spec, work)``: it starts the four torchruns inside the lab's
+nodes, follows the progress file (rank 0 appends one JSON line per iteration, outside the timed span)
+and hands each new line to ``on_progress`` (which may, e.g., take an interface down), and returns
+every node's exit code and log with the results.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+NODES = 4
+WIDTH = 8  # EmulatedStage's width: an activation is rows x WIDTH float32 values
+BYTES_PER_ROW = 4 * WIDTH
+
+
+def rows_for(seconds: float, rate_bits: int) -> int:
+    """Rows per micro-batch so that one activation takes ``seconds`` on a link of ``rate_bits``:
+    8 S / R = seconds with S = 32 rows bytes."""
+    return max(1, round(seconds * rate_bits / 8 / BYTES_PER_ROW))
+
+
+class Row(BaseModel):
+    """One engine run of the job: its ``pipemorph`` section and how many iterations it trains."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    pipemorph: dict
+    iterations: int = Field(ge=1)
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rows: list[Row] = Field(min_length=1)
+    microbatches: int = Field(ge=1)
+    op_ms: float = Field(gt=0)
+    act_rows: int = Field(ge=1)  # rows per micro-batch: 32 * act_rows bytes per message
+    timeout_s: float = Field(gt=0)  # the engine's (pipemorph.timeout_s) and the process group's
+    out: str
+    progress: str
+    params_dir: Optional[str] = None  # each rank saves stage<k>.pt (the last row's parameters) here
+
+    @property
+    def message_bytes(self) -> int:
+        return BYTES_PER_ROW * self.act_rows
+
+
+# --------------------------------------------------------------------------------------------------
+# rank side
+
+
+def _build(spec: JobSpec, row: Row):
+    import torch
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    import ds_pipemorph
+    from ds_pipemorph.testing.emulated import EmulatedStage
+
+    torch.manual_seed(0)
+    t = spec.op_ms
+    model = PipelineModule(layers=[LayerSpec(EmulatedStage, WIDTH, t, t, t) for _ in range(NODES)],
+                           num_stages=NODES, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": spec.microbatches,
+           "train_batch_size": spec.microbatches, "optimizer": {"type": "SGD", "params": {"lr": 1e-1}},
+           "steps_per_print": 10**9,
+           "pipemorph": {"nvtx": False, "timeout_s": spec.timeout_s, **row.pipemorph}}
+    engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def _op_sums(records) -> dict:
+    """ms per iteration in sends, receives, WaitSends and F/B/W on this rank, from its op records."""
+    out = {"send_ms": 0.0, "recv_ms": 0.0, "wait_sends_ms": 0.0, "compute_ms": 0.0, "max_send_ms": 0.0}
+    for r in records:
+        ms = (r.end_ns - r.start_ns) / 1e6
+        if r.op.startswith("SEND_"):
+            out["send_ms"] += ms
+            out["max_send_ms"] = max(out["max_send_ms"], ms)
+        elif r.op.startswith("RECV_"):
+            out["recv_ms"] += ms
+        elif r.op == "WaitSends":
+            out["wait_sends_ms"] += ms
+        elif r.op[:1] in "FBW" and r.op[1:].isdigit():
+            out["compute_ms"] += ms
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def _link_modes(engine) -> list[str]:
+    t = engine.transport
+    return [t.link_mode(i) for i in range(NODES - 1)]
+
+
+def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from ds_pipemorph.control.estimate import RankTimes, link_delays, message_times
+
+    rank = dist.get_rank()
+    engine = _build(spec, row)
+    iters = []
+    for i in range(row.iterations):
+        dist.barrier()
+        t0 = time.monotonic_ns()
+        loss = engine.train_batch(iter(data))
+        span = torch.tensor([-t0, time.monotonic_ns()], dtype=torch.int64)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX)
+        # Outside the timed span: every rank's op sums, message times and link paths.
+        mine = {"ops": _op_sums(engine.op_records), "modes": _link_modes(engine),
+                "times": message_times(engine.op_records, spec.microbatches, engine.stage_id, {})}
+        everyone = [None] * NODES
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            modes = [everyone[k]["modes"][k] for k in range(NODES - 1)]  # rank k is an end of link k
+            fifos = [engine.transport.queues_of(k) if m == "delegated" else None for k, m in enumerate(modes)]
+            rows = {r: RankTimes(r, r - 1 if r > 0 else -1, r + 1 if r < NODES - 1 else -1, e["times"])
+                    for r, e in enumerate(everyone)}
+            it = {"iteration": i, "start_s": -span[0].item() / 1e9, "ms": (span[0].item() + span[1].item()) / 1e6,
+                  "loss": float(loss) if loss is not None else None,
+                  "ops": [e["ops"] for e in everyone], "modes": modes,
+                  "estimated_links_ms": link_delays(rows, NODES - 1, spec.microbatches, fifos)}
+            adapter = getattr(engine, "adapter", None)
+            if adapter is not None and adapter.measured:
+                it["adapter_links_ms"] = adapter.measured[-1]
+            iters.append(it)
+            with open(spec.progress, "a") as f:
+                f.write(json.dumps({"row": index, "name": row.name, "iteration": i, "ms": it["ms"],
+                                    "time": time.monotonic()}) + "\n")
+    adapter = getattr(engine, "adapter", None)
+    replans = [{"iteration": r.iteration, "kind": r.kind, "measured_ms": r.measured_ms, "target_ms": r.target_ms,
+                "warmup": r.warmup, "predicted_ms": r.predicted_ms} for r in adapter.replans] if adapter else []
+    events = list(getattr(engine.transport, "events", [])) + list(getattr(engine.transport.delegated, "events", []))
+    all_events = [None] * NODES
+    dist.all_gather_object(all_events, events)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    dist.barrier()
+    return {"name": row.name, "pipemorph": row.pipemorph, "iterations": iters, "replans": replans,
+            "events": [e for ev in all_events for e in ev], "params": params}
+
+
+def main(spec_path: str) -> None:
+    from datetime import timedelta
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from ds_pipemorph.fileio import load_model, write_atomic
+
+    spec = load_model(spec_path, JobSpec)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=spec.timeout_s))
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(1, spec.act_rows, WIDTH, generator=g), torch.randn(1, spec.act_rows, WIDTH, generator=g))
+            for _ in range(spec.microbatches)]
+    results = []
+    for k, row in enumerate(spec.rows):
+        res = _run_row(spec, row, k, data)
+        params = res.pop("params")
+        results.append(res)
+    if spec.params_dir:
+        Path(spec.params_dir).mkdir(parents=True, exist_ok=True)
+        torch.save({"stage": rank, "params": params}, Path(spec.params_dir) / f"stage{rank}.pt")
+    if rank == 0:
+        write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "rows": results}, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher side
+
+
+@dataclass
+class JobResult:
+    codes: list  # exit code per node ("timeout" if it was killed)
+    logs: list[str]  # each node's output
+    results: Optional[dict]  # rank 0's JSON, None when the job did not write it
+    seconds: float
+    progress: list[dict] = field(default_factory=list)
+
+    def log_text(self) -> str:
+        return "\n".join(f"--- node {k} (exit {c})\n{t}" for k, (c, t) in enumerate(zip(self.codes, self.logs)))
+
+
+def read_progress(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(ln) for ln in text.split("\n")[:-1] if ln.strip()]
+
+
+def node_command(lab, k: int, spec_path: Path, net: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc_per_node", "1",
+            "--node_rank", str(k), "--master_addr", lab.addr(0, net), "--master_port", str(port),
+            str(Path(__file__).resolve()), str(spec_path)]
+
+
+def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, timeout_s: float = 1200.0,
+            on_progress: Callable[[list[dict]], None] = lambda lines: None) -> JobResult:
+    """Run ``spec`` on the lab's nodes 0..3, the ranks' own process group on network ``net`` (its
+    interface as GLOO_SOCKET_IFNAME, node 0's address on it as the master); ``on_progress`` gets the
+    progress lines so far whenever a new one arrives. A job still running after ``timeout_s`` is killed."""
+    from ds_pipemorph.procs import kill_group, versioned_extensions_dir
+
+    work.mkdir(parents=True, exist_ok=True)
+    spec_path = work / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    progress = Path(spec.progress)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.ifname(net),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())}
+    logs = [work / f"node{k}.log" for k in range(NODES)]
+    procs = []
+    t0 = time.monotonic()
+    for k in range(NODES):
+        with open(logs[k], "w") as log:
+            procs.append(lab.popen(k, node_command(lab, k, spec_path, net, port), env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, cwd=str(REPO)))
+    seen = 0
+    codes: list = [None] * NODES
+    try:
+        while any(p.poll() is None for p in procs):
+            lines = read_progress(progress)
+            if len(lines) > seen:
+                seen = len(lines)
+                on_progress(lines)
+            if time.monotonic() - t0 > timeout_s:
+                break
+            time.sleep(0.2)
+    finally:
+        for k, p in enumerate(procs):
+            if p.poll() is None:
+                kill_group(p)
+                p.wait()
+                codes[k] = "timeout"
+            else:
+                codes[k] = p.returncode
+    out = Path(spec.out)
+    results = json.loads(out.read_text()) if out.exists() else None
+    return JobResult(codes, [p.read_text(errors="replace") for p in logs], results, time.monotonic() - t0,
+                     read_progress(progress))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
