@@ -1,19 +1,35 @@
-"""Stock DeepSpeed 1F1B against PipeMorphEngine running the `zb` plan, side by side in one run.
+"""PipeMorphEngine against torch pipelining and a plain torch.distributed loop, paired in one job.
 
 4 stages, 12 micro-batches, emulated stages whose F, B and W each take 10 ms (sleeps around tiny
-real math, ``ds_pipemorph.testing.emulated``), no link delay. Iteration time is measured the same
-way for both engines: from the barrier before ``train_batch`` to the last rank's return (headline),
-and as docs/design.md's iteration time (first op start to last op end, over all ranks); medians over
-several iterations after warm-up. The same plan run by a plain torch.distributed loop, without
-DeepSpeed or our engine (``_bare_runner.py``), is measured in the same run: this machine's floor
-for any runtime, printed next to the engines. Also measures, on a real transformer block (with
+real math, ``ds_pipemorph.testing.emulated``), no link delay, one CPU rank per stage. One job builds
+our engine with the ``zb`` plan and, one after the other, each runner it is compared with:
+
+- ``bare_zb``: the same plan run by a plain torch.distributed loop, without DeepSpeed or our engine
+  (``_bare_runner.py``): this machine's floor for any runtime;
+- ``torch_zbv``, ``torch_interleaved_zb``, ``torch_1f1b``: torch.distributed.pipelining's
+  ``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble`` (two virtual stages per rank, each
+  half the work) and ``Schedule1F1B`` on the same emulated stage (``_torch_runner.py``).
+
+Against each, the two alternate every iteration in the cycle ``X ours X' ours`` (``X'`` is the
+runner again; ``ds_pipemorph.bench.paired``): every runner keeps its own model, all share one
+process group and consume every message of an iteration within it. An iteration is timed from a
+barrier before ``train_batch`` to the last rank's return. Per runner: ours / X, the median of the
+per-pair ratios with its bootstrap 95 % interval, the X'/X noise check and the verdict ("no
+difference measurable here" when the interval holds 1). Also: ours over the planner's prediction
+(the median of our measured iterations over the replay), where our iteration goes per rank, and
+B + W against one fused backward on a real transformer block (interleaved repetitions; with
 glibc's default malloc, which returns large freed blocks to the OS so that tensors the split keeps
 alive a little longer make later allocations fault fresh pages, and with one that keeps freed
 memory, as GPU caching allocators do; and on a small block, where fixed per-call costs weigh
-more), B + W time against one fused backward, with the page faults of each. Prints a table and
-writes JSON.
+more). ``--anchors instruction,op`` adds the stricter ruler (an emulated op's 10 ms counted from
+its math, not from its instruction). Prints tables and writes JSON.
 
-    DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py [--iters 8] [--out out/engine_zb_vs_1f1b.json]
+Stock DeepSpeed is another engine class and cannot share a job with ours: ``pipemorph paired zb
+stock-1f1b`` alternates whole short jobs of the two.
+
+    DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py [--pairs 12] [--warmup 4]
+        [--runners bare_zb,torch_zbv,torch_interleaved_zb,torch_1f1b] [--anchors instruction]
+        [--no-block] [--out out/engine_zb_vs_1f1b.json]
 
 (re-launches itself with ``torchrun --standalone --nproc_per_node 4`` when not started by torchrun).
 """
@@ -28,80 +44,83 @@ import sys
 import time
 from pathlib import Path
 
-from _util import CACHING_MALLOC, relaunch, write_json
+from _util import CACHING_MALLOC, print_table, relaunch, write_json
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 TARGET_OVER_PREDICTED = 1.05
-# adaptive: extra row, Alg. 1 warm-up; bare_zb: the zb plan run by plain torch.distributed, no
-# DeepSpeed and no engine (_bare_runner.py): this machine's floor for any runtime
-# torch_*: torch.distributed.pipelining's Schedule1F1B, ScheduleInterleavedZeroBubble and
-# ScheduleZBVZeroBubble (two virtual stages per rank, each half the work) on the same emulated stage
-# (_torch_runner.py)
-ENGINES = ("stock_1f1b", "pipemorph_zb", "pipemorph_adaptive", "bare_zb", "torch_1f1b", "torch_interleaved_zb",
-           "torch_zbv")
-# Where an emulated op's 10 ms start (testing/emulated.py): "instruction" = when the engine began
+RUNNERS = ("bare_zb", "torch_zbv", "torch_interleaved_zb", "torch_1f1b")
+LABELS = {"bare_zb": "plain torch.distributed loop (zb)", "torch_zbv": "torch ScheduleZBVZeroBubble",
+          "torch_interleaved_zb": "torch ScheduleInterleavedZeroBubble", "torch_1f1b": "torch Schedule1F1B"}
+# Where an emulated op's 10 ms start (testing/emulated.py): "instruction" = when the runner began
 # the instruction (its Python overlaps the op, as it overlaps launched kernels on a GPU; headline);
-# "op" = when the emulated math starts (every microsecond of engine work adds: the strict ruler).
+# "op" = when the emulated math starts (every microsecond of runtime work adds: the strict ruler).
 ANCHORS = ("instruction", "op")
 REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=8, help="measured iterations per engine")
-    ap.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per engine")
+    ap.add_argument("--pairs", type=int, default=12, help="ours/X pairs per runner (A/A pairs: half as many)")
+    ap.add_argument("--warmup", type=int, default=4, help="unmeasured alternating iterations per runner")
+    ap.add_argument("--runners", default=",".join(RUNNERS), help="a comma-separated subset of " + ",".join(RUNNERS))
+    ap.add_argument("--anchors", default="instruction", help="instruction, op or both (comma-separated)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    ap.add_argument("--no-block", action="store_true", help="skip B + W against fused on a transformer block")
     ap.add_argument("--out", default="out/engine_zb_vs_1f1b.json")
     ap.add_argument("--block", type=int, nargs=3, metavar=("D_MODEL", "SEQ", "REPS"),
                     help=argparse.SUPPRESS)  # internal: measure one transformer block and print JSON
-    return ap.parse_args()
+    args = ap.parse_args()
+    for name, given, allowed in (("--runners", args.runners, RUNNERS), ("--anchors", args.anchors, ANCHORS)):
+        bad = [x for x in given.split(",") if x not in allowed]
+        if bad:
+            ap.error(f"{name}: '{bad[0]}' is not one of {', '.join(allowed)}")
+    return args
 
 
 def build(kind: str):
-    import deepspeed
+    """Our engine (``ours``) or the runner ``kind`` on this rank."""
     import torch
+    import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
     from ds_pipemorph.testing.emulated import EmulatedStage
 
     if kind.startswith("torch_"):
-        import torch.distributed as dist
         from _torch_runner import TorchRunner
 
         return TorchRunner(kind, dist.get_rank(), STAGES, 8, OP_MS, MICROBATCHES)
     if kind == "bare_zb":
-        import torch.distributed as dist
         from _bare_runner import BareRunner
 
-        from ds_pipemorph.runtime.config import parse_config
-        from ds_pipemorph.runtime.plans import build_plan
-
-        plan = build_plan(parse_config({"schedule": "zb"}), STAGES, MICROBATCHES)
-        return BareRunner(plan, dist.get_rank(), STAGES, 8, OP_MS)
+        return BareRunner(zb_plan(), dist.get_rank(), STAGES, 8, OP_MS)
     torch.manual_seed(0)
     model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, OP_MS, OP_MS, OP_MS) for _ in range(STAGES)],
                            num_stages=STAGES, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICROBATCHES,
            "train_batch_size": MICROBATCHES, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-           "steps_per_print": 10**9}
-    if kind == "stock_1f1b":
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    else:
-        schedule = kind.split("_", 1)[1]
-        cfg["pipemorph"] = {"schedule": schedule, "delegation": {"mode": "off"}, "adapt": {"enabled": False}}
-        engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+           "steps_per_print": 10**9,
+           "pipemorph": {"schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False}, "nvtx": False}}
+    engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
 
-def time_compute_ops(engine) -> list:
-    """Wrap the engine's compute handlers (F, B, W, fused backward) to record [start, end] ns; stock
-    DeepSpeed's also publish their start, as PipeMorphEngine's recorder does (``oprecords``), so
-    that the emulated ops anchor their time the same way in both engines."""
+def zb_plan():
+    from ds_pipemorph.runtime.config import parse_config
+    from ds_pipemorph.runtime.plans import build_plan
+
+    return build_plan(parse_config({"schedule": "zb"}), STAGES, MICROBATCHES)
+
+
+def compute_spans(runner) -> list:
+    """Where ``runner`` records [start, end] ns of its F, B, W: the runners keep their own list; our
+    engine's compute handlers are wrapped once to record into a new one."""
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
     from ds_pipemorph.runtime.instructions import BackwardInputPass, BackwardWeightPass
-    from ds_pipemorph.testing.emulated import anchor_stock_engine
 
+    if hasattr(runner, "compute_spans"):
+        return runner.compute_spans
     spans: list = []
 
     def timed(fn):
@@ -111,12 +130,8 @@ def time_compute_ops(engine) -> list:
             spans.append((t0, time.monotonic_ns()))
         return run
 
-    if hasattr(engine, "compute_spans"):  # the bare runner times its ops itself
-        return engine.compute_spans
     kinds = (ForwardPass, BackwardPass, BackwardInputPass, BackwardWeightPass)
-    if not hasattr(engine, "recorder"):  # stock DeepSpeed: publish instruction starts as ours does
-        anchor_stock_engine(engine)
-    engine._INSTRUCTION_MAP = {k: (timed(v) if k in kinds else v) for k, v in engine._INSTRUCTION_MAP.items()}
+    runner._INSTRUCTION_MAP = {k: (timed(v) if k in kinds else v) for k, v in runner._INSTRUCTION_MAP.items()}
     return spans
 
 
@@ -144,32 +159,52 @@ def breakdown(records, t0: int, t1: int) -> dict:
     return out
 
 
-def measure(engine, warmup: int, iters: int, parts: list | None = None) -> tuple[list[float], list[float]]:
-    """Per iteration: wall time (barrier to the last rank's return from train_batch) and docs/design.md's
-    iteration time (first op start to last op end over all ranks; ops are F, B, W). With ``parts``,
-    this rank's ``breakdown`` of every measured iteration is appended there."""
+def timed_iteration(runner, spans: list, data, parts: list | None = None) -> tuple[float, float]:
+    """One ``train_batch``: wall time (a barrier before it to the last rank's return) and
+    docs/design.md's iteration time (first F/B/W start to last F/B/W end over all ranks), in ms.
+    With ``parts``, this rank's ``breakdown`` of the iteration (our engine) is appended there."""
     import torch
     import torch.distributed as dist
 
+    spans.clear()
+    dist.barrier()
+    t0 = time.monotonic_ns()
+    runner.train_batch(iter(data))
+    t1 = time.monotonic_ns()
+    first, last = min(a for a, _ in spans), max(b for _, b in spans)
+    both = torch.tensor([-t0, t1, -first, last], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # earliest starts, latest ends (one clock per machine)
+    if parts is not None:
+        parts.append(breakdown(runner.op_records, t0, t1))
+    return (both[0].item() + both[1].item()) / 1e6, (both[2].item() + both[3].item()) / 1e6
+
+
+def alternate(other, ours, warmup: int, pairs: int, parts: list | None) -> list[dict]:
+    """``other`` (A) and ``ours`` (B), each a (runner, its compute spans), every iteration in the
+    cycle ``X ours X' ours ...``; per iteration: side, wall ms, op-span ms (the same on every rank).
+    Our engine's breakdown of each measured iteration goes into ``parts`` (if given)."""
+    import torch
+
+    from ds_pipemorph.bench.paired import A_SIDE, cycles_for, sequence
+
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(MICROBATCHES)]
-    spans = time_compute_ops(engine)
-    wall, ops = [], []
-    for i in range(warmup + iters):
-        spans.clear()
-        dist.barrier()
-        t0 = time.monotonic_ns()
-        engine.train_batch(iter(data))
-        t1 = time.monotonic_ns()
-        first, last = min(a for a, _ in spans), max(b for _, b in spans)
-        both = torch.tensor([-t0, t1, -first, last], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # earliest starts, latest ends (one clock per machine)
-        if i >= warmup:
-            if parts is not None:
-                parts.append(breakdown(engine.op_records, t0, t1))
-            wall.append((both[0].item() + both[1].item()) / 1e6)
-            ops.append((both[2].item() + both[3].item()) / 1e6)
-    return wall, ops
+    sides = sequence(warmup + 4 * cycles_for(pairs), warmup)
+    rows = []
+    for i, label in enumerate(sides):
+        runner, spans = other if label in A_SIDE else ours
+        keep = parts if (label == "B" and i >= warmup) else None
+        wall, span = timed_iteration(runner, spans, data, keep)
+        rows.append({"side": label, "ms": wall, "op_span_ms": span})
+    return rows
+
+
+def predicted_ms() -> float:
+    """The replay simulator's iteration time of the ``zb`` plan at F = B = W = ``OP_MS``."""
+    from ds_pipemorph.plan.profile import Costs
+    from ds_pipemorph.plan.simulate import replay
+
+    return replay(zb_plan(), Costs.uniform(STAGES, OP_MS), MICROBATCHES).iteration_ms
 
 
 def transformer_block_split_vs_fused(d_model: int, seq: int, reps: int = 12) -> dict:
@@ -244,115 +279,93 @@ def main() -> int:
     import deepspeed
     import torch.distributed as dist
 
-    from ds_pipemorph.plan.baselines import deepspeed_1f1b
-    from ds_pipemorph.plan.profile import Costs
-    from ds_pipemorph.plan.simulate import replay
-    from ds_pipemorph.runtime.config import parse_config
-    from ds_pipemorph.runtime.plans import build_plan
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    costs = Costs.uniform(STAGES, OP_MS)
-    predicted = {
-        "stock_1f1b": replay(deepspeed_1f1b(STAGES, MICROBATCHES), costs, MICROBATCHES, fused_backward=True).iteration_ms,
-        "pipemorph_zb": replay(build_plan(parse_config({"schedule": "zb"}), STAGES, MICROBATCHES), costs,
-                               MICROBATCHES).iteration_ms,
-        "pipemorph_adaptive": replay(build_plan(parse_config({"schedule": "adaptive"}), STAGES, MICROBATCHES),
-                                     costs, MICROBATCHES).iteration_ms,
-    }
-    predicted["bare_zb"] = predicted["pipemorph_zb"]
-    # torch's 1F1B runs DeepSpeed's order with a fused backward; its zero-bubble schedules have no
-    # prediction here (virtual stages), only their measured time.
-    predicted.update(torch_1f1b=predicted["stock_1f1b"], torch_interleaved_zb=None, torch_zbv=None)
     from ds_pipemorph.testing.emulated import ANCHOR_ENV
 
-    results = {a: {} for a in ANCHORS}
-    op_spans = {a: {} for a in ANCHORS}
-    parts: list = []  # pipemorph_zb, headline ruler: this rank's breakdown per measured iteration
-    for kind in ENGINES:
-        engine = build(kind)
-        for anchor in ANCHORS:  # the same engine under both rulers, one after the other
-            os.environ[ANCHOR_ENV] = anchor  # read by every emulated op
-            mine = parts if (kind, anchor) == ("pipemorph_zb", "instruction") else None
-            results[anchor][kind], op_spans[anchor][kind] = measure(engine, args.warmup, args.iters, mine)
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine = build("ours")
+    ours = (engine, compute_spans(engine))
+    others: dict = {}
+    runs: dict = {}  # (anchor, runner) -> iterations
+    parts: list = []  # this rank's breakdown of our measured iterations (instruction ruler)
+    for anchor in args.anchors.split(","):
+        os.environ[ANCHOR_ENV] = anchor  # read by every emulated op
+        for kind in args.runners.split(","):
+            if kind not in others:
+                runner = build(kind)
+                others[kind] = (runner, compute_spans(runner))
+            mine = parts if anchor == "instruction" else None
+            runs[(anchor, kind)] = alternate(others[kind], ours, args.warmup, args.pairs, mine)
             dist.barrier()
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, parts)
+    engine.destroy()
+    dist.barrier()
+    rank = dist.get_rank()
     dist.destroy_process_group()
-    if rank != 0:
-        return 0
-    block = block_in_subprocess(512, 128, 20, caching_malloc=False)
-    block_cached = block_in_subprocess(512, 128, 20, caching_malloc=True)
-    small = block_in_subprocess(256, 64, 40, caching_malloc=False)
-    report = {"stages": STAGES, "microbatches": MICROBATCHES, "op_ms": OP_MS, "link_delay_ms": 0,
-              "iterations_measured": args.iters, "anchors": {}}
-    for anchor in ANCHORS:
-        med = {k: statistics.median(v) for k, v in results[anchor].items()}
-        med_ops = {k: statistics.median(v) for k, v in op_spans[anchor].items()}
-        ratio = lambda a, b: None if b is None else round(a / b, 4)  # noqa: E731
-        report["anchors"][anchor] = {
-            "engines": {k: {"predicted_ms": predicted[k], "median_ms": round(med[k], 3),
-                            "over_predicted": ratio(med[k], predicted[k]),
-                            "iterations_ms": [round(x, 3) for x in results[anchor][k]],
-                            "op_span_median_ms": round(med_ops[k], 3),
-                            "op_span_over_predicted": ratio(med_ops[k], predicted[k]),
-                            "op_spans_ms": [round(x, 3) for x in op_spans[anchor][k]]} for k in med},
-            "op_span_stock_over_ours": round(med_ops["stock_1f1b"] / med_ops["pipemorph_zb"], 4),
-            "ours_over_predicted": round(med["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
-            "ours_op_span_over_predicted": round(med_ops["pipemorph_zb"] / predicted["pipemorph_zb"], 4),
-            "stock_over_ours": round(med["stock_1f1b"] / med["pipemorph_zb"], 4),
-            "bare_over_predicted": round(med["bare_zb"] / predicted["bare_zb"], 4),
-            "ours_over_bare": round(med["pipemorph_zb"] / med["bare_zb"], 4),
-            "ours_over_torch_zbv": round(med["pipemorph_zb"] / med["torch_zbv"], 4),
-            "ours_over_torch_interleaved_zb": round(med["pipemorph_zb"] / med["torch_interleaved_zb"], 4),
-            "ours_over_torch_1f1b": round(med["pipemorph_zb"] / med["torch_1f1b"], 4),
-        }
-        print(f"\nemulated ops anchored at the {anchor} start")
-        print(f"{'engine':<22}{'predicted ms':>14}{'median ms':>12}{'min ms':>10}{'max ms':>10}{'op span ms':>12}")
-        for k, v in results[anchor].items():
-            pred = "-" if predicted[k] is None else f"{predicted[k]:.1f}"
-            print(f"{k:<22}{pred:>14}{med[k]:>12.1f}{min(v):>10.1f}{max(v):>10.1f}{med_ops[k]:>12.1f}")
-        r = report["anchors"][anchor]
-        print(f"ours / predicted = {r['ours_over_predicted']:.4f} (op span {r['ours_op_span_over_predicted']:.4f}; "
-              f"target <= {TARGET_OVER_PREDICTED});  stock / ours = {r['stock_over_ours']:.4f} (target >= 1.10)")
-        print(f"ours / torch ZBV = {r['ours_over_torch_zbv']:.4f} (target < 1); ours / torch interleaved ZB = "
-              f"{r['ours_over_torch_interleaved_zb']:.4f}; ours / torch 1F1B = {r['ours_over_torch_1f1b']:.4f}")
-        print(f"this machine's floor: the zb plan without DeepSpeed or engine / predicted = "
-              f"{r['bare_over_predicted']:.4f}; ours / that floor = {r['ours_over_bare']:.4f}")
-    keys = ("compute_extra", "send", "recv_wait", "other", "dispatch", "ops")
-    per_rank = [{k: statistics.median(p[k] for p in rank_parts) for k in keys} for rank_parts in every_rank]
-    report["pipemorph_zb_breakdown_ms"] = [{k: round(v, 3) for k, v in p.items()} for p in per_rank]
-    print("\npipemorph_zb, where each rank's iteration goes (ms per iteration, median; instruction ruler):")
-    print(f"{'rank':<6}{'in F/B/W beyond the op':>24}{'in sends':>10}{'waiting in receives':>21}"
-          f"{'other instructions':>20}{'between instructions':>22}{'instructions':>14}")
-    for rank, p in enumerate(per_rank):
-        print(f"{rank:<6}{p['compute_extra']:>24.2f}{p['send']:>10.2f}{p['recv_wait']:>21.2f}{p['other']:>20.2f}"
-              f"{p['dispatch']:>22.2f}{p['ops']:>14.0f}")
-    print("(median/min/max: barrier to the last rank's return from train_batch; op span: docs/design.md's "
-          "iteration time, first F/B/W start to last F/B/W end over all ranks)")
-    head = report["anchors"]["instruction"]
-    report.update({
-        "ours_over_predicted": head["ours_over_predicted"], "stock_over_ours": head["stock_over_ours"],
-        "transformer_block_split": block,
-        "transformer_block_split_caching_malloc": block_cached,
-        "small_transformer_block_split": small,
-        "targets": {"ours_over_predicted_max": TARGET_OVER_PREDICTED, "ours_over_torch_zbv_max": 1.0,
-                    "stock_over_ours_min": 1.10, "split_over_fused_max": 1.05},
-    })
-    report["targets_met"] = {
-        "ours_over_predicted": head["ours_over_predicted"] <= TARGET_OVER_PREDICTED,
-        "ours_over_predicted_strict": report["anchors"]["op"]["ours_over_predicted"] <= TARGET_OVER_PREDICTED,
-        "faster_than_torch_zbv": head["ours_over_torch_zbv"] < 1.0,
-        "stock_over_ours": head["stock_over_ours"] >= 1.10,
-        "split_over_fused": block["ratio"] <= 1.05,
-    }
-    for b in (block, block_cached, small):
-        print(f"{b['block']}, {b['malloc']}: fused {b['fused_ms']:.2f} ms, B {b['b_ms']:.2f} + W {b['w_ms']:.2f} "
-              f"= {b['b_plus_w_ms']:.2f} ms, ratio {b['ratio']:.4f} (min/min {b['ratio_of_minimums']:.4f}; "
-              f"target <= 1.05); page faults per backward: fused {b['page_faults_fused']:g}, "
-              f"B + W {b['page_faults_split']:g}")
-    write_json(args.out, report)
+    if rank == 0:
+        report(args, runs, every_rank)
     return 0
+
+
+def report(args, runs: dict, every_rank: list) -> None:
+    from ds_pipemorph.bench.paired import compare
+
+    predicted = predicted_ms()
+    out = {"stages": STAGES, "microbatches": MICROBATCHES, "op_ms": OP_MS, "link_delay_ms": 0,
+           "method": "one job; per runner X the cycle X ours X' ours, each ratio the median of per-pair "
+                     "ratios ours/X with a 95 % percentile bootstrap interval",
+           "pairs": args.pairs, "warmup": args.warmup, "seed": args.seed, "predicted_ms": predicted,
+           "anchors": {}}
+    for anchor in args.anchors.split(","):
+        rows, section, verdicts = [], {}, []
+        ours_ms, ours_span = [], []
+        for kind in args.runners.split(","):
+            it = runs[(anchor, kind)]
+            sides = [r["side"] for r in it]
+            c = compare(sides, [r["ms"] for r in it], args.warmup, seed=args.seed)
+            span = compare(sides, [r["op_span_ms"] for r in it], args.warmup, seed=args.seed)
+            measured = it[args.warmup:]
+            ours_ms += [r["ms"] for r in measured if r["side"] == "B"]
+            ours_span += [r["op_span_ms"] for r in measured if r["side"] == "B"]
+            section[kind] = {"comparison": c.as_dict(), "op_span_comparison": span.as_dict(), "iterations": it}
+            r, n = c.ratio, c.noise
+            rows.append([f"ours / {kind}", f"{r.median:.3f}", f"[{r.lo:.3f}, {r.hi:.3f}]", r.pairs,
+                         f"{n.median:.3f} [{n.lo:.3f}, {n.hi:.3f}] ({n.pairs})" if n else "-",
+                         f"{c.b_median_ms:.1f} / {c.a_median_ms:.1f}", span.ratio.text()])
+            verdicts.append(f"ours / {kind}: {c.verdict}")
+        over = statistics.median(ours_ms) / predicted
+        over_span = statistics.median(ours_span) / predicted
+        section["ours_over_predicted"] = round(over, 4)
+        section["ours_op_span_over_predicted"] = round(over_span, 4)
+        out["anchors"][anchor] = section
+        print_table(f"ours (PipeMorphEngine, zb plan) against X, alternated every iteration in one job: {STAGES} "
+                    f"stages x {MICROBATCHES} micro-batches, F=B=W={OP_MS:g} ms emulated, ops anchored at the "
+                    f"{anchor} start",
+                    ["comparison", "median ratio", "95% interval", "pairs", "X'/X noise [95%] (pairs)",
+                     "median ms ours / X", "op span ours / X [95%]"], rows)
+        print("\n".join(verdicts))
+        print(f"ours / predicted ({predicted:.1f} ms) = {over:.4f} (op span {over_span:.4f}; target <= "
+              f"{TARGET_OVER_PREDICTED}): the median of all {len(ours_ms)} measured iterations of ours")
+    keys = ("compute_extra", "send", "recv_wait", "other", "dispatch", "ops")
+    if all(every_rank):
+        per_rank = [{k: statistics.median(p[k] for p in rank_parts) for k in keys} for rank_parts in every_rank]
+        out["ours_breakdown_ms"] = [{k: round(v, 3) for k, v in p.items()} for p in per_rank]
+        print_table("ours, where each rank's iteration goes (ms per iteration, median; instruction ruler)",
+                    ["rank", "in F/B/W beyond the op", "in sends", "waiting in receives", "other instructions",
+                     "between instructions", "instructions"],
+                    [[k, f"{p['compute_extra']:.2f}", f"{p['send']:.2f}", f"{p['recv_wait']:.2f}",
+                      f"{p['other']:.2f}", f"{p['dispatch']:.2f}", f"{p['ops']:.0f}"] for k, p in enumerate(per_rank)])
+    if not args.no_block:
+        blocks = [block_in_subprocess(512, 128, 20, caching_malloc=False),
+                  block_in_subprocess(512, 128, 20, caching_malloc=True),
+                  block_in_subprocess(256, 64, 40, caching_malloc=False)]
+        out["transformer_block_split"] = blocks
+        for b in blocks:
+            print(f"{b['block']}, {b['malloc']}: fused {b['fused_ms']:.2f} ms, B {b['b_ms']:.2f} + W {b['w_ms']:.2f} "
+                  f"= {b['b_plus_w_ms']:.2f} ms, ratio {b['ratio']:.4f} (min/min {b['ratio_of_minimums']:.4f}; "
+                  f"target <= 1.05); page faults per backward: fused {b['page_faults_fused']:g}, "
+                  f"B + W {b['page_faults_split']:g}")
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":
