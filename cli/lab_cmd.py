@@ -182,21 +182,20 @@ def launch(
     shape_: List[str] = typer.Option([], "--shape", help="SRC-DST:RATE (one direction) or SRC=DST:RATE (both), repeatable."),
     trace: List[str] = typer.Option([], "--trace", help="SRC-DST:FILE or SRC=DST:FILE: play a rate trace on the pair while the job runs."),
     networks: int = typer.Option(1, "--networks", min=1, max=2, help="2 adds a second network (eth1, 198.19.0.x)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Lab name (1-8 lowercase letters or digits; default: random)."),
     logs: Optional[Path] = typer.Option(None, "--logs", help="Write each node's output to DIR/node{k}.log instead of the terminal."),
     timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="Seconds the job may take; then every node is stopped."),
 ) -> None:
     """Build a lab, run CMD in every node at once (e.g. torchrun --node_rank {node}), remove the lab when the job ends."""
     import os
 
-    from ds_pipemorph.lab import Lab, load_rate_trace
+    from ds_pipemorph.lab import Lab, load_rate_trace, parse_rate
 
     with user_errors():
         shapes = _pairs(shape_, "--shape", nodes)
         traces = [(a, b, both, load_rate_trace(f)) for a, b, both, f in _pairs(trace, "--trace", nodes)]
-        lab = Lab(nodes=nodes, networks=networks)
+        lab = Lab(nodes=nodes, networks=networks, **({"lab_id": name} if name else {}))
         for _, _, _, r in shapes:
-            from ds_pipemorph.lab import parse_rate
-
             parse_rate(r)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the clean-up below
         lab.up()

@@ -26,13 +26,12 @@ def refused(res) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
 @pytest.mark.parametrize("cmd", [["up", "--nodes", "2", "--name", "nopriv"],
-                                 ["launch", "--nodes", "2", "--", "true"]])
+                                 ["launch", "--nodes", "2", "--name", "nopriv", "--", "true"]])
 def test_without_the_privilege_to_make_namespaces_one_sentence_and_nothing_created(cmd):
     # A real refusal: the kernel denies the mount and the links without CAP_SYS_ADMIN / CAP_NET_ADMIN.
-    before = namespaces()
     line = refused(pm(*cmd, prefix=DROP))
     assert "root" in line and "CAP_SYS_ADMIN" in line
-    assert namespaces() == before
+    assert namespaces(lab_prefix("nopriv")) == []
 
 
 @pytest.mark.timeout(90)
@@ -63,19 +62,18 @@ def test_a_lab_stays_between_commands_until_down(lab_capable):
 
 @pytest.mark.timeout(90)
 def test_launch_runs_the_command_in_every_node_and_removes_the_lab(lab_capable, tmp_path):
-    before = namespaces()
-    res = pm("launch", "--nodes", 3, "--shape", "0=2:50mbit", "--logs", tmp_path, "--",
+    # Named labs: other labs may come and go on the machine meanwhile.
+    res = pm("launch", "--nodes", 3, "--name", "clil", "--shape", "0=2:50mbit", "--logs", tmp_path, "--",
              "sh", "-c", "echo node {node} of {nodes} at {addr} master {master_addr} if $GLOO_SOCKET_IFNAME; "
                          "tc qdisc show dev {ifname} | grep -c htb; tc class show dev {ifname} | wc -l")
     assert res.returncode == 0, res.stderr
     logs = [(tmp_path / f"node{k}.log").read_text().split("\n") for k in range(3)]
     assert logs[1][0] == "node 1 of 3 at 198.18.0.2 master 198.18.0.1 if eth0"
     assert [log[2] for log in logs] == ["1", "0", "1"]  # shaped classes: 0 -> 2 and 2 -> 0 only
-    assert namespaces() == before
+    assert namespaces(lab_prefix("clil")) == []
 
-    failed = pm("launch", "--nodes", 2, "--", "sh", "-c", "[ {node} = 1 ] && exit 5; sleep 600")
-    assert failed.returncode == 5 and namespaces() == before
-    assert "--shape '0:1'" in refused(pm("launch", "--nodes", 2, "--shape", "0:1", "--", "true"))
-    assert "node 4" in refused(pm("launch", "--nodes", 2, "--shape", "0-4:1gbit", "--", "true"))
-    assert "rate" in refused(pm("launch", "--nodes", 2, "--shape", "0-1:quick", "--", "true"))
-    assert namespaces() == before
+    failed = pm("launch", "--nodes", 2, "--name", "clif", "--", "sh", "-c", "[ {node} = 1 ] && exit 5; sleep 600")
+    assert failed.returncode == 5 and namespaces(lab_prefix("clif")) == []
+    for spec, words in (("0:1", "--shape '0:1'"), ("0-4:1gbit", "node 4"), ("0-1:quick", "rate")):
+        assert words in refused(pm("launch", "--nodes", 2, "--name", "clib", "--shape", spec, "--", "true"))
+        assert namespaces(lab_prefix("clib")) == []
