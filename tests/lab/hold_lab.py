@@ -1,5 +1,5 @@
 """Build a 2-node lab with a shaped pair and a process running in node 1, print the lab id and that
-process's pid, then wait (the test kills this process) or fail (``fail`` argument)."""
+process's pid, then wait (the test kills this process) or, with the ``fail`` argument, fail once a line arrives on stdin."""
 import sys
 import time
 
@@ -10,5 +10,6 @@ with Lab(nodes=2) as lab:
     job = lab.popen(1, ["sleep", "600"])
     print(lab.lab_id, job.pid, flush=True)
     if sys.argv[1:] == ["fail"]:
+        sys.stdin.readline()
         raise SystemExit("the job failed")
     time.sleep(600)

@@ -32,7 +32,8 @@ def wait_gone(prefix: str, pid: int, seconds: float = 30) -> None:
 
 
 def start_holder(*args: str) -> tuple[subprocess.Popen, str, int]:
-    proc = subprocess.Popen([sys.executable, HOLD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, HOLD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     assert line, proc.stderr.read()
     return proc, names.lab_prefix(line[0]), int(line[1])
@@ -61,7 +62,10 @@ def test_the_lab_process_ending_any_way_removes_its_lab(lab_capable, how):
     before = host_network()
     proc, prefix, job_pid = start_holder(*(["fail"] if how == "fail" else []))
     assert len(namespaces(prefix)) == 3 and alive(job_pid)
-    if how != "fail":
+    if how == "fail":
+        proc.stdin.write("fail now\n")
+        proc.stdin.flush()
+    else:
         proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGKILL)
     proc.wait(timeout=30)
     wait_gone(prefix, job_pid)  # after kill -9 the watchdog does it, a moment later
