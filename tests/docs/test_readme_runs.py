@@ -9,12 +9,13 @@ import math
 import os
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from ds_pipemorph.procs import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
@@ -30,7 +31,7 @@ def free_port() -> int:
 
 def run(argv, cwd, timeout):
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    r = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    r = run_group([str(a) for a in argv], timeout, cwd=cwd, env=env)  # a timeout kills the ranks too
     assert r.returncode == 0, f"{' '.join(map(str, argv))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout
 
