@@ -39,7 +39,7 @@ def start_holder(*args: str) -> tuple[subprocess.Popen, str, int]:
     return proc, names.lab_prefix(line[0]), int(line[1])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_failing_job_leaves_nothing_behind(lab_capable):
     before = host_network()
     with pytest.raises(subprocess.CalledProcessError):
@@ -56,7 +56,7 @@ def test_a_failing_job_leaves_nothing_behind(lab_capable):
     assert host_network() == before
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["fail", "sigint", "sigkill"])
 def test_the_lab_process_ending_any_way_removes_its_lab(lab_capable, how):
     before = host_network()

@@ -12,7 +12,7 @@ DROP = ["setpriv", "--bounding-set=-sys_admin,-net_admin", "--inh-caps=-sys_admi
 
 
 def pm(*args, prefix=()):
-    return subprocess.run([*prefix, "pipemorph", "lab", *map(str, args)], capture_output=True, text=True, timeout=60)
+    return subprocess.run([*prefix, "pipemorph", "lab", *map(str, args)], capture_output=True, text=True, timeout=120)
 
 
 def refused(res) -> str:
@@ -23,7 +23,7 @@ def refused(res) -> str:
     return lines[0]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
 @pytest.mark.parametrize("cmd", [["up", "--nodes", "2", "--name", "nopriv"],
                                  ["launch", "--nodes", "2", "--name", "nopriv", "--", "true"]])
@@ -34,7 +34,7 @@ def test_without_the_privilege_to_make_namespaces_one_sentence_and_nothing_creat
     assert namespaces(lab_prefix("nopriv")) == []
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_a_lab_stays_between_commands_until_down(lab_capable):
     prefix = lab_prefix("clit")
     try:
@@ -60,7 +60,7 @@ def test_a_lab_stays_between_commands_until_down(lab_capable):
     assert "no lab 'clit'" in refused(pm("shape", "clit", 0, 1, "1gbit"))
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 def test_launch_runs_the_command_in_every_node_and_removes_the_lab(lab_capable, tmp_path):
     # Named labs: other labs may come and go on the machine meanwhile.
     res = pm("launch", "--nodes", 3, "--name", "clil", "--shape", "0=2:50mbit", "--logs", tmp_path, "--",
