@@ -276,7 +276,7 @@ def report(results: dict, args) -> None:
             it = mig["iterations"]
             one = compare([r["side"] for r in it], [r["ms"] for r in it], args.warmup, seed=args.seed)
         healthy = statistics.median(x for r in runs for x in r["iterations_ms"][2:SLOW_FROM])
-        met = (whole.ratio.median <= TARGET_BEST and one is not None and one.ratio.median >= TARGET_UNIFORM
+        met = (whole.ratio.median <= TARGET_BEST and one is not None and one.ratio.median >= TARGET_UNIFORM and one.ratio.lo > 1.0
                and len(starts) == len(reb) and max(starts) - SLOW_FROM <= TARGET_ITERS)
         row = {"model": model, "healthy_ms": healthy, "best_parts": res["best_parts"],
                "rebalance_over_best_static": whole.as_dict(),
