@@ -32,7 +32,8 @@ from typing import Callable, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # after PYTHONPATH: a package earlier on the path is the one the job runs
+    sys.path.append(str(REPO))
 
 NODES = 4
 WIDTH = 8  # EmulatedStage's width: an activation is rows x WIDTH float32 values
@@ -157,11 +158,13 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
     events = list(getattr(engine.transport, "events", [])) + list(getattr(engine.transport.delegated, "events", []))
     all_events = [None] * NODES
     dist.all_gather_object(all_events, events)
+    switch = [None] * NODES  # per rank: (iteration, ms) spent moving links between transports after a re-plan
+    dist.all_gather_object(switch, list(getattr(engine, "switch_ms", [])))
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     dist.barrier()
     return {"name": row.name, "pipemorph": row.pipemorph, "iterations": iters, "replans": replans,
-            "events": [e for ev in all_events for e in ev], "params": params}
+            "events": [e for ev in all_events for e in ev], "switch_ms": switch, "params": params}
 
 
 def main(spec_path: str) -> None:
@@ -236,7 +239,7 @@ def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, tim
     spec_path.write_text(spec.model_dump_json())
     progress = Path(spec.progress)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.ifname(net),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONPATH": os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p]),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())}
     logs = [work / f"node{k}.log" for k in range(NODES)]
     procs = []
