@@ -3,8 +3,13 @@ import pytest
 
 from cli_helpers import run, write
 
-PROFILE = {"stages": 4, "microbatches": 12, "compute_ms": 10, "links_ms": [0, 0, 20]}
-SHOWN = "searching plans for 4 stages x 12 micro-batches (budget 2.5 s)"
+# Uneven stages, two slow links and tight caps: no plan reaches the lower bound, so the search
+# takes its whole budget (a search that proves its plan best early ends before a bar is drawn).
+PROFILE = {"stages": 6, "microbatches": 24, "links_ms": [0, 25, 0, 40, 5],
+           "compute_ms": {"forward": [10, 13, 9, 11, 10, 14], "backward_input": [11, 12, 10, 9, 13, 12],
+                          "backward_weight": [7, 9, 8, 6, 9, 8]},
+           "memory": {"max_inflight": [6, 5, 4, 3, 2, 2]}}
+SHOWN = "searching plans for 6 stages x 24 micro-batches (budget 2.5 s)"
 
 
 @pytest.mark.timeout(120)
