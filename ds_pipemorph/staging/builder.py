@@ -8,9 +8,16 @@ an AttributeError). We do not set TORCH_EXTENSIONS_DIR: it is process-global and
 ops and any other extension the user builds (tests/conftest.py does set a version-keyed one for the test
 session; the two compose). torch rebuilds when a source file or a flag changes, ninja's depfiles when a header
 does. Sources: ``cuda_ext_dir()``.
+
+A JIT build takes tens of seconds to minutes on the first start and none later; ``announce_build`` logs one
+line before a build that will really compile (no prebuilt op, nothing in the extension cache), for our
+ring (``load``) and for the ops DeepSpeed builds inside its own code: its CPU collectives op, which
+``deepspeed.init_distributed`` builds on a CPU accelerator (``announce_comm_build``, called before it), and
+its FusedAdam op, which its engine builds for an "Adam" optimizer section (``announce_adam_build``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -21,6 +28,81 @@ import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
 
 _SOURCES_ENV = "PIPEMORPH_CUDA_EXT_DIR"
+logger = logging.getLogger(__name__)
+_announced: set[str] = set()  # op names this process has announced a build of
+
+
+def extension_dir(name: str) -> Path:
+    """Where torch's JIT ``load`` builds and caches the extension ``name`` (torch's own rule:
+    ``$TORCH_EXTENSIONS_DIR/<name>``, else ``<user cache>/torch_extensions/py<XY>_<cpu|cuXY|rocmXY>/<name>``)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accel = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accel = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accel = "cpu"
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{py}_{accel}")
+    return Path(root) / name
+
+
+def needs_build(builder: OpBuilder) -> bool:
+    """True when ``builder.load()`` will compile: the op is not prebuilt into DeepSpeed, not loaded in
+    this process yet, and torch's extension cache holds no build of it."""
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get(builder.name, False) or builder.name in OpBuilder._loaded_ops:
+        return False
+    return not (extension_dir(builder.name) / f"{builder.name}.so").exists()
+
+
+def announce_build(builder: OpBuilder, what: str) -> bool:
+    """Log one line before a build that will really compile (once per process, on rank 0 or when
+    there are no ranks: the other ranks wait for the same build); True if it will compile."""
+    if not needs_build(builder):
+        return False
+    if builder.name not in _announced and os.environ.get("RANK", "0") == "0":
+        _announced.add(builder.name)
+        logger.warning(f"pipemorph: building {what} in {extension_dir(builder.name)} "
+                       f"(first start only, this takes a while; later starts load it)")
+    return True
+
+
+def announce_comm_build() -> bool:
+    """Before ``deepspeed.init_distributed`` on a CPU accelerator: log that it will JIT-build DeepSpeed's
+    shared-memory collectives op, if it will (its first call makes DeepSpeed's torch backend, which loads
+    the op)."""
+    from deepspeed import comm
+    from deepspeed.accelerator import get_accelerator
+
+    import deepspeed.ops
+
+    accel = get_accelerator()
+    if comm.comm.cdb is not None or accel.device_name() != "cpu" or accel.communication_backend_name() == "ccl":
+        return False
+    builder = accel.create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return False
+    return announce_build(builder, f"DeepSpeed's CPU collectives op {builder.name}")
+
+
+def announce_adam_build(config_class, client_optimizer) -> bool:
+    """Before DeepSpeed's engine is built: log that it will JIT-build its FusedAdam op, if it will (an
+    "Adam"/"AdamW" optimizer section without ``torch_adam`` and no optimizer object of the user's)."""
+    from deepspeed.accelerator import get_accelerator
+
+    name = (getattr(config_class, "optimizer_name", None) or "").lower()
+    params = getattr(config_class, "optimizer_params", None) or {}
+    if client_optimizer is not None or name not in ("adam", "adamw") or params.get("torch_adam", False):
+        return False
+    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+    if builder is None:
+        return False
+    return announce_build(builder, f"DeepSpeed's FusedAdam op {builder.name}")
 
 
 def cuda_ext_dir() -> Path:
@@ -90,6 +172,10 @@ class StagingRingBuilder(OpBuilder):
     def extra_ldflags(self) -> list[str]:
         return ["-lrt"]
 
+    def load(self, verbose: bool = False):
+        announce_build(self, f"the staging ring op {self.name}")
+        return super().load(verbose)
+
     def is_compatible(self, verbose: bool = False) -> bool:
         if not sys.platform.startswith("linux"):
             self.warning(f"{self.name} needs Linux (POSIX shared memory); this is {sys.platform}")
@@ -123,6 +209,10 @@ class StagingRingCUDABuilder(CUDAOpBuilder):
 
     def extra_ldflags(self) -> list[str]:
         return ["-lrt"]
+
+    def load(self, verbose: bool = False):
+        announce_build(self, f"the CUDA staging ring op {self.name}")
+        return super().load(verbose)
 
     def is_compatible(self, verbose: bool = False) -> bool:
         if not torch.cuda.is_available():

@@ -25,6 +25,8 @@ from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.runtime.exit_on_error import exit_on_config_error  # noqa: E402
+from ds_pipemorph.runtime.shutdown import exit_process  # noqa: E402
+from ds_pipemorph.staging.builder import announce_comm_build  # noqa: E402
 from model import tiny_gpt  # noqa: E402
 
 TEXT = (
@@ -64,6 +66,7 @@ def main() -> int:
     args = ap.parse_args()
 
     with exit_on_config_error():
+        announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op: say so
         deepspeed.init_distributed()
         torch.manual_seed(0)
         data = CharWindows(args.seq, size=100_000)
@@ -90,7 +93,7 @@ def main() -> int:
               f"(peak in-flight activations on stage 0: {engine.measured_peak_inflight})", flush=True)
     if args.save_params:
         save_stage(args.save_params, engine, losses)
-    dist.destroy_process_group()
+    engine.destroy()  # its workers stop; exit_process (below) releases the process groups
     return 0
 
 
@@ -106,4 +109,4 @@ def save_stage(out_dir: str, engine, losses: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # groups destroyed and their threads joined, no interpreter teardown to race with

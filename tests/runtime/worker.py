@@ -162,6 +162,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
                 "parts": list(getattr(engine.module, "parts", [])),
+                "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
 

@@ -1,0 +1,64 @@
+"""Ending a training process in order, so that no background thread outlives the interpreter.
+
+A process group's gloo worker threads run until the group is destroyed, and the group lives as long
+as anything refers to it: DeepSpeed keeps its pipeline grid (and with it every group) in module
+globals, and a group can stay referenced from C++ after ``destroy_process_group``. Such a group's
+threads are still there while Python finalizes; a worker that releases its last work then (the
+tensors it holds have Python objects, so it needs the GIL) is ended by Python with
+``pthread_exit``, whose unwinding through C++ destructors calls ``std::terminate``: the process
+aborts with "terminate called without an active exception" after training finished, now and then,
+more often on a loaded host.
+
+``exit_process`` ends the process so that this cannot happen: the engine's own workers stop
+(``engine.destroy``: delegate processes, receive threads, the re-plan worker), every process group
+is destroyed and DeepSpeed's references to them are dropped (the groups nothing else holds are
+freed now, which joins their threads), the ``atexit`` handlers run and the output is flushed, and
+the process exits with ``os._exit``, without the interpreter teardown a remaining gloo thread could
+run into. Call it from a training script's entry point, on every rank, after the last step::
+
+    code = main()          # returns once training is done (engine.destroy() at its end, or pass engine=)
+    exit_process(code)
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import sys
+from typing import NoReturn
+
+
+def release_process_groups() -> None:
+    """Destroy every process group and drop DeepSpeed's module-level references to them, then collect:
+    a group nothing else holds is freed here, which stops and joins its threads."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        from deepspeed.runtime.pipe import p2p
+        from deepspeed.utils import groups
+    except ImportError:  # pragma: no cover - DeepSpeed is a dependency
+        pass
+    else:
+        p2p._groups, p2p._grid, p2p._async = None, None, []
+        groups.mpu = None
+    gc.collect()
+
+
+def exit_process(code: int = 0, engine=None) -> NoReturn:
+    """Stop ``engine``'s workers (if given), release the process groups, run the ``atexit`` handlers,
+    flush, and exit with ``code`` without the interpreter teardown (see the module docstring)."""
+    if engine is not None:
+        engine.destroy()
+        del engine
+    release_process_groups()
+    atexit._run_exitfuncs()  # what a normal exit runs first: the control loop's profile, logging's flush
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to say
+            pass
+    os._exit(code)
