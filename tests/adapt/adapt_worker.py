@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
 
 SPEC: {"iterations": K, "delays": {"<iteration>": [ms per link], ...}, "op_ms": t, "microbatches": N},
-optionally "replan" and "search_evals" (the adapt settings), "stock": false (skip the stock run).
+optionally "replan" and "search_evals" (the adapt settings), "stock": false (skip the stock run),
+"max_iterations": M (the adaptive run goes on past K while a re-plan search runs, up to M iterations).
 The delay injector is put around the engine's transport by this worker (test control only); the
 engine's control loop sees nothing but its own measurements. Also trains stock DeepSpeed on the
 same data so the test can compare parameters. Writes OUT_DIR/<name>.rank<r>.json.
@@ -52,8 +53,9 @@ def main(spec_path: str, out_dir: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1)
+    most = max(spec["iterations"], spec.get("max_iterations", 0))
     data = [[(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec["microbatches"])]
-            for _ in range(spec["iterations"])]
+            for _ in range(most)]
     results = {}
     for name in ("adaptive", "stock") if spec.get("stock", True) else ("adaptive",):
         engine = build(spec, name == "adaptive")
@@ -62,8 +64,10 @@ def main(spec_path: str, out_dir: str) -> None:
             sched = DelaySchedule([0.0, 0.0, 0.0])
             engine.transport.direct = DelayInjector(engine.transport.direct, engine.stage_id, sched, 60.0)
             engine.transport.delegated.delays = sched
-        losses, modes, seconds = [], [], []
-        for it in range(spec["iterations"]):
+        losses, modes, seconds, searching = [], [], [], []
+        it = 0
+        # Every rank learns at the same boundary whether the search still runs: all stop together.
+        while it < spec["iterations"] or (sched is not None and it < most and engine.adapter._pending is not None):
             if sched is not None and str(it) in spec["delays"]:
                 sched.static = list(spec["delays"][str(it)])
             t = time.perf_counter()
@@ -71,12 +75,15 @@ def main(spec_path: str, out_dir: str) -> None:
             seconds.append(time.perf_counter() - t)
             if sched is not None:
                 modes.append([engine.transport.link_mode(i) for i in range(3)])
+                searching.append(engine.adapter._pending is not None)  # a re-plan search still runs beside training
+            it += 1
         out = {"losses": losses, "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()}}
         if name == "adaptive":
             out["replans"] = [vars(r) for r in engine.adapter.replans]
             out["measured"] = engine.adapter.measured
             out["modes"] = modes
             out["seconds"] = seconds
+            out["searching"] = searching
             engine.transport.wait_sends()
             engine.destroy()
         results[name] = out
