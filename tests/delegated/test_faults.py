@@ -35,11 +35,12 @@ def test_killed_sender_delegate_is_restarted_and_unacknowledged_messages_are_res
 @pytest.mark.timeout(150)
 def test_delegate_killed_before_its_pair_met_is_replaced_on_both_ends():
     # The receiver delegate then waits in the Gloo rendezvous for a peer that is gone; its watchdog
-    # must see the replacement's generation (not wait for the 30 s timeout) so that both ends restart.
-    res = launch(2, bodies.killed_before_meeting, 4, 30.0)
+    # must see the replacement's generation so that both ends restart. The transport's timeout
+    # (600 s) is beyond this test's own (150 s): only the watchdog (or a refused connection) can
+    # end the wait in time, and the test's timeout is the one bound on time.
+    res = launch(2, bodies.killed_before_meeting, 4, 600.0)
     for r in (0, 1):
         assert res[r]["ok"] == [True] * 4
-        assert res[r]["took_s"] < 25.0, res[r]
     assert any("sender delegate of F queue 0" in e and "restarted it as generation 1" in e for e in res[0]["events"])
     # It left the rendezvous either through its watchdog ("lost its peer": the replacement announced
     # generation 1) or, if the dead sender had published its address, through a refused connection.
