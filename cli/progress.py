@@ -8,18 +8,22 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator
-
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from typing import TYPE_CHECKING, Iterator
 
 from .common import console
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 # A search given less time than this ends before a bar would tell anything.
 LONG_S = 2.0
 
 
-def bar() -> Progress:
-    """The progress display every command uses: description, bar, k/n, elapsed time."""
+def bar() -> "Progress":
+    """The progress display every command uses: description, bar, k/n, elapsed time (rich.progress is
+    imported here, when a command shows progress: planning commands start faster without it)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
                     TimeElapsedColumn(), console=console, transient=True, refresh_per_second=4)
 
