@@ -9,7 +9,7 @@ re-plans; the trace as applied) and a PNG next to it: iteration time over time w
 shaded and the re-plans marked. The table lists the medians per phase and every re-plan.
 
     sudo -E DS_ACCELERATOR=cpu python benchmarks/lab_rate_trace.py [--calm 1gbit] [--slow 100mbit]
-        [--message-ms 40] [--calm-s 20] [--slow-s 60] [--op-ms 20] [--microbatches 8] [--iterations 60]
+        [--message-ms 40] [--calm-s 15] [--slow-s 30] [--op-ms 20] [--microbatches 8] [--iterations 120]
         [--out out/lab_rate_trace.json]
 
 Needs root (network namespaces); every namespace is removed when it ends.
@@ -47,15 +47,15 @@ def plot(path: Path, its: list[dict], bounds, replans: list[dict], title: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
     colors = {"calm": "#e8f4e8", "slow": "#f8e0e0", "calm again": "#e8f4e8"}
     for name, a, b in bounds:
         ax.axvspan(a, b, color=colors.get(name, "#eeeeee"), zorder=0)
-        ax.text((a + b) / 2, 1.0, name, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=9)
+        ax.text((a + b) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=9)
     for mode, marker, color in (("direct", "o", "tab:blue"), ("delegated", "s", "tab:red")):
         pts = [(i["t"], i["ms"]) for i in its if i["modes"][SLOW_LINK] == mode]
         if pts:
-            ax.plot(*zip(*pts), marker, color=color, label=f"link 1 {mode}", zorder=3)
+            ax.plot(*zip(*pts), marker, color=color, label=f"link 1 {mode} (after the iteration)", zorder=3)
     ax.plot([i["t"] for i in its], [i["ms"] for i in its], "-", color="grey", lw=0.8, zorder=2)
     start = {i["iteration"]: i["t"] for i in its}
     for k, r in enumerate(replans):
@@ -63,9 +63,10 @@ def plot(path: Path, its: list[dict], bounds, replans: list[dict], title: str) -
         if t is not None:
             ax.axvline(t, color="black", ls="--", lw=1, zorder=1, label="re-plan in force" if k == 0 else None)
     ax.set_xlabel("seconds since the trace started (iteration start)")
-    ax.set_ylabel("iteration time (ms)")
+    ax.set_yscale("log")  # a link switch that starts delegates can take seconds: keep the rest readable
+    ax.set_ylabel("iteration time (ms, log scale)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
@@ -78,12 +79,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calm", default="1gbit")
     ap.add_argument("--slow", default="100mbit")
     ap.add_argument("--message-ms", type=float, default=40.0, help="8 S / R of one activation at the slow rate")
-    ap.add_argument("--calm-s", type=float, default=20.0, help="seconds of the first calm phase")
-    ap.add_argument("--slow-s", type=float, default=60.0, help="seconds of the slow phase")
+    ap.add_argument("--calm-s", type=float, default=15.0, help="seconds of the first calm phase")
+    ap.add_argument("--slow-s", type=float, default=30.0, help="seconds of the slow phase")
     ap.add_argument("--start-after", type=int, default=2, help="iterations before the trace starts (start-up)")
     ap.add_argument("--op-ms", type=float, default=20.0)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--iterations", type=int, default=60)
+    ap.add_argument("--iterations", type=int, default=120)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="the engine's timeout_s")
     ap.add_argument("--out", default="out/lab_rate_trace.json")
     args = ap.parse_args(argv)
