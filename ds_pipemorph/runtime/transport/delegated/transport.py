@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -114,7 +115,14 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
     def close(self) -> None:
         """Stop every delegate (they exit within ~50 ms) and unlink the rings; no waiting on the wire.
         Close only once the neighbour ranks' ``wait_sends`` returned (the engine closes after the
-        step's collectives): a receiver delegate stopped earlier may never acknowledge their last message."""
+        step's collectives): a receiver delegate stopped earlier may never acknowledge their last message.
+
+        At interpreter shutdown (an engine collected after an uncaught error) it does nothing: the
+        interpreter has frozen the daemon threads, one of which may hold this transport's lock for
+        good (a prefetcher restarting a delegate), and the delegates unlink their rings and exit by
+        themselves once this process is gone."""
+        if sys.is_finalizing():
+            return
         with self._lock:
             self._closed = True
         self._copier.stop()
