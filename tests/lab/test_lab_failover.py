@@ -22,8 +22,7 @@ ITERATIONS, FAULT_AFTER = 6, 2
 # Not met by the engine yet: a downed interface makes no socket error (TCP retransmits in silence), so a
 # delegate pair notices only when its Gloo op times out, after timeout_s: the same timeout the training
 # process waits for that message with. The training process raises TransportTimeout as the delegates
-# restart on eth1 (the log shows the restart lines after the error), and stage 2 may then hang at exit
-# in DelegatedTransport.close (its lock held by a daemon thread frozen at interpreter shutdown).
+# restart on eth1 (the log shows the restart lines after the error).
 @pytest.mark.xfail(strict=True, reason="delegates notice a silent interface failure only at timeout_s, when "
                                        "the training process gives up on the message too")
 @pytest.mark.slow
