@@ -10,12 +10,6 @@ systems without ``prctl``).
     with Burners(core=1, count=3):   # started, pinned and spinning when the block begins
         ...                          # killed (and reaped) when it ends, however it ends
 
-``core_contrast(core_fast, core_slow, count)`` is a probe of what burners do on this machine now:
-two pinned spinning processes, one per core, with ``count`` burners on ``core_slow``; the ratio of
-their CPU shares. On an otherwise idle machine it is about ``count + 1``; on a machine loaded with
-other, unpinned work it falls towards 1, because the kernel's load balancer moves that work off the
-burners' core onto the other one, which then slows as well.
-
 Run as a script, this file is one burner: ``python _burner.py CORE PARENT_PID``.
 """
 from __future__ import annotations
@@ -103,55 +97,6 @@ class Burners:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _spin_share(core: int, seconds: float, conn) -> None:
-    """A probe: spin on ``core`` for ``seconds`` of wall time and send back the CPU share it got."""
-    os.sched_setaffinity(0, {core})
-    conn.recv()  # go
-    w0, c0 = time.monotonic(), time.process_time()
-    while time.monotonic() - w0 < seconds:
-        sum(i for i in range(5000))
-    conn.send((time.process_time() - c0) / (time.monotonic() - w0))
-
-
-def core_contrast(core_fast: int, core_slow: int, count: int, seconds: float = 2.0) -> dict:
-    """CPU share of a spinning process on ``core_fast`` over that of one on ``core_slow`` while
-    ``count`` burners spin on ``core_slow`` (both shares and the machine's runnable count too)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    pipes, procs = [], []
-    with Burners(core_slow, count):
-        try:
-            for core in (core_fast, core_slow):
-                mine, theirs = ctx.Pipe()
-                procs.append(ctx.Process(target=_spin_share, args=(core, seconds, theirs), daemon=True))
-                pipes.append(mine)
-                procs[-1].start()
-            time.sleep(0.3)  # the load balancer reacts to the burners
-            for c in pipes:
-                c.send("go")
-            running = _runnable()
-            fast, slow = (c.recv() for c in pipes)
-        finally:
-            for p in procs:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-    return {"contrast": fast / max(slow, 1e-6), "share_fast": fast, "share_slow": slow, "burners": count,
-            "runnable": running}
-
-
-def _runnable() -> int:
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("procs_running"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return -1
 
 
 if __name__ == "__main__":
