@@ -24,13 +24,19 @@ class JobFailed(RuntimeError):
     """The ranks did not deliver results; the message says why and where their log is."""
 
 
-def read_progress(path: Path) -> Optional[dict]:
-    """The newest complete line of the progress file, or None before the first one."""
+def complete_lines(path: Path) -> list[str]:
+    """The non-blank lines of a file another process appends to, without the part after the last
+    newline (it may be half written); none while the file does not exist."""
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return None
-    lines = [ln for ln in text.split("\n")[:-1] if ln.strip()]  # the part after the last newline may be half written
+        return []
+    return [ln for ln in text.split("\n")[:-1] if ln.strip()]
+
+
+def read_progress(path: Path) -> Optional[dict]:
+    """The newest complete line of the progress file, or None before the first one."""
+    lines = complete_lines(path)
     return json.loads(lines[-1]) if lines else None
 
 

@@ -19,6 +19,7 @@ from statistics import median
 from typing import Callable, Optional
 
 from ..procs import kill_group, versioned_extensions_dir
+from .launch import complete_lines
 from .paired import A_SIDE, compare, sequence
 from .paired_spec import PairedSpec
 from .spec import BenchSpec, Scenario
@@ -69,17 +70,26 @@ def run(spec: PairedSpec, work: Path, timeout_s: float, progress: Optional[Progr
     return result
 
 
+def read_paired_progress(path: Path) -> Optional[tuple[int, int, str]]:
+    """(iterations done, iterations in all, side of the newest) from the complete lines rank 0 has
+    appended (``i total side``), or None before the first one."""
+    lines = complete_lines(path)
+    if not lines:
+        return None
+    _, total, side = lines[-1].split()
+    return len(lines), int(total), side
+
+
 def _one_job(spec: PairedSpec, work: Path, deadline: float, progress: Optional[Progress]) -> dict:
     spec_path, log = work / "paired.json", work / "ranks.log"
     spec_path.write_text(spec.model_dump_json())
     progress_file = Path(spec.progress_file)
 
     def poll() -> None:
-        if progress is not None and progress_file.exists():
-            done = [ln for ln in progress_file.read_text().split("\n") if ln.strip()]
-            if done:
-                _, total, side = done[-1].split()
-                progress(len(done), int(total), f"iteration {len(done)} ({side})")
+        seen = read_paired_progress(progress_file)
+        if progress is not None and seen is not None:
+            done, total, side = seen
+            progress(done, total, f"iteration {done} ({side})")
 
     proc = torchrun("ds_pipemorph.bench.paired_worker", spec_path, spec.stages, log)
     _wait(proc, deadline, log, poll)
