@@ -229,29 +229,34 @@ class PipeMorphEngine(PipelineEngine):
         """Run ``plan`` and/or ``dispatch`` ("ordered" or "ready") from the next ``train_batch``, as a
         re-plan takes effect at an iteration boundary: every rank calls it with the same arguments
         between two ``train_batch`` calls. Ready dispatch switched off keeps its receive threads for
-        when it is switched on again (a paired benchmark switches every iteration)."""
-        if plan is not None and plan is not self.plan:
-            self._set_plan(plan)
-            self._train_schedule()  # its program is built now, not inside the next train_batch
+        when it is switched on again (a paired benchmark switches every iteration). Every argument
+        is checked before anything changes: a refused call leaves the plan and dispatch as they were."""
         if dispatch not in (None, "ordered", "ready"):
             raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
+        if dispatch == "ready" and self.inbox is None and self.pipemorph.inject.faults is not None:
+            raise PipeMorphConfigError("inject.faults cannot be combined with dispatch 'ready'")
+        if plan is not None and plan is not self.plan:
+            self._check_micro_batches(plan[self.stage_id])
+            self._set_plan(plan)  # dry-runs the plan before adopting it
+            self._train_schedule()  # its program is built now, not inside the next train_batch
         if dispatch is None or (dispatch == "ready") == (self.inbox is not None):
             return
         if dispatch == "ordered":
             self._idle_inbox, self.inbox = self.inbox, None
             return
-        if self.pipemorph.inject.faults is not None:
-            raise PipeMorphConfigError("inject.faults cannot be combined with dispatch 'ready'")
         idle = getattr(self, "_idle_inbox", None)
         self.inbox = idle or Inbox(self.transport, 2 * self.micro_batches, self.pipemorph.timeout_s, self.global_rank)
         self._idle_inbox = None
 
-    def _train_schedule(self):
-        n = max((op.mb for op in self.stage_plan), default=-1) + 1
+    def _check_micro_batches(self, stage_plan) -> None:
+        n = max((op.mb for op in stage_plan), default=-1) + 1
         if n != self.micro_batches:
             raise PipeMorphConfigError(
                 f"stage {self.stage_id}: the plan has {n} micro-batches but the engine now runs "
                 f"{self.micro_batches} (gradient_accumulation_steps changed after start-up)")
+
+    def _train_schedule(self):
+        self._check_micro_batches(self.stage_plan)
         if self._schedule is None:
             self._schedule = PipeMorphSchedule(self.stream, self.micro_batches, self.num_stages, self.stage_id)
         handlers = self._INSTRUCTION_MAP
