@@ -1,4 +1,6 @@
 """Lab tests need root and network namespaces; they skip, with the reason, where those are refused."""
+from __future__ import annotations
+
 import os
 import subprocess
 
