@@ -13,6 +13,7 @@ lab up`` command): ``Lab.attach(id)`` reaches it again and ``down()`` removes it
 """
 from __future__ import annotations
 
+import functools
 import subprocess
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -67,14 +68,24 @@ class Lab:
         return self
 
     def down(self) -> list[str]:
-        """Stop rate traces, kill the processes started in the nodes, remove every namespace."""
-        for p in self._players:
-            p.stop()
-        for proc in self._procs:
-            if proc.poll() is None:
-                kill_group(proc)
-        gone = topology.teardown(self.prefix)
-        self._release_watchdog()
+        """Stop rate traces, kill the processes started in the nodes, remove every namespace;
+        returns the namespaces removed. The namespaces are removed whatever fails before; the
+        watchdog is let go only once none is left (else it retries when this process ends). The
+        first error of a rate trace or of stopping a process is raised afterwards."""
+        errors: list[Exception] = []
+        try:
+            for step in [p.stop for p in self._players] + \
+                        [functools.partial(kill_group, c) for c in self._procs if c.poll() is None]:
+                try:
+                    step()
+                except Exception as e:  # noqa: BLE001 - raised below, after the teardown
+                    errors.append(e)
+        finally:
+            gone = topology.teardown(self.prefix)
+            if not topology.lab_namespaces(self.prefix):
+                self._release_watchdog()
+        if errors:
+            raise errors[0]
         return gone
 
     def _release_watchdog(self) -> None:
