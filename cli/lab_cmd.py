@@ -3,13 +3,16 @@ command line. Needs root. ``up`` makes a lab that stays until ``down``; ``launch
 single job and removes it when the job ends, however it ends."""
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
+import tempfile
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 from rich.table import Table
@@ -64,7 +67,11 @@ def ls() -> None:
         for col in ("lab", "nodes", "networks", "shaped pairs"):
             table.add_column(col)
         for lab_id in sorted(ids):
-            lab = Lab.attach(lab_id)
+            try:
+                lab = Lab.attach(lab_id)
+            except BadInput:  # not a lab this version makes (a bad name, no nodes): a leftover
+                table.add_row(lab_id, "-", "-", "leftover namespaces: `pipemorph lab down --all` removes them")
+                continue
             shaped = [f"{a}->{b} net{n} {format_rate(r)}" for n in range(lab.networks) for a in range(lab.nodes)
                       for b in range(lab.nodes) if a != b and (r := lab.rate(a, b, n)) is not None]
             table.add_row(lab_id, str(lab.nodes), str(lab.networks), ", ".join(shaped) or "-")
@@ -90,8 +97,9 @@ def shape(
         lab = Lab.attach(lab_id)
         if trace is not None:
             player = lab.play(src, dst, load_rate_trace(str(trace)), net, both)
-            for t, _ in _follow(player):
-                console.print(f"t={t:.2f} s: {src}->{dst} at {format_rate(lab.rate(src, dst, net))}")
+            with _trace_errors():
+                for t, _ in _follow(player):
+                    console.print(f"t={t:.2f} s: {src}->{dst} at {format_rate(lab.rate(src, dst, net))}")
             return
         if rate.strip().lower() == "off":
             lab.unshape(src, dst, net, both)
@@ -105,13 +113,25 @@ def _follow(player):
     """Yield each point of a playing trace as it is applied; Ctrl-C stops the trace."""
     seen = 0
     try:
-        while player._thread.is_alive() or seen < len(player.applied):
+        while player.running or seen < len(player.applied):
             while seen < len(player.applied):
                 seen += 1
                 yield player.applied[seen - 1]
             player.join(0.05)
     finally:
         player.stop()
+
+
+@contextlib.contextmanager
+def _trace_errors() -> Iterator[None]:
+    """A rate trace that failed while playing: one sentence on stderr and exit code 1."""
+    from ds_pipemorph.lab.trace import TraceFailed
+
+    try:
+        yield
+    except TraceFailed as e:
+        err_console.print(f"error: {e}", markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 @app.command("link")
@@ -139,8 +159,6 @@ def run(
     cmd: List[str] = typer.Argument(..., metavar="-- CMD...", help="The command, after `--`."),
 ) -> None:
     """Run CMD in a node (`ip netns exec`) with GLOO_SOCKET_IFNAME set to the node's interface; exits with its code."""
-    import os
-
     from ds_pipemorph.lab import Lab
 
     with user_errors():
@@ -187,11 +205,11 @@ def launch(
     timeout: float = typer.Option(3600.0, "--timeout", min=1.0, help="Seconds the job may take; then every node is stopped."),
 ) -> None:
     """Build a lab, run CMD in every node at once (e.g. torchrun --node_rank {node}), remove the lab when the job ends."""
-    import os
-
     from ds_pipemorph.lab import Lab, load_rate_trace, parse_rate
 
     with user_errors():
+        if logs is not None:
+            _check_logs_dir(logs)
         shapes = _pairs(shape_, "--shape", nodes)
         traces = [(a, b, both, load_rate_trace(f)) for a, b, both, f in _pairs(trace, "--trace", nodes)]
         lab = Lab(nodes=nodes, networks=networks, **({"lab_id": name} if name else {}))
@@ -199,41 +217,84 @@ def launch(
             parse_rate(r)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the clean-up below
         lab.up()
-    code = 1
+    files = []
     try:
         with user_errors():
             for a, b, both, r in shapes:
                 lab.shape(a, b, r, both=both)
             for a, b, both, tr in traces:
                 lab.play(a, b, tr, both=both)
-        if logs:
-            logs.mkdir(parents=True, exist_ok=True)
-        procs = []
-        for k in range(nodes):
-            out = open(logs / f"node{k}.log", "w") if logs else None
-            procs.append(lab.popen(k, _fill(cmd, lab, k), env={**os.environ, **lab.node_env(k)},
-                                   stdout=out, stderr=subprocess.STDOUT if out else None))
-        code = _wait_all(procs, timeout)
+            if logs is not None:
+                try:
+                    logs.mkdir(parents=True, exist_ok=True)
+                    files = [open(logs / f"node{k}.log", "w") for k in range(nodes)]
+                except OSError as e:
+                    raise BadInput(f"--logs: cannot write the node logs in '{logs}' ({e.strerror})") from None
+        procs = [lab.popen(k, _fill(cmd, lab, k), env={**os.environ, **lab.node_env(k)},
+                           stdout=files[k] if files else None, stderr=subprocess.STDOUT if files else None)
+                 for k in range(nodes)]
+        failed = _wait_all(procs, timeout)
     finally:
-        lab.down()
-    if code:
-        err_console.print(f"the job failed in a node (exit code {code})" if code > 0 else "the job timed out")
-    raise typer.Exit(code if code >= 0 else 1)
+        for f in files:
+            f.close()
+        with _trace_errors():
+            lab.down()
+    code, message = _verdict(failed, timeout)
+    if message:
+        err_console.print(message, markup=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
-def _wait_all(procs, timeout: float) -> int:
-    """0 when every node's command succeeded; else the first failing exit code (the others are
-    stopped by the lab); -1 on timeout."""
+def _check_logs_dir(path: Path) -> None:
+    """Refuse a --logs directory that cannot be made or written, before the lab is built; creates nothing."""
+    if path.exists() and not path.is_dir():
+        raise BadInput(f"--logs: '{path}' is a file; give a directory for the node logs")
+    anc = path
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise BadInput(f"--logs: cannot make '{path}' because '{anc}' is a file, not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=anc, prefix=".pipemorph-check-")
+    except OSError as e:
+        raise BadInput(f"--logs: cannot write the node logs in '{path}': nothing can be created in '{anc}' ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def _wait_all(procs, timeout: float) -> Optional[dict[int, int]]:
+    """Wait until every node's command succeeded, one failed, or ``timeout`` seconds passed.
+    Returns {node: exit code} of the nodes that failed ({} when all succeeded; a negative code -N:
+    killed by signal N); None on timeout. The lab stops the other nodes."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         codes = [p.poll() for p in procs]
-        bad = [c for c in codes if c not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(c == 0 for c in codes):
-            return 0
+        failed = {k: c for k, c in enumerate(codes) if c not in (None, 0)}
+        if failed or all(c == 0 for c in codes):
+            return failed
         time.sleep(0.2)
-    return -1
+    return None
+
+
+def _verdict(failed: Optional[dict[int, int]], timeout: float) -> tuple[int, Optional[str]]:
+    """The exit code of `lab launch` and what it says: the first failed node's exit code, 128 + N
+    for a node killed by signal N (as a shell reports it), 1 on timeout."""
+    if failed is None:
+        return 1, f"the job timed out after {timeout:g} s; every node was stopped"
+    if not failed:
+        return 0, None
+    node = min(failed)
+    code = failed[node]
+    if code > 0:
+        return code, f"the job failed in node {node} (exit code {code})"
+    return 128 - code, f"node {node} was killed by signal {-code} ({_signal_name(-code)})"
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return "unknown signal"
 
 
 @app.command("down")
