@@ -12,9 +12,9 @@ more often on a loaded host.
 ``exit_process`` ends the process so that this cannot happen: the engine's own workers stop
 (``engine.destroy``: delegate processes, receive threads, the re-plan worker), every process group
 is destroyed and DeepSpeed's references to them are dropped (the groups nothing else holds are
-freed now, which joins their threads), the ``atexit`` handlers run and the output is flushed, and
-the process exits with ``os._exit``, without the interpreter teardown a remaining gloo thread could
-run into. Call it from a training script's entry point, on every rank, after the last step::
+freed now, which joins their threads), the ``atexit`` handlers run, the output is flushed (Python's
+streams and the C library's buffers), and the process exits with ``os._exit``, without the interpreter
+teardown a remaining gloo thread could run into. Call it from a training script's entry point, on every rank, after the last step::
 
     code = main()          # returns once training is done (engine.destroy() at its end, or pass engine=)
     exit_process(code)
@@ -22,6 +22,7 @@ run into. Call it from a training script's entry point, on every rank, after the
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import logging
 import os
@@ -61,4 +62,14 @@ def exit_process(code: int = 0, engine=None) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # closed or gone: nothing left to say
             pass
+    _flush_c_stdio()
     os._exit(code)
+
+
+def _flush_c_stdio() -> None:
+    """Flush the C library's stdio buffers (output of C/C++ code, fully buffered when stdout is a
+    file), which ``os._exit`` would drop."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to load, or one without fflush
+        pass

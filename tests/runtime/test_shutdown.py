@@ -47,3 +47,26 @@ def test_exit_process_runs_atexit_flushes_joins_gloo_threads_and_exits_with_the_
     before, after = (int(x) for x in counts.removeprefix("gloo threads ").split(" -> "))
     assert before > 0 and after == 0  # the threads of both groups are gone before the exit
     assert rest == " unflushed tailatexit ran\n"  # the buffered tail flushed, then the atexit handler's line
+
+
+C_OUTPUT = textwrap.dedent("""
+    import ctypes
+    from ds_pipemorph.runtime.shutdown import exit_process
+
+    libc = ctypes.CDLL(None)
+    libc.printf(b"from C, no newline")  # stdout is a file: the C library buffers this
+    exit_process(0)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_exit_process_flushes_what_c_code_printed_to_a_file(tmp_path):
+    script, out = tmp_path / "c_out.py", tmp_path / "stdout.txt"
+    script.write_text(C_OUTPUT)
+    # PYTHONUNBUFFERED would make the C library's stdout unbuffered too: the child runs without it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"DS_ACCELERATOR": "cpu"}
+    with open(out, "w") as f:
+        p = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.PIPE, text=True, timeout=100,
+                           env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert out.read_text() == "from C, no newline"
