@@ -14,7 +14,8 @@ more often on a loaded host.
 is destroyed and DeepSpeed's references to them are dropped (the groups nothing else holds are
 freed now, which joins their threads), the ``atexit`` handlers run, the output is flushed (Python's
 streams and the C library's buffers), and the process exits with ``os._exit``, without the interpreter
-teardown a remaining gloo thread could run into. Call it from a training script's entry point, on every rank, after the last step::
+teardown a remaining gloo thread could run into. Call it from a training script's entry point, on
+every rank, after the last step::
 
     code = main()          # returns once training is done (engine.destroy() at its end, or pass engine=)
     exit_process(code)
