@@ -1,8 +1,12 @@
-"""Every command README.md shows in a ```bash block is exercised: run here, or by a named test.
+"""Every command README.md shows in a ```bash block or in the "command" column of its Measured table
+is exercised: run here, or by a named test, or (a benchmark too long for the suite) checked option by
+option against its ``--help``.
 
 ``REGISTRY`` maps each command (as written, comments dropped, ``&&`` chains split) to how it is
 exercised: ``Here`` runs it in this file against real files; ``Node`` names the test that runs it
-(or, for GPU-only launches, its CPU equivalent). A README command missing from the registry fails.
+(or, for GPU-only launches, its CPU equivalent); ``Options`` checks that every ``--option`` it uses is
+in the help of the script or ``pipemorph`` command it runs. A README command missing from the registry
+fails.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +40,15 @@ class Node:
     why: str
 
 
+@dataclass(frozen=True)
+class Options:
+    """A benchmark too long for the suite: every ``--option`` of the command must be in the ``--help``
+    of the script or ``pipemorph`` command it runs (``test_measured_commands_use_only_accepted_options``)."""
+    why: str
+
+
 RUNS = "tests/docs/test_readme_runs.py"
-REGISTRY: dict[str, Here | Node] = {
+REGISTRY: dict[str, Here | Node | Options] = {
     "bash scripts/setup.sh": Node((
         "tests/docs/test_setup_sh.py::test_dry_run_prints_the_pip_commands_of_each_setting",
         "tests/docs/test_setup_sh.py::test_without_dry_run_the_same_commands_run_from_the_repository_root"),
@@ -59,6 +71,17 @@ REGISTRY: dict[str, Here | Node] = {
         (f"{RUNS}::test_gpu_cluster_config_trains_under_torchrun_c10d_rendezvous_on_cpu",),
         "GPU only; the CPU equivalent: one node of 4 ranks through the same c10d rendezvous, gloo, same config"),
     "pipemorph --version": Here("prints the package version"),
+    # The Measured table's commands: benchmarks of minutes to an hour on this machine.
+    "python benchmarks/planner_vs_milp.py --seed S --cases 30": Options("30 MILP solves per seed"),
+    "pipemorph paired zb stock-1f1b --pairs 8 --warmup 2 --job-iterations 5 --timeout-s 3600": Options(
+        "16 whole jobs of 4 ranks"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
+    "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py": Options("one job and whole runs per workload"),
+    "pipemorph paired pipemorph zb --microbatches 32 --links-ms 0,0,60 --pairs 6 --warmup 3 --job-iterations 3 "
+    "--timeout-s 3300": Options("12 whole jobs of 4 ranks and 32 micro-batches"),
+    "DS_ACCELERATOR=cpu python benchmarks/rebalance.py --models emulated --iters 14 --settle 3": Options(
+        "one job and 12 whole runs"),
+    "python benchmarks/cli_startup.py --runs 9": Options("starts the CLI and torch dozens of times"),
 }
 
 
@@ -75,13 +98,61 @@ def readme_commands(text: str) -> list[str]:
     return out
 
 
+def measured_commands(text: str) -> list[str]:
+    """The first `code` span of each row's "command" cell in the table under ``## Measured``."""
+    section = text.split("\n## Measured\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ")]
+    col = [c.strip(" |") for c in rows[0]].index("command")
+    return [re.search(r"`([^`]+)`", cells[col]).group(1) for cells in rows[2:]]
+
+
 COMMANDS = readme_commands(README.read_text())
+MEASURED = measured_commands(README.read_text())
 
 
 def test_every_readme_command_is_in_the_registry():
     assert COMMANDS, "README.md shows no ```bash block"
     missing = [c for c in COMMANDS if c not in REGISTRY]
     assert not missing, f"README.md shows commands no test exercises; add them to REGISTRY: {missing}"
+
+
+def test_every_measured_command_is_in_the_registry():
+    assert len(MEASURED) >= 5, f"the Measured table's command column was not found: {MEASURED}"
+    missing = [c for c in MEASURED if c not in REGISTRY]
+    assert not missing, f"README.md's Measured table shows commands no test checks; add them to REGISTRY: {missing}"
+
+
+def test_the_measured_table_extraction_reads_the_command_column():
+    text = ("x\n## Measured\n\n| what | command | result |\n| --- | --- | --- |\n"
+            "| a `x` row | `tool --a 1` (S = 0) | `not this` |\n| b | `other` | 2 |\n\n## Next\n| x | `no` |\n")
+    assert measured_commands(text) == ["tool --a 1", "other"]
+
+
+def _help(words: list[str], env: dict[str, str]) -> str:
+    """The ``--help`` text of the script or ``pipemorph`` command that ``words`` run."""
+    if words[0] == "pipemorph":
+        from typer.testing import CliRunner
+        from ds_pipemorph_cli.app import app
+
+        r = CliRunner().invoke(app, [words[1], "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+        assert r.exit_code == 0, r.output
+        return r.output
+    assert words[0] == "python" and words[1].endswith(".py"), f"no help reader for `{' '.join(words)}`"
+    r = subprocess.run([sys.executable, words[1], "--help"], cwd=ROOT, env={**os.environ, **env, "COLUMNS": "200"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", sorted(c for c, how in REGISTRY.items() if isinstance(how, Options)))
+def test_measured_commands_use_only_accepted_options(command):
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=.*", w))
+    words = words[len(env):]
+    used = {w.split("=", 1)[0] for w in words if w.startswith("--")}
+    offered = set(re.findall(r"--[a-z][a-z0-9-]*", _help(words, env)))
+    assert used - offered == set(), f"`{command}` uses options its --help does not list: {sorted(used - offered)}"
 
 
 def test_the_readme_shows_few_commands():
