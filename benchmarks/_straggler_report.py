@@ -80,7 +80,7 @@ def predictor(results: dict, lp) -> dict | None:
     except ImportError:
         print("the predictor part needs scikit-learn: pip install 'ds_pipemorph[interference]'", file=sys.stderr)
         return None
-    from interference_predictor import evaluate
+    from interference_predictor import evaluate, print_evaluation
 
     held = "rebalance" if "rebalance" in results else list(results)[-1]
     train = [s for kind, res in results.items() if kind != held for s in samples(res, lp, kind)]
@@ -88,14 +88,8 @@ def predictor(results: dict, lp) -> dict | None:
     if not train or not test:
         return None
     res = evaluate(train, test)
-    rows = []
-    for name, r in res["predictors"].items():
-        c = r.get("changed", {"mae": float("nan"), "mape_pct": float("nan"), "n": 0})
-        rows.append([name, r["all"]["n"], f"{r['all']['mae']:.3f}", f"{r['all']['mape_pct']:.1f}",
-                     c["n"], f"{c['mae']:.3f}", f"{c['mape_pct']:.1f}"])
-    print_table(f"Slowdown of a stage in the next iteration, held-out row '{held}' ({len(test)} samples; trained on "
-                f"{len(train)} of the rows {', '.join(k for k in results if k != held)})",
-                ["predictor", "n", "MAE", "MAPE %", "n changed", "MAE changed", "MAPE % changed"], rows)
+    print_evaluation(res, f"Slowdown of a stage in the next iteration, held-out row '{held}' ({len(test)} samples; "
+                          f"trained on {len(train)} of the rows {', '.join(k for k in results if k != held)})")
     base = res["predictors"]["persistence"]["all"]["mae"]
     forest = res["predictors"]["forest (slowdown)"]["all"]["mae"]
     verdict = (f"forest (slowdown) beats persistence on the held-out row: MAE {forest:.3f} vs {base:.3f}" if forest < base

@@ -200,6 +200,16 @@ def evaluate(train: list[dict], test: list[dict]) -> dict:
             "importances": {k: round(float(v), 3) for k, v in imp}}
 
 
+def print_evaluation(res: dict, title: str) -> None:
+    """One row per predictor of :func:`evaluate`'s result: error over all held-out samples and over those whose slowdown changed."""
+    rows = []
+    for name, r in res["predictors"].items():
+        c = r.get("changed", {"mae": float("nan"), "mape_pct": float("nan"), "n": 0})
+        rows.append([name, r["all"]["n"], f"{r['all']['mae']:.3f}", f"{r['all']['mape_pct']:.1f}",
+                     c["n"], f"{c['mae']:.3f}", f"{c['mape_pct']:.1f}"])
+    print_table(title, ["predictor", "n", "MAE", "MAPE %", "n changed", "MAE changed", "MAPE % changed"], rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="about 1 minute: 4 runs of 10 s, 1 held out")
@@ -243,14 +253,8 @@ def main() -> int:
     train = [s for s in samples if s["run"] not in test_ids]
     test = [s for s in samples if s["run"] in test_ids]
     res = evaluate(train, test)
-    rows = []
-    for name, r in res["predictors"].items():
-        c = r.get("changed", {"mae": float("nan"), "mape_pct": float("nan"), "n": 0})
-        rows.append([name, r["all"]["n"], f"{r['all']['mae']:.3f}", f"{r['all']['mape_pct']:.1f}",
-                     c["n"], f"{c['mae']:.3f}", f"{c['mape_pct']:.1f}"])
-    print_table(f"Held-out runs {sorted(test_ids)} ({len(test)} samples; trained on {len(train)} samples of "
-                f"{a.runs - a.test_runs} runs)",
-                ["predictor", "n", "MAE", "MAPE %", "n changed", "MAE changed", "MAPE % changed"], rows)
+    print_evaluation(res, f"Held-out runs {sorted(test_ids)} ({len(test)} samples; trained on {len(train)} "
+                          f"samples of {a.runs - a.test_runs} runs)")
     base = res["predictors"]["persistence"]["all"]["mae"]
     primary = "forest (slowdown)"  # chosen before looking at any result (DynPipe's target); "ratio" is shown beside it
     bm = res["predictors"][primary]["all"]["mae"]

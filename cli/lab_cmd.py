@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import signal
-import tempfile
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from typing import Iterator, List, Optional
 import typer
 from rich.table import Table
 
-from ds_pipemorph.fileio import BadInput
+from ds_pipemorph.fileio import BadInput, check_writable_dir
 
 from .common import console, err_console, user_errors
 
@@ -209,7 +208,7 @@ def launch(
 
     with user_errors():
         if logs is not None:
-            _check_logs_dir(logs)
+            check_writable_dir(logs, "--logs")
         shapes = _pairs(shape_, "--shape", nodes)
         traces = [(a, b, both, load_rate_trace(f)) for a, b, both, f in _pairs(trace, "--trace", nodes)]
         lab = Lab(nodes=nodes, networks=networks, **({"lab_id": name} if name else {}))
@@ -243,23 +242,6 @@ def launch(
     if message:
         err_console.print(message, markup=False, soft_wrap=True)
     raise typer.Exit(code)
-
-
-def _check_logs_dir(path: Path) -> None:
-    """Refuse a --logs directory that cannot be made or written, before the lab is built; creates nothing."""
-    if path.exists() and not path.is_dir():
-        raise BadInput(f"--logs: '{path}' is a file; give a directory for the node logs")
-    anc = path
-    while not anc.exists() and anc != anc.parent:
-        anc = anc.parent
-    if not anc.is_dir():
-        raise BadInput(f"--logs: cannot make '{path}' because '{anc}' is a file, not a directory")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=anc, prefix=".pipemorph-check-")
-    except OSError as e:
-        raise BadInput(f"--logs: cannot write the node logs in '{path}': nothing can be created in '{anc}' ({e.strerror})") from None
-    os.close(fd)
-    os.unlink(tmp)
 
 
 def _wait_all(procs, timeout: float) -> Optional[dict[int, int]]:

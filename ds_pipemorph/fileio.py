@@ -64,7 +64,25 @@ def check_writable(path: str | os.PathLike, what: str) -> None:
     p = Path(path)
     if str(path) == "" or p.is_dir():
         raise BadInput(f"{what}: '{p}' is a directory; give a file name")
-    anc = p.parent
+    _check_creatable(p, p.parent, what)
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """Raise :class:`BadInput` unless ``path`` is, or can be made as, a directory files can be written in.
+
+    The same checks as :func:`check_writable`, for a directory: ``path`` must not be a file, its
+    nearest existing ancestor (itself, if it exists) must be a directory where a file can really be
+    created. Nothing is created.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise BadInput(f"{what}: '{p}' is a file; give a directory")
+    _check_creatable(p, p, what)
+
+
+def _check_creatable(p: Path, start: Path, what: str) -> None:
+    """The nearest existing ancestor of ``start`` (itself included) must be a directory a file can be created in."""
+    anc = start
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
     if not anc.is_dir():
