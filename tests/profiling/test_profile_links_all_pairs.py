@@ -121,7 +121,7 @@ def test_four_ranks_find_the_injected_30ms_on_pair_0_2_and_place_accepts_the_mat
     topo = tmp_path / "topology.yaml"
     r = run("place", out, "--pp", "2", "--dp", "2", "--grad-mb", "1", "--json", "-o", topo)
     assert r.exit_code == 0, r.output
-    res = json.loads(r.output)
+    res = json.loads(r.stdout)
     assert res["baseline"]["ranks"] == [[0, 1], [2, 3]]  # DeepSpeed's default: 0 -> 2 is replica 0's link
     for name in ("replacement", "orchestrator"):
         ranks = res[name]["ranks"]
