@@ -16,7 +16,7 @@ def demo(
     out: Path = typer.Option(Path("out/demo.json"), "--out", help="Results as JSON."),
 ) -> None:
     """4 stages x 12 micro-batches, 10 ms ops: stock DeepSpeed 1F1B vs static zb vs PipeMorph, with
-    no delay and with a slow link 0, on the real engines (about a minute on 2 cores)."""
+    no delay and with a slow link 0, on the real engines (about two minutes on 2 cores)."""
     run_bench(demo_args(delay_ms, iterations, warmup, out))
 
 
