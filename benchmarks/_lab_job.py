@@ -47,12 +47,17 @@ def rows_for(seconds: float, rate_bits: int) -> int:
 
 
 class Row(BaseModel):
-    """One engine run of the job: its ``pipemorph`` section and how many iterations it trains."""
+    """One engine run of the job: its ``pipemorph`` section (or DeepSpeed's own engine, ``stock``),
+    how many iterations it trains, and the link setting it runs under: when ``setting`` is given, rank
+    0 hands it to the launcher (``run_job``'s ``on_setting``) before the row's engine is built and
+    every rank waits until the launcher has applied it."""
 
     model_config = ConfigDict(extra="forbid")
     name: str
-    pipemorph: dict
+    pipemorph: dict = Field(default_factory=dict)
     iterations: int = Field(ge=1)
+    stock: bool = False  # DeepSpeed's PipelineEngine and its 1F1B TrainSchedule; ``pipemorph`` unused
+    setting: Optional[str] = None
 
 
 class JobSpec(BaseModel):
@@ -76,11 +81,12 @@ class JobSpec(BaseModel):
 
 
 def _build(spec: JobSpec, row: Row):
+    import deepspeed
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.testing.emulated import EmulatedStage
+    from ds_pipemorph.testing.emulated import EmulatedStage, anchor_stock_engine
 
     torch.manual_seed(0)
     t = spec.op_ms
@@ -88,10 +94,31 @@ def _build(spec: JobSpec, row: Row):
                            num_stages=NODES, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": spec.microbatches,
            "train_batch_size": spec.microbatches, "optimizer": {"type": "SGD", "params": {"lr": 1e-1}},
-           "steps_per_print": 10**9,
-           "pipemorph": {"nvtx": False, "timeout_s": spec.timeout_s, **row.pipemorph}}
+           "steps_per_print": 10**9}
+    if row.stock:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        anchor_stock_engine(engine)  # emulated ops count from the instruction's start, as in ours
+        return engine
+    cfg["pipemorph"] = {"nvtx": False, "timeout_s": spec.timeout_s, **row.pipemorph}
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
+
+
+def _apply_setting(spec: JobSpec, row: Row, index: int) -> None:
+    """Rank 0 asks the launcher for the row's link setting and waits for its acknowledgement; then
+    every rank passes a barrier, so no rank builds the row's engine under the previous setting."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(spec.progress, "a") as f:
+            f.write(json.dumps({"row": index, "name": row.name, "setting": row.setting}) + "\n")
+        ack = Path(f"{spec.progress}.ack{index}")
+        deadline = time.monotonic() + spec.timeout_s
+        while not ack.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the launcher did not apply link setting '{row.setting}' within {spec.timeout_s:g} s")
+            time.sleep(0.05)
+    dist.barrier()
 
 
 def _op_sums(records) -> dict:
@@ -112,7 +139,9 @@ def _op_sums(records) -> dict:
 
 
 def _link_modes(engine) -> list[str]:
-    t = engine.transport
+    t = getattr(engine, "transport", None)
+    if t is None:  # DeepSpeed's own engine: its p2p sends on the training process's group
+        return ["stock"] * (NODES - 1)
     return [t.link_mode(i) for i in range(NODES - 1)]
 
 
@@ -123,7 +152,10 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
     from ds_pipemorph.control.estimate import RankTimes, link_delays, message_times
 
     rank = dist.get_rank()
+    if row.setting is not None:
+        _apply_setting(spec, row, index)
     engine = _build(spec, row)
+    records = (lambda: engine.op_records) if not row.stock else (lambda: [])
     iters = []
     for i in range(row.iterations):
         dist.barrier()
@@ -132,19 +164,20 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
         span = torch.tensor([-t0, time.monotonic_ns()], dtype=torch.int64)
         dist.all_reduce(span, op=dist.ReduceOp.MAX)
         # Outside the timed span: every rank's op sums, message times and link paths.
-        mine = {"ops": _op_sums(engine.op_records), "modes": _link_modes(engine),
-                "times": message_times(engine.op_records, spec.microbatches, engine.stage_id, {})}
+        mine = {"ops": _op_sums(records()), "modes": _link_modes(engine),
+                "times": None if row.stock else message_times(records(), spec.microbatches, engine.stage_id, {})}
         everyone = [None] * NODES
         dist.all_gather_object(everyone, mine)
         if rank == 0:
             modes = [everyone[k]["modes"][k] for k in range(NODES - 1)]  # rank k is an end of link k
-            fifos = [engine.transport.queues_of(k) if m == "delegated" else None for k, m in enumerate(modes)]
-            rows = {r: RankTimes(r, r - 1 if r > 0 else -1, r + 1 if r < NODES - 1 else -1, e["times"])
-                    for r, e in enumerate(everyone)}
             it = {"iteration": i, "start_s": -span[0].item() / 1e9, "ms": (span[0].item() + span[1].item()) / 1e6,
                   "loss": float(loss) if loss is not None else None,
-                  "ops": [e["ops"] for e in everyone], "modes": modes,
-                  "estimated_links_ms": link_delays(rows, NODES - 1, spec.microbatches, fifos)}
+                  "ops": [e["ops"] for e in everyone], "modes": modes, "estimated_links_ms": None}
+            if not row.stock:  # the estimator reads our engine's op records; the stock engine keeps none
+                fifos = [engine.transport.queues_of(k) if m == "delegated" else None for k, m in enumerate(modes)]
+                rows = {r: RankTimes(r, r - 1 if r > 0 else -1, r + 1 if r < NODES - 1 else -1, e["times"])
+                        for r, e in enumerate(everyone)}
+                it["estimated_links_ms"] = link_delays(rows, NODES - 1, spec.microbatches, fifos)
             adapter = getattr(engine, "adapter", None)
             if adapter is not None and adapter.measured:
                 it["adapter_links_ms"] = adapter.measured[-1]
@@ -155,7 +188,8 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
     adapter = getattr(engine, "adapter", None)
     replans = [{"iteration": r.iteration, "kind": r.kind, "measured_ms": r.measured_ms, "target_ms": r.target_ms,
                 "warmup": r.warmup, "predicted_ms": r.predicted_ms} for r in adapter.replans] if adapter else []
-    events = list(getattr(engine.transport, "events", [])) + list(getattr(engine.transport.delegated, "events", []))
+    transport = getattr(engine, "transport", None)
+    events = (list(getattr(transport, "events", [])) + list(getattr(getattr(transport, "delegated", None), "events", [])))
     all_events = [None] * NODES
     dist.all_gather_object(all_events, events)
     switch = [None] * NODES  # per rank: (iteration, ms) spent moving links between transports after a re-plan
@@ -228,10 +262,13 @@ def node_command(lab, k: int, spec_path: Path, net: int, port: int) -> list[str]
 
 
 def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, timeout_s: float = 1200.0,
-            on_progress: Callable[[list[dict]], None] = lambda lines: None) -> JobResult:
+            on_progress: Callable[[list[dict]], None] = lambda lines: None,
+            on_setting: Callable[[int, str], None] = lambda row, setting: None) -> JobResult:
     """Run ``spec`` on the lab's nodes 0..3, the ranks' own process group on network ``net`` (its
     interface as GLOO_SOCKET_IFNAME, node 0's address on it as the master); ``on_progress`` gets the
-    progress lines so far whenever a new one arrives. A job still running after ``timeout_s`` is killed."""
+    iteration lines so far whenever a new one arrives; ``on_setting(row, setting)`` applies a row's
+    link setting before that row starts (the job waits for it). A job still running after
+    ``timeout_s`` is killed."""
     from ds_pipemorph.procs import kill_group, versioned_extensions_dir
 
     work.mkdir(parents=True, exist_ok=True)
@@ -254,8 +291,14 @@ def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, tim
         while any(p.poll() is None for p in procs):
             lines = read_progress(progress)
             if len(lines) > seen:
+                for ln in lines[seen:]:
+                    if "setting" in ln:
+                        on_setting(ln["row"], ln["setting"])
+                        Path(f"{progress}.ack{ln['row']}").touch()
                 seen = len(lines)
-                on_progress(lines)
+                iterations = [ln for ln in lines if "setting" not in ln]
+                if iterations:
+                    on_progress(iterations)
             if time.monotonic() - t0 > timeout_s:
                 break
             time.sleep(0.2)
@@ -270,7 +313,7 @@ def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, tim
     out = Path(spec.out)
     results = json.loads(out.read_text()) if out.exists() else None
     return JobResult(codes, [p.read_text(errors="replace") for p in logs], results, time.monotonic() - t0,
-                     read_progress(progress))
+                     [ln for ln in read_progress(progress) if "setting" not in ln])
 
 
 if __name__ == "__main__":

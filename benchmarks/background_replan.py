@@ -55,7 +55,7 @@ def run(args) -> dict:
 
     import ds_pipemorph
     from ds_pipemorph.testing.emulated import EmulatedStage
-    from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule
+    from ds_pipemorph.testing.inject import DelaySchedule, install_delays
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def run(args) -> dict:
                          "adapt": {"replan": "background", "search_evals": args.evals}}}
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     delays = DelaySchedule([0.0] * (STAGES - 1))
-    engine.transport.direct = DelayInjector(engine.transport.direct, engine.stage_id, delays, 60.0)
+    install_delays(engine, delays)
     g = torch.Generator().manual_seed(1)
     seconds = []
     for it in range(args.max_iters):

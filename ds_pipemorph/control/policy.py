@@ -10,10 +10,14 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
   deterministic search (``refine``), bounded by ``search_evals`` evaluations rather than by time so
   the same input gives the same plan on any machine; the runtime runs the search beside training
   and switches to its plan when it lands (``propose`` does both in one call);
+* model a direct link as its transport behaves (``direct``): where a send holds the training
+  process until its message has crossed (NCCL; the sleep injectors), one message in flight that
+  blocks its sender (``Direct()``); where it does not (gloo's isend), one FIFO, the wire's, whose
+  sender never waits (``Delegated(1)``). Plans, tolerances and the link-delay estimator use that model;
 * route links by the delegation mode: "off" keeps every link direct, "always" delegates every link,
-  "auto" delegates the links planned for a delay and keeps the others direct. A direct slow link
-  holds one message in flight and blocks its sender; plans and tolerances are scored with that
-  model (``plan.links``);
+  "auto" delegates the links planned for a delay and keeps the others direct, but only where direct
+  sends block: where they do not, a delegate adds copies and nothing the wire does not already
+  give (a rate limit is shared by every queue on it), so "auto" keeps every link direct;
 * give each delegated link the delegate queues the new plan needs (``plan.queues``), between what
   it has and the configured maximum; a running link grows only for a gain above ``GROW_GAIN`` of the
   iteration, since new delegates start while training runs.
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..plan.bounds import lower_bound_ms
-from ..plan.links import DIRECT, LATENCY, Delegated
+from ..plan.links import DIRECT, LATENCY, Delegated, Direct, LinkModel
 from ..plan.listsched import list_schedule
 from ..plan.profile import Costs
 from ..plan.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
@@ -82,9 +86,13 @@ class Policy:
 
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
-                 queues: tuple[int, int] = (MIN_QUEUES, MAX_QUEUES), search_evals: int = REPLAN_EVALS):
+                 queues: tuple[int, int] = (MIN_QUEUES, MAX_QUEUES), search_evals: int = REPLAN_EVALS,
+                 direct: LinkModel = DIRECT):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
+        if direct not in (DIRECT, Delegated(1)):
+            raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {direct!r}")
+        self.direct_model = direct
         if every < 1:
             raise ValueError(f"every must be >= 1, not {every}")
         self.S, self.N = len(plan), microbatches
@@ -101,6 +109,18 @@ class Policy:
         tol = link_tolerances(plan, costs, microbatches, resolution_ms=TOLERANCE_RESOLUTION_MS,
                               link_model=self._model(none, self.link_queues))
         self.detector.adopt(none, [t.replay_ms for t in tol])
+
+    def set_direct_model(self, direct: LinkModel) -> None:
+        """Model direct links as ``direct`` from now on (a transport wrapped after start-up, e.g. a
+        test's delay injector, blocks its sender where the bare one did not); the detector's
+        tolerances for the plan in force follow."""
+        if direct not in (DIRECT, Delegated(1)):
+            raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {direct!r}")
+        self.direct_model = direct
+        planned = list(self.detector.planned_for)
+        tol = link_tolerances(self.plan_in_force, self.costs.with_links(planned), self.N,
+                              resolution_ms=TOLERANCE_RESOLUTION_MS, link_model=self._model(planned, self.link_queues))
+        self.detector.adopt(planned, [t.replay_ms for t in tol])
 
     # -- the three steps ---------------------------------------------------------------------------
     def observe(self, iteration: int, f: Sequence[float], b: Sequence[float], w: Sequence[float],
@@ -174,7 +194,8 @@ class Policy:
         """The deterministic search's plan for ``costs`` (``search_evals`` replays at most)."""
         target = list(costs.links)
         return search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
-                      max_evals=self.search_evals, link_model=[DIRECT if d else LATENCY for d in self._direct(target)]
+                      max_evals=self.search_evals,
+                      link_model=[self.direct_model if d else LATENCY for d in self._direct(target)]
                       ).schedule
 
     def _replan(self, costs: Costs, plan: Schedule, reason: str) -> Decision:
@@ -215,7 +236,9 @@ class Policy:
         return self._model(self.detector.planned_for, self.link_queues)
 
     def fifos(self) -> list[Optional[int]]:
-        """Per link, the delegate FIFOs it runs with now (None: direct), as ``estimate.link_delays`` wants."""
+        """Per link, the FIFOs whose sender does not wait it runs with now, as ``estimate.link_delays``
+        wants: a delegated link's queues, 1 for a direct link whose sends do not block, None for a
+        direct link whose sender waits."""
         return [m.queues if isinstance(m, Delegated) else None for m in self.link_model()]
 
     # -- rules -------------------------------------------------------------------------------------
@@ -223,8 +246,10 @@ class Policy:
         """Per link, whether it runs direct under ``target``."""
         if self.delegation == "always":
             return [False] * len(target)
-        if self.delegation == "auto":
+        if self.delegation == "auto" and isinstance(self.direct_model, Direct):
             return [d <= 0 for d in target]
+        if self.delegation == "auto":  # direct sends do not block: a delegate gains nothing
+            return [True] * len(target)
         return [True] * len(target)
 
     def _link_modes(self, target: list[float]) -> dict[int, str]:
@@ -235,7 +260,7 @@ class Policy:
         return {i: "direct" if d else "delegated" for i, d in enumerate(self._direct(target))}
 
     def _model(self, target: list[float], queues: Sequence[int]) -> list:
-        return [DIRECT if d else Delegated(k) for d, k in zip(self._direct(target), queues)]
+        return [self.direct_model if d else Delegated(k) for d, k in zip(self._direct(target), queues)]
 
     @staticmethod
     def _queues_of(modes: dict[int, str], queues: Sequence[int]) -> dict[int, int]:
@@ -247,7 +272,7 @@ class Policy:
         but a link grows only when that gains more than ``GROW_GAIN`` of the iteration; a direct link
         keeps its count."""
         have = self.link_queues
-        model: list = [DIRECT if d else LATENCY for d in direct]
+        model: list = [self.direct_model if d else LATENCY for d in direct]
         for i, d in enumerate(direct):
             if not d:
                 model[i] = Delegated(queues_needed(plan, costs, self.N, i, link_model=model, lo=have[i],
@@ -271,8 +296,8 @@ class Policy:
         if self.caps is None or self.delegation == "off":
             return self.caps
         caps = list(self.caps)
-        for i, d in enumerate(target):
-            if d > 0:
+        for i, (d, direct) in enumerate(zip(target, self._direct(target))):
+            if d > 0 and not direct:
                 caps[i] = caps[i + 1] = self.N
         return caps
 

@@ -43,6 +43,7 @@ from ..control.background import BackgroundPlanner
 from ..control.detector import DetectorConfig
 from ..control.estimate import RankTimes, link_delays, message_times
 from ..control.policy import REPLAN_EVALS, Decision, Policy
+from ..plan.links import DIRECT, LinkModel
 from ..plan.profile import Costs
 from ..plan.simulate import Schedule, warmup_counts
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
@@ -75,13 +76,15 @@ class Adapter:
                  caps: Optional[list[int]], every: int, clock_offsets: dict[int, int],
                  delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
                  profile_out: Optional[str] = None, neighbours: tuple[int, int] = (-1, -1),
-                 queues: tuple[int, int] = (2, 2), replan: str = "background", search_evals: int = REPLAN_EVALS):
+                 queues: tuple[int, int] = (2, 2), replan: str = "background", search_evals: int = REPLAN_EVALS,
+                 direct: LinkModel = DIRECT):
         if replan not in REPLAN_MODES:
             raise ValueError(f"replan must be one of {REPLAN_MODES}, not {replan!r}")
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
         self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline (-1: none)
-        self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals)
+        self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals,
+                             direct)
         self.background = replan == "background"
         self._pending: Optional[Costs] = None  # every rank: the costs a search beside training plans for
         self._landed: Optional[tuple] = None  # rank 0: the search's answer, announced in this boundary's row

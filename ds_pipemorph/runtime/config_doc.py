@@ -55,7 +55,8 @@ DESCRIPTIONS: dict[str, str] = {
     "delegation": "delegate processes that carry a link's messages through host staging rings (PipeMorph §5)",
     "delegation.mode": "`off`: every link direct (DeepSpeed p2p in the training process); `always`: every link "
                        "through delegates (required with NCCL); `auto`: the control loop moves slow links to "
-                       "delegates and back",
+                       "delegates and back where a direct send holds the training process (NCCL, the injected "
+                       "delays); with gloo, whose sends do not, slow links stay direct and are planned as one FIFO",
     "delegation.queues": "delegate FIFOs per link direction when a link is first delegated",
     "delegation.max_queues": "the control loop gives a delegated link more FIFOs, up to this many, when its delay "
                              "needs them to keep pace with the stages (§5.2, checked by replay); their delegates "

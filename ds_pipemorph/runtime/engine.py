@@ -34,6 +34,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+from ..plan.links import DIRECT, Delegated
 from ..plan.lower import BadStream, dry_run, lower
 from ..plan.ops import Op
 from ..plan.simulate import Schedule
@@ -142,7 +143,9 @@ class PipeMorphEngine(PipelineEngine):
                                    neighbours=(ranks[self.stage_id - 1] if self.stage_id > 0 else -1,
                                                ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else -1),
                                    queues=(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
-                                   replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals)
+                                   replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals,
+                                   direct=DIRECT if getattr(self.transport.direct, "sender_waits", True)
+                                   else Delegated(1))
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events

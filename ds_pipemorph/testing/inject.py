@@ -156,6 +156,8 @@ class DelayInjector(TransportWrapper):
     (see the module docstring); the error is raised again at the next call on that link all the same.
     """
 
+    sender_waits = True  # a lane holds the training process while its one message is in flight
+
     def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0,
                  on_failure: Optional[Callable[[DeliveryError], None]] = None):
         super().__init__(inner)
@@ -224,3 +226,17 @@ def delay_schedule(inject_cfg, stages: int) -> Optional[DelaySchedule]:
     if trace is None and not any(static):
         return None
     return DelaySchedule(static, trace)
+
+
+def install_delays(engine, delays: DelaySchedule, timeout_s: float = 60.0) -> DelayInjector:
+    """Put ``delays`` on both paths of every link of a running ``PipeMorphEngine`` (tests and benchmarks
+    that change delays while training; a job configures ``inject`` instead). The injected direct path
+    blocks its sender, and the control loop is told so: its model of direct links becomes ``Direct()``."""
+    from ..plan.links import DIRECT
+
+    injector = DelayInjector(engine.transport.direct, engine.stage_id, delays, timeout_s)
+    engine.transport.direct = injector
+    engine.transport.delegated.delays = delays
+    if engine.adapter is not None:
+        engine.adapter.policy.set_direct_model(DIRECT)
+    return injector

@@ -18,6 +18,11 @@ class TransportWrapper:
     def __init__(self, inner: Transport):
         self.inner = inner
 
+    @property
+    def sender_waits(self) -> bool:
+        """Whether a send holds the training process on a slow link (``DirectTransport.sender_waits``)."""
+        return getattr(self.inner, "sender_waits", True)
+
     def post_recv(self, kind: str, mb: int) -> None:
         self.inner.post_recv(kind, mb)
 

@@ -26,7 +26,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.testing.emulated import EmulatedStage  # noqa: E402
-from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule  # noqa: E402
+from ds_pipemorph.testing.inject import DelaySchedule, install_delays  # noqa: E402
 
 
 def build(spec, adaptive: bool):
@@ -62,8 +62,8 @@ def main(spec_path: str, out_dir: str) -> None:
         sched = None
         if name == "adaptive":  # the delay schedule both paths of every link read (test control only)
             sched = DelaySchedule([0.0, 0.0, 0.0])
-            engine.transport.direct = DelayInjector(engine.transport.direct, engine.stage_id, sched, 60.0)
-            engine.transport.delegated.delays = sched
+            at_start = str(engine.adapter.policy.direct_model)  # as the engine chose it for its own transport
+            install_delays(engine, sched)
         losses, modes, seconds, searching = [], [], [], []
         it = 0
         # Every rank learns at the same boundary whether the search still runs: all stop together.
@@ -80,6 +80,7 @@ def main(spec_path: str, out_dir: str) -> None:
         out = {"losses": losses, "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()}}
         if name == "adaptive":
             out["replans"] = [vars(r) for r in engine.adapter.replans]
+            out["direct_model"] = {"at_start": at_start, "injected": str(engine.adapter.policy.direct_model)}
             out["measured"] = engine.adapter.measured
             out["modes"] = modes
             out["seconds"] = seconds

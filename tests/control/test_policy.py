@@ -224,3 +224,43 @@ def test_the_first_iteration_is_not_measured_and_every_sets_the_pace():
 def test_a_bad_delegation_mode_is_refused():
     with pytest.raises(ValueError, match="delegation"):
         policy("sometimes")
+
+
+# -- a direct path whose sends do not block (gloo's isend): one FIFO per direction, the wire's ---------
+FIFO = Delegated(1)
+
+
+def nonblocking(delegation="auto", caps=None) -> Policy:
+    return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, 1, delegation, CFG, (2, 8), direct=FIFO)
+
+
+@pytest.mark.parametrize("delegation", ["off", "auto"])
+def test_where_direct_sends_do_not_block_auto_keeps_a_slow_link_direct_and_plans_it_as_one_fifo(delegation):
+    p = nonblocking(delegation)
+    (it, d), = feed(p, [CALM, SLOW, SLOW])
+    assert d.replans and d.target_ms[2] > 0
+    # "auto" lists every link as direct (delegates would add copies and nothing the wire does not give);
+    # "off" routes none.
+    assert d.link_modes == ({i: "direct" for i in range(S - 1)} if delegation == "auto" else {})
+    assert d.queues == {}
+    # The prediction is the replay of the new plan with every link one FIFO whose sender never waits.
+    assert d.predicted_ms == pytest.approx(replay(d.plan, d.costs, N, link_model=FIFO).iteration_ms)
+    assert p.link_model() == [FIFO] * (S - 1)
+    assert p.fifos() == [1] * (S - 1)  # the estimator discounts a message queued behind the one before
+
+
+def test_a_fifo_whose_sender_never_waits_is_never_slower_than_one_that_blocks_it():
+    # The reason the model matters: for the same plan and delay, a sender that waits can only finish later.
+    plan, costs = initial_plan(), Costs.uniform(S, 10.0, [0.0, 40.0, 0.0])
+    assert replay(plan, costs, N, link_model=FIFO).iteration_ms <= replay(plan, costs, N, link_model=DIRECT).iteration_ms
+
+
+def test_caps_are_relaxed_only_for_links_that_are_really_delegated():
+    caps, target = [4, 3, 2, 1], [0.0, 0.0, 30.0]  # the detector's target: link 2 slow
+    assert nonblocking("auto", caps)._caps_for(target) == caps  # direct: activations stay on the device
+    assert policy("auto", caps)._caps_for(target) == [4, 3, N, N]  # delegated link 2: host staging, cap N
+
+
+def test_a_direct_model_other_than_a_blocking_send_or_one_fifo_is_refused():
+    with pytest.raises(ValueError, match="Direct"):
+        Policy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, (2, 8), direct=LATENCY)
