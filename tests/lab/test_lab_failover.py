@@ -19,12 +19,6 @@ TIMEOUT_S = 30.0  # the engine's timeout_s
 ITERATIONS, FAULT_AFTER = 6, 2
 
 
-# Not met by the engine yet: a downed interface makes no socket error (TCP retransmits in silence), so a
-# delegate pair notices only when its Gloo op times out, after timeout_s: the same timeout the training
-# process waits for that message with. The training process raises TransportTimeout as the delegates
-# restart on eth1 (the log shows the restart lines after the error).
-@pytest.mark.xfail(strict=True, reason="delegates notice a silent interface failure only at timeout_s, when "
-                                       "the training process gives up on the message too")
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_primary_interface_down_with_two_networks_moves_the_delegates_to_eth1_and_trains_as_fault_free(

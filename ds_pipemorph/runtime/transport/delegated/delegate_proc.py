@@ -17,13 +17,32 @@ with one message in flight, as ``testing.inject.Lane``), and looked up at that m
 training process currently has for the link, or the trace's delay at the time elapsed since the
 training process's origin (both in shared memory).
 
-Failure handling: a delegate whose Gloo op fails (the peer died) exits with ``PEER_LOST`` after
-setting ``gen`` to the next generation; a watchdog thread also makes it exit that way as soon as the
-peer's replacement announces a newer generation in the store (a Gloo receive on a SIGKILLed peer may
-otherwise only fail at its timeout). The training process restarts any delegate that exited
-(fresh ring, same or next generation) and re-sends every unacknowledged message of that queue; the
-receiving training process drops duplicates by (message seq, piece). The watchdog also exits the
-process when the training process closes the transport (``stop``) or dies (parent pid changes).
+Liveness: a connection can break in silence (a downed interface gives no socket error; TCP
+retransmits until its own timeout, minutes), so the pair does not rely on its Gloo ops failing. Once
+the Gloo group is formed, the pair opens a second TCP connection between the same two addresses (the
+generation's interface) and both ends send a one-byte heartbeat on it every ``liveness_s / 4``
+(``_Heartbeat``). An end that hears nothing from its peer for ``liveness_s`` (``liveness_for``: a
+quarter of the training process's ``timeout_s``, at most ``LIVENESS_CAP_S``) counts the pair as
+lost, well before the training process gives up on a message. The heartbeats run on their own
+connection and thread, so a pair that is idle, or whose receiver waits for its training process to
+free a slot, keeps beating: the pair's Gloo ops wait without a deadline of their own (``OP_WAIT``),
+the heartbeat is what bounds them, and an idle queue is never restarted.
+
+Resuming without duplicates: the receiving training process keeps, per queue, ``published``: the
+seq of the last message whose last piece a receiver delegate of that queue published (shared with
+every generation of the receiver delegate). When a pair meets, the receiver tells the sender that
+number first; the sender then drops, without sending, the re-sent messages the receiving ring
+already holds, and counts them as acknowledged. So the receiving rings get each message once; the
+receiving training process still drops a duplicate by (message seq, piece) should one arrive (a
+receiver delegate killed between publishing a message and recording it).
+
+Failure handling: a delegate whose Gloo op fails (the peer died) or whose heartbeat goes silent
+exits with ``PEER_LOST`` after setting ``gen`` to the next generation; a watchdog thread also makes
+it exit that way as soon as the peer's replacement announces a newer generation in the store. The
+training process restarts any delegate that exited (fresh ring, next generation, on the next
+interface of ``delegation.interfaces``) and pushes every unacknowledged message of that queue again,
+in order. The watchdog also exits the process when the training process closes the transport
+(``stop``) or dies (parent pid changes).
 
 This module imports torch only (no deepspeed): the ring op is loaded from its built ``.so`` file.
 """
@@ -32,6 +51,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -42,6 +63,19 @@ from typing import Any
 PIECE_BITS = 12  # a tag is (message seq << 24) | (pieces << 12) | piece
 MAX_PIECES = (1 << PIECE_BITS) - 1
 SLICE_S = 0.2  # waits on a ring are cut into slices so stop/parent death are noticed
+LIVENESS_CAP_S = 5.0  # a pair silent this long (at most) is lost; see liveness_for
+BEATS_PER_LIVENESS = 4  # heartbeats sent per liveness_s
+# Gloo ops of a formed pair wait this long: the heartbeat, not a Gloo timeout, decides that a pair is
+# lost (a healthy pair may wait for hours: an idle queue, or a receiver whose training process is busy).
+OP_WAIT = timedelta(days=7)
+
+
+def liveness_for(timeout_s: float) -> float:
+    """How long a delegate pair may hear nothing from each other before it counts as lost: a quarter
+    of the training process's ``timeout_s`` and at most ``LIVENESS_CAP_S``, so that a pair broken in
+    silence is noticed, restarted (on the next interface) and has re-sent its messages well before the
+    training process, which waits up to ``timeout_s`` for a message, gives up."""
+    return min(timeout_s / 4.0, LIVENESS_CAP_S)
 
 
 def make_tag(seq: int, pieces: int, piece: int) -> int:
@@ -73,12 +107,16 @@ class DelegateSpec:
     timeout_s: float
     delays_trace: Any = None  # sender only: the training process's testing.inject.DelayTrace, if it replays one
     interfaces: tuple = ()  # network interfaces in turn per generation (delegation.interfaces); () = Gloo's default
+    liveness_s: float = 0.0  # heard nothing from the peer this long: the pair is lost (0: liveness_for(timeout_s))
 
     def interface(self, gen: int) -> str | None:
         return interface_for(self.interfaces, gen)
 
     def what(self) -> str:
         return f"rank {self.rank} {self.role} delegate of link {self.link} {self.kind} queue {self.queue}"
+
+    def liveness(self) -> float:
+        return self.liveness_s if self.liveness_s > 0 else liveness_for(self.timeout_s)
 
 
 def interface_for(interfaces, gen: int) -> str | None:
@@ -184,32 +222,139 @@ def _watchdog(spec: DelegateSpec, stop, gen) -> None:
 
 
 class PeerLost(Exception):
-    """The Gloo pair broke (the peer delegate died)."""
+    """The Gloo pair broke (the peer delegate died, or the connection went silent)."""
+
+
+def _send(t, peer: int) -> None:
+    import torch.distributed as dist
+
+    dist.isend(t, dst=peer).wait(OP_WAIT)
+
+
+def _recv(t, peer: int) -> None:
+    import torch.distributed as dist
+
+    dist.irecv(t, src=peer).wait(OP_WAIT)
+
+
+def local_address(spec: DelegateSpec) -> str:
+    """The address this delegate's Gloo connections leave from: the first IPv4 address of the
+    interface Gloo was given (``GLOO_SOCKET_IFNAME``: the generation's interface, or the job's), else
+    the address this host reaches the job's store from."""
+    name = (os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
+    if name:
+        import psutil
+
+        for a in psutil.net_if_addrs().get(name, []):
+            if a.family == socket.AF_INET:
+                return a.address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((spec.store_addr, spec.store_port))  # UDP: no packet is sent
+        return s.getsockname()[0]
+
+
+class _Heartbeat:
+    """Both ends of a formed pair send one byte every ``liveness_s / BEATS_PER_LIVENESS`` on a TCP
+    connection of their own between the pair's addresses; an end that hears nothing for
+    ``liveness_s`` (or sees the connection closed or reset) exits with ``PEER_LOST``, naming the
+    interface, so that its training process restarts it as the next generation (next interface)."""
+
+    def __init__(self, spec: DelegateSpec, sock: socket.socket, stop, gen, connected_gen: int, where: str):
+        self.spec, self.sock, self.stop, self.gen = spec, sock, stop, gen
+        self.connected_gen, self.where = connected_gen, where
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name="pipemorph-heartbeat").start()
+
+    def lost(self, why: str) -> None:
+        if self.stop.value:
+            os._exit(0)
+        g = self.gen.value = max(self.gen.value, self.connected_gen + 1)
+        print(f"{self.spec.what()}: {why}{self.where}; exiting to meet its replacement as generation {g}",
+              file=sys.stderr, flush=True)
+        os._exit(PEER_LOST)
+
+    def _run(self) -> None:
+        limit = self.spec.liveness()
+        period = limit / BEATS_PER_LIVENESS
+        sock = self.sock
+        sock.setblocking(False)
+        heard = next_beat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                try:
+                    sock.send(b"\x01")
+                except BlockingIOError:  # the peer reads nothing: its silence decides below
+                    pass
+                except OSError as e:
+                    self.lost(f"its heartbeat connection failed ({e})")
+                next_beat = now + period
+            ready, _, _ = select.select([sock], [], [], max(0.0, min(next_beat - now, period)))
+            if ready:  # read before judging silence: beats that came while this process was descheduled count
+                try:
+                    data = sock.recv(4096)
+                except BlockingIOError:
+                    data = None
+                except OSError as e:
+                    self.lost(f"its heartbeat connection failed ({e})")
+                if data == b"":
+                    self.lost("the peer closed its heartbeat connection")
+                if data:
+                    heard = time.monotonic()
+            silent = time.monotonic() - heard
+            if silent > limit:
+                self.lost(f"heard nothing from its peer for {silent:.1f} s (liveness {limit:g} s)")
 
 
 class _Pair:
-    """This delegate's end of the two-process Gloo group of one generation."""
+    """This delegate's end of the two-process Gloo group of one generation, and its heartbeat."""
 
     def __init__(self, spec: DelegateSpec, gen):
         self.spec, self.gen = spec, gen
         self.me = 0 if spec.role == "send" else 1
         self.peer = 1 - self.me
 
-    def connect(self) -> None:
+    def connect(self, stop) -> None:
+        """Form the Gloo group of the current generation, then the heartbeat connection between the
+        same two addresses (the receiver listens, the sender connects once the group is formed)."""
         import torch.distributed as dist
 
-        store = dist.TCPStore(self.spec.store_addr, self.spec.store_port, is_master=False,
-                              timeout=timedelta(seconds=self.spec.timeout_s))
+        spec = self.spec
+        store = dist.TCPStore(spec.store_addr, spec.store_port, is_master=False,
+                              timeout=timedelta(seconds=spec.timeout_s))
         self.connected_gen = self.gen.value
-        prefix = f"{self.spec.prefix}/g{self.connected_gen}"
+        prefix = f"{spec.prefix}/g{self.connected_gen}"
         store.set(f"{prefix}/up", str(os.getpid()))  # announces this generation to a stale peer
-        iface = self.spec.interface(self.connected_gen)
+        iface = spec.interface(self.connected_gen)
         if iface is not None:  # Gloo reads it when the group is created (one group per process)
             os.environ["GLOO_SOCKET_IFNAME"] = iface
+        here = local_address(spec)
+        listener = None
+        if self.me == 1:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((here, 0))
+            listener.listen(1)
+            store.set(f"{prefix}/hb", f"{here} {listener.getsockname()[1]}")
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=self.me, world_size=2,
-                                timeout=timedelta(seconds=self.spec.timeout_s))
+                                timeout=timedelta(seconds=spec.timeout_s))
         global _STORE, _MET
         _STORE, _MET = store, True
+        # The peer has formed the group too, so it listens or connects within moments.
+        setup_s = min(spec.timeout_s / 2, max(2 * spec.liveness(), 10.0))
+        try:
+            if listener is not None:
+                listener.settimeout(setup_s)
+                sock, _ = listener.accept()
+                listener.close()
+            else:
+                host, port = store.get(f"{prefix}/hb").decode().split()
+                sock = socket.create_connection((host, int(port)), timeout=setup_s, source_address=(here, 0))
+        except OSError as e:
+            raise PeerLost(f"no heartbeat connection within {setup_s:g} s ({e})") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        where = f" on interface {iface or os.environ.get('GLOO_SOCKET_IFNAME') or here}"
+        _Heartbeat(spec, sock, stop, self.gen, self.connected_gen, where).start()
 
 
 def delay_now_ms(spec: DelegateSpec, delays) -> float:
@@ -226,47 +371,62 @@ def delay_now_ms(spec: DelegateSpec, delays) -> float:
 
 
 def run_sender(spec: DelegateSpec, op, pair: _Pair, acked, delays) -> None:
-    """Pop pieces from the training process's ring, delay each message, send it, wait for its ack."""
+    """Pop pieces from the training process's ring, delay each message, send it, wait for its ack.
+
+    The receiver first says which message of this queue its training process's ring already holds
+    (``published``); re-pushed messages up to it are dropped here, unsent, and count as acknowledged."""
     import torch
-    import torch.distributed as dist
 
     ring = op.Ring.attach(spec.ring_name, spec.timeout_s)
     ack = torch.zeros(1, dtype=torch.int64)
+    try:
+        _recv(ack, pair.peer)
+    except RuntimeError as e:
+        raise PeerLost(str(e)) from e
+    held = int(ack.item())
     while True:
         try:
             view, tag, seq = ring.begin_read(SLICE_S)
         except TimeoutError:
             continue
         msg, pieces, piece = split_tag(tag)
+        if msg <= held:  # the receiving ring holds it already (its ack was lost with the old pair)
+            ring.end_read(seq)
+            if piece == pieces - 1:
+                acked.value = msg
+            continue
         if piece == 0:
             c = delay_now_ms(spec, delays)
             if c > 0:
                 time.sleep(c / 1000.0)
         flat = view.reshape(-1).view(torch.uint8) if view.numel() else view
         try:
-            dist.send(torch.tensor([flat.numel(), tag], dtype=torch.int64), dst=pair.peer)
+            _send(torch.tensor([flat.numel(), tag], dtype=torch.int64), pair.peer)
             if flat.numel():
-                dist.send(flat, dst=pair.peer)
+                _send(flat, pair.peer)
             ring.end_read(seq)
             if piece == pieces - 1:
-                dist.recv(ack, src=pair.peer)
+                _recv(ack, pair.peer)
         except RuntimeError as e:  # the receiver delegate died: the training process re-sends what was not acked
             raise PeerLost(str(e)) from e
         if piece == pieces - 1:
             acked.value = msg
 
 
-def run_receiver(spec: DelegateSpec, op, pair: _Pair) -> None:
-    """Receive pieces into free slots of the training process's ring ahead of need; ack each message."""
+def run_receiver(spec: DelegateSpec, op, pair: _Pair, published) -> None:
+    """Receive pieces into free slots of the training process's ring ahead of need; ack each message.
+
+    ``published``: the last message of this queue whose last piece is in a ring of the training
+    process (kept across generations); told to the sender first, then kept up to date."""
     import torch
-    import torch.distributed as dist
 
     ring = op.Ring.attach(spec.ring_name, spec.timeout_s)
     desc = torch.zeros(2, dtype=torch.int64)
     ack = torch.ones(1, dtype=torch.int64)
-    while True:
-        try:
-            dist.recv(desc, src=pair.peer)
+    try:
+        _send(torch.tensor([published.value], dtype=torch.int64), pair.peer)
+        while True:
+            _recv(desc, pair.peer)
             n, tag = (int(v) for v in desc.tolist())
             while True:  # the training process frees slots as it consumes; it may be busy for long
                 try:
@@ -276,21 +436,23 @@ def run_receiver(spec: DelegateSpec, op, pair: _Pair) -> None:
                     continue
             try:
                 if n:
-                    dist.recv(view, src=pair.peer)
+                    _recv(view, pair.peer)
             except BaseException:
                 ring.abort_write(wseq)
                 raise
             ring.end_write(wseq)
-            _, pieces, piece = split_tag(tag)
+            msg, pieces, piece = split_tag(tag)
             if piece == pieces - 1:
-                dist.send(ack, dst=pair.peer)
-        except RuntimeError as e:  # the sender delegate died: its replacement re-sends what was not acked
-            raise PeerLost(str(e)) from e
+                published.value = msg
+                _send(ack, pair.peer)
+    except RuntimeError as e:  # the sender delegate died: its replacement re-sends what was not acked
+        raise PeerLost(str(e)) from e
 
 
 def main(spec: DelegateSpec, gen, stop, acked, ready, delays=None) -> None:
     """Entry point of the spawned process; ``ready`` is set once the pair's group is formed; ``delays``
-    (sender only) = (origin, static delays) shared with the training process.
+    (sender only) = (origin, static delays) shared with the training process; ``acked``: a sender's
+    last acknowledged message, a receiver's last published one (``run_receiver``).
 
     Exit codes: 0 stop or parent gone, ``PEER_LOST`` the pair broke (``gen`` = generation to meet
     next), 1 anything else (printed). The training process restarts a delegate that exited non-zero.
@@ -304,12 +466,12 @@ def main(spec: DelegateSpec, gen, stop, acked, ready, delays=None) -> None:
     op = _OP = _load_op(spec.op_name, spec.op_path)
     pair = _Pair(spec, gen)
     try:
-        pair.connect()
+        pair.connect(stop)
         ready.value = 1
         if spec.role == "send":
             run_sender(spec, op, pair, acked, delays)
         else:
-            run_receiver(spec, op, pair)
+            run_receiver(spec, op, pair, acked)
     except PeerLost as e:
         if not stop.value:
             g = gen.value = max(gen.value, pair.connected_gen + 1)

@@ -23,7 +23,7 @@ class DelegateQueue:
     proc: Any
     gen: Any  # mp.Value: generation of the pair's rendezvous (the delegate sets the next one when its peer goes)
     stop: Any
-    acked: Any  # mp.Value: last message seq the peer holds (sender queues)
+    acked: Any  # mp.Value: send: last message seq the peer holds; recv: last seq published into a ring of this queue
     ready: Any
     born: int = 0  # the generation this delegate was started for
     old_rings: list = field(default_factory=list)  # receive side: rings of a dead delegate, drained first
@@ -48,6 +48,7 @@ class Direction:
     busy: bool = False  # a thread is taking a piece from a ring
     error: BaseException | None = None  # the prefetcher's failure, raised by the next recv
     prefetcher: threading.Thread | None = None
+    duplicates: int = 0  # recv: pieces dropped as seen before (a re-sent message the ring held already)
 
     def queue_for(self, seq: int):
         return self.queues[(seq - self.base_seq) % self.active]

@@ -128,6 +128,7 @@ class Receiving:
         """Take one piece into the message being assembled; returns (key, bare, tensors) once it is complete."""
         seq, _, piece = split_tag(tag)
         if seq < d.next_seq:
+            d.duplicates += 1
             return None  # a duplicate re-sent after a delegate restart
         if seq > d.next_seq:
             raise TransportError(f"rank {self.rank}: {what}: message {seq} arrived while message {d.next_seq} "
@@ -145,6 +146,7 @@ class Receiving:
             part = d.partial = dict(seq=seq, next=0, pieces=npieces, total=total, segs=segs,
                                     key=(kind, mb), bare=bare, tensors=tensors)
         elif part is None or part["seq"] != seq or piece < part["next"]:
+            d.duplicates += 1
             return None  # a duplicate piece
         if piece != part["next"]:
             raise TransportError(f"rank {self.rank}: {what}: piece {piece} of link {d.link} message {seq} "

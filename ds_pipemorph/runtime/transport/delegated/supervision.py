@@ -7,6 +7,9 @@ started on first use or by ``start_link`` and can grow more queues. Every wait o
 ``_health``: a delegate that exited (its peer died, or it was killed) is restarted as the next
 generation of its pair (both ends meet again under that generation, on the next network interface of
 ``delegation.interfaces`` if several are given), and a sender's unacknowledged messages are pushed again.
+A pair whose connection goes silent (a downed interface) is lost within ``liveness_s`` by its heartbeat
+(``delegate_proc``), so the restart and the re-sent messages land well within the training process's
+``timeout_s``, which is the one deadline of its waits.
 """
 from __future__ import annotations
 
@@ -117,7 +120,7 @@ class Supervision:
             prefix=self._rendezvous_prefix(link, kind, q),
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
             delays_trace=self.delays.trace if (sending and self.delays is not None) else None,
-            interfaces=self.interfaces)
+            interfaces=self.interfaces, liveness_s=self.liveness_s)
         delays = self._delay_state() if sending else None
         proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready, delays), daemon=True,
                                  name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")
@@ -226,16 +229,18 @@ class Supervision:
         # two ends would then wait for each other in different generations.
         gen = q.born + 1
         ring, proc, genv, _, acked, ready = self._spawn(d.link, d.kind, d.sending, q.index, gen, stop=q.stop)
+        # The old delegate is gone: what it last recorded (the sender's last acknowledged message, the
+        # receiver's last published one) is final, and the replacement starts from it.
+        acked.value = q.acked.value
         if d.sending:
             q.ring.close()
-            acked.value = q.acked.value
             q.ring, q.proc, q.gen, q.acked, q.ready, q.born = ring, proc, genv, acked, ready, gen
             resend = list(q.unacked)
-            for m in resend:
+            for m in resend:  # in order; the new sender delegate drops those the receiving ring holds
                 self._push(d, q, m)
         else:
             q.old_rings.append(q.ring)
-            q.ring, q.proc, q.gen, q.ready, q.born = ring, proc, genv, ready, gen
+            q.ring, q.proc, q.gen, q.acked, q.ready, q.born = ring, proc, genv, acked, ready, gen
             resend = []
         why = "lost its peer" if old_code == PEER_LOST else f"died (exit code {old_code})"
         line = (f"rank {self.rank}: link {d.link}: {'sender' if d.sending else 'receiver'} delegate of "

@@ -20,10 +20,13 @@ Who owns what:
   message out of its ring as soon as it arrives (``receiving``).
 
 Every wait is cut into short slices that check the delegates are alive and ends with a
-``TransportTimeout`` naming rank, op, link and queue. ``wait_sends`` returns once every message sent so
-far is held by the peer rank's receive ring. Threads: ``send`` may run in another thread than ``recv``
-(the failover of a delayed link re-sends from its delivery thread); one lock covers sending, starting
-directions and restarting delegates.
+``TransportTimeout`` naming rank, op, link and queue after ``timeout_s``. A delegate pair whose
+connection breaks, loudly or in silence (a downed interface: its heartbeat stops), is replaced within
+``liveness_s`` (a quarter of ``timeout_s``, at most 5 s) on the next interface, and the unacknowledged
+messages are re-sent, so a wait does not expire for a connection that could be re-made.
+``wait_sends`` returns once every message sent so far is held by the peer rank's receive ring.
+Threads: ``send`` may run in another thread than ``recv`` (the failover of a delayed link re-sends
+from its delivery thread); one lock covers sending, starting directions and restarting delegates.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from ...config import DelegationConfig
 from ..protocol import link_of, peer_of
 from .copier import Copier
 from .delays import DelayPublishing
-from .delegate_proc import SLICE_S
+from .delegate_proc import SLICE_S, liveness_for
 from .directions import Direction
 from .receiving import Receiving
 from .sending import Sending
@@ -61,7 +64,7 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
                  device: torch.device | None = None, queues: int = 2, max_queues: int | None = None, delays=None,
                  slot_bytes: int | None = None, num_slots: int | None = None, session: str | None = None,
                  store_addr: str | None = None, store_port: int | None = None,
-                 interfaces: Sequence[str] | None = None):
+                 interfaces: Sequence[str] | None = None, liveness_s: float | None = None):
         if queues < 1:
             raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
         if slot_bytes is None or num_slots is None:  # the ds_config's defaults (delegation.slot_mb, slots)
@@ -87,6 +90,12 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
                              f"delegates meet through a TCPStore client on MASTER_ADDR:MASTER_PORT)")
         self.store_port = int(port)
         self.interfaces = tuple(interfaces or ())
+        # A delegate pair that hears nothing from each other this long is lost (delegate_proc's heartbeat).
+        self.liveness_s = liveness_for(self.timeout_s) if liveness_s is None else float(liveness_s)
+        if not 0 < self.liveness_s < self.timeout_s:
+            raise ValueError(f"rank {rank}: liveness_s ({self.liveness_s:g}) must be above 0 and below timeout_s "
+                             f"({self.timeout_s:g}): a silent pair must be replaced before the training "
+                             f"process gives up on its message")
         self.events: list[str] = []  # one line per delegate restart (also logged)
         self.sent: dict[int, int] = {}
         self._dirs: dict[tuple[int, str, bool], Direction] = {}
