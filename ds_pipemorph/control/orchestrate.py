@@ -6,9 +6,16 @@ The engine hands ``Orchestrator.observe`` each iteration's all-reduce time of ev
 time of the placement in force and of the best one: data-parallel rings priced by the matrix, slow
 pairs put where the planner absorbs them. The orchestrator acts when both say so:
 
-- **measured**: some stage's all-reduce took more than ``noise`` above what the best placement
-  predicts for that stage's ring, in each of the last ``patience`` iterations (a data-parallel
-  straggler is seen, not only listed in a file);
+- **measured**: some stage's all-reduce took more than ``noise`` above what the best placement's
+  ring for that stage would take, in each of the last ``patience`` iterations (a data-parallel
+  straggler is seen, not only listed in a file). What a ring would take is the ring model's time
+  (``plan.placement.allreduce_ms``) plus the fixed cost every all-reduce pays on this machine beyond
+  that model (the collective's start-up, the wait for the slowest replica, CPU contention: on a real
+  network, tens of ms against a model's few ms). That cost is read from the same iteration: the
+  median, over the stages whose ring in force is already as fast as the best placement's (the
+  matrix holds nothing slow in it), of measured minus modelled, at least 0; without such a stage
+  it is 0. So a stage is a straggler only when its own all-reduce stands out, and a matrix that
+  calls a link slow which is not (any more) triggers nothing;
 - **predicted**: the best placement beats the one in force by at least ``min_gain``.
 
 The answer is the placement (``ranks[stage][replica]``); the engine re-maps to it
@@ -17,6 +24,8 @@ A placement once left is not returned to for the same matrix: the orchestrator a
 """
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -37,6 +46,8 @@ class Remap:
     measured_allreduce_ms: list[float]  # per stage, mean over the iterations that triggered it
     predicted_allreduce_ms: list[float]  # per stage, in the new placement
     iteration: int
+    overhead_ms: float = 0.0  # the fixed cost per all-reduce read from the last iteration (module docstring)
+    seconds: float = 0.0  # the placement search for this decision, on the deciding rank
 
 
 @dataclass
@@ -55,21 +66,40 @@ class Orchestrator:
     history: list[list[float]] = field(default_factory=list)
     decisions: list[Remap] = field(default_factory=list)
     _floor: Optional[list[float]] = None  # per stage: the all-reduce of the best placement
+    overheads: list[float] = field(default_factory=list)  # the fixed cost read from each iteration in history
+
+    def in_force_ms(self) -> list[float]:
+        """Per stage: the ring model's all-reduce of the placement in force."""
+        return [allreduce_ms(self.matrix, self.placement.dp_group(s), self.grad_mb[s], self.chunk_mb)
+                for s in range(self.placement.pp)]
+
+    def overhead_ms(self, allreduce: Sequence[float]) -> float:
+        """The fixed cost per all-reduce beyond the ring model, from one iteration (module docstring)."""
+        if self._floor is None:
+            return 0.0
+        model = self.in_force_ms()
+        fit = [allreduce[s] - model[s] for s in range(len(model)) if model[s] <= (1.0 + self.noise) * self._floor[s] + 1e-9]
+        return max(0.0, statistics.median(fit)) if fit else 0.0
 
     def observe(self, allreduce: Sequence[float], stage_ms: Sequence[Sequence[float]]) -> Optional[Remap]:
         """One iteration: ``allreduce[s]`` = ms of stage s's all-reduce, ``stage_ms[s]`` = its (F, B, W)."""
         k, self.iteration = self.iteration, self.iteration + 1
         if self.done or k == 0:  # the first iteration carries start-up work
             return None
+        t0 = time.perf_counter()
         self.history = (self.history + [list(allreduce)])[-self.patience:]
         if len(self.history) < self.patience:
             return None
+        placed = None
         if self._floor is None:  # what the best rings cost: planned once, with the first costs measured
-            self._floor = self._place(stage_ms)[0].orchestrator.allreduce_ms
+            placed = self._place(stage_ms)
+            self._floor = placed[0].orchestrator.allreduce_ms
         P = self.placement.pp
-        if not any(all(h[s] > (1.0 + self.noise) * self._floor[s] + 1e-9 for h in self.history) for s in range(P)):
+        self.overheads = [self.overhead_ms(h) for h in self.history]
+        if not any(all(h[s] > (1.0 + self.noise) * (self._floor[s] + o) + 1e-9 for h, o in zip(self.history, self.overheads))
+                   for s in range(P)):
             return None
-        res, job = self._place(stage_ms)
+        res, job = placed if placed is not None else self._place(stage_ms)  # the same costs: place once
         best = res.orchestrator
         now = predict(self.placement, self.matrix, Planner(job, "full", 3600.0, PLAN_EVALS))
         self.done = True  # acted on (or found nothing better): not again for this matrix
@@ -78,7 +108,7 @@ class Orchestrator:
         measured = [sum(h[s] for h in self.history) / len(self.history) for s in range(P)]
         d = Remap(best.placement.as_lists(), now.iteration_ms, best.iteration_ms, measured,
                   [allreduce_ms(self.matrix, best.placement.dp_group(s), self.grad_mb[s], self.chunk_mb)
-                   for s in range(P)], k)
+                   for s in range(P)], k, self.overheads[-1], time.perf_counter() - t0)
         self.decisions.append(d)
         return d
 
@@ -87,7 +117,10 @@ class Orchestrator:
         f, b, w = ([float(stage_ms[s][j]) for s in range(P)] for j in range(3))
         job = Job(Costs(f=f, b=b, w=w, links=[0.0] * (P - 1)), self.microbatches, list(self.grad_mb), self.caps,
                   self.chunk_mb)
-        return place(self.matrix, P, self.placement.dp, job, max_evals=PLAN_EVALS, budget_s=3600.0), job
+        # Only the orchestrator's placement is used here: no re-placement search (it would double the
+        # time every rank waits for rank 0's decision).
+        return place(self.matrix, P, self.placement.dp, job, max_evals=PLAN_EVALS, budget_s=3600.0,
+                     replacement=False), job
 
     def moved(self, ranks: list[list[int]]) -> None:
         self.placement = Placement.from_ranks(ranks)

@@ -39,7 +39,8 @@ from typing import Optional
 
 from .baselines import zb_h1_warmup
 from .linkmatrix import LinkMatrix
-from .links import DIRECT, LATENCY, Delegated
+from . import native
+from .links import DIRECT, LATENCY, Delegated, per_link
 from .listsched import list_schedule
 from .placement import Placement, allreduce_ms
 from .placesearch import EXACT_MAX_PLACEMENTS, best_placements, placements_modulo_renaming
@@ -106,6 +107,7 @@ class Planner:
         self.model = DELEGATED if job.direct else LATENCY  # the planned orders' link model
         self._cands: dict = {}
         self._ends: dict = {}
+        self._enc: dict = {}  # (links, candidate) -> the compiled replay's encoding of that order
 
     def candidates(self, links: tuple[float, ...]) -> list[tuple[Schedule, object, tuple]]:
         """(order, link model, delays it was planned for) proposed for a pipeline with these delays;
@@ -132,12 +134,38 @@ class Planner:
         key = (links if self.kind != "static" else (), i, replica_links)
         if key not in self._ends:
             sched, model, _ = self.candidates(links)[i]
-            tl = replay(sched, self.job.at(replica_links), self.job.microbatches, link_model=model)
-            ends = [0.0] * len(sched)
-            for sl in tl.slots:
-                ends[sl.stage] = max(ends[sl.stage], sl.end)
+            costs = self.job.at(replica_links)
+            ends = self._native_ends(key[:2], sched, costs, model)
+            if ends is None:
+                tl = replay(sched, costs, self.job.microbatches, link_model=model)
+                ends = [0.0] * len(sched)
+                for sl in tl.slots:
+                    ends[sl.stage] = max(ends[sl.stage], sl.end)
             self._ends[key] = ends
         return self._ends[key]
+
+    def _native_ends(self, order_key, sched: Schedule, costs: Costs, model) -> Optional[list[float]]:
+        """``stage_ends`` from the compiled replay's raw slot arrays, the order encoded once (the
+        same floats as ``replay``'s slots, without making a Slot per op: on a measured link matrix,
+        where every pair differs, the placement search replays tens of thousands of times). None
+        where the compiled core is missing or the order is stuck (``replay`` then runs and raises)."""
+        if native.lib() is None:
+            return None
+        n, S = self.job.microbatches, len(sched)
+        if order_key not in self._enc:
+            self._enc[order_key] = native.encode(sched, n)
+        enc = self._enc[order_key]
+        if enc is None:
+            return None
+        got = native.replay(enc, costs, n, False, per_link(model, S - 1), slots=True)
+        if got is None or got[0] != 0:
+            return None
+        ss, _, _, se = got[5]
+        ends = [0.0] * S
+        for s, e in zip(ss, se):
+            if e > ends[s]:
+                ends[s] = e
+        return ends
 
 
 def predict(placement: Placement, matrix: LinkMatrix, planner: Planner) -> Prediction:
@@ -162,12 +190,14 @@ def predict(placement: Placement, matrix: LinkMatrix, planner: Planner) -> Predi
 @dataclass
 class PlaceResult:
     baseline: Prediction
-    replacement: Prediction
+    replacement: Optional[Prediction]  # None when ``place`` was asked for the orchestrator only
     orchestrator: Prediction
     exact: bool  # whether every placement was tried (else swap local search)
 
     def ratios(self) -> dict[str, float]:
         """Speed-ups: re-placement over baseline, orchestrator over re-placement and over baseline."""
+        if self.replacement is None:
+            raise ValueError("no re-placement prediction: place(..., replacement=False) skipped it")
         b, r, o = self.baseline.iteration_ms, self.replacement.iteration_ms, self.orchestrator.iteration_ms
         div = lambda x, y: x / y if y > 0 else 1.0  # noqa: E731
         return {"replacement_vs_baseline": div(b, r), "orchestrator_vs_replacement": div(r, o),
@@ -190,11 +220,15 @@ def check(matrix: LinkMatrix, pp: int, dp: int, job: Job) -> None:
 
 
 def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, budget_s: float = 1.0, max_evals: Optional[int] = None,
-          exact: Optional[bool] = None, seed: int = 0, search_budget_s: float = 10.0) -> PlaceResult:
+          exact: Optional[bool] = None, seed: int = 0, search_budget_s: float = 10.0,
+          replacement: bool = True) -> PlaceResult:
     """Baseline, re-placement only and the full orchestrator for ``matrix`` (module docstring).
     ``budget_s`` / ``max_evals``: the planner's search per planned pipeline; ``exact``: enumerate
     every placement (default: when there are at most ``EXACT_MAX_PLACEMENTS`` up to renaming the
-    replicas), else swap local search for ``search_budget_s`` seconds per objective."""
+    replicas), else swap local search for ``search_budget_s`` seconds per objective.
+    ``replacement=False`` skips the re-placement search (half the work on a measured matrix, whose
+    pairs all differ so that few replays are shared): ``result.replacement`` is None and the
+    orchestrator's finalists are the quick planner's and the default placement."""
     check(matrix, pp, dp, job)
     is_exact = placements_modulo_renaming(pp, dp) <= EXACT_MAX_PLACEMENTS if exact is None else exact
     static, quick = Planner(job, "static"), Planner(job, "quick")
@@ -207,11 +241,11 @@ def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, budget_s: float = 1.0,
 
     default = Placement.default(pp, dp)
     baseline = predict(default, matrix, static)
-    replacement = predict(best(static, 1)[0], matrix, static)
+    replaced = predict(best(static, 1)[0], matrix, static) if replacement else None
     finalists = best(quick, FINALISTS)
-    for p in (replacement.placement, default):
+    for p in ((replaced.placement,) if replaced is not None else ()) + (default,):
         if p not in finalists:
             finalists.append(p)
     scored = [predict(p, matrix, full) for p in finalists]
     orchestrator = min(scored, key=lambda x: (round(x.iteration_ms, 6), x.placement.moved(), x.placement.grid))
-    return PlaceResult(baseline, replacement, orchestrator, is_exact)
+    return PlaceResult(baseline, replaced, orchestrator, is_exact)

@@ -72,5 +72,6 @@ class OrchestrateHook:
         if d is None:
             return None
         logger.warning(f"pipemorph: orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
-                       f"ms; re-mapping to {d.ranks} (predicted {d.current_ms:.0f} -> {d.predicted_ms:.0f} ms)")
+                       f"ms (fixed cost per all-reduce {d.overhead_ms:.1f} ms); re-mapping to {d.ranks} (predicted "
+                       f"{d.current_ms:.0f} -> {d.predicted_ms:.0f} ms; decided in {d.seconds:.1f} s)")
         return {"ranks": d.ranks}

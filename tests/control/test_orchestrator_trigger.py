@@ -1,0 +1,82 @@
+"""When the orchestrator (``control.orchestrate.Orchestrator``) sees a data-parallel straggler: a
+stage's all-reduce must stand out against what the best ring would take *on this machine*, the ring
+model plus the fixed cost the other stages' all-reduces show, as on a real network (the lab run of
+``benchmarks/lab_orchestrator.py``: gloo's all-reduces of 2 MB over fast pairs took 15-35 ms where
+the model says 3-5 ms)."""
+from ds_pipemorph.control.orchestrate import Orchestrator
+from ds_pipemorph.plan.linkmatrix import LinkMatrix
+from ds_pipemorph.plan.placement import Placement
+
+FBW = [[10.0, 10.0, 10.0]] * 2
+GRAD_MB = [2.0, 2.0]
+
+
+def matrix() -> LinkMatrix:
+    """4 ranks, 1 GB/s everywhere, ranks 0 and 1 (stage 0's ring on the default placement) at 100 Mbit/s."""
+    return LinkMatrix.uniform(4, latency_ms=0.1, bandwidth_gbs=1.0,
+                              pairs=[{"ranks": [0, 1], "bandwidth_gbs": 0.0125}])
+
+
+def orchestrator() -> Orchestrator:
+    return Orchestrator(matrix(), Placement.default(2, 2), 8, GRAD_MB)
+
+
+def test_a_stage_whose_measured_all_reduce_stands_out_is_moved_out_of_the_slow_ring():
+    o = orchestrator()
+    assert o.in_force_ms()[0] > 150 and o.in_force_ms()[1] < 3  # the model: stage 0's ring crosses the slow pair
+    decisions = [o.observe(ar, FBW) for ar in ([300.0, 40.0], [190.0, 25.0], [185.0, 30.0])]
+    assert decisions[:2] == [None, None]  # the first iteration is start-up; patience 2
+    d = decisions[2]
+    assert d is not None and d.iteration == 2
+    assert not any({0, 1} <= set(ring) for ring in d.ranks), d.ranks
+    assert abs(d.overhead_ms - (30.0 - o.in_force_ms()[1])) < 1e-9  # read from stage 1, the good ring
+    assert d.predicted_ms < d.current_ms and d.seconds > 0
+
+
+def test_a_matrix_that_calls_a_link_slow_which_measures_fast_triggers_nothing():
+    # Every all-reduce pays ~25 ms on this machine; stage 0's is no slower than stage 1's. The ring
+    # model alone (a floor of ~2 ms) would call both stages stragglers and re-map for nothing.
+    o = orchestrator()
+    for ar in ([60.0, 50.0], [27.0, 25.0], [28.0, 24.0], [26.0, 27.0], [29.0, 25.0]):
+        assert o.observe(ar, FBW) is None
+    assert not o.decisions and not o.done
+    assert 20.0 < o.overheads[-1] < 30.0
+
+
+def test_without_a_stage_on_a_good_ring_the_fixed_cost_is_zero_and_the_model_decides():
+    # Every ring crosses the slow half (the injected benchmark's case): no stage shows the fixed cost.
+    m = LinkMatrix.uniform(4, latency_ms=0.1, bandwidth_gbs=1.0,
+                           pairs=[{"ranks": [0, 1], "bandwidth_gbs": 0.0125}, {"ranks": [2, 3], "bandwidth_gbs": 0.0125}])
+    o = Orchestrator(m, Placement.default(2, 2), 8, GRAD_MB)
+    out = [o.observe(ar, FBW) for ar in ([200.0, 200.0], [170.0, 165.0], [168.0, 171.0])]
+    assert out[2] is not None and out[2].overhead_ms == 0.0
+    assert not any(set(pair) <= set(ring) for ring in out[2].ranks for pair in ((0, 1), (2, 3)))
+
+
+def test_the_deciding_iteration_searches_placements_once():
+    o = orchestrator()
+    calls = []
+    place = o._place
+
+    def counted(stage_ms):
+        calls.append(o.iteration)
+        return place(stage_ms)
+
+    o._place = counted
+    for ar in ([300.0, 40.0], [190.0, 25.0], [185.0, 30.0]):
+        o.observe(ar, FBW)
+    assert o.decisions and calls == [3]  # once, at the deciding iteration (the floor and the answer)
+
+
+def test_place_without_the_replacement_search_gives_the_same_orchestrator_placement():
+    from ds_pipemorph.plan.place import Job, place
+    from ds_pipemorph.plan.profile import Costs
+
+    m = LinkMatrix.uniform(8, latency_ms=0.1, bandwidth_gbs=1.0, pairs=[{"ranks": [2, 3], "bandwidth_gbs": 0.0125},
+                                                                         {"ranks": [0, 5], "latency_ms": 3.0}])
+    job = Job(Costs.uniform(4, 10.0), 8, [2.0] * 4)
+    full, quick = place(m, 4, 2, job, max_evals=50), place(m, 4, 2, job, max_evals=50, replacement=False)
+    assert quick.replacement is None and full.replacement is not None
+    assert quick.orchestrator.placement == full.orchestrator.placement
+    assert quick.orchestrator.iteration_ms == full.orchestrator.iteration_ms
+    assert quick.baseline.iteration_ms == full.baseline.iteration_ms
