@@ -77,10 +77,21 @@ REGISTRY: dict[str, Here | Node | Options] = {
         "16 whole jobs of 4 ranks"),
     "DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
     "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py": Options("one job and whole runs per workload"),
-    "pipemorph paired pipemorph zb --microbatches 32 --links-ms 0,0,60 --pairs 6 --warmup 3 --job-iterations 3 "
-    "--timeout-s 3300": Options("12 whole jobs of 4 ranks and 32 micro-batches"),
-    "DS_ACCELERATOR=cpu python benchmarks/rebalance.py --models emulated --iters 14 --settle 3": Options(
-        "one job and 12 whole runs"),
+    # The lab's rows (root, network namespaces): short runs of the same scripts are tests.
+    "python benchmarks/lab_profile_links.py": Options("all pairs of 4 lab nodes at three sizes"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py": Node(
+        ("tests/lab/test_lab_slow_link.py::test_pipemorph_reads_a_real_slow_link_re_plans_for_it_and_pays_less_for_it_"
+         "than_stock",), "3 measured iterations per row instead of 8"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab_rate_trace.py": Options("120 iterations over a two-minute rate trace"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab_failover.py --case two": Node(
+        ("tests/lab/test_lab_failover.py::test_primary_interface_down_with_two_networks_moves_the_delegates_to_eth1_"
+         "and_trains_as_fault_free",), "the same jobs (run_two)"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab_failover.py --case one": Node(
+        ("tests/lab/test_lab_failover.py::test_interface_down_with_one_network_ends_the_job_with_an_error_naming_the_link",),
+        "the same job (run_one)"),
+    "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py": Node(
+        ("tests/runtime/test_real_straggler.py::test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_"
+         "training_is_unchanged",), "a short version: 4 burners, 4 micro-batches, 10 iterations"),
     "python benchmarks/cli_startup.py --runs 9": Options("starts the CLI and torch dozens of times"),
 }
 
@@ -99,11 +110,14 @@ def readme_commands(text: str) -> list[str]:
 
 
 def measured_commands(text: str) -> list[str]:
-    """The first `code` span of each row's "command" cell in the table under ``## Measured``."""
+    """The first `code` span of each row's "command" cell in the tables under ``## Measured``."""
     section = text.split("\n## Measured\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ")]
-    col = [c.strip(" |") for c in rows[0]].index("command")
-    return [re.search(r"`([^`]+)`", cells[col]).group(1) for cells in rows[2:]]
+    out = []
+    for table in re.findall(r"(?:^\| .*\n?)+", section, re.M):
+        rows = [line.split(" | ") for line in table.splitlines()]
+        col = [c.strip(" |") for c in rows[0]].index("command")
+        out += [re.search(r"`([^`]+)`", cells[col]).group(1) for cells in rows[2:]]
+    return out
 
 
 COMMANDS = readme_commands(README.read_text())
