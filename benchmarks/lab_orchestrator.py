@@ -65,16 +65,10 @@ def parse_args(argv=None):
 
 
 def cli_env(work: Path) -> dict:
-    """PYTHONPATH for ``python -m ds_pipemorph_cli.app`` in the nodes: the installed package, or (in a
-    source checkout not installed) ``cli/`` under its package name."""
-    paths = [str(REPO)]
+    """PYTHONPATH for ``python -m ds_pipemorph_cli.app`` in the nodes (the installed package)."""
     if importlib.util.find_spec("ds_pipemorph_cli") is None:
-        shim = work / "cli-path"
-        shim.mkdir(parents=True, exist_ok=True)
-        if not (shim / "ds_pipemorph_cli").exists():
-            (shim / "ds_pipemorph_cli").symlink_to(REPO / "cli")
-        paths.append(str(shim))
-    return {"PYTHONPATH": os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), *paths) if p])}
+        raise SystemExit("the pipemorph command is not installed here: run `bash scripts/setup.sh` first")
+    return {"PYTHONPATH": os.pathsep.join([p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p])}
 
 
 def profile_links(lab, work: Path, sizes: str, reps: int, port: int = 29711) -> tuple[dict, dict, str]:

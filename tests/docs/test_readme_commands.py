@@ -89,6 +89,9 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/lab_failover.py --case one": Node(
         ("tests/lab/test_lab_failover.py::test_interface_down_with_one_network_ends_the_job_with_an_error_naming_the_link",),
         "the same job (run_one)"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab_orchestrator.py": Node(
+        ("tests/lab/test_lab_orchestrator.py::test_engine_moves_a_measured_slow_data_parallel_link_into_the_pipeline_"
+         "and_trains_unchanged",), "a shorter run of the same job"),
     "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py": Node(
         ("tests/runtime/test_real_straggler.py::test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_"
          "training_is_unchanged",), "a short version: 4 burners, 4 micro-batches, 10 iterations"),
