@@ -145,6 +145,13 @@ def _link_modes(engine) -> list[str]:
     return [t.link_mode(i) for i in range(NODES - 1)]
 
 
+def _fifos(engine, modes: list[str]) -> list:
+    """Per link, what the link-delay estimator needs, as the control loop gives it: a delegated link's
+    queues; 1 for a direct link whose sends do not block (gloo's isend: one FIFO); None otherwise."""
+    direct = None if getattr(engine.transport.direct, "sender_waits", True) else 1
+    return [engine.transport.queues_of(k) if m == "delegated" else direct for k, m in enumerate(modes)]
+
+
 def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
     import torch
     import torch.distributed as dist
@@ -174,7 +181,7 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
                   "loss": float(loss) if loss is not None else None,
                   "ops": [e["ops"] for e in everyone], "modes": modes, "estimated_links_ms": None}
             if not row.stock:  # the estimator reads our engine's op records; the stock engine keeps none
-                fifos = [engine.transport.queues_of(k) if m == "delegated" else None for k, m in enumerate(modes)]
+                fifos = _fifos(engine, modes)
                 rows = {r: RankTimes(r, r - 1 if r > 0 else -1, r + 1 if r < NODES - 1 else -1, e["times"])
                         for r, e in enumerate(everyone)}
                 it["estimated_links_ms"] = link_delays(rows, NODES - 1, spec.microbatches, fifos)

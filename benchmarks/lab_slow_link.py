@@ -20,10 +20,10 @@ engine the slow link's cost (shaped over unshaped); per shaped row the speed-up 
 PipeMorph its planner's prediction for the plan it re-planned to, against the measured time (the
 prediction error), and link 1's path. Writes JSON.
 
-    sudo -E DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py [--rate 100mbit] [--message-ms 40]
+    DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py [--rate 100mbit] [--message-ms 40]
         [--op-ms 20] [--microbatches 8] [--iterations 8] [--warmup 6] [--out out/lab_slow_link.json]
 
-Needs root (network namespaces); every namespace is removed when it ends.
+Run as root (network namespaces); every namespace is removed when it ends.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from _util import print_table, write_json  # noqa: E402
 from ds_pipemorph.lab import Lab  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
 from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1  # noqa: E402
-from ds_pipemorph.plan.links import DIRECT  # noqa: E402
+from ds_pipemorph.plan.links import DIRECT, Delegated  # noqa: E402
 from ds_pipemorph.plan.profile import Costs  # noqa: E402
 from ds_pipemorph.plan.simulate import replay  # noqa: E402
 
@@ -60,15 +60,16 @@ def rows(iterations: int) -> list[Row]:
 
 
 def predicted_static(label: str, op_ms: float, microbatches: int, link_ms: float) -> float | None:
-    """The replay's time for the static orders, link 1 costing ``link_ms`` per message, the sender
-    holding it (DeepSpeed's blocking p2p; for zb an upper bound: gloo's isend does not block)."""
+    """The replay's time for the static orders, link 1 costing ``link_ms`` per message: for stock, the
+    sender holds it (DeepSpeed's blocking p2p); for zb, one FIFO whose sender never waits (gloo's isend,
+    the model the control loop uses for this transport)."""
     costs = Costs.uniform(NODES, op_ms, [link_ms if k == SLOW_LINK else 0.0 for k in range(NODES - 1)])
     if label == "stock 1F1B":
         return replay(deepspeed_1f1b(NODES, microbatches), costs, microbatches, fused_backward=True,
                       link_model=DIRECT).iteration_ms
     if label == "zb":
         return replay(zb_h1(Costs.uniform(NODES, op_ms), microbatches), costs, microbatches,
-                      link_model=DIRECT).iteration_ms
+                      link_model=Delegated(1)).iteration_ms
     return None
 
 
@@ -83,7 +84,7 @@ def summarize(row: dict, warmup: int) -> dict:
     replans = row.get("replans") or []
     if replans:
         last = replans[-1]
-        after = [i["ms"] for i in row["iterations"] if i["iteration"] > last["iteration"]]
+        after = [i["ms"] for i in its if i["iteration"] > last["iteration"]]  # measured, under that plan
         out["replans"] = [{"iteration": r["iteration"], "kind": r["kind"], "measured_links_ms": r["measured_ms"],
                            "predicted_ms": round(r["predicted_ms"], 1), "warmup": r["warmup"]} for r in replans]
         out["planner_predicted_ms"] = round(last["predicted_ms"], 1)

@@ -231,8 +231,8 @@ class Policy:
 
     # -- the links as they run now -----------------------------------------------------------------
     def link_model(self) -> list:
-        """The simulator's link model of the plan in force: ``Direct()`` for a direct link,
-        ``Delegated(k)`` for a delegated one with its k queues."""
+        """The simulator's link model of the plan in force: the direct model (``Direct()`` or one FIFO,
+        ``Delegated(1)``) for a direct link, ``Delegated(k)`` for a delegated one with its k queues."""
         return self._model(self.detector.planned_for, self.link_queues)
 
     def fifos(self) -> list[Optional[int]]:
@@ -248,9 +248,7 @@ class Policy:
             return [False] * len(target)
         if self.delegation == "auto" and isinstance(self.direct_model, Direct):
             return [d <= 0 for d in target]
-        if self.delegation == "auto":  # direct sends do not block: a delegate gains nothing
-            return [True] * len(target)
-        return [True] * len(target)
+        return [True] * len(target)  # "off"; or "auto" where direct sends do not block: a delegate gains nothing
 
     def _link_modes(self, target: list[float]) -> dict[int, str]:
         """Links the engine routes: every link under "always" (listed so that its queue count can

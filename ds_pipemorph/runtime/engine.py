@@ -30,6 +30,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
@@ -144,8 +145,7 @@ class PipeMorphEngine(PipelineEngine):
                                                ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else -1),
                                    queues=(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
                                    replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals,
-                                   direct=DIRECT if getattr(self.transport.direct, "sender_waits", True)
-                                   else Delegated(1))
+                                   direct=self._direct_link_model())
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
@@ -213,6 +213,17 @@ class PipeMorphEngine(PipelineEngine):
         super().reset_activation_shape()
         if hasattr(self, "transport"):
             self.transport.reset_shapes()
+
+    def _direct_link_model(self):
+        """The control loop's model of a direct link, the same on every rank (each plans from the same
+        table): one message in flight with a blocked sender if any rank's direct sends block (NCCL,
+        a delay injector), else one FIFO whose sender never waits (gloo's isend)."""
+        waits = bool(getattr(self.transport.direct, "sender_waits", True))
+        if dist.get_backend() == "gloo":  # NCCL: every rank's sends block; no host collective needed
+            flag = torch.tensor([int(waits)], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            waits = bool(flag.item())
+        return DIRECT if waits else Delegated(1)
 
     def _set_plan(self, plan: Schedule) -> None:
         """Lower ``plan`` and dry-run every rank's stream before this rank uses it (the same plan

@@ -231,7 +231,9 @@ def delay_schedule(inject_cfg, stages: int) -> Optional[DelaySchedule]:
 def install_delays(engine, delays: DelaySchedule, timeout_s: float = 60.0) -> DelayInjector:
     """Put ``delays`` on both paths of every link of a running ``PipeMorphEngine`` (tests and benchmarks
     that change delays while training; a job configures ``inject`` instead). The injected direct path
-    blocks its sender, and the control loop is told so: its model of direct links becomes ``Direct()``."""
+    blocks its sender, and the control loop is told so: its model of direct links becomes ``Direct()``.
+    Call it on every rank (each plans from the same table with its own policy), on the engine's own
+    router (not one wrapped by another test injector)."""
     from ..plan.links import DIRECT
 
     injector = DelayInjector(engine.transport.direct, engine.stage_id, delays, timeout_s)

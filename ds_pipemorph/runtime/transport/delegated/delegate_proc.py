@@ -264,7 +264,15 @@ class _Heartbeat:
         self.connected_gen, self.where = connected_gen, where
 
     def start(self) -> None:
-        threading.Thread(target=self._run, daemon=True, name="pipemorph-heartbeat").start()
+        threading.Thread(target=self._guarded, daemon=True, name="pipemorph-heartbeat").start()
+
+    def _guarded(self) -> None:
+        """``_run``, but a heartbeat that fails in any way ends the delegate as a lost peer: a dead
+        heartbeat thread would leave the pair's Gloo operations, which have no deadline, waiting."""
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - any failure of the beat is a failure of the pair
+            self.lost(f"its heartbeat failed ({type(e).__name__}: {e})")
 
     def lost(self, why: str) -> None:
         if self.stop.value:

@@ -96,7 +96,7 @@ class Supervision:
         a, b = self.stage_ranks[link], self.stage_ranks[link + 1]
         return f"pipemorph/delegates/{self.session}/R{a}-{b}{kind}/q{q}"
 
-    def _spawn(self, link: int, kind: str, sending: bool, q: int, gen_value: int, stop=None):
+    def _spawn(self, link: int, kind: str, sending: bool, q: int, gen_value: int, stop=None, acked_from: int = -1):
         from ....staging.ring import StagingRing
 
         op = self._load_op()
@@ -111,7 +111,7 @@ class Supervision:
         self.staging_path.pin(ring)  # CUDA: page-lock it now, at link start, not inside the first copy
         gen = self._ctx.Value("q", gen_value, lock=False)  # single writer: the delegate
         stop = stop if stop is not None else self._ctx.Value("b", 0, lock=False)  # single writer: this process
-        acked = self._ctx.Value("q", -1, lock=False)
+        acked = self._ctx.Value("q", acked_from, lock=False)  # set before the delegate starts: it reads it at once
         ready = self._ctx.Value("b", 0, lock=False)
         spec = DelegateSpec(
             role="send" if sending else "recv", rank=self.rank, link=link, kind=kind, queue=q,
@@ -228,10 +228,10 @@ class Supervision:
         # after its watchdog had moved ``gen`` on (or after PEER_LOST set it) would skip one, and the
         # two ends would then wait for each other in different generations.
         gen = q.born + 1
-        ring, proc, genv, _, acked, ready = self._spawn(d.link, d.kind, d.sending, q.index, gen, stop=q.stop)
         # The old delegate is gone: what it last recorded (the sender's last acknowledged message, the
         # receiver's last published one) is final, and the replacement starts from it.
-        acked.value = q.acked.value
+        ring, proc, genv, _, acked, ready = self._spawn(d.link, d.kind, d.sending, q.index, gen, stop=q.stop,
+                                                        acked_from=q.acked.value)
         if d.sending:
             q.ring.close()
             q.ring, q.proc, q.gen, q.acked, q.ready, q.born = ring, proc, genv, acked, ready, gen
