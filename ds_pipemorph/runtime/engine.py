@@ -46,6 +46,7 @@ from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
 from ..plan.profile import Costs
 from .adapt import Adapter
+from .clip import clip_as_built
 from .clocks import estimate_clock_offsets
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
@@ -166,6 +167,9 @@ class PipeMorphEngine(PipelineEngine):
         if pipemorph.dispatch == "ready":
             self.inbox = Inbox(self.transport, 2 * self.micro_batches, pipemorph.timeout_s, self.global_rank)
         self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
+        # (stage, parameter names) DeepSpeed's gradient clipping counted before the first migration
+        # or re-mapping (runtime.clip); None while nothing has moved (DeepSpeed's own clipping).
+        self.clip_set: Optional[tuple[int, list[str]]] = None
         self.migrator = LayerMigrator(pipemorph.rebalance.timeout_s, frozenset(pipemorph.inject.migration_drop),
                                       eager=pipemorph.rebalance.enabled)
         self.rebalance = None  # compute stragglers: measure stages, move layers away from a slowed one
@@ -334,6 +338,13 @@ class PipeMorphEngine(PipelineEngine):
             self.orchestrate.after_iteration(self, self.recorder.records)
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
+
+    def clip_fp32_gradients(self):
+        """DeepSpeed's clipping, its norm over the parameters it counted before anything moved
+        (``runtime.clip``): moving layers or ranks does not change the clip coefficient."""
+        if self.clip_set is None:
+            return super().clip_fp32_gradients()
+        return clip_as_built(self, self.clip_set, self.gradient_clipping())
 
     def repartition(self, parts) -> MigrationReport:
         """Move layers between neighbouring stages so that stage s holds layers

@@ -23,7 +23,9 @@ where it was. One optimizer detail matters: DeepSpeed's ``FusedAdam`` counts ste
 the *last* parameter of each group (the others keep the count they were created with). After a
 migration, with ``FusedAdam``, every parameter's ``step`` is set to its group's count (the largest
 one in the group), so whichever parameter is now last carries the right count; optimizers that
-count per parameter (torch's Adam) keep each parameter's own.
+count per parameter (torch's Adam) keep each parameter's own. Gradient clipping: DeepSpeed's norm
+counts the parameters of one rank (stage 0's), so from the first migration on the engine clips by
+the parameters that rank held before it, wherever they are now (``runtime.clip``).
 
 Not moved: tied layers (``TiedLayerSpec``: their reduction groups are fixed at start-up; a
 partition that moves one is refused). Random numbers need nothing moved with DeepSpeed's
@@ -48,6 +50,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..fileio import BadInput
 from ..plan.parts import check_parts, layer_moves
+from .clip import freeze_clip_set
 
 # Message tags of one attempt: to the next stage (size, payload), to the previous one (size, payload).
 _TAGS_PER_ATTEMPT = 4
@@ -144,6 +147,7 @@ class LayerMigrator:
         if not moves:
             return MigrationReport(True, old, old, {}, 0.0, attempt=self.attempts)
         group = self.transfer_group()
+        freeze_clip_set(engine, self.vote_group())  # clipping keeps counting what it counted so far
         attempt = self.next_attempt()
         t0 = time.perf_counter()
         report = MigrationReport(False, old, old, moves, 0.0, attempt=attempt)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..fileio import BadInput
+from .clip import freeze_clip_set
 from .migrate import first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob, unpacked_state
 from .partition_hook import PartsPipelineModule
 
@@ -89,6 +90,7 @@ def remap(engine, topology):
     report = RemapReport(False, 0.0, (old.pipe, old.data), (old.pipe, old.data))
     migrator = engine.migrator
     group = migrator.transfer_group()
+    freeze_clip_set(engine, migrator.vote_group())  # clipping keeps counting what it counted so far
     attempt = migrator.next_attempt()
     tag = _TAG + 2 * attempt
     state = None
@@ -142,6 +144,7 @@ def remap(engine, topology):
     # count, so layers draw the same random numbers on their new ranks. Without it, a rank continues
     # the random stream of the stage it took over.
     fresh.module.micro_offset = engine.module.micro_offset
+    fresh.clip_set = engine.clip_set
     if new.pipe != old.pipe:
         _set_rng(state["rng"], engine.device)
     _hand_over_controllers(engine, fresh, topology)

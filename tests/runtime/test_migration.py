@@ -95,6 +95,18 @@ def test_two_pipelines_by_two_data_parallel_migrate_replicas_alike(tmp_path):
 
 
 @pytest.mark.timeout(420)
+def test_gradient_clipping_after_a_move_scales_as_if_never_moved(tmp_path):
+    # DeepSpeed's clip norm counts the gradients of one rank's parameters (stage 0's); with a limit
+    # every step reaches, a move that changed what stage 0 holds would change every step's scale.
+    base = {"stages": 2, "micro_batches": 4, "steps": 8, "tied": True, "gradient_clipping": 0.05, "pipemorph": PM}
+    jobs = [{**base, "name": "still"},
+            {**base, "name": "moved", "migrate": {"1": [0, 3, 10], "4": [0, 7, 10]}}]
+    run = launch(2, jobs, tmp_path, timeout=400)
+    assert [m["ok"] for m in run.result("moved", 0)["migrations"]] == [True, True]
+    _assert_same_training(run, "still", "moved", 2, [[0, 1]])
+
+
+@pytest.mark.timeout(420)
 def test_a_transfer_lost_midway_keeps_the_old_partition_and_the_next_attempt_succeeds(tmp_path):
     # The first attempt's payloads are never sent (only their sizes): the receivers time out, every
     # rank votes no and keeps [0, 5, 10, 14, 18]; training goes on; the second attempt moves.

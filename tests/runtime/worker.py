@@ -65,6 +65,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
     if job.get("torch_adam"):  # torch.optim.Adam (per-parameter step counts) instead of DeepSpeed's FusedAdam
         cfg["optimizer"]["params"]["torch_adam"] = True
+    if "gradient_clipping" in job:  # DeepSpeed's limit on the gradient norm (0: no clipping)
+        cfg["gradient_clipping"] = job["gradient_clipping"]
     path = os.path.join(out_dir, f"{job['name']}.rank{rank}")
     if job.get("pipemorph") is None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
