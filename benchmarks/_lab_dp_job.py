@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -37,6 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # after PYTHONPATH: a package earlier on the path is the one the job runs
     sys.path.append(str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _lab_job import JobResult, read_progress  # noqa: E402  (the launcher's side is shared)
 
 STAGES, REPLICAS = 4, 2
 NODES = STAGES * REPLICAS
@@ -222,26 +224,6 @@ def main(spec_path: str) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # launcher side
-
-
-@dataclass
-class JobResult:
-    codes: list  # exit code per node ("timeout" if it was killed)
-    logs: list[str]
-    results: Optional[dict]
-    seconds: float
-    progress: list[dict] = field(default_factory=list)
-
-    def log_text(self) -> str:
-        return "\n".join(f"--- node {k} (exit {c})\n{t}" for k, (c, t) in enumerate(zip(self.codes, self.logs)))
-
-
-def read_progress(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(ln) for ln in text.split("\n")[:-1] if ln.strip()]
 
 
 def node_command(lab, k: int, script: str, args: list[str], port: int) -> list[str]:

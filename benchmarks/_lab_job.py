@@ -46,6 +46,19 @@ def rows_for(seconds: float, rate_bits: int) -> int:
     return max(1, round(seconds * rate_bits / 8 / BYTES_PER_ROW))
 
 
+def add_link_options(ap, iterations: int, warmup: int, out: str) -> None:
+    """The options of the lab benchmarks that run rows on one shaped link: its rate, the message's
+    wire time there, the emulated stage, iterations per row and the output."""
+    ap.add_argument("--rate", default="100mbit")
+    ap.add_argument("--message-ms", type=float, default=40.0, help="8 S / R of one activation on the shaped link")
+    ap.add_argument("--op-ms", type=float, default=20.0)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--iterations", type=int, default=iterations, help="measured iterations per row")
+    ap.add_argument("--warmup", type=int, default=warmup, help="unmeasured iterations per row")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="the engine's timeout_s")
+    ap.add_argument("--out", default=out)
+
+
 class Row(BaseModel):
     """One engine run of the job: its ``pipemorph`` section (or DeepSpeed's own engine, ``stock``),
     how many iterations it trains, and the link setting it runs under: when ``setting`` is given, rank

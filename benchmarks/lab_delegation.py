@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lab_job import NODES, JobSpec, Row, rows_for, run_job  # noqa: E402
+from _lab_job import NODES, JobSpec, Row, add_link_options, rows_for, run_job  # noqa: E402
 from _util import print_table, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab  # noqa: E402
@@ -66,14 +66,7 @@ def summarize(row: dict, warmup: int, wire_ms: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--message-ms", type=float, default=40.0, help="8 S / R of one activation on the shaped link")
-    ap.add_argument("--op-ms", type=float, default=20.0)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--iterations", type=int, default=6, help="measured iterations per row")
-    ap.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per row")
-    ap.add_argument("--timeout-s", type=float, default=120.0, help="the engine's timeout_s")
-    ap.add_argument("--out", default="out/lab_delegation.json")
+    add_link_options(ap, iterations=6, warmup=2, out="out/lab_delegation.json")
     args = ap.parse_args(argv)
     rate = parse_rate(args.rate)
     act_rows = rows_for(args.message_ms / 1e3, rate)
