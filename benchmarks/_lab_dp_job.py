@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:  # after PYTHONPATH: a package earlier on the path
     sys.path.append(str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lab_job import JobResult, read_progress  # noqa: E402  (the launcher's side is shared)
+from _lab_job import JobResult, read_progress, stop_nodes  # noqa: E402  (the launcher's side is shared)
 
 STAGES, REPLICAS = 4, 2
 NODES = STAGES * REPLICAS
@@ -244,8 +244,6 @@ def run_nodes(lab, commands: list[list[str]], logs: list[Path], timeout_s: float
               on_progress=lambda lines: None, extra_env: Optional[dict] = None) -> tuple[list, list[str], float]:
     """Start ``commands[k]`` in lab node k (gloo on the node's interface, ``extra_env`` over the
     job's environment), wait for all (killing what still runs after ``timeout_s``); (exit codes, logs, seconds)."""
-    from ds_pipemorph.procs import kill_group
-
     env = {**node_env(), **(extra_env or {})}
     procs = []
     t0 = time.monotonic()
@@ -254,7 +252,6 @@ def run_nodes(lab, commands: list[list[str]], logs: list[Path], timeout_s: float
             procs.append(lab.popen(k, cmd, env={**env, **lab.node_env(k)}, stdout=log, stderr=subprocess.STDOUT,
                                    cwd=str(REPO)))
     seen = 0
-    codes: list = [None] * len(procs)
     try:
         while any(p.poll() is None for p in procs):
             if progress is not None:
@@ -266,13 +263,7 @@ def run_nodes(lab, commands: list[list[str]], logs: list[Path], timeout_s: float
                 break
             time.sleep(0.2)
     finally:
-        for k, p in enumerate(procs):
-            if p.poll() is None:
-                kill_group(p)
-                p.wait()
-                codes[k] = "timeout"
-            else:
-                codes[k] = p.returncode
+        codes = stop_nodes(procs)
     return codes, [p.read_text(errors="replace") for p in logs], time.monotonic() - t0
 
 

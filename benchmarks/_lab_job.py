@@ -281,6 +281,21 @@ def node_command(lab, k: int, spec_path: Path, net: int, port: int) -> list[str]
             str(Path(__file__).resolve()), str(spec_path)]
 
 
+def stop_nodes(procs) -> list:
+    """Every node's exit code; a node still running is killed with its process group ("timeout")."""
+    from ds_pipemorph.procs import kill_group
+
+    codes: list = []
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p)
+            p.wait()
+            codes.append("timeout")
+        else:
+            codes.append(p.returncode)
+    return codes
+
+
 def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, timeout_s: float = 1200.0,
             on_progress: Callable[[list[dict]], None] = lambda lines: None,
             on_setting: Callable[[int, str], None] = lambda row, setting: None) -> JobResult:
@@ -289,7 +304,7 @@ def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, tim
     iteration lines so far whenever a new one arrives; ``on_setting(row, setting)`` applies a row's
     link setting before that row starts (the job waits for it). A job still running after
     ``timeout_s`` is killed."""
-    from ds_pipemorph.procs import kill_group, versioned_extensions_dir
+    from ds_pipemorph.procs import versioned_extensions_dir
 
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "spec.json"
@@ -306,7 +321,6 @@ def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, tim
             procs.append(lab.popen(k, node_command(lab, k, spec_path, net, port), env=env, stdout=log,
                                    stderr=subprocess.STDOUT, cwd=str(REPO)))
     seen = 0
-    codes: list = [None] * NODES
     try:
         while any(p.poll() is None for p in procs):
             lines = read_progress(progress)
@@ -323,13 +337,7 @@ def run_job(lab, spec: JobSpec, work: Path, net: int = 0, port: int = 29631, tim
                 break
             time.sleep(0.2)
     finally:
-        for k, p in enumerate(procs):
-            if p.poll() is None:
-                kill_group(p)
-                p.wait()
-                codes[k] = "timeout"
-            else:
-                codes[k] = p.returncode
+        codes = stop_nodes(procs)
     out = Path(spec.out)
     results = json.loads(out.read_text()) if out.exists() else None
     return JobResult(codes, [p.read_text(errors="replace") for p in logs], results, time.monotonic() - t0,
