@@ -112,7 +112,7 @@ def _print_notes(spec: BenchSpec, rows: list[dict]) -> None:
             each = "" if oh["replan_ms_each"] is None else f", {oh['replan_ms_each']:.0f} ms per re-plan"
             console.print(f"{r['scenario']}: PipeMorph's profiler and control loop cost "
                           f"{oh['ms_per_iteration']:.1f} ms per iteration ({oh['pct_of_iteration']:.1f}% of a "
-                          f"{oh['iteration_ms']:.0f} ms iteration{steady}; link samples {oh['parts_ms']['links']:.1f} ms, "
+                          f"{oh['iteration_ms']:.0f} ms iteration, the median of all, warm-up included{steady}; link samples {oh['parts_ms']['links']:.1f} ms, "
                           f"all_gather {oh['parts_ms']['exchange']:.1f} ms{each})")
     for k in spec.schedules:
         console.print(f"{LABELS[k]}: {NOTES[k]}")
