@@ -70,6 +70,9 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "recipes/tiny_gpt/train.py --config recipes/gpu_cluster/ds_config.json": Node(
         (f"{RUNS}::test_gpu_cluster_config_trains_under_torchrun_c10d_rendezvous_on_cpu",),
         "GPU only; the CPU equivalent: one node of 4 ranks through the same c10d rendezvous, gloo, same config"),
+    "bash scripts/gpu_check.sh": Node(
+        ("tests/scripts/test_gpu_check.py::test_without_cuda_it_says_so_in_one_line_and_exits_0_writing_nothing",),
+        "GPU only; here its no-CUDA exit (the report writer is tested in the same file)"),
     "pipemorph --version": Here("prints the package version"),
     # The Measured table's commands: benchmarks of minutes to an hour on this machine.
     "python benchmarks/planner_vs_milp.py --seed S --cases 30": Options("30 MILP solves per seed"),
