@@ -53,7 +53,7 @@ class DirectTransport:
         # model the control loop plans with (``plan.links``). Gloo's isend hands the bytes to gloo's
         # own thread: the process goes on, and the messages of a link queue on its wire one after the
         # other (one FIFO). NCCL's send runs on the GPU's stream until its peer has received it.
-        self.sender_waits = dist.get_backend() != "gloo"
+        self.sender_waits = not (dist.is_initialized() and dist.get_backend() == "gloo")
         self._sends: list[_Pending] = []
         self._sends_lock = threading.Lock()  # wrappers (delay injection) may send from their own thread
         self._posted: dict[tuple[str, int], tuple] = {}  # (kind, mb) -> ("header"|"data", ...)
