@@ -2,33 +2,45 @@
 # Exercises the GPU paths in one command, on a machine with a CUDA GPU (one GPU is enough; budget 8 minutes):
 #
 #   bash scripts/gpu_check.sh [--out DIR]        # report: DIR/gpu_check_report.{json,txt}, default out/gpu_check
+#                                                # of the checkout; a relative DIR is taken from where you run it
 #
 # Steps, one after the other (each one's output goes to DIR/<step>.log):
 #   cuda_tests      the CUDA-gated tests (nvcc build of the staging op, the CUDA staging round trip, device
 #                   path selection, op records with CUDA events);
 #   op_timing       CUDA-event device times of F/B/W against the host (wall) time of the same ops;
-#   one_gpu_job     4 ranks on cuda:0 (gloo), PipeMorphEngine with delegation.mode "always" (CUDA staging
-#                   rings, gloo delegates) against stock DeepSpeed: losses and parameters within 1e-5;
+#   one_gpu_job     4 ranks on cuda:0 (gloo, point-to-point messages staged through host memory: gloo has
+#                   no CUDA point-to-point; scripts/gpu_check/on_gpu0.py), PipeMorphEngine with
+#                   delegation.mode "always" (CUDA staging rings, gloo delegates) against stock DeepSpeed:
+#                   losses and parameters within 1e-5;
 #   staging_bench   benchmarks/staging_throughput.py, shortened;
 #   nsight          where nsys is installed: an Nsight Systems capture of a 4-rank job read back by
-#                   `pipemorph trace inspect` (otherwise recorded as skipped).
-# Exit code: 0 when every step passed (or was skipped), 1 when one failed, 2 on bad arguments.
+#                   `pipemorph trace inspect` (otherwise recorded as skipped), delegated as one_gpu_job.
+# Exit code: 0 when every step passed (or was skipped for want of nsys), 1 when one failed or the budget ran
+# out before one ran (verdict INCOMPLETE), 2 on bad arguments or a broken environment.
 # Without a CUDA device: one line saying so, exit 0, nothing run and no report.
 # PYTHON names the interpreter (default: python); GPU_CHECK_BUDGET_S the overall budget (default 480).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
-OUT=out/gpu_check
+OUT=
 while [ $# -gt 0 ]; do
   case $1 in
     --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a directory" >&2; exit 2; }; OUT=$2; shift 2 ;;
     --out=*) OUT=${1#--out=}; shift ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (only --out DIR)" >&2; exit 2 ;;
   esac
 done
+case $OUT in
+  "") ;;
+  /*) ;;
+  *) OUT=$PWD/$OUT ;;  # relative to where the script was run, before the cd below
+esac
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/gpu_check}
+
+now() { echo "${EPOCHREALTIME:-$(date +%s.%N)}"; }  # EPOCHREALTIME is bash 5's
 
 cuda=$("$PYTHON" -c 'import torch; print(torch.cuda.is_available())' 2>/dev/null | tail -n 1) || cuda=error
 if [ "$cuda" = "False" ]; then
@@ -41,15 +53,20 @@ fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The tests' extension cache, so that the staging op the tests build is the one the jobs load.
-TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$("$PYTHON" -c \
-  'from ds_pipemorph.procs import versioned_extensions_dir; print(versioned_extensions_dir())')}
+if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
+  TORCH_EXTENSIONS_DIR=$("$PYTHON" -c \
+    'from ds_pipemorph.procs import versioned_extensions_dir; print(versioned_extensions_dir())') || {
+    echo "gpu_check: '$PYTHON' cannot import ds_pipemorph (install the checkout's requirements); nothing run" >&2
+    exit 2
+  }
+fi
 export TORCH_EXTENSIONS_DIR
 mkdir -p "$OUT"
 STEPS=$OUT/steps.tsv
 : > "$STEPS"
 START=$SECONDS
 
-row() {  # row NAME EXIT SECONDS KEYS NOTE CMD...: one line of steps.tsv
+row() {  # row NAME EXIT SECONDS KEYS NOTE CMD...: one line of steps.tsv (EXIT: a code, skipped or budget)
   local name=$1 rc=$2 secs=$3 keys=$4 note=$5
   shift 5
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$keys" "$note" "$*" >> "$STEPS"
@@ -60,17 +77,17 @@ step() {  # step NAME KEYS -- CMD...: runs CMD within what is left of the budget
   shift 3
   left=$((BUDGET_S - (SECONDS - START)))
   if [ "$left" -le 10 ]; then
-    row "$name" skipped 0 "" "the ${BUDGET_S} s budget was spent before this step" "$@"
+    row "$name" budget 0 "" "not run: the ${BUDGET_S} s budget was spent before this step" "$@"
     return
   fi
   echo "gpu_check: $name (at most ${left} s)"
-  t0=$EPOCHREALTIME
-  set +e
-  timeout --kill-after=15 "$left" "$@" > "$OUT/$name.log" 2>&1
+  t0=$(now)
+  set +e  # GPU_CHECK_STEP_S: the drivers give their own subprocesses what is left of it
+  GPU_CHECK_STEP_S=$left timeout --kill-after=15 "$left" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   set -e
   [ "$rc" -eq 124 ] && note="timed out after ${left} s"
-  row "$name" "$rc" "$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')" "$keys" "$note" "$@"
+  row "$name" "$rc" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')" "$keys" "$note" "$@"
 }
 
 step cuda_tests "$OUT/cuda_tests.xml" -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \

@@ -3,20 +3,35 @@
     python scripts/gpu_check/nsight.py WORK_DIR KEYS.json
 
 ``nsys profile --trace nvtx,cuda`` of ``tests/nvtx/nvtx_job.py`` under torchrun (2 stages x 2 replicas,
-all on cuda:0 through ``on_gpu0.py``, gloo, NVTX on, 3 micro-batches, 2 batches), ``nsys export --type
-sqlite``, then ``pipemorph trace inspect --json``. Checked as ``tests/nvtx/test_nsys_capture.py`` checks
+all on cuda:0 through ``on_gpu0.py``, gloo, NVTX on, 3 micro-batches, 2 batches; ``delegation.mode``
+"always" as in ``one_gpu_job.py``, so messages cross through the staging rings and the delegates' CPU
+gloo groups), ``nsys export --type sqlite``, then ``pipemorph trace inspect --json``. Checked as ``tests/nvtx/test_nsys_capture.py`` checks
 the injection-recorded export: no warnings, iterations 0 and 1, each rank with the stage and pid it wrote,
 the F/B/W and send/receive ops of every iteration, every message of the link paired. On a GPU these NVTX
-ranges time kernel launches, not kernels. Writes KEYS.json; exit 1 on a failure.
+ranges time kernel launches, not kernels. The three commands share what is left of the step's budget
+(``GPU_CHECK_STEP_S``). Writes KEYS.json; exit 1 on a failure.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+# GNU timeout signals only its own process group, and run_group starts launchers in sessions of their own:
+# exiting on SIGTERM runs run_group's cleanup, which ends the launcher's whole session.
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+# What is left of this step's budget (gpu_check.sh passes it), less 10 s to write the key file.
+DEADLINE = time.monotonic() + float(os.environ.get("GPU_CHECK_STEP_S", "300")) - 10
+
+
+def left_s() -> float:
+    return DEADLINE - time.monotonic()
+
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -36,12 +51,16 @@ def expected_ops(stage: int) -> dict[str, int]:
     return dict(sorted(ops.items()))
 
 
-def run(cmd: list[str], log, timeout: float, env: dict) -> subprocess.CompletedProcess:
+def run(cmd: list[str], log, env: dict) -> subprocess.CompletedProcess:
+    """Runs CMD within what is left of the step's budget (exit 124 when it does not end in time)."""
     log.write(f"$ {' '.join(cmd)}\n")
+    timeout = left_s()
     try:
+        if timeout <= 0:
+            raise subprocess.TimeoutExpired(cmd, 0)
         p = run_group(cmd, timeout, cwd=REPO, env=env)  # on timeout the launcher's children go too
     except subprocess.TimeoutExpired:
-        p = subprocess.CompletedProcess(cmd, 124, "", f"did not end within {timeout} s\n")
+        p = subprocess.CompletedProcess(cmd, 124, "", f"did not end within the {max(timeout, 0):.0f} s left of the step's budget\n")
     log.write(p.stdout + p.stderr + f"(exit {p.returncode})\n")
     log.flush()
     return p
@@ -51,7 +70,7 @@ def main() -> int:
     work, keys_path = Path(sys.argv[1]), Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
     rep, sqlite = work / "job.nsys-rep", work / "job.sqlite"
-    env = {**os.environ, "DS_ACCELERATOR": "cuda", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "DS_ACCELERATOR": "cuda", "GPU_CHECK_DELEGATION": "always", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     failures: list[str] = []
     keys: dict = {}
     with open(work / "nsight.log", "w") as log:
@@ -65,7 +84,7 @@ def main() -> int:
             [shutil.which("pipemorph") or "pipemorph", "trace", "inspect", str(sqlite), "--json"],
         ]
         for cmd in steps:
-            p = run(cmd, log, 240, env=env)
+            p = run(cmd, log, env=env)
             if p.returncode != 0:
                 failures.append(f"`{' '.join(cmd[:3])} ...` exited with {p.returncode} (see {work / 'nsight.log'})")
                 break

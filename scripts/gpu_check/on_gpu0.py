@@ -2,39 +2,41 @@
 
     torchrun --standalone --nproc_per_node 4 scripts/gpu_check/on_gpu0.py SCRIPT [ARGS...]
 
-DeepSpeed puts each rank on ``cuda:<LOCAL_RANK>``; here ``DeepSpeedEngine`` gets device rank 0 instead
-(the ``device_rank`` its argument namespace may carry). The tests' ``models.ds_config`` asks for
-torch's Adam (``torch_adam``), so that no FusedAdam is JIT-built, for stock DeepSpeed and the engine
-alike. With ``GPU_CHECK_OP_TIMES=DIR``, after every ``PipeMorphEngine.train_batch`` each rank appends
-the host (wall) ms and the CUDA-event device ms of its F/B/W ops to ``DIR/rank<r>.json``.
+Two shims make 4 ranks on one GPU work, the same for stock DeepSpeed and PipeMorphEngine:
+
+- ``LOCAL_RANK=0`` in the rank's environment, set before DeepSpeed is imported. DeepSpeed puts a rank
+  on ``cuda:<LOCAL_RANK>``: ``init_process_group`` gets ``device_id=cuda:<LOCAL_RANK>``, and the engine
+  reads ``LOCAL_RANK`` into ``local_rank``, sets that device and places the model there. With one GPU only
+  cuda:0 exists, so every rank must read 0.
+- ``host_p2p.install()``: gloo has no CUDA point-to-point, and every pipeline engine sends CUDA tensors
+  point to point (the first one in its constructor), so under gloo those messages are staged through host
+  memory (see ``host_p2p.py``). NCCL is no way out: it wants one GPU per rank.
+
+The tests' ``models.ds_config`` asks for torch's Adam (``torch_adam``), so that no FusedAdam is JIT-built,
+for stock DeepSpeed and the engine alike; with ``GPU_CHECK_DELEGATION=MODE`` it also sets the
+``pipemorph`` section's ``delegation.mode`` (the Nsight job's script asks for "off"; the check runs it
+"always", as the other GPU job). With ``GPU_CHECK_OP_TIMES=DIR``, after every ``PipeMorphEngine.train_batch``
+each rank appends the host (wall) ms and the CUDA-event device ms of its F/B/W ops to ``DIR/rank<r>.json``.
 Then SCRIPT runs as ``__main__``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import runpy
 import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cuda")
+os.environ["LOCAL_RANK"] = "0"  # before DeepSpeed is imported: every rank on cuda:0 (see above)
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "runtime"))
 
 import torch  # noqa: E402
-from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 
+import host_p2p  # noqa: E402  (scripts/gpu_check/host_p2p.py, next to this file)
 import models  # noqa: E402  (tests/runtime/models.py, as the workers import it)
-
-_set_distributed_vars = DeepSpeedEngine._set_distributed_vars
-
-
-def _on_gpu0(self, args):
-    ns = argparse.Namespace(**vars(args)) if args is not None else argparse.Namespace()
-    ns.device_rank = 0
-    _set_distributed_vars(self, ns)
-
 
 _ds_config = models.ds_config
 
@@ -42,6 +44,9 @@ _ds_config = models.ds_config
 def _torch_adam(*a, **kw):
     cfg = _ds_config(*a, **kw)
     cfg["optimizer"]["params"]["torch_adam"] = True
+    mode = os.environ.get("GPU_CHECK_DELEGATION")
+    if mode and cfg.get("pipemorph") is not None:
+        cfg["pipemorph"] = {**cfg["pipemorph"], "delegation": {**cfg["pipemorph"].get("delegation", {}), "mode": mode}}
     return cfg
 
 
@@ -72,7 +77,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("on_gpu0.py: no CUDA device")
     torch.cuda.set_device(0)
-    DeepSpeedEngine._set_distributed_vars = _on_gpu0
+    host_p2p.install()
     models.ds_config = _torch_adam
     if os.environ.get("GPU_CHECK_OP_TIMES"):
         _record_op_times(os.environ["GPU_CHECK_OP_TIMES"])

@@ -3,19 +3,34 @@
     python scripts/gpu_check/one_gpu_job.py WORK_DIR KEYS.json
 
 One torchrun launch of the equivalence tests' worker (``tests/runtime/worker.py``), 4 ranks all on
-cuda:0 (``on_gpu0.py``), gloo: 4 stages x 1 replica and 2 stages x 2 replicas, each trained 3 steps by
-stock DeepSpeed and by PipeMorphEngine (``zb``, ``delegation.mode: always``: CUDA staging rings, gloo
-delegates). Checked as ``tests/runtime/test_equivalence.py`` checks it (losses and every parameter
-within 1e-5, every F/B/W run, measured peak in-flight as planned), plus: the parameters live on the GPU
-and every F/B/W op of every batch has a CUDA-event device time. Writes KEYS.json; exit 1 on a failure.
+cuda:0, gloo, point-to-point messages staged through host memory (``on_gpu0.py`` says why): 4 stages
+x 1 replica and 2 stages x 2 replicas, each trained 3 steps by stock DeepSpeed and by PipeMorphEngine
+(``zb``, ``delegation.mode: always``: CUDA staging rings, gloo delegates). The launch gets what is left
+of the step's budget (``GPU_CHECK_STEP_S``). Checked as ``tests/runtime/test_equivalence.py`` checks
+it (losses and every parameter within 1e-5, every F/B/W run, measured peak in-flight as planned), plus:
+the parameters live on the GPU and every F/B/W op of every batch has a CUDA-event device time. Writes
+KEYS.json; exit 1 on a failure.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+# GNU timeout signals only its own process group, and run_group starts launchers in sessions of their own:
+# exiting on SIGTERM runs run_group's cleanup, which ends the launcher's whole session.
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+# What is left of this step's budget (gpu_check.sh passes it), less 10 s to write the key file.
+DEADLINE = time.monotonic() + float(os.environ.get("GPU_CHECK_STEP_S", "300")) - 10
+
+
+def left_s() -> float:
+    return DEADLINE - time.monotonic()
+
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -25,7 +40,7 @@ from ds_pipemorph.procs import run_group  # noqa: E402
 from tests.runtime.launch import Launch, max_param_diff  # noqa: E402
 from tests.runtime.test_equivalence import TOL, _assert_equal_to_stock, _expected_peak  # noqa: E402
 
-RANKS, N, TIMEOUT_S = 4, 4, 300
+RANKS, N = 4, 4
 DELEGATED = {"schedule": "zb", "delegation": {"mode": "always"}, "adapt": {"enabled": False}}
 LAYOUTS = {"s4": (4, 1), "s2x2": (2, 2)}  # name -> (stages, data-parallel replicas)
 
@@ -92,11 +107,14 @@ def main() -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
            str(REPO / "scripts" / "gpu_check" / "on_gpu0.py"), str(REPO / "tests" / "runtime" / "worker.py"),
            str(work / "jobs.json"), str(work)]
+    timeout = left_s()
     try:
-        p = run_group(cmd, TIMEOUT_S, cwd=REPO, env=env)
+        if timeout <= 0:
+            raise subprocess.TimeoutExpired(cmd, 0)
+        p = run_group(cmd, timeout, cwd=REPO, env=env)
         code, output = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired:
-        code, output = None, f"the launch did not end within {TIMEOUT_S} s"
+        code, output = None, f"the launch did not end within the {max(timeout, 0):.0f} s left of the step's budget"
     (work / "launch.log").write_text(output)
     print(output[-4000:])
     keys, failures = check(Launch(code if code is not None else -1, output, work), work / "op_times")

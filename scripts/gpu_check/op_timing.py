@@ -12,10 +12,13 @@ the final synchronize. Writes KEYS.json; exit 1 on a failure.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import time
 from pathlib import Path
+
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a timeout's SIGTERM exits through Python's cleanup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 

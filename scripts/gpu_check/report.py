@@ -2,11 +2,13 @@
 
     python scripts/gpu_check/report.py --steps OUT/steps.tsv --out OUT [--budget-s 480]
 
-``steps.tsv`` has one tab-separated row per step: name, exit code (or ``skipped``), seconds, key file
-(the JSON a step wrote, or pytest's JUnit XML; may be empty), note, command. A step fails on a non-zero
-exit code, on a key file with ``"ok": false`` or ``failures``, on a missing key file after exit 0, and
-(the JUnit step) on a GPU-only test that did not pass. Prints the text report; exit code 1 when a step
-failed, else 0. Imports no torch.
+``steps.tsv`` has one tab-separated row per step: name, exit code (or ``skipped``: a tool it needs is
+missing; or ``budget``: the time budget ran out before it), seconds, key file (the JSON a step wrote, or
+pytest's JUnit XML; may be empty), note, command. A step fails on a non-zero exit code, on a key file
+with ``"ok": false`` or ``failures``, on a missing key file after exit 0, and (the JUnit step) on a
+GPU-only test that did not pass. The verdict: FAILED when a step failed, else INCOMPLETE when a step
+did not run for want of time, else PASSED. Prints the text report; exit code 0 only when PASSED, else 1.
+Imports no torch.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ds_pipemorph.fileio import write_atomic  # noqa: E402
 
+# Why a step did not run (steps.tsv's exit column) -> its status: a missing tool skips it, a spent budget
+# leaves the check incomplete.
+NOT_RUN = {"skipped": "skipped", "budget": "incomplete"}
 # Tests that skip themselves without a GPU: on the GPU they must pass, a skip there is a failure.
 GPU_ONLY_TESTS = {"tests/staging/test_staging_nvcc.py": ("test_cuda_path_round_trip_on_a_gpu",)}
 
@@ -29,8 +34,9 @@ def read_steps(path: Path) -> list[dict]:
         if not line.strip():
             continue
         name, rc, secs, keys, note, command = (line.split("\t") + [""] * 6)[:6]
-        steps.append({"name": name, "command": command, "exit_code": None if rc == "skipped" else int(rc),
-                      "seconds": float(secs or 0), "key_file": keys, "note": note})
+        steps.append({"name": name, "command": command, "exit_code": None if rc in NOT_RUN else int(rc),
+                      "seconds": float(secs or 0), "key_file": keys, "note": note,
+                      "not_run": NOT_RUN.get(rc, "")})
     return steps
 
 
@@ -75,7 +81,7 @@ def key_numbers(key_file: str) -> tuple[dict, list[str]]:
 def judge(step: dict) -> dict:
     s = {**step, "key_numbers": {}, "problems": []}
     if s["exit_code"] is None:
-        s["status"] = "skipped"
+        s["status"] = s.get("not_run") or "skipped"
         return s
     if s["key_file"]:
         if Path(s["key_file"]).is_file():
@@ -100,30 +106,33 @@ def _flat(d: dict, prefix: str = "") -> list[str]:
 
 
 def text_report(report: dict) -> str:
+    unrun = f"{report['incomplete']} not run for want of time, " if report["incomplete"] else ""
     lines = [f"gpu_check: {report['verdict']} ({report['failed']} of {len(report['steps'])} steps failed, "
-             f"{report['skipped']} skipped), {report['seconds']:.1f} s of a {report['budget_s']} s budget"]
+             f"{unrun}{report['skipped']} skipped), {report['seconds']:.1f} s of a {report['budget_s']} s budget"]
     for s in report["steps"]:
         rc = "-" if s["exit_code"] is None else s["exit_code"]
-        lines.append(f"{s['status'].upper():<8}{s['name']:<15}{s['seconds']:>7.1f} s  exit {rc}"
+        lines.append(f"{s['status'].upper():<11}{s['name']:<15}{s['seconds']:>7.1f} s  exit {rc}"
                      + (f"  ({s['note']})" if s["note"] else ""))
-        lines.append(f"          $ {s['command']}")
-        lines += [f"          {x}" for x in _flat(s["key_numbers"])]
-        lines += [f"          problem: {p}" for p in s["problems"]]
+        lines.append(f"           $ {s['command']}")
+        lines += [f"           {x}" for x in _flat(s["key_numbers"])]
+        lines += [f"           problem: {p}" for p in s["problems"]]
     return "\n".join(lines) + "\n"
 
 
 def write_report(steps: list[dict], out: Path, budget_s: float = 480) -> int:
-    """Judge the steps, write both report files into ``out``; 1 when a step failed, else 0."""
+    """Judge the steps, write both report files into ``out``; 0 when the verdict is PASSED, else 1."""
     judged = [judge(s) for s in steps]
     failed = sum(s["status"] == "failed" for s in judged)
-    report = {"verdict": "FAILED" if failed else "PASSED", "failed": failed,
+    incomplete = sum(s["status"] == "incomplete" for s in judged)
+    verdict = "FAILED" if failed else "INCOMPLETE" if incomplete else "PASSED"
+    report = {"verdict": verdict, "failed": failed, "incomplete": incomplete,
               "skipped": sum(s["status"] == "skipped" for s in judged),
               "seconds": round(sum(s["seconds"] for s in judged), 1), "budget_s": budget_s, "steps": judged}
     text = text_report(report)
     write_atomic(Path(out) / "gpu_check_report.json", json.dumps(report, indent=2) + "\n")
     write_atomic(Path(out) / "gpu_check_report.txt", text)
     sys.stdout.write(text)
-    return 1 if failed else 0
+    return 0 if verdict == "PASSED" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,19 @@
 """scripts/gpu_check.sh: its no-CUDA path, its syntax, the report writer, and that what it names exists.
 
-Nothing here runs on a GPU: the GPU steps themselves have not run on this machine.
+Nothing here runs on a GPU: the GPU steps themselves have not run on this machine. The script's own
+logic runs with a stand-in interpreter that claims CUDA and fails every GPU step; the host-staging shim
+of the GPU jobs runs on CPU tensors, forced to stage them.
 """
 from __future__ import annotations
 
 import ast
 import importlib.util
 import json
+import os
 import re
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,7 +97,7 @@ def test_the_report_writer_writes_json_and_text_and_fails_on_a_failed_step(tmp_p
     for s in data["steps"]:
         assert {"name", "command", "exit_code", "seconds", "key_numbers"} <= s.keys()
     assert text.startswith("gpu_check: FAILED (1 of 4 steps failed, 1 skipped)")
-    assert "problem: always_s4: losses differ" in text and "SKIPPED nsight" in text
+    assert "problem: always_s4: losses differ" in text and "SKIPPED    nsight" in text
 
 
 def test_a_skipped_gpu_test_or_a_missing_key_file_fails_its_step(tmp_path):
@@ -147,3 +152,112 @@ def test_every_file_and_test_the_script_and_its_drivers_name_exists():
         assert path in pytest_paths and set(tests) <= _defined(ROOT / path)
     for imported in ("_assert_equal_to_stock", "_expected_peak"):  # what one_gpu_job.py reuses
         assert imported in _defined(ROOT / "tests" / "runtime" / "test_equivalence.py")
+
+
+def test_a_step_the_budget_left_unrun_makes_the_check_incomplete_and_exit_1(tmp_path):
+    report = _report_module()
+    steps = [s for s in _steps(tmp_path) if s["name"] != "one_gpu_job"]
+    steps.insert(1, {"name": "one_gpu_job", "exit_code": None, "not_run": "incomplete", "seconds": 0.0,
+                     "key_file": "", "note": "not run: the 480 s budget was spent before this step",
+                     "command": "python scripts/gpu_check/one_gpu_job.py w k"})
+    tsv = tmp_path / "budget.tsv"
+    tsv.write_text("".join("\t".join([s["name"], "budget" if s.get("not_run") == "incomplete" else
+                                      "skipped" if s["exit_code"] is None else str(s["exit_code"]),
+                                      str(s["seconds"]), s["key_file"], s["note"], s["command"]]) + "\n"
+                           for s in steps))
+    assert [s["not_run"] for s in report.read_steps(tsv)] == ["", "incomplete", "", "skipped"]
+    assert report.main(["--steps", str(tsv), "--out", str(tmp_path / "out")]) == 1
+    data = json.loads((tmp_path / "out" / "gpu_check_report.json").read_text())
+    assert (data["verdict"], data["failed"], data["incomplete"], data["skipped"]) == ("INCOMPLETE", 0, 1, 1)
+    assert {s["name"]: s["status"] for s in data["steps"]}["one_gpu_job"] == "incomplete"
+    text = (tmp_path / "out" / "gpu_check_report.txt").read_text()
+    assert text.startswith("gpu_check: INCOMPLETE (0 of 4 steps failed, 1 not run for want of time, 1 skipped)")
+    assert "INCOMPLETE one_gpu_job" in text
+
+
+def _stub_python(tmp_path: Path) -> Path:
+    """A PYTHON for gpu_check.sh that claims a CUDA device, runs the report writer with the real
+    interpreter and fails every GPU step at once: the script's own logic runs, no GPU work does."""
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+  *torch.cuda.is_available*) echo True ;;
+  *versioned_extensions_dir*) [ -n "${{STUB_EXT:-}}" ] || exit 1; echo "$STUB_EXT" ;;
+  *scripts/gpu_check/report.py*) exec {sys.executable} "$@" ;;
+  *) echo "stub: no GPU step runs here"; exit 3 ;;
+esac
+""")
+    stub.chmod(0o755)
+    return stub
+
+
+def _run_stubbed(tmp_path: Path, budget: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHON": str(_stub_python(tmp_path)), "GPU_CHECK_BUDGET_S": budget,
+            "PATH": "/usr/bin:/bin", **env}  # no nsys on this PATH: the nsight step is skipped
+    full.pop("TORCH_EXTENSIONS_DIR", None)
+    return subprocess.run(["bash", str(SCRIPT), "--out", "rel/out"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env=full)
+
+
+@pytest.mark.timeout(90)
+def test_a_spent_budget_leaves_steps_unrun_an_incomplete_verdict_and_a_relative_out_under_the_callers_dir(tmp_path):
+    p = _run_stubbed(tmp_path, "5", STUB_EXT=str(tmp_path / "ext"))
+    assert p.returncode == 1, p.stdout + p.stderr
+    data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
+    assert data["verdict"] == "INCOMPLETE"
+    assert {s["name"]: s["status"] for s in data["steps"]} == {
+        "cuda_tests": "incomplete", "op_timing": "incomplete", "one_gpu_job": "incomplete",
+        "staging_bench": "incomplete", "nsight": "skipped"}
+
+
+@pytest.mark.timeout(90)
+def test_with_time_left_failing_steps_fail_the_check(tmp_path):
+    p = _run_stubbed(tmp_path, "100", STUB_EXT=str(tmp_path / "ext"))
+    assert p.returncode == 1, p.stdout + p.stderr
+    data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
+    assert data["verdict"] == "FAILED" and data["failed"] == 4
+    assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"] if s["name"] != "nsight")
+
+
+@pytest.mark.timeout(60)
+def test_without_an_importable_package_it_says_so_in_a_sentence(tmp_path):
+    p = _run_stubbed(tmp_path, "100")
+    assert p.returncode == 2
+    assert p.stderr.strip().endswith("cannot import ds_pipemorph (install the checkout's requirements); nothing run")
+    assert not (tmp_path / "rel").exists()
+
+
+def _host_p2p_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_host_p2p", ROOT / "scripts" / "gpu_check" / "host_p2p.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_host_staging_shim_leaves_cpu_tensors_alone_by_default():
+    import torch
+
+    assert _host_p2p_module().cuda_on_gloo(torch.zeros(2), None) is False
+
+
+@pytest.mark.timeout(60)
+def test_deepspeed_p2p_works_through_the_host_staging_shim_on_two_gloo_ranks(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripts" / "host_p2p_worker.py")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=50) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    staged = [json.loads(out.strip().splitlines()[-1])["staged"] for out, _ in outs]
+    # rank 0: p2p.send, send_obj's two sends, two isends; rank 1: p2p.recv, recv_obj's two recvs, two irecvs
+    assert staged[0] == {"send": 3, "recv": 1, "isend": 2, "irecv": 0}
+    assert staged[1] == {"send": 1, "recv": 3, "isend": 0, "irecv": 2}
