@@ -16,21 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-# GNU timeout signals only its own process group, and run_group starts launchers in sessions of their own:
-# exiting on SIGTERM runs run_group's cleanup, which ends the launcher's whole session.
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
-# What is left of this step's budget (gpu_check.sh passes it), less 10 s to write the key file.
-DEADLINE = time.monotonic() + float(os.environ.get("GPU_CHECK_STEP_S", "300")) - 10
+from step import start_step  # noqa: E402  (this directory is the script's: first on sys.path)
 
-
-def left_s() -> float:
-    return DEADLINE - time.monotonic()
+left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget left, less 10 s for the key file
 
 
 REPO = Path(__file__).resolve().parents[2]
