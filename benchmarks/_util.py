@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ds_pipemorph.fileio import write_atomic  # noqa: E402
+from ds_pipemorph.fileio import BadInput, check_writable, write_atomic  # noqa: E402
 
 # glibc settings (read at process start) that keep freed memory, as GPU caching allocators do: no
 # trimming, no mmap per large block, so nothing is faulted in again (GPU users never pay that).
@@ -56,3 +56,18 @@ def relaunch(script: str, nproc: int, *args: str) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            script, *(args or sys.argv[1:])]
     return subprocess.call(cmd, env=env)
+
+
+def exit_on_bad_input(main) -> int:
+    """Run a benchmark's ``main``; bad input (a rate, a path, no privilege for the lab) ends it with one
+    ``error:`` sentence and exit code 2 instead of a traceback."""
+    try:
+        return main()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def check_out(path: str) -> None:
+    """Refuse, before any work, an ``--out`` that cannot be written (one sentence, ``BadInput``)."""
+    check_writable(path, "--out")

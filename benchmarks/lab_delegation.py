@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lab_job import NODES, JobSpec, Row, add_link_options, rows_for, run_job  # noqa: E402
-from _util import print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_link_options(ap, iterations=6, warmup=2, out="out/lab_delegation.json")
     args = ap.parse_args(argv)
+    check_out(args.out)
     rate = parse_rate(args.rate)
     act_rows = rows_for(args.message_ms / 1e3, rate)
     work = Path(tempfile.mkdtemp(prefix="lab-delegation-"))
@@ -108,4 +109,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lab_job import NODES, JobResult, JobSpec, Row, run_job  # noqa: E402
-from _util import print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab  # noqa: E402
 
@@ -125,6 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=30.0, help="the engine's timeout_s")
     ap.add_argument("--out", default="out/lab_failover.json")
     args = ap.parse_args(argv)
+    check_out(args.out)
     work = Path(tempfile.mkdtemp(prefix="lab-failover-"))
     rows, payload = [], {"benchmark": "lab_failover", "timeout_s": args.timeout_s, "work": str(work)}
     if args.case in ("two", "both"):
@@ -146,4 +147,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

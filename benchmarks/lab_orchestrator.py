@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _util import print_table, write_json
+from _util import check_out, exit_on_bad_input, print_table, write_json
 
 from _lab_dp_job import NODES, REPLICAS, STAGES, WIDTH, JobSpec, Row, ballast_elements, node_command, run_job, run_nodes
 from ds_pipemorph.lab import Lab, parse_rate
@@ -158,6 +158,7 @@ def summarize(res: dict) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_out(args.out)
     a, b = (int(x) for x in args.pair.split("-"))
     rate = parse_rate(args.rate)
     grad_mb = (ballast_elements(args.ballast_mb) + WIDTH * WIDTH + WIDTH) * 4 / 1e6  # every parameter of a stage
@@ -261,4 +262,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

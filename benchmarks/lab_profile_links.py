@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _util import print_table, write_json
+from _util import check_out, exit_on_bad_input, print_table, write_json
 
 from ds_pipemorph.lab import Lab, parse_rate
 
@@ -29,6 +29,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="out/lab_profile_links.json")
     args = ap.parse_args()
+    check_out(args.out)
     a, b = (int(x) for x in args.pair.split("-"))
     rate = parse_rate(args.rate)
     want_gbs = rate / 8 / 1e9  # GB/s on the wire
@@ -77,4 +78,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lab_job import NODES, JobSpec, Row, rows_for, run_job  # noqa: E402
-from _util import print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab, RateTrace  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=120.0, help="the engine's timeout_s")
     ap.add_argument("--out", default="out/lab_rate_trace.json")
     args = ap.parse_args(argv)
+    check_out(args.out)
     calm, slow = parse_rate(args.calm), parse_rate(args.slow)
     trace = RateTrace(points=[{"t": 0, "rate": calm}, {"t": args.calm_s, "rate": slow},
                               {"t": args.calm_s + args.slow_s, "rate": calm}])
@@ -161,4 +162,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _lab_job import NODES, JobSpec, Row, add_link_options, rows_for, run_job  # noqa: E402
-from _util import print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_link_options(ap, iterations=8, warmup=6, out="out/lab_slow_link.json")
     args = ap.parse_args(argv)
+    check_out(args.out)
     rate = parse_rate(args.rate)
     spec = JobSpec(rows=rows(args.warmup + args.iterations), microbatches=args.microbatches, op_ms=args.op_ms,
                    act_rows=rows_for(args.message_ms / 1e3, rate), timeout_s=args.timeout_s,
@@ -162,4 +163,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

@@ -1,5 +1,9 @@
 """What a user writes for the lab (rates, rate traces, lab names) is read exactly or refused with one
 sentence; these need no privilege."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ds_pipemorph.fileio import BadInput
@@ -43,3 +47,33 @@ def test_a_rate_trace_is_read_and_checked(tmp_path):
 def test_a_lab_that_cannot_be_built_is_refused_before_anything_is_made(kw, words):
     with pytest.raises(BadInput, match=words):
         Lab(**kw)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+RATE_OPTION = {"lab_slow_link": "--rate", "lab_delegation": "--rate", "lab_orchestrator": "--rate",
+               "lab_profile_links": "--rate", "lab_rate_trace": "--slow"}
+
+
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=BENCH.parent)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("script", [*RATE_OPTION, "lab_failover"])
+def test_a_lab_benchmark_refuses_an_unwritable_out_in_one_sentence_before_any_lab(script, tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("x")
+    r = _bench(script, "--out", str(target / "out.json"))  # under a regular file: nothing can be made there
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: --out:"), r.stderr
+    assert target.read_text() == "x"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("script", list(RATE_OPTION))
+def test_a_lab_benchmark_refuses_a_bad_rate_in_one_sentence(script, tmp_path):
+    r = _bench(script, RATE_OPTION[script], "fast", "--out", str(tmp_path / "out.json"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0 and "rate 'fast'" in r.stderr, r.stderr
+    assert not (tmp_path / "out.json").exists()
