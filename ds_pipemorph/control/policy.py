@@ -90,9 +90,7 @@ class Policy:
                  direct: LinkModel = DIRECT):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
-        if direct not in (DIRECT, Delegated(1)):
-            raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {direct!r}")
-        self.direct_model = direct
+        self.direct_model = _direct_model(direct)
         if every < 1:
             raise ValueError(f"every must be >= 1, not {every}")
         self.S, self.N = len(plan), microbatches
@@ -114,9 +112,7 @@ class Policy:
         """Model direct links as ``direct`` from now on (a transport wrapped after start-up, e.g. a
         test's delay injector, blocks its sender where the bare one did not); the detector's
         tolerances for the plan in force follow."""
-        if direct not in (DIRECT, Delegated(1)):
-            raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {direct!r}")
-        self.direct_model = direct
+        self.direct_model = _direct_model(direct)
         planned = list(self.detector.planned_for)
         tol = link_tolerances(self.plan_in_force, self.costs.with_links(planned), self.N,
                               resolution_ms=TOLERANCE_RESOLUTION_MS, link_model=self._model(planned, self.link_queues))
@@ -298,6 +294,12 @@ class Policy:
             if d > 0 and not direct:
                 caps[i] = caps[i + 1] = self.N
         return caps
+
+
+def _direct_model(direct: LinkModel) -> LinkModel:
+    if direct not in (DIRECT, Delegated(1)):
+        raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {direct!r}")
+    return direct
 
 
 def _slow(delays: Sequence[float]) -> list[int]:
