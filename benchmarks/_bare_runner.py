@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ds_pipemorph.runtime.bw_split import backward_input
-from ds_pipemorph.testing.emulated import EmulatedStage
+from ds_pipemorph.inject.emulated import EmulatedStage
 from ds_pipemorph.runtime.oprecords import as_instruction
 
 _TAG_F, _TAG_B = 1 << 20, 2 << 20

@@ -3,7 +3,7 @@
 2s + 1, so each data-parallel pair {2s, 2s + 1} joins two nodes and its all-reduce crosses their link.
 ``benchmarks/lab_orchestrator.py`` runs it (the orchestrator on a real slow data-parallel link).
 
-Each stage is the emulated stage of ``pipemorph bench`` (``testing.emulated.EmulatedStage``: F, B
+Each stage is the emulated stage of ``pipemorph bench`` (``inject.emulated.EmulatedStage``: F, B
 and W take fixed times around tiny real math) next to a ballast parameter of ``ballast_mb`` MB that
 takes part in the forward (its mean is added to the output), so each stage's all-reduce moves real
 gradient bytes over the lab's real links; pipeline messages stay ``32 * act_rows`` bytes.
@@ -75,7 +75,7 @@ def ballast_elements(mb: float) -> int:
 def _stage_class():
     import torch
 
-    from ds_pipemorph.testing.emulated import EmulatedStage
+    from ds_pipemorph.inject.emulated import EmulatedStage
 
     class BallastStage(torch.nn.Module):
         """EmulatedStage plus a ballast parameter of ``n`` float32 values whose mean is added to the

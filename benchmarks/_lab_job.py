@@ -1,7 +1,7 @@
 """One 4-node pipeline job in the network lab: each lab node runs one rank (one stage) under its own
 ``torchrun --nnodes 4 --node_rank k``, as on a cluster; the lab benchmarks and the failover test use it.
 
-The job trains the emulated pipeline of ``pipemorph bench`` (``testing.emulated.EmulatedStage``: F, B
+The job trains the emulated pipeline of ``pipemorph bench`` (``inject.emulated.EmulatedStage``: F, B
 and W take fixed times around tiny real math), fed with micro-batches of ``rows`` x 8 float32 values,
 so every activation and every input gradient that crosses a link is ``32 * rows`` real bytes (the
 bench itself sends 1 x 8 values, 32 bytes). One job runs several rows (engine settings) one after the
@@ -99,7 +99,7 @@ def _build(spec: JobSpec, row: Row):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.testing.emulated import EmulatedStage, anchor_stock_engine
+    from ds_pipemorph.inject.emulated import EmulatedStage, anchor_stock_engine
 
     torch.manual_seed(0)
     t = spec.op_ms

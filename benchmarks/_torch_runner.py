@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ds_pipemorph.runtime.oprecords import as_instruction
-from ds_pipemorph.testing.emulated import EmulatedStage
+from ds_pipemorph.inject.emulated import EmulatedStage
 
 KINDS = {
     "torch_1f1b": (Schedule1F1B, 1),

@@ -54,8 +54,8 @@ def run(args) -> dict:
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.testing.emulated import EmulatedStage
-    from ds_pipemorph.testing.inject import DelaySchedule, install_delays
+    from ds_pipemorph.inject.emulated import EmulatedStage
+    from ds_pipemorph.inject.delays import DelaySchedule, install_delays
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)

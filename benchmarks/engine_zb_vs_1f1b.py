@@ -1,7 +1,7 @@
 """PipeMorphEngine against torch pipelining and a plain torch.distributed loop, paired in one job.
 
 4 stages, 12 micro-batches, emulated stages whose F, B and W each take 10 ms (sleeps around tiny
-real math, ``ds_pipemorph.testing.emulated``), no link delay, one CPU rank per stage. One job builds
+real math, ``ds_pipemorph.inject.emulated``), no link delay, one CPU rank per stage. One job builds
 our engine with the ``zb`` plan and, one after the other, each runner it is compared with:
 
 - ``bare_zb``: the same plan run by a plain torch.distributed loop, without DeepSpeed or our engine
@@ -51,7 +51,7 @@ TARGET_OVER_PREDICTED = 1.05
 RUNNERS = ("bare_zb", "torch_zbv", "torch_interleaved_zb", "torch_1f1b")
 LABELS = {"bare_zb": "plain torch.distributed loop (zb)", "torch_zbv": "torch ScheduleZBVZeroBubble",
           "torch_interleaved_zb": "torch ScheduleInterleavedZeroBubble", "torch_1f1b": "torch Schedule1F1B"}
-# Where an emulated op's 10 ms start (testing/emulated.py): "instruction" = when the runner began
+# Where an emulated op's 10 ms start (inject/emulated.py): "instruction" = when the runner began
 # the instruction (its Python overlaps the op, as it overlaps launched kernels on a GPU; headline);
 # "op" = when the emulated math starts (every microsecond of runtime work adds: the strict ruler).
 ANCHORS = ("instruction", "op")
@@ -84,7 +84,7 @@ def build(kind: str):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.testing.emulated import EmulatedStage
+    from ds_pipemorph.inject.emulated import EmulatedStage
 
     if kind.startswith("torch_"):
         from _torch_runner import TorchRunner
@@ -114,7 +114,7 @@ def zb_plan():
 
 def compute_spans(runner) -> list:
     """Where ``runner`` records [start, end] ns of its F, B, W: the runners keep their own list; our
-    engine's compute handlers are wrapped once to record into a new one."""
+    engine records into a new one through an engine hook, stock DeepSpeed's handlers are wrapped once."""
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
     from ds_pipemorph.runtime.instructions import BackwardInputPass, BackwardWeightPass
@@ -131,6 +131,18 @@ def compute_spans(runner) -> list:
         return run
 
     kinds = (ForwardPass, BackwardPass, BackwardInputPass, BackwardWeightPass)
+    if hasattr(runner, "add_hooks"):  # our engine: an engine hook after each compute op (runtime.hooks)
+        from ds_pipemorph.runtime.hooks import EngineHooks
+
+        class Spans(EngineHooks):
+            ops = frozenset(kinds)
+
+            def after_op(self, engine, instruction, kwargs, started):
+                end = time.monotonic_ns()
+                spans.append((end - int((time.perf_counter() - started) * 1e9), end))
+
+        runner.add_hooks(Spans())
+        return spans
     runner._INSTRUCTION_MAP = {k: (timed(v) if k in kinds else v) for k, v in runner._INSTRUCTION_MAP.items()}
     return spans
 
@@ -279,7 +291,7 @@ def main() -> int:
     import deepspeed
     import torch.distributed as dist
 
-    from ds_pipemorph.testing.emulated import ANCHOR_ENV
+    from ds_pipemorph.inject.emulated import ANCHOR_ENV
 
     deepspeed.init_distributed(dist_backend="gloo")
     engine = build("ours")

@@ -5,7 +5,7 @@ crosses, moved into the pipeline and absorbed there.
 real math), the real engine. The 8 ranks form two halves, the even and the odd ranks, joined by a
 slow link: every pair across it pays 30 ms one way (``inject.rank_links``: on a pipeline link per
 message; on an all-reduce ring once per message of each of its 2(D - 1) steps, the all-reduce
-priced as for 100 MB of gradients per stage in 4 MB buckets, ``testing.rank_links``). DeepSpeed's
+priced as for 100 MB of gradients per stage in 4 MB buckets, ``inject.rank_links``). DeepSpeed's
 default placement puts stage s on ranks 2s and 2s + 1, so every data-parallel group crosses the slow
 link. (A single slow pair is no test of placement: 10 of the 28 pairs of this grid carry traffic,
 and moving one pair onto a silent position removes it, which re-placement alone already does.)
@@ -109,7 +109,7 @@ def worker(spec_path: str) -> None:
 
     import ds_pipemorph
     from ds_pipemorph.runtime.topology_file import load_topology
-    from ds_pipemorph.testing.emulated import EmulatedStage
+    from ds_pipemorph.inject.emulated import EmulatedStage
 
     spec = json.loads(Path(spec_path).read_text())
     deepspeed.init_distributed(dist_backend="gloo")

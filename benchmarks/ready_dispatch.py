@@ -23,7 +23,7 @@ times. Workloads 3 and 4 have a control loop that re-plans on its own, which can
 iterations with another: whole runs alternate there, each a fresh engine in the same ranks (the
 delay trace starts anew with each), and a run's sample is the median of its measured iterations.
 
-Per-op times come from ``plan.variation`` tables (``testing.vary_inject`` makes the engine's ops
+Per-op times come from ``plan.variation`` tables (``inject.vary`` makes the engine's ops
 last them); the readiness replay (``plan.ready``) of the same tables predicts workloads 1, 2 and 5.
 Iteration time: from a barrier before ``train_batch`` to the last rank's return. The dispatch cost
 per op is the time ready dispatch spends choosing the next op (``engine.choosing_ns``) over the
@@ -111,8 +111,8 @@ def build(workload: str, dispatch: str, args, trace: str):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.testing.emulated import EmulatedStage
-    from ds_pipemorph.testing.vary_inject import install
+    from ds_pipemorph.inject.emulated import EmulatedStage
+    from ds_pipemorph.inject.vary import install
 
     table_of, base = tables(workload, args.seed)
     torch.manual_seed(0)

@@ -75,7 +75,7 @@ def layers_of(model: str) -> list:
     from deepspeed.pipe import LayerSpec
 
     if model == "emulated":
-        from ds_pipemorph.testing.emulated import EmulatedStage
+        from ds_pipemorph.inject.emulated import EmulatedStage
 
         return [LayerSpec(EmulatedStage, 8, LAYER_MS, LAYER_MS, LAYER_MS) for _ in range(EMULATED_LAYERS)]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "tiny_gpt"))

@@ -1,8 +1,11 @@
 """ds_pipemorph: straggler-resilient zero-bubble pipeline parallelism for DeepSpeed.
 
 ``ds_pipemorph.plan`` is pure Python (no torch, no deepspeed) and imports fast; the runtime
-(``ds_pipemorph.initialize``) is loaded on first use.
+(``ds_pipemorph.initialize``) is loaded on first use. The injection plug-in (``ds_pipemorph.inject``,
+torch-free to import) is registered here, above the runtime, which never imports it: any use of the
+package honours the ``pipemorph.inject`` section.
 """
+from . import inject as _inject  # noqa: F401  (registers the plug-in with runtime.hooks)
 from .version import __version__
 
 __all__ = ["__version__", "initialize"]

@@ -29,7 +29,7 @@ def build_engine(spec: PairedSpec):
     import ds_pipemorph
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from ..testing.emulated import EmulatedStage
+    from ..inject.emulated import EmulatedStage
 
     torch.manual_seed(0)
     t = spec.op_ms

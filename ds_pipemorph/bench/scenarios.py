@@ -62,7 +62,7 @@ def scenarios_for(stages: int, delays: list[float], sets: list[list[int]]) -> li
 def trace_scenarios(stages: int, traces: list[Path]) -> list[Scenario]:
     """One scenario per trace file, named after it; ``links_ms`` is its time-weighted mean (what the
     predicted column plans for). A trace that does not fit the pipeline is one sentence."""
-    from ..testing.inject import DelayTrace  # the runtime imports torch: only when a trace is given
+    from ..inject.delays import DelayTrace  # the runtime imports torch: only when a trace is given
 
     out: list[Scenario] = []
     for p in traces:

@@ -4,7 +4,7 @@ Each slow link's extra one-way delay is drawn from N(mean=30, sd=10) ms, clipped
 after an interval drawn from U(a, b) ms, independently per link, from t = 0 to the duration. The
 paper's three change rates are presets: A = U(50, 100), B = U(100, 200), C = U(200, 400) ms. Links
 not in the slow set stay at 0 ms. The output is the trace format of
-``ds_pipemorph/testing/inject.py`` (``points: [{t: seconds, links_ms: [...]}]``, one point per
+``ds_pipemorph/inject/delays.py`` (``points: [{t: seconds, links_ms: [...]}]``, one point per
 change, each with every link's delay). Same arguments and seed, same trace.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from ..fileio import write_atomic
 
 if TYPE_CHECKING:  # the runtime imports torch; this module only reads a trace's points
-    from ..testing.inject import DelayTrace
+    from ..inject.delays import DelayTrace
 
 RATES = {"A": (50.0, 100.0), "B": (100.0, 200.0), "C": (200.0, 400.0)}
 

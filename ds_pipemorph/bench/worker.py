@@ -34,7 +34,7 @@ from ..plan.baselines import deepspeed_1f1b
 from ..plan.links import DIRECT, Delegated
 from ..plan.profile import Costs
 from ..plan.simulate import replay
-from ..testing.inject import DelaySchedule, load_trace
+from ..inject.delays import DelaySchedule, load_trace
 from .spec import BenchSpec, Scenario
 from .summary import summarize
 
@@ -47,7 +47,7 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.testing.emulated import EmulatedStage, anchor_stock_engine
+    from ds_pipemorph.inject.emulated import EmulatedStage, anchor_stock_engine
 
     torch.manual_seed(0)
     t = VARIED_OP_MS if spec.vary else spec.op_ms  # with --vary, the injector makes each op last its table's time
@@ -71,7 +71,7 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if spec.vary:
         from ..plan.variation import vary_tables
-        from ..testing.vary_inject import install
+        from ..inject.vary import install
 
         install(engine, vary_tables(spec.vary, Costs.uniform(spec.stages, spec.op_ms), spec.microbatches))
     return engine
@@ -188,7 +188,7 @@ def main(spec_path: str) -> None:
         for schedule, dispatch in spec.rows():
             patch, stock_delays = None, None
             if schedule == "stock-1f1b" and (trace is not None or any(sc.links_ms)):
-                from ..testing.stock_inject import install
+                from ..inject.stock import install
 
                 stock_delays = DelaySchedule(sc.links_ms if trace is None else [0.0] * (spec.stages - 1), trace)
                 patch = install(stock_delays)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.transport.direct import DirectTransport
-from ..testing.inject import DelayInjector, DelaySchedule
+from ..inject.delays import DelayInjector, DelaySchedule
 from .distenv import sync
 from .pairs import Pair, partner, round_robin
 

@@ -2,17 +2,18 @@
 
 Unknown keys and wrong types are refused naming the key. Settings accepted but without effect in
 the chosen schedule (``delegation: auto`` without the adaptive control loop) are named in a warning
-at start-up (``pending_notes``).
+at start-up (``pending_notes``). The ``inject`` key belongs to a plug-in (``runtime.hooks``): its
+value is validated by the model the registered plug-in gives, with the same one-sentence errors.
 """
 from __future__ import annotations
 
-import math
 import os
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..fileio import describe
+from . import hooks
 
 
 class PipeMorphConfigError(ValueError):
@@ -125,116 +126,6 @@ class DelegationConfig(_Strict):
         return self.max_queues if self.max_queues is not None else max(self.queues, 4)
 
 
-class LinkInject(_Strict):
-    delay_ms: float = Field(0.0, ge=0)
-
-
-class KillDelegateInject(_Strict):
-    link: int = Field(ge=0)
-    after: int = Field(ge=1)  # activation messages on the link before the kill
-    side: Literal["send", "recv"] = "send"
-
-
-class FaultsInject(_Strict):
-    # link -> K: each direction of the link's direct path carries K messages, then fails (testing.faults)
-    link_fails_after: dict[str, int] = Field(default_factory=dict)
-    kill_delegate: Optional[KillDelegateInject] = None
-
-    @field_validator("link_fails_after")
-    @classmethod
-    def _fail_keys(cls, v):
-        for k, n in v.items():
-            if not k.isdigit():
-                raise ValueError(f"link '{k}' is not a link index (write \"0\", \"1\", ...)")
-            if n < 0:
-                raise ValueError(f"link {k} cannot fail after a negative number of messages ({n})")
-        return v
-
-
-def stage_keys(v):
-    """Stage keys of a factor mapping as text: ``{2: 2.0}`` (Python, YAML) means ``{"2": 2.0}`` (JSON)."""
-    if isinstance(v, dict):
-        return {k if isinstance(k, str) else str(k): f for k, f in v.items()}  # True -> 'True': refused below
-    return v
-
-
-def check_factors(v: dict[str, float]) -> dict[str, float]:
-    """Stage -> slow-down factor: keys are stage indices, factors finite and >= 1 (1 = unchanged).
-
-    A factor below 1 would need a faster op, which waiting cannot make: it is refused, not ignored."""
-    for k, f in v.items():
-        if not k.isdigit():
-            raise ValueError(f"stage '{k}' is not a stage index (write \"0\", \"1\", ...)")
-        if not 1.0 <= f < math.inf:
-            raise ValueError(f"stage {k}'s factor must be a finite number >= 1 (1 = unchanged, 2.0 = its F, B and W "
-                             f"take twice as long), got {f:g}")
-    return v
-
-
-class InjectConfig(_Strict):
-    links: dict[str, LinkInject] = Field(default_factory=dict)
-    trace: Optional[str] = None
-    faults: Optional[FaultsInject] = None  # testing only: failover (PipeMorph §5.3)
-    # Testing only: stage -> factor; each F, B and W of the stage waits (factor - 1) x its own measured
-    # time after it ran (testing.compute_inject), from the first iteration on.
-    compute: dict[str, float] = Field(default_factory=dict)
-    # Testing only: a file ``points: [{iteration: k, factors: {"2": 2.0}}, ...]``; from train_batch k on
-    # (0 = the engine's first), the point's factors (stages it does not name: 1; before the first point: 1).
-    compute_trace: Optional[str] = None
-    # Testing only: "a-b" (global ranks) -> one-way ms on the link between them: a pipeline link
-    # between them pays it per message, an all-reduce ring that uses it 2(D - 1) times (testing.rank_links).
-    rank_links: dict[str, float] = Field(default_factory=dict)
-    # Testing only: messages each part of a ring all-reduce travels as (its size over the bucket
-    # size); each pays a slow ring link's delay once.
-    allreduce_messages: int = Field(1, ge=1)
-    # Testing only: migration attempts (0 = the first) at which every sending rank sends the size of
-    # its layers' state but never the state itself, as a connection lost mid-transfer would.
-    migration_drop: list[int] = Field(default_factory=list)
-
-    @field_validator("links")
-    @classmethod
-    def _link_keys(cls, v):
-        for k in v:
-            if not k.isdigit():
-                raise ValueError(f"link '{k}' is not a link index (write \"0\", \"1\", ...)")
-        return v
-
-    @field_validator("rank_links")
-    @classmethod
-    def _rank_pairs(cls, v):
-        for k, ms in v.items():
-            a, _, b = k.partition("-")
-            if not (a.isdigit() and b.isdigit()) or a == b:
-                raise ValueError(f"rank_links: '{k}' is not a pair of two different global ranks (write \"0-4\")")
-            if not 0.0 <= ms < math.inf:
-                raise ValueError(f"rank_links: the delay of '{k}' must be a finite number of ms >= 0, got {ms:g}")
-        return v
-
-    @field_validator("compute", mode="before")
-    @classmethod
-    def _compute_keys_as_text(cls, v):
-        return stage_keys(v)
-
-    @field_validator("compute")
-    @classmethod
-    def _compute_factors(cls, v):
-        return check_factors(v)
-
-    @field_validator("compute_trace")
-    @classmethod
-    def _compute_trace_path(cls, v):
-        if v is not None and not v.strip():
-            raise ValueError("compute_trace must be a file path (or null)")
-        return v
-
-    @model_validator(mode="after")
-    def _one_compute_form(self):
-        if self.compute and self.compute_trace:
-            raise ValueError("give inject.compute (factors from the first iteration) or inject.compute_trace "
-                             "(factors by iteration), not both")
-        return self
-
-
 class PipeMorphConfig(_Strict):
     # 1f1b: DeepSpeed's 1F1B order, each backward run as B immediately followed by its W; zb: ZB-H1
     # warm-up (S - s) or memory.max_inflight; adaptive: Alg. 1 warm-up, re-planned from measurements;
@@ -249,7 +140,8 @@ class PipeMorphConfig(_Strict):
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     orchestrate: OrchestrateConfig = Field(default_factory=OrchestrateConfig)
-    inject: InjectConfig = Field(default_factory=InjectConfig)
+    # Testing only: validated by the plug-in registered for it (``ds_pipemorph.inject``).
+    inject: Any = Field(None, validate_default=True)
     nvtx: bool = True
     timeline: Optional[str] = None
     # Path: with the adaptive control loop, rank 0 writes the smoothed measurements there as a profile
@@ -265,19 +157,24 @@ class PipeMorphConfig(_Strict):
             raise ValueError("profile_out must be a file path (or null)")
         return v
 
+    @field_validator(*hooks.PLUGIN_SECTIONS, mode="before")
+    @classmethod
+    def _plugin_section(cls, v, info):
+        plugin = hooks.plugin(info.field_name)
+        if plugin is not None:
+            return plugin.parse(v)
+        if v:
+            raise ValueError(f"no plug-in reads '{info.field_name}' in this process (import ds_pipemorph first)")
+        return None
+
     @model_validator(mode="after")
     def _plan_file(self) -> "PipeMorphConfig":
         if self.schedule == "plan" and not self.plan_file:
             raise ValueError("schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`")
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
-        faults = self.inject.faults
-        if faults is not None and faults.kill_delegate is not None and self.delegation.mode != "always":
-            raise ValueError("inject.faults.kill_delegate needs delegation.mode 'always' (the delegate it kills "
-                             "must exist at that message)")
-        if faults is not None and self.dispatch == "ready":
-            raise ValueError("inject.faults cannot be combined with dispatch 'ready': its receives all wait from "
-                             "the start of the iteration, so a link failing over mid-iteration is not followed yet")
+        for plugin, settings in hooks.active_plugins(self):
+            plugin.check(settings, self)
         return self
 
 
@@ -294,13 +191,21 @@ def parse_config(section) -> PipeMorphConfig:
     return cfg
 
 
-# Every file path of the section, as (section, key) routes: relative ones are resolved by ``resolve_paths``.
+# Every file path of the section outside plug-in sections, as (section, key) routes: relative ones are
+# resolved by ``resolve_paths``, as are those of registered plug-ins (``path_keys``).
 PATH_KEYS = (("plan_file",), ("timeline",), ("profile_out",), ("rebalance", "layer_profile"),
-             ("orchestrate", "matrix"), ("inject", "trace"), ("inject", "compute_trace"))
+             ("orchestrate", "matrix"))
+
+
+def path_keys() -> tuple[tuple[str, ...], ...]:
+    """``PATH_KEYS`` and the file-path routes of every registered plug-in's section."""
+    extra = tuple((key, *route) for key in hooks.PLUGIN_SECTIONS if hooks.plugin(key) is not None
+                  for route in hooks.plugin(key).path_keys)
+    return PATH_KEYS + extra
 
 
 def resolve_paths(section, base: str | os.PathLike):
-    """A copy of the ``pipemorph`` section (a dict) with every relative path of ``PATH_KEYS`` made absolute
+    """A copy of the ``pipemorph`` section (a dict) with every relative path of ``path_keys()`` made absolute
     against ``base`` (``~`` expanded); anything that is not a non-blank string is left for validation.
 
     ``base`` is the directory of the config file when the config was given as a file, else the working
@@ -309,7 +214,7 @@ def resolve_paths(section, base: str | os.PathLike):
     if not isinstance(section, dict):
         return section
     out = dict(section)
-    for route in PATH_KEYS:
+    for route in path_keys():
         *parents, key = route
         holder = out
         for name in parents:

@@ -3,9 +3,10 @@
     python -m ds_pipemorph.runtime.config_doc            # rewrite docs/config.md (atomically)
     python -m ds_pipemorph.runtime.config_doc --check    # exit 1 if docs/config.md differs from the models
 
-Names, types, limits and defaults come from the models in ``config.py``; the meaning of each key is
-``DESCRIPTIONS`` below, keyed by dotted path (``*`` stands for any key of a mapping, as in
-``inject.links.*.delay_ms``). ``missing_and_unknown`` names the keys of the models without a
+Names, types, limits and defaults come from the models in ``config.py`` and, for a plug-in's section
+(``inject``), from the model of the plug-in registered for it (``runtime.hooks``); the meaning of each
+key is ``DESCRIPTIONS`` below or the plug-in's ``descriptions``, keyed by dotted path (``*`` stands for
+any key of a mapping, as in ``inject.links.*.delay_ms``). ``missing_and_unknown`` names the keys of the models without a
 description and the descriptions naming no key; tests/docs/test_config_doc.py holds both empty.
 """
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any, Iterator, Literal, Union
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from ..fileio import write_atomic
-from . import config
+from . import config, hooks
 from .config import PipeMorphConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -95,31 +97,6 @@ DESCRIPTIONS: dict[str, str] = {
     "orchestrate.noise": "a stage's all-reduce this fraction above what the best placement's ring would take ...",
     "orchestrate.patience": "... in this many iterations in a row is a data-parallel straggler",
     "orchestrate.min_gain": "re-map only if the predicted iteration time improves by at least this fraction",
-    "inject": "testing only: slow links, faults and compute stragglers made on purpose; the control loop never "
-              "reads these settings",
-    "inject.links": "testing only: link index → delay, e.g. `{\"2\": {\"delay_ms\": 30}}`",
-    "inject.links.*.delay_ms": "testing only: extra one-way latency of every message on the link, in ms",
-    "inject.trace": "testing only: a delay trace file `points: [{t: 0.0, links_ms: [...]}, ...]` replayed in "
-                    "wall-clock time (`recipes/stragglers/make_trace.py`)",
-    "inject.faults": "testing only: link failures and killed delegates (failover, PipeMorph §5.3)",
-    "inject.faults.link_fails_after": "testing only: link index → K; each direction of the link's direct path "
-                                      "carries K messages, then fails",
-    "inject.faults.kill_delegate": "testing only: kill one delegate process mid-run (needs `delegation.mode: always`)",
-    "inject.faults.kill_delegate.link": "testing only: the link whose delegate is killed",
-    "inject.faults.kill_delegate.after": "testing only: activation messages on the link before the kill",
-    "inject.faults.kill_delegate.side": "testing only: which end's delegate is killed",
-    "inject.compute": "testing only: stage index → factor ≥ 1, e.g. `{\"2\": 2.0}`: each F, B and W of the stage "
-                      "waits (factor − 1) × its own measured time after it ran; numbers are unchanged",
-    "inject.compute_trace": "testing only: a file `points: [{iteration: 3, factors: {\"2\": 2.0}}, ...]`; from "
-                            "`train_batch` k on (0 = the first) the point's factors hold (unnamed stages: 1); not "
-                            "together with `inject.compute`",
-    "inject.rank_links": "testing only: `{\"0-4\": 30}` slows the link between global ranks 0 and 4 by 30 ms one "
-                         "way: a pipeline link between them per message, an all-reduce ring through it 2(D − 1) × "
-                         "`allreduce_messages` times per all-reduce",
-    "inject.allreduce_messages": "testing only: messages each part of a ring all-reduce travels as; each pays a "
-                                 "slow ring link's delay once",
-    "inject.migration_drop": "testing only: migration attempts (0 = the first) whose layer state is never sent, "
-                             "only its size, as a connection lost mid-transfer would leave it",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
             "(`F3`, `SEND_F3`, `RECV_B3`, …); nothing is emitted while no profiler is attached",
     "timeline": "path: rank 0 writes a Chrome/Perfetto trace of every rank's ops (last 20 iterations), readable "
@@ -155,10 +132,23 @@ def _model_in(t):
     return None, ""
 
 
+def descriptions() -> dict[str, str]:
+    """``DESCRIPTIONS`` and those of every registered plug-in."""
+    out = dict(DESCRIPTIONS)
+    for key in hooks.PLUGIN_SECTIONS:
+        if hooks.plugin(key) is not None:
+            out.update(hooks.plugin(key).descriptions)
+    return out
+
+
 def walk(model: type[BaseModel] = PipeMorphConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted path, pydantic FieldInfo) of every key of ``model``, depth first in declaration order."""
+    """(dotted path, pydantic FieldInfo) of every key of ``model``, depth first in declaration order; a
+    plug-in's section is a section of its plug-in's model."""
     for name, info in model.model_fields.items():
         path = prefix + name
+        plugin = hooks.plugin(name) if model is PipeMorphConfig and name in hooks.PLUGIN_SECTIONS else None
+        if plugin is not None:
+            info = FieldInfo(annotation=plugin.model, default_factory=plugin.model)
         yield path, info
         inner, glue = _model_in(info.annotation)
         if inner is not None:
@@ -167,8 +157,8 @@ def walk(model: type[BaseModel] = PipeMorphConfig, prefix: str = "") -> Iterator
 
 def missing_and_unknown() -> tuple[list[str], list[str]]:
     """Keys of the models without a description, and descriptions that name no key of the models."""
-    paths = [p for p, _ in walk()]
-    return [p for p in paths if p not in DESCRIPTIONS], sorted(set(DESCRIPTIONS) - set(paths))
+    paths, known = [p for p, _ in walk()], descriptions()
+    return [p for p in paths if p not in known], sorted(set(known) - set(paths))
 
 
 def type_text(t) -> str:
@@ -230,8 +220,8 @@ and settings without effect under the chosen schedule are named in a warning. A 
 
 
 def paths_text() -> str:
-    """The sentence on relative paths, naming the keys ``config.PATH_KEYS`` resolves (none: no sentence)."""
-    keys = [".".join(route) for route in getattr(config, "PATH_KEYS", ())]
+    """The sentence on relative paths, naming the keys ``config.path_keys()`` resolves (none: no sentence)."""
+    keys = [".".join(route) for route in config.path_keys()]
     if not keys:
         return ""
     return (f"Relative paths in {', '.join(f'`{k}`' for k in keys)} are read against the directory of the "
@@ -244,6 +234,7 @@ def render() -> str:
     if missing or unknown:
         raise ValueError(f"config_doc.DESCRIPTIONS: no description for {missing or 'nothing'}; "
                          f"descriptions naming no key: {unknown or 'none'}")
+    known = descriptions()
     groups: dict[str, list[str]] = {"": []}  # top-level section -> its rows ("": keys at the top level)
     for path, info in walk():
         top = path.split(".")[0]
@@ -255,11 +246,11 @@ def render() -> str:
         kind = f"{kind} ({limits})" if limits else kind
         default = default_text(info)
         default = default if default == "required" else f"`{_cell(default)}`"
-        row = f"| `{path}` | {_cell(kind)} | {default} | {_cell(DESCRIPTIONS[path])} |"
+        row = f"| `{path}` | {_cell(kind)} | {default} | {_cell(known[path])} |"
         groups[top if top in groups and top else ""].append(row)
     out = [HEADER, paths_text()] if paths_text() else [HEADER]
     for top, rows in groups.items():
-        about = DESCRIPTIONS[top] if top else "keys outside the sections below"
+        about = known[top] if top else "keys outside the sections below"
         out += [f"## {f'`{top}`' if top else 'Top level'}\n", f"{about[0].upper()}{about[1:]}.\n",
                 "| key | type | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
     return "\n".join(out)

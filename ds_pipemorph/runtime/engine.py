@@ -31,7 +31,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
@@ -50,7 +49,7 @@ from .clip import clip_as_built
 from .clocks import estimate_clock_offsets
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
-from ..testing.inject import DelaySchedule
+from .hooks import EngineHooks, Hooks, active_plugins, transport_hooks
 from .plans import DEFAULT_OP_MS, caps
 from .ready_exec import run_ready
 from .oprecords import OpRecorder
@@ -101,17 +100,13 @@ def unsupported_reason(config_class, model) -> Optional[str]:
 class PipeMorphEngine(PipelineEngine):
     """A PipelineEngine that executes a PipeMorph plan (``plan[s]`` is stage s's op order)."""
 
-    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
-                 delays: Optional[DelaySchedule] = None, **super_kwargs):
+    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule, **super_kwargs):
         require_pipeline_hooks()  # a DeepSpeed without them would train its own 1F1B instead of the plan
         reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
         if reason:
             raise PipeMorphConfigError(reason)
-        slowdown = None
-        if pipemorph.inject.compute or pipemorph.inject.compute_trace:  # testing only: a slowed stage
-            from ..testing.compute_inject import compute_schedule
-
-            slowdown = compute_schedule(pipemorph.inject, super_kwargs["model"].num_stages)
+        for plugin, settings in active_plugins(pipemorph):  # plug-ins refuse what this job cannot use
+            plugin.check_job(settings, super_kwargs["model"].num_stages)
         super().__init__(*super_args, **super_kwargs)
         reason = backend_reason(torch.distributed.get_backend(), pipemorph.delegation.mode)
         if reason:
@@ -126,15 +121,17 @@ class PipeMorphEngine(PipelineEngine):
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
-        self.dp_delay_ms = 0.0  # testing only: what a slow link on this stage's all-reduce ring adds
-        if pipemorph.inject.rank_links:  # testing only: slow links between given ranks
-            from ..testing.rank_links import install_rank_links
-
-            delays = install_rank_links(self, pipemorph.inject, ranks, delays)
+        # Plug-ins' hooks (runtime.hooks; testing only: injection). ``_handlers`` is what the compiled
+        # program runs: the class's handlers, with the hooks' ``after_op`` composed in (add_hooks).
+        self.hooks: Optional[Hooks] = None
+        self._handlers = self._INSTRUCTION_MAP
+        self.add_hooks(*(h for plugin, settings in active_plugins(pipemorph)
+                         for h in plugin.engine_hooks(settings, self)))
         # Per link: direct (torch.distributed in this process) or delegated (staging ring + delegate
         # processes); injected delays (testing only) sit on both paths as docs/design.md models them.
         self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
-                                         static_shapes=not self.dynamic_shape, delays=delays)
+                                         static_shapes=not self.dynamic_shape,
+                                         hooks=transport_hooks(pipemorph, self.num_stages, engine=self))
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
             self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
                                    Costs.uniform(self.num_stages, DEFAULT_OP_MS),
@@ -152,14 +149,6 @@ class PipeMorphEngine(PipelineEngine):
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
             events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         self.recorder = OpRecorder(pipemorph.nvtx, events, stage=self.stage_id, rank=self.global_rank)
-        self.compute_injector = None  # testing only: F/B/W of this stage wait (factor - 1) x their own time
-        if slowdown is not None and slowdown.touches(self.stage_id):
-            from ..testing.compute_inject import ComputeInjector
-
-            sync = None if self.device.type == "cpu" else get_accelerator().synchronize
-            self.compute_injector = ComputeInjector(slowdown, self.stage_id, sync)
-            self._INSTRUCTION_MAP = self.compute_injector.wrap(
-                self._INSTRUCTION_MAP, (I.ForwardPass, I.BackwardInputPass, I.BackwardWeightPass))
         self.measured_peak_inflight = 0
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         # dispatch "ready": every receive of an iteration in flight, completed in worker threads
@@ -170,7 +159,8 @@ class PipeMorphEngine(PipelineEngine):
         # (stage, parameter names) DeepSpeed's gradient clipping counted before the first migration
         # or re-mapping (runtime.clip); None while nothing has moved (DeepSpeed's own clipping).
         self.clip_set: Optional[tuple[int, list[str]]] = None
-        self.migrator = LayerMigrator(pipemorph.rebalance.timeout_s, frozenset(pipemorph.inject.migration_drop),
+        self.migrator = LayerMigrator(pipemorph.rebalance.timeout_s,
+                                      self.hooks.migration_drop if self.hooks is not None else frozenset(),
                                       eager=pipemorph.rebalance.enabled)
         self.rebalance = None  # compute stragglers: measure stages, move layers away from a slowed one
         if pipemorph.rebalance.enabled:
@@ -251,8 +241,8 @@ class PipeMorphEngine(PipelineEngine):
         is checked before anything changes: a refused call leaves the plan and dispatch as they were."""
         if dispatch not in (None, "ordered", "ready"):
             raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
-        if dispatch == "ready" and self.inbox is None and self.pipemorph.inject.faults is not None:
-            raise PipeMorphConfigError("inject.faults cannot be combined with dispatch 'ready'")
+        if dispatch == "ready" and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
+            raise PipeMorphConfigError(self.hooks.ready_refused)
         if plan is not None and plan is not self.plan:
             self._check_micro_batches(plan[self.stage_id])
             self._set_plan(plan)  # dry-runs the plan before adopting it
@@ -266,6 +256,15 @@ class PipeMorphEngine(PipelineEngine):
         self.inbox = idle or Inbox(self.transport, 2 * self.micro_batches, self.pipemorph.timeout_s, self.global_rank)
         self._idle_inbox = None
 
+    def add_hooks(self, *items: EngineHooks) -> None:
+        """Run the engine hooks ``items`` (``runtime.hooks``) from the next ``train_batch`` on, after
+        those in force: their ``after_op`` is composed into the handlers of the compiled program
+        (built again at the next batch), their ``start_iteration`` runs before its first instruction."""
+        if not items:
+            return
+        self.hooks = Hooks((*(self.hooks.items if self.hooks is not None else ()), *items))
+        self._handlers = self.hooks.around(self._INSTRUCTION_MAP)
+
     def _check_micro_batches(self, stage_plan) -> None:
         n = max((op.mb for op in stage_plan), default=-1) + 1
         if n != self.micro_batches:
@@ -277,8 +276,8 @@ class PipeMorphEngine(PipelineEngine):
         self._check_micro_batches(self.stage_plan)
         if self._schedule is None:
             self._schedule = PipeMorphSchedule(self.stream, self.micro_batches, self.num_stages, self.stage_id)
-        handlers = self._INSTRUCTION_MAP
-        if self._program_map is not handlers:  # a new plan, or handlers wrapped since (benchmarks, tests)
+        handlers = self._handlers
+        if self._program_map is not handlers:  # a new plan, or hooks added since (add_hooks)
             self._program_map = handlers
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan.
             self._program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
@@ -303,8 +302,8 @@ class PipeMorphEngine(PipelineEngine):
         self.fwd_outputs = []
         self._reset_iteration_state()
         self.recorder.reset()
-        if self.compute_injector is not None:
-            self.compute_injector.start_iteration()
+        if self.hooks is not None:
+            self.hooks.start_iteration(self)
         run = self.recorder.run
         program = self._program
         if self.inbox is not None:  # dispatch "ready": the F/B/W part in readiness order, then the tail

@@ -12,7 +12,7 @@ touched), and every config problem (bad key, unknown schedule, a plan for anothe
 invalid plan: ``PipeMorphConfigError``).
 
 Relative file paths in the ``pipemorph`` section (``plan_file``, ``inject.trace``, ...:
-``config.PATH_KEYS``) are resolved against the config file's directory when the config is a file,
+``config.path_keys()``) are resolved against the config file's directory when the config is a file,
 else against the working directory (``paths_base``); errors name the absolute path tried.
 
 On a CPU accelerator with ``OMP_NUM_THREADS`` unset, each rank's intra-op threads are set to its
@@ -62,7 +62,6 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     from .config import PipeMorphConfigError, parse_config, pending_notes, resolve_paths
     from .cpu_threads import apply_cpu_threads
     from .engine import PipeMorphEngine
-    from ..testing.inject import delay_schedule
     from .plans import build_plan, describe_start
     from ..staging.builder import announce_adam_build, announce_comm_build
 
@@ -89,10 +88,6 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     plan = build_plan(pm, model.num_stages, config_class.gradient_accumulation_steps)
-    try:
-        delays = delay_schedule(pm.inject, model.num_stages)
-    except BadInput as e:
-        raise PipeMorphConfigError(str(e)) from None
     if pm.delegation.mode != "off" and pm.delegation.interfaces:
         from .transport.delegated.delegate_proc import missing_interfaces
 
@@ -106,7 +101,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     engine = PipeMorphEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=ds_mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_dict,
-                             config_class=config_class, pipemorph=pm, plan=plan, delays=delays)
+                             config_class=config_class, pipemorph=pm, plan=plan)
     deepspeed.zero.partition_parameters.restore_init_context()
     # What engine.remap needs to build this engine again on another topology.
     engine._rebuild = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "training_data": training_data,

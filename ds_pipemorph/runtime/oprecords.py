@@ -33,7 +33,7 @@ _started: list[Optional[float]] = [None]  # perf_counter() when the running inst
 def take_instruction_start() -> Optional[float]:
     """When the running instruction began (``time.perf_counter()``), once; None outside one.
 
-    An emulated op anchors its fixed duration there (``testing.emulated``), so that the engine's
+    An emulated op anchors its fixed duration there (``inject.emulated``), so that the engine's
     own work inside the instruction overlaps the op's time, as CPU work overlaps the kernels it
     launched on a GPU. Taken once: a second emulated op of the same instruction starts on its own.
     """

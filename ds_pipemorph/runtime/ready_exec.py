@@ -30,7 +30,7 @@ def run_ready(engine) -> int:
     (typically a W) and the op the plan wanted next waits for all of it."""
     s, S = engine.stage_id, engine.num_stages
     first, last = s == 0, s == S - 1
-    h, run, records, inbox = engine._INSTRUCTION_MAP, engine.recorder.run, engine.recorder.records, engine.inbox
+    h, run, records, inbox = engine._handlers, engine.recorder.run, engine.recorder.records, engine.inbox
     if not first:  # in the order the upstream stage's hint produces them
         for op in engine.plan[s - 1]:
             if op.kind == "F":

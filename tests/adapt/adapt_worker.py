@@ -25,8 +25,8 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
-from ds_pipemorph.testing.emulated import EmulatedStage  # noqa: E402
-from ds_pipemorph.testing.inject import DelaySchedule, install_delays  # noqa: E402
+from ds_pipemorph.inject.emulated import EmulatedStage  # noqa: E402
+from ds_pipemorph.inject.delays import DelaySchedule, install_delays  # noqa: E402
 
 
 def build(spec, adaptive: bool):

@@ -24,7 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
-from ds_pipemorph.testing.emulated import EmulatedStage  # noqa: E402
+from ds_pipemorph.inject.emulated import EmulatedStage  # noqa: E402
 
 
 def main(spec_path: str, out_dir: str) -> None:

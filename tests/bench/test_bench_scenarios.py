@@ -10,7 +10,7 @@ from ds_pipemorph.plan.links import DIRECT
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.runtime.config import parse_config
-from ds_pipemorph.testing.inject import DelayTrace, load_trace
+from ds_pipemorph.inject.delays import DelayTrace, load_trace
 from ds_pipemorph.runtime.plans import build_plan
 from ds_pipemorph_cli.app import app
 from ds_pipemorph.bench.scenarios import dynamic_traces, link_sets, scenarios_for, trace_scenarios

@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-from ds_pipemorph.testing.inject import DelaySchedule, DelayTrace
-from ds_pipemorph.testing.stock_inject import install
+from ds_pipemorph.inject.delays import DelaySchedule, DelayTrace
+from ds_pipemorph.inject.stock import install
 
 
 class _Grid:

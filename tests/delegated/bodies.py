@@ -177,13 +177,14 @@ def switching(rank, world, iterations_modes, n):
 
 def faulty(rank, world, mode, faults_kw, delay_ms, iterations, n, queues=2):
     """Two-stage exchange under injected faults; returns what each recv got and the recovery log lines."""
+    from ds_pipemorph.inject.delays import delay_schedule
+    from ds_pipemorph.inject.faults import Faults
+    from ds_pipemorph.inject.plugin import InjectTransport
     from ds_pipemorph.runtime.transport.router import build_transport
-    from ds_pipemorph.testing.faults import Faults
 
-    faults = Faults(**faults_kw)
-    tr = build_transport(_cfg(mode, delay_ms=delay_ms, queues=queues, timeout_s=40.0), rank, rank,
-                         list(range(world)), None, {},
-                         faults=faults)
+    cfg = _cfg(mode, delay_ms=delay_ms, queues=queues, timeout_s=40.0)
+    hooks = InjectTransport(delay_schedule(cfg.inject, world), Faults(**faults_kw))
+    tr = build_transport(cfg, rank, rank, list(range(world)), None, {}, hooks=[hooks])
     ok = []
     try:
         for it in range(iterations):

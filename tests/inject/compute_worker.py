@@ -24,7 +24,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.runtime.config import PipeMorphConfigError  # noqa: E402
-from ds_pipemorph.testing.emulated import EmulatedStage  # noqa: E402
+from ds_pipemorph.inject.compute import ComputeInjector  # noqa: E402
+from ds_pipemorph.inject.emulated import EmulatedStage  # noqa: E402
 
 
 def build(spec: dict, inject: dict):
@@ -62,7 +63,8 @@ def main(spec_path: str, out_dir: str) -> None:
             losses.append(float(engine.train_batch(iter(data[it]))))
             ops.append([[r.op, (r.end_ns - r.start_ns) / 1e6] for r in engine.op_records
                         if r.op[:1] in "FBW" and r.op[1:].isdigit()])
-        inj = engine.compute_injector
+        hooks = engine.hooks.items if engine.hooks is not None else ()
+        inj = next((h for h in hooks if isinstance(h, ComputeInjector)), None)
         results[run["name"]] = {
             "losses": losses, "ops": ops, "stage": engine.stage_id,
             "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()},

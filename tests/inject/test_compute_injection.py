@@ -14,7 +14,7 @@ import typer
 
 from ds_pipemorph.procs import run_group
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
-from ds_pipemorph.testing.compute_inject import ComputeInjector, ComputeSchedule, ComputeTrace, compute_schedule
+from ds_pipemorph.inject.compute import ComputeInjector, ComputeSchedule, ComputeTrace, compute_schedule
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.runtime.transport.direct import DirectTransport
-from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule, DelayTrace, load_trace
+from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule, DelayTrace, load_trace
 
 DELAY_MS = 40.0
 MESSAGES = 6

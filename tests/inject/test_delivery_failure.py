@@ -8,7 +8,7 @@ import pytest
 
 from ds_pipemorph.runtime.transport.protocol import DeliveryError, TransportError
 from ds_pipemorph.runtime.transport.router import LinkRouter
-from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule
+from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule
 
 DELAY_MS = 5.0
 

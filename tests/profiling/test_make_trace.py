@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipemorph.testing.inject import DelaySchedule, load_trace
+from ds_pipemorph.inject.delays import DelaySchedule, load_trace
 
 SCRIPT = Path(__file__).resolve().parents[2] / "recipes" / "stragglers" / "make_trace.py"
 spec = importlib.util.spec_from_file_location("make_trace", SCRIPT)

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
 from ds_pipemorph.runtime.engine import backend_reason
-from ds_pipemorph.testing.inject import load_trace
+from ds_pipemorph.inject.delays import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "recipes" / "gpu_cluster"

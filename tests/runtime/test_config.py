@@ -33,7 +33,7 @@ def test_bad_section_is_refused_naming_the_key(section, message):
 
 def test_injection_naming_a_missing_link_a_negative_delay_or_an_unreadable_trace_is_refused(tmp_path):
     from ds_pipemorph.fileio import BadInput
-    from ds_pipemorph.testing.inject import delay_schedule
+    from ds_pipemorph.inject.delays import delay_schedule
 
     with pytest.raises(BadInput, match=r"^ds_config pipemorph.inject.links names link 7, but a 4-stage pipeline has links 0..2$"):
         delay_schedule(parse_config({"inject": {"links": {"7": {"delay_ms": 30}}}}).inject, 4)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
-from ds_pipemorph.testing.faults import Faults, faults_from_config
+from ds_pipemorph.inject.faults import Faults, faults_from_config
 
 from .launch import launch, max_param_diff
 

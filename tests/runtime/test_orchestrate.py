@@ -17,7 +17,7 @@ import itertools
 import pytest
 import yaml
 
-from ds_pipemorph.testing.rank_links import allreduce_delay_ms
+from ds_pipemorph.inject.rank_links import allreduce_delay_ms
 
 from .launch import launch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
-from ds_pipemorph.testing.rank_links import allreduce_delay_ms
+from ds_pipemorph.inject.rank_links import allreduce_delay_ms
 
 from .launch import launch, max_param_diff
 

@@ -18,9 +18,9 @@ from ds_pipemorph.runtime.transport.protocol import (
     peer_of,
 )
 from ds_pipemorph.runtime.transport.router import LinkRouter
-from ds_pipemorph.testing.faults import DelegateKiller, FaultyLink, Faults
-from ds_pipemorph.testing.inject import DelayInjector, DelaySchedule
-from ds_pipemorph.testing.wrapping import RouterWrapper, TransportWrapper
+from ds_pipemorph.inject.faults import DelegateKiller, FaultyLink, Faults
+from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule
+from ds_pipemorph.inject.wrapping import RouterWrapper, TransportWrapper
 
 TRANSPORT_METHODS = ("post_recv", "send", "recv", "wait_sends", "reset_shapes", "close")
 CONTROL_METHODS = ("link_mode", "set_link_mode", "queues_of", "delegate_pid")

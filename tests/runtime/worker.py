@@ -52,9 +52,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         torch.manual_seed(1234)
         model = tiny_gpt(vocab=GPT_VOCAB, stages=S, d_model=32, heads=2, blocks=2 * S - 2, max_seq=GPT_SEQ)
         model.dynamic_shape = bool(job.get("dynamic"))  # DeepSpeed's flag: shapes vary between micro-batches
-    elif job.get("model") == "emulated":  # "layers" emulated layers (testing.emulated) of "layer_ms" each
+    elif job.get("model") == "emulated":  # "layers" emulated layers (inject.emulated) of "layer_ms" each
         from deepspeed.pipe import LayerSpec, PipelineModule
-        from ds_pipemorph.testing.emulated import EmulatedStage
+        from ds_pipemorph.inject.emulated import EmulatedStage
 
         torch.manual_seed(1234)
         ms = job["layer_ms"]

@@ -1,9 +1,9 @@
 """``build_transport``: one transport per rank that routes each link direction to ``direct`` or ``delegated``.
 
 ``LinkRouter`` (a ``protocol.Transport`` and ``protocol.LinkControl``) owns a direct path
-(``DirectTransport``, under ``testing.faults.FaultyLink`` when faults are injected, under
-``testing.inject.DelayInjector`` when delays are) and a ``DelegatedTransport`` whose delegates
-start only for the links that use it (injected delays are applied inside its sender delegates). Modes
+(``DirectTransport``, wrapped by the plug-ins' ``runtime.hooks.TransportHooks``: injected faults and
+delays) and a ``DelegatedTransport`` whose delegates start only for the links that use it (the hooks'
+``DelaySource`` is applied inside its sender delegates). Modes
 are kept per link direction ("F" and "B" of a link) so that a failure of one direction moves only that
 direction; ``set_link_mode`` moves both directions of a link at an iteration boundary.
 
@@ -29,8 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ...testing.faults import DelegateKiller, FaultyLink, faults_from_config
-from ...testing.inject import DelayInjector, DelaySchedule, load_trace
+from .. import hooks as plugins
 from .delegated.transport import DelegatedTransport
 from .direct import DirectTransport
 from .protocol import DeferredSends, DeliveryError, TransportError, TransportTimeout, directions_on, link_of
@@ -44,7 +43,7 @@ class LinkRouter:
     """A ``Transport`` and ``LinkControl``; each (link, kind) goes through its current path."""
 
     def __init__(self, rank: int, stage_id: int, direct, delegated: DelegatedTransport,
-                 link_mode: dict[int, str], failover: bool = True):
+                 link_mode: dict[int, str], failover: bool = True, delays: plugins.DelaySource | None = None):
         self.rank, self.stage_id = rank, stage_id
         self.direct, self.delegated = direct, delegated
         self.failover = failover
@@ -52,7 +51,7 @@ class LinkRouter:
         self._mode: dict[tuple[int, str], str] = {}
         self._failed: set[tuple[int, str]] = set()  # directions whose direct path failed: delegated for good
         self._lock = threading.RLock()
-        self._delays = getattr(direct, "delays", None)  # started at the first message (the trace's t = 0)
+        self._delays = delays  # injected: started at the first message (a trace's t = 0)
         if failover and isinstance(direct, DeferredSends):
             direct.on_failure = self._recover
         for link, mode in link_mode.items():
@@ -170,33 +169,24 @@ class LinkRouter:
 
 
 def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], device: torch.device | None,
-                    link_mode: dict[int, str] | None = None, faults=None, static_shapes: bool = True,
-                    delays: DelaySchedule | None = None, **delegated_kw) -> LinkRouter:
+                    link_mode: dict[int, str] | None = None, static_shapes: bool = True,
+                    hooks: Sequence[plugins.TransportHooks] | None = None, **delegated_kw):
     """A ``LinkRouter`` for ``cfg`` (a ``PipeMorphConfig``): see the module docstring for the modes.
 
-    ``faults`` (a ``testing.faults.Faults``; default: from ``cfg.inject.faults``) wraps the direct path and arms
-    delegate kills (testing only).
-    ``delays`` overrides the schedule built from ``cfg.inject`` (e.g. the engine's own, already started).
+    ``hooks`` (``runtime.hooks.TransportHooks``, applied in order; default: what the registered plug-ins
+    give for ``cfg``, e.g. its ``inject`` section) wrap the direct path and the router and hand the
+    delegated path its injected delays (testing only).
     ``delegated_kw`` go to ``DelegatedTransport`` (slot_bytes, num_slots, session, ...).
     """
     links = len(stage_ranks) - 1
     timeout = float(cfg.timeout_s)
-    if delays is None:
-        static = [0.0] * links
-        for k, v in cfg.inject.links.items():
-            if int(k) >= links:
-                raise ValueError(f"inject.links names link {k}, the pipeline has links 0..{links - 1}")
-            static[int(k)] = v.delay_ms
-        trace = load_trace(cfg.inject.trace, links) if cfg.inject.trace else None
-        if any(c > 0 for c in static) or trace is not None:
-            delays = DelaySchedule(static, trace)
-    if faults is None:
-        faults = faults_from_config(cfg.inject.faults, len(stage_ranks))
+    if hooks is None:
+        hooks = plugins.transport_hooks(cfg, len(stage_ranks))
     direct = DirectTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device, static_shapes=static_shapes)
-    if faults is not None:
-        direct = FaultyLink(direct, rank, stage_id, faults)
-    if delays is not None:
-        direct = DelayInjector(direct, stage_id, delays, timeout_s=timeout)
+    delays = None
+    for h in hooks:
+        direct = h.wrap_direct(direct, rank=rank, stage_id=stage_id, timeout_s=timeout)
+        delays = delays if h.delays is None else h.delays
     delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
                                    queues=cfg.delegation.queues, max_queues=cfg.delegation.queue_cap, delays=delays,
                                    interfaces=cfg.delegation.interfaces,
@@ -211,9 +201,9 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
         modes = {i: "delegated" for i in range(links)}
     else:
         modes = dict(link_mode or {})
-    router = LinkRouter(rank, stage_id, direct, delegated, modes)
+    router = LinkRouter(rank, stage_id, direct, delegated, modes, delays=delays)
     if mode != "off":  # the fork server imports torch now, not when the first link goes delegated
         delegated.prepare()
-    if faults is not None and faults.kill_delegate is not None:
-        return DelegateKiller(router, faults)
+    for h in hooks:
+        router = h.wrap_router(router)
     return router

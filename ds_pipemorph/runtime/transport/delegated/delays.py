@@ -1,7 +1,7 @@
 """Handing a delegated transport's injected delays to its sender delegates (testing only).
 
 A sender delegate applies its link's injected delay itself, per message, when it sends it. The training
-process keeps the delays (``testing.inject.DelaySchedule``: static per link, or a trace replayed from
+process keeps the delays (a ``runtime.hooks.DelaySource``: static per link, or a trace replayed from
 its first message) and shares two things with its delegates in shared memory, created at the first
 spawn: the current static delays and the trace's origin on ``time.monotonic``. They are published again
 before each message, so a trace replays on the same clock on both paths and a static delay changed at

@@ -13,7 +13,7 @@ has exactly one message in flight, its pieces stream back to back (no round trip
 sender reports the message as delivered (``acked``) only once the receiver holds all of it: nothing
 is lost when either delegate dies (the training process keeps every message until it is acked).
 The injected delay of the link is applied once per message, before its first piece leaves (a FIFO
-with one message in flight, as ``testing.inject.Lane``), and looked up at that moment: the static delay its
+with one message in flight, as on the direct path), and looked up at that moment: the static delay its
 training process currently has for the link, or the trace's delay at the time elapsed since the
 training process's origin (both in shared memory).
 
@@ -105,7 +105,7 @@ class DelegateSpec:
     prefix: str  # rendezvous prefix without the generation
     parent_pid: int
     timeout_s: float
-    delays_trace: Any = None  # sender only: the training process's testing.inject.DelayTrace, if it replays one
+    delays_trace: Any = None  # sender only: the trace of its process's hooks.DelaySource, if it replays one
     interfaces: tuple = ()  # network interfaces in turn per generation (delegation.interfaces); () = Gloo's default
     liveness_s: float = 0.0  # heard nothing from the peer this long: the pair is lost (0: liveness_for(timeout_s))
 

@@ -55,7 +55,7 @@ _instances = itertools.count()
 class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
     """A ``protocol.Transport`` over delegate processes; see the module docstring for who owns what.
 
-    ``delays`` (a ``testing.inject.DelaySchedule``) is applied inside the sender delegates. Delegates of a
+    ``delays`` (a ``runtime.hooks.DelaySource``) is applied inside the sender delegates. Delegates of a
     link direction are started on first use or by ``start_link``; both ends of a link must use the
     same ``queues`` and create their transports in the same order (that order names the rendezvous).
     """

@@ -11,7 +11,7 @@ Why wait after the op instead of repeating its work: repeating would run the mat
 model: more kernels, more memory traffic, and for B/W a second autograd pass that would change the
 accumulated gradients), while waiting changes no number, so an injected run trains exactly as an
 uninjected one. Scaling by the op's own measured time slows a real model and the emulated stage
-(``testing.emulated``) alike, op by op, whatever each op costs. On an accelerator the op is
+(``inject.emulated``) alike, op by op, whatever each op costs. On an accelerator the op is
 synchronized first, so the measured time is the device's, not the launch's.
 
 The wait happens inside the engine's instruction, so it counts in the op's ``OpRecord`` (and in its
@@ -21,8 +21,9 @@ applies a factor to the same ops of the same ``train_batch`` whatever its clock,
 which iteration is slowed however loaded the machine is (a time-indexed trace would switch in the
 middle of an iteration, at a different op on every run).
 
-The engine builds an injector only when the section asks for one and only on a stage some factor
-above 1 touches; it wraps the handlers of F, B and W and nothing else.
+The plug-in (``inject.plugin``) builds an injector only when the section asks for one and only on a
+stage some factor above 1 touches; it is an engine hook (``runtime.hooks``) that follows F, B and W
+and nothing else.
 """
 from __future__ import annotations
 
@@ -34,9 +35,12 @@ from typing import Callable, Iterable, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..fileio import BadInput, load_model
-from ..runtime.config import PipeMorphConfigError, check_factors, stage_keys
+from ..runtime import instructions as I
+from ..runtime.config import PipeMorphConfigError
+from ..runtime.hooks import EngineHooks, follow
+from .config import check_factors, stage_keys
 
-# As in testing.emulated: a sleep wakes 0.1-0.5 ms late on a loaded two-core machine, so the wait
+# As in inject.emulated: a sleep wakes 0.1-0.5 ms late on a loaded two-core machine, so the wait
 # sleeps until SPIN_S before its end and spins for the rest.
 SPIN_S = 3e-4
 
@@ -134,13 +138,16 @@ def wait_s(seconds: float) -> None:
         pass
 
 
-class ComputeInjector:
+class ComputeInjector(EngineHooks):
     """Slows one stage's F, B and W by its factor of the running iteration (see the module docstring).
 
-    ``start_iteration()`` is called by the engine at the start of each ``train_batch`` of the plan;
-    ``wrap(handlers, kinds)`` returns the handler map with the instructions in ``kinds`` slowed.
-    ``sync`` (on an accelerator: its synchronize) runs after each slowed op, before it is measured.
-    ``injected_s`` accumulates the seconds waited; ``factor`` is the running iteration's."""
+    An engine hook: ``start_iteration`` runs at the start of each ``train_batch`` of the plan,
+    ``after_op`` after each F, B and W. ``wrap(handlers, kinds)`` gives the same slowing to a plain
+    handler map (the engine composes the hooks itself). ``sync`` (on an accelerator: its synchronize)
+    runs after each slowed op, before it is measured. ``injected_s`` accumulates the seconds waited;
+    ``factor`` is the running iteration's."""
+
+    ops = frozenset({I.ForwardPass, I.BackwardInputPass, I.BackwardWeightPass})
 
     def __init__(self, schedule: ComputeSchedule, stage: int, sync: Optional[Callable[[], None]] = None):
         self.schedule = schedule
@@ -150,28 +157,20 @@ class ComputeInjector:
         self.factor = 1.0
         self.injected_s = 0.0
 
-    def start_iteration(self) -> None:
+    def start_iteration(self, engine=None) -> None:
         self.iteration += 1
         self.factor = self.schedule.factor(self.stage, self.iteration)
 
+    def after_op(self, engine, instruction, kwargs, started: float) -> None:
+        factor = self.factor
+        if factor <= 1.0:
+            return
+        if self.sync is not None:
+            self.sync()
+        extra = (factor - 1.0) * (time.perf_counter() - started)
+        wait_s(extra)
+        self.injected_s += extra
+
     def wrap(self, handlers: dict, kinds: Iterable[type]) -> dict:
         kinds = tuple(kinds)
-        return {k: (self._slowed(h) if k in kinds else h) for k, h in handlers.items()}
-
-    def _slowed(self, handler: Callable) -> Callable:
-        def run(*args, **kwargs):
-            factor = self.factor
-            if factor <= 1.0:
-                return handler(*args, **kwargs)
-            t = time.perf_counter()
-            out = handler(*args, **kwargs)
-            if self.sync is not None:
-                self.sync()
-            extra = (factor - 1.0) * (time.perf_counter() - t)
-            wait_s(extra)
-            self.injected_s += extra
-            return out
-
-        run.__wrapped__ = handler
-        run.__name__ = getattr(handler, "__name__", "handler")
-        return run
+        return {k: (follow(k, h, [self.after_op]) if k in kinds else h) for k, h in handlers.items()}

@@ -4,7 +4,7 @@
 30 ms one way. What pays depends on where the placement puts the two ranks:
 
 - neighbouring stages of one pipeline: that pipeline link, as ``inject.links`` slows it (every
-  message on it, ``testing.inject``);
+  message on it, ``inject.delays``);
 - the same stage (one data-parallel group), with the link on that group's all-reduce ring (torch
   runs a group's ring in ascending rank order, closed at the end: ``plan.placement.ring_links``).
   A ring all-reduce takes 2(D - 1) steps, each sending one part over every ring link at once and
@@ -25,7 +25,8 @@ import torch.distributed as dist
 from ..plan.placement import ring_links
 from ..runtime import instructions as I
 from ..runtime.config import PipeMorphConfigError
-from .inject import DelaySchedule
+from ..runtime.hooks import EngineHooks
+from .delays import DelaySchedule
 
 
 def allreduce_delay_ms(pairs: dict[tuple[int, int], float], group: list[int], messages: int = 1) -> float:
@@ -50,31 +51,40 @@ def parse_pairs(rank_links: dict[str, float]) -> dict[tuple[int, int], float]:
     return out
 
 
-def wrap_reduce(handlers: dict, extra_ms: float) -> dict:
-    """``handlers`` with ``ReduceGrads`` lasting ``extra_ms`` longer."""
-    reduce = handlers[I.ReduceGrads]
-
-    def slowed(engine, **kw):
-        reduce(engine, **kw)
-        time.sleep(extra_ms / 1e3)
-
-    return {**handlers, I.ReduceGrads: slowed}
-
-
-def install_rank_links(engine, inject, stage_ranks: list[int], delays: Optional[DelaySchedule]) -> Optional[DelaySchedule]:
-    """Put ``inject.rank_links`` on ``engine`` (before its transport is built): its all-reduce pays
-    what its data-parallel ring crosses, and the returned delay schedule (``delays`` with them added)
-    slows the pipeline links between slowed ranks."""
+def checked_pairs(inject) -> dict[tuple[int, int], float]:
+    """``inject.rank_links`` as rank pairs, refused in one sentence if a rank is not in the job."""
     pairs = parse_pairs(inject.rank_links)
     world = dist.get_world_size()
     bad = [f"{a}-{b}" for a, b in pairs if b >= world]
     if bad:
         raise PipeMorphConfigError(f"pipemorph.inject.rank_links names rank pair {bad[0]}, but the job has "
                                    f"ranks 0..{world - 1}")
-    engine.dp_delay_ms = allreduce_delay_ms(pairs, list(engine.grid.dp_group), inject.allreduce_messages)
-    if engine.dp_delay_ms > 0:
-        engine._INSTRUCTION_MAP = wrap_reduce(engine._INSTRUCTION_MAP, engine.dp_delay_ms)
-    on_links = pipeline_delays(pairs, stage_ranks)
+    return pairs
+
+
+class SlowAllReduce(EngineHooks):
+    """``ReduceGrads`` lasts ``extra_ms`` longer (an engine hook: the wait is inside its op record)."""
+
+    ops = frozenset({I.ReduceGrads})
+
+    def __init__(self, extra_ms: float):
+        self.extra_ms = extra_ms
+
+    def after_op(self, engine, instruction, kwargs, started) -> None:
+        time.sleep(self.extra_ms / 1e3)
+
+
+def slow_allreduce(inject, engine) -> Optional[SlowAllReduce]:
+    """The hook that makes ``engine``'s all-reduce pay what its data-parallel ring crosses (None: nothing)."""
+    pairs = checked_pairs(inject)
+    ms = allreduce_delay_ms(pairs, list(engine.grid.dp_group), inject.allreduce_messages)
+    return SlowAllReduce(ms) if ms > 0 else None
+
+
+def add_pipeline_delays(inject, engine, delays: Optional[DelaySchedule]) -> Optional[DelaySchedule]:
+    """``delays`` with the links of ``engine``'s pipeline between slowed ranks slowed as well."""
+    stage_ranks = [engine.grid.stage_to_global(s) for s in range(engine.num_stages)]
+    on_links = pipeline_delays(checked_pairs(inject), stage_ranks)
     if not any(on_links):
         return delays
     if delays is None:

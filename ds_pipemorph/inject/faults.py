@@ -1,4 +1,4 @@
-"""Fault injection for failover tests (PipeMorph §5.3): transport wrappers configured by the caller.
+"""Fault injection for failover tests (PipeMorph §5.3): transport wrappers (``pipemorph.inject.faults``).
 
 - ``FaultyLink`` wraps the direct path: on a link of ``link_fails_after`` = {link: K}, each direction
   ("F" and "B") carries K messages and then fails for message K+1 onwards, on both ends (the sender's

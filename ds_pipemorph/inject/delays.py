@@ -6,6 +6,9 @@ sends into a full FIFO (head-of-line blocking, as a saturated NCCL queue blocks 
 A ``Lane`` is that FIFO: a thread that holds one message for c ms and then hands it to the real
 send. Delays are static per link or replayed from a trace in wall-clock time.
 
+``DelaySchedule`` is the ``runtime.hooks.DelaySource`` the delegated path receives: its sender
+delegates apply the same delays, and a ``DelayTrace`` travels to them by pickling.
+
 When the real send fails in the lane's thread, the message was not delivered: ``DelayInjector``
 (a ``protocol.DeferredSends``) hands a ``DeliveryError`` (a ``TransportError`` carrying that message)
 to its ``on_failure`` hook at once (the router fails the link over and re-sends the message there, so

@@ -3,13 +3,13 @@
 Stock ``PipelineEngine`` sends through ``deepspeed.runtime.pipe.p2p.send`` (a blocking
 ``dist.send``). ``install`` replaces that function: a send on a delayed link waits until the
 link's previous message was delivered (one message in flight, head-of-line blocking as in
-``inject.Lane``) and then hands a copy to the link's lane, which performs the real send c ms
+``delays.Lane``) and then hands a copy to the link's lane, which performs the real send c ms
 later. Messages of one link keep their order; links stay independent.
 """
 from __future__ import annotations
 
 from ..runtime.transport.protocol import link_of
-from .inject import DelaySchedule, Lane
+from .delays import DelaySchedule, Lane
 
 
 def install(delays: DelaySchedule, timeout_s: float = 300.0) -> dict:
