@@ -20,8 +20,10 @@ from _util import print_table, write_json
 
 from ds_pipemorph.plan import native
 from ds_pipemorph.plan import simulate as sim
-from ds_pipemorph.plan.listsched import Policy, list_schedule, list_schedule_py
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.listsched_py import Policy, list_schedule_py
 from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.replay_py import run_py
 
 SIZES = ((4, 12), (8, 32), (16, 64))
 
@@ -44,7 +46,7 @@ def measure(S: int, N: int, repeats: int) -> dict:
     sched = list_schedule(costs, N, x, pol)
     row = {"stages": S, "microbatches": N}
     row["replay_c_us"] = best_of_three(lambda: sim.makespan(sched, costs, N), repeats) * 1e6
-    row["replay_py_us"] = best_of_three(lambda: sim._run_py(sched, costs, N, False, None), repeats) * 1e6
+    row["replay_py_us"] = best_of_three(lambda: run_py(sched, costs, N, False, None), repeats) * 1e6
     row["list_c_us"] = best_of_three(
         lambda: native.list_schedule(costs, N, x, pol.priority, pol.w_fits_gap, pol.late_w), repeats) * 1e6
     row["list_py_us"] = best_of_three(lambda: list_schedule_py(costs, N, x, pol), repeats) * 1e6

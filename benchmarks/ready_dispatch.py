@@ -205,9 +205,9 @@ def whole_runs(workload: str, args, trace: str) -> dict:
 
 def predict(workload: str, plan_text, dispatch: str, ks, args) -> float:
     """Mean over iterations ``ks`` of the replay of each one's table."""
+    from ds_pipemorph.plan.ops import peak_inflight
     from ds_pipemorph.plan.profile import Costs
     from ds_pipemorph.plan.ready import replay_varying
-    from ds_pipemorph.plan.simulate import peak_inflight
     from ds_pipemorph.plan.validate import parse_schedule
 
     plan = parse_schedule(plan_text)

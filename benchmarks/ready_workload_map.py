@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import print_table, write_json  # noqa: E402
 
 from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1_warmup  # noqa: E402
+from ds_pipemorph.plan.ops import peak_inflight  # noqa: E402
 from ds_pipemorph.plan.profile import Costs  # noqa: E402
 from ds_pipemorph.plan.ready import replay_varying  # noqa: E402
-from ds_pipemorph.plan.simulate import peak_inflight  # noqa: E402
 from ds_pipemorph.plan.variation import OpTable, heavy, jitter  # noqa: E402
 from ds_pipemorph.runtime.plans import DEFAULT_OP_MS, latency_robust_schedule  # noqa: E402
 

@@ -13,7 +13,13 @@ from pydantic import BaseModel, ValidationError
 M = TypeVar("M", bound=BaseModel)
 # libyaml's C loader and emitter when PyYAML was built with it (several times faster), else PyYAML's own.
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
+    """Safe YAML; a ``str`` subclass (a ``StrEnum`` such as ``plan.ops.Kind``) is written as its text."""
+
+
+_Dumper.add_multi_representer(str, lambda dumper, text: dumper.represent_str(str.__str__(text)))
 
 
 class BadInput(ValueError):

@@ -138,8 +138,8 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch:
     each iteration's op times under that dispatch (caps: the plan's peak, as the engine holds)."""
     S, N = spec.stages, spec.microbatches
     if spec.vary or dispatch == "ready":
+        from ..plan.ops import peak_inflight
         from ..plan.ready import replay_varying
-        from ..plan.simulate import peak_inflight
         from ..plan.variation import vary_tables
 
         model = _link_model(schedule, engine)

@@ -1,10 +1,10 @@
 """Baseline schedules as plans: DeepSpeed's 1F1B (its exact order), ZB-H1 and GPipe."""
 from __future__ import annotations
 
-from .listsched import Policy, list_schedule
-from .ops import Op
+from .listsched import list_schedule
+from .listsched_py import Policy
+from .ops import Op, Schedule
 from .profile import Costs
-from .simulate import Schedule
 
 
 def deepspeed_1f1b(stages: int, microbatches: int) -> Schedule:

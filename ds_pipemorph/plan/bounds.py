@@ -1,6 +1,13 @@
-"""A lower bound on the iteration time of any valid schedule (used where the MILP is out of reach).
+"""Lower bounds on the iteration time of any valid schedule: every bound the planner proves with.
 
-Per stage s, with a_s the earliest arrival of F0 (ramp-up) and the round trips of the first and last
+- ``lower_bound_ms``: terms 1-5 below (the search's gap and stop, the re-plan policy's "keep").
+- ``cap_bound_ms``: the round trips a tight in-flight cap forces (``cap_chain`` per stage).
+- ``stage_bound``: ``lower_bound_ms``'s terms and ``cap_chain`` for one stage of a partial
+  partition, from what is fixed above it and the least below it (the partition search).
+- ``one_machine_bound``: a stage alone, from its ops' earliest starts and least tails (the exact
+  planner's static bound on its makespan).
+
+``lower_bound_ms``, per stage s, with a_s the earliest arrival of F0 (ramp-up) and the round trips of the first and last
 micro-batch through the stages below (ramp-down), every schedule satisfies:
 
 1. T >= a_s + work_s                                         (nothing starts before F0 arrives)
@@ -40,6 +47,8 @@ from __future__ import annotations
 from typing import Optional
 
 from .profile import Costs
+
+INF = float("inf")
 
 
 def first_arrivals(costs: Costs) -> tuple[list[float], list[float]]:
@@ -102,3 +111,77 @@ def ramp_busy(span: float, f: float, g: float, count: int) -> float:
     if full < count:
         busy += min(f, max(0.0, span - full * g))
     return busy
+
+
+def stage_bound(a: float, f: float, b: float, w: float, trip: float, g: float, up: float, k: int, kmin: int,
+                 N: int) -> float:
+    """``lower_bound_ms``'s terms 1-5 and ``cap_chain`` for one stage, from what the stages above
+    fix and the least the stages below can add (the partition search's bound of a cut stage): F0 arrives at ``a``; the stage runs ``f``, ``b``, ``w``
+    per micro-batch and holds at most ``k`` activations; ``trip`` is the least round trip below it
+    over the cuts of the stages below (``partition._trip_table``; the true one is no shorter: every term
+    grows with it, terms 4 and 5 too, as the ramp's busy time grows at most as fast as its span);
+    ``g`` the slowest forward at or above it; ``up`` the longest gradient path above it ending in a W
+    (tail = max(w, up)); ``kmin`` the least cap at or above it."""
+    r = a + f + trip
+    tail = max(w, up)
+    lb3_start = a + (N - 1) * g
+    if N > k:
+        lb3_start = max(lb3_start, r + (N - k) * b + (N - k - 1) * f)
+    busy = ramp_busy(r - a, f, g, kmin)
+    return max(a + N * (f + b + w), r + N * (b + w) + max(0, N - k) * f, lb3_start + f + trip + b + tail,
+               r + N * (f + b + w) - busy, r + N * (f + b) - busy + tail, cap_chain(a, f, b, tail, trip, k, N))
+
+
+def cap_bound_ms(costs: Costs, microbatches: int, caps: list[int]) -> float:
+    """A lower bound on the iteration time of any valid schedule that keeps stage s at most
+    caps[s] activations in flight, for where the caps bind (``lower_bound_ms`` counts one
+    round trip per stage; a tight cap costs one per cap's worth of micro-batches).
+
+    On stage s, let E_j be the end of the j-th forward it runs (in whatever order), trip_s the
+    round trip below it (the forward and backward-input of every stage below, and both ways of
+    every link below). The backward-input of the micro-batch of forward i starts at or after
+    E_i + trip_s, since its gradient comes back from the last stage. Before starting forward
+    j >= k (k = caps[s]), at least j - k + 1 backward-inputs have ended (at most k in flight), of
+    distinct micro-batches among forwards 0..j-1, one of them of forward index >= j - k; so
+    E_j >= E_{j-k} + trip_s + b_s + f_s, and E_j >= E_{j-1} + f_s, E_0 >= a_s + f_s. Hence,
+    with N - 1 = q k + r, the last forward ends at or after a_s + f_s + r f_s + q (f_s + trip_s +
+    b_s); its micro-batch then goes down and back (trip_s), runs its backward-input here and still
+    its W here or its backward-input and W above (tail_s, as in ``lower_bound_ms``)."""
+    S, N = costs.stages, microbatches
+    f, b, w, c = costs.f, costs.b, costs.w, costs.links
+    trip = [0.0] * S
+    for s in range(S - 2, -1, -1):
+        trip[s] = trip[s + 1] + f[s + 1] + b[s + 1] + 2 * c[s]
+    best, a, up = 0.0, 0.0, -INF
+    for s in range(S):
+        best = max(best, cap_chain(a, f[s], b[s], max(w[s], up), trip[s], min(caps[s], N), N))
+        if s < S - 1:
+            up = max(up, w[s]) + c[s] + b[s]
+            a += f[s] + c[s]
+    return best
+
+
+def cap_chain(a: float, f: float, b: float, tail: float, trip: float, k: int, N: int) -> float:
+    """``cap_bound_ms``'s term for one stage (it grows with ``trip``)."""
+    q, r = divmod(N - 1, max(1, k))
+    return a + f + r * f + q * (f + trip + b) + trip + b + tail
+
+
+def one_machine_bound(machines: list[list[int]], head: list[float], tail: list[float], dur: list[float]) -> float:
+    """A bound on the makespan C from each machine alone (a stage: ``machines[s]`` lists the
+    indices of its ops into ``head``, ``tail``, ``dur``; ``head[v]``: the earliest start of op v,
+    ``tail[v]``: the least time from its start to the end). For any set A of one machine's ops,
+    ``C >= min_A head + sum_A d + min_A (tail - d)``; A ranges over {head >= h, tail - d >= q}.
+
+    The exact planner's LP relaxation misses it (its big-M rows let ops overlap), e.g. idle forced
+    on a bottleneck stage while it waits for forwards that arrive slower than it runs them.
+    """
+    best = 0.0
+    for ops in machines:
+        after = {v: tail[v] - dur[v] for v in ops}
+        for h in sorted({head[v] for v in ops}):
+            group = [v for v in ops if head[v] >= h]
+            for q in sorted({after[v] for v in group}):
+                work = sum(dur[v] for v in group if after[v] >= q)
+                best = max(best, h + work + q)
+    return best

@@ -25,8 +25,8 @@ from bisect import bisect_right
 from typing import Callable, Optional
 
 from .incremental import Evaluator, State
-from .ops import Op
-from .simulate import Schedule, StuckSchedule
+from .ops import Op, Schedule
+from .timeline import StuckSchedule
 
 EPS = 1e-9
 STALL = 400  # moves without a new best before a restart

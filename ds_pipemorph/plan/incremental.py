@@ -23,8 +23,10 @@ from typing import Optional, Sequence, Union
 
 from . import native
 from .links import LATENCY, Latency, LinkModel, per_link
+from .ops import Schedule, op_table
 from .profile import Costs
-from .simulate import Schedule, StuckSchedule, _stuck_message, makespan, replay
+from .simulate import makespan, replay
+from .timeline import StuckSchedule, stuck_message
 
 INF = float("inf")
 SLACK = 1e-6  # ms: the early stop's sum of remaining work may round above the replay's own sum
@@ -59,7 +61,7 @@ class Evaluator:
 
     def encode(self, sched: Schedule):
         """``native.encode(sched)``, reusing the codes of rows seen before (checked equal)."""
-        get = native.op_table(self.N)[1].get
+        get = op_table(self.N)[1].get
         codes, lens, rows = array("i"), array("i"), self._rows
         if len(rows) > 16 * self.S:
             rows.clear()
@@ -90,7 +92,7 @@ class Evaluator:
             return None
         rc, first, last, _, ptr, _, pos = got
         if rc == 1:
-            raise StuckSchedule(_stuck_message(sched, ptr, self.S))
+            raise StuckSchedule(stuck_message(sched, ptr, self.S))
         starts = None
         if positions:
             flat, starts, o = pos.tolist(), [], 0
@@ -159,7 +161,7 @@ class Evaluator:
         return self._run(sched, starts, cum, end_f, end_b, ptr, free, limit)
 
     def _run(self, sched, starts, cum, end_f, end_b, ptr, free, limit) -> Optional[State]:
-        """``simulate._run`` for pure-latency links, resumed from ``ptr`` with the given state."""
+        """``replay_py.run_py`` for pure-latency links, resumed from ``ptr`` with the given state."""
         self.evals += 1
         S, dur, links, total = self.S, self.dur, self.links, self.total
         last = S - 1

@@ -15,11 +15,10 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from typing import Optional
 
-from .ops import Op
+from .ops import KINDS, Op, Schedule
 from .profile import Costs
-from .simulate import Schedule, replay
+from .simulate import replay
 
-KINDS = "FBW"
 TOL = 1e-9  # ms: touching intervals do not overlap
 
 
@@ -33,7 +32,7 @@ def justify(sched: Schedule, costs: Costs, microbatches: int, caps: list[int]) -
     preds, succs = _graph(costs, N, caps)
     start = [0.0] * len(dur)
     for sl in replay(sched, costs, N).slots:
-        start[_ix(N, sl.stage, KINDS.index(sl.op.kind), sl.op.mb)] = sl.start
+        start[_ix(N, sl.stage, sl.op.kind.code, sl.op.mb)] = sl.start
     end = max(a + d for a, d in zip(start, dur))
     late = _right(sorted(range(len(dur)), key=lambda i: -(start[i] + dur[i])), succs, dur, end, S, N)
     early = _left(sorted(range(len(dur)), key=lambda i: late[i]), preds, dur, S, N)

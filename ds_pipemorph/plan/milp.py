@@ -26,7 +26,7 @@ Formulation (all times in ms; stage s, micro-batch m, kind k in F/B/W, d(s,k) th
   monotone); per op a, stage energy ``t_a >= t[F 0] + sum_b d_b [b before a]`` and
   ``C >= t_a + d_a + sum_b d_b [b after a]`` over the ops b of its stage, where [.] is a constant
   (FIFO, dependency, cap) or a binary; and a static one-stage bound on C from heads and tails
-  (``one_machine_bound``) that the big-M relaxation cannot see.
+  (``bounds.one_machine_bound``) that the big-M relaxation cannot see.
 * Memory cap c on stage s: the in-flight count at the start of F i is
   ``#F started before + 1 - #B finished before = i + 1 - sum_j z(B j before F i) <= c``. Under FIFO
   the binaries of B are monotone in j, so this linear row is equivalent to ``z(B_{i-c} before F_i) =
@@ -44,13 +44,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .bounds import one_machine_bound
 from .listsched import list_schedule
-from .ops import Op
+from .ops import KINDS, Op, Schedule, peak_inflight
 from .profile import Costs
-from .simulate import Schedule, Timeline, peak_inflight, replay
+from .simulate import replay
+from .timeline import Timeline
 from .warmup import initial_warmup
 
-KINDS = ("F", "B", "W")
 _K = {k: i for i, k in enumerate(KINDS)}
 # Pairs of kinds that need binaries: (P, Q) with P_i, Q_j unordered for i > j.
 _PAIRS = (("F", "B"), ("F", "W"), ("B", "W"))
@@ -197,25 +198,6 @@ def _release_energy(group: list[int], release: list[float], dur: list[float]) ->
     return best
 
 
-def one_machine_bound(ix: _Index, head: list[float], tail: list[float], dur: list[float]) -> float:
-    """Static bound from each stage alone: for any set A of its ops,
-    ``C >= min_A head + sum_A d + min_A (tail - d)``; A ranges over {head >= h, tail - d >= q}.
-
-    The LP relaxation misses it (the big-M rows let ops overlap), e.g. idle forced on a bottleneck
-    stage while it waits for forwards that arrive slower than it runs them.
-    """
-    best = 0.0
-    for s in range(ix.S):
-        ops = [ix.t(s, k, m) for k in KINDS for m in range(ix.N)]
-        after = {v: tail[v] - dur[v] for v in ops}
-        for h in sorted({head[v] for v in ops}):
-            group = [v for v in ops if head[v] >= h]
-            for q in sorted({after[v] for v in group}):
-                work = sum(dur[v] for v in group if after[v] >= q)
-                best = max(best, h + work + q)
-    return best
-
-
 # ----------------------------------------------------------------------------- model
 
 
@@ -251,7 +233,8 @@ def build_model(costs: Costs, N: int, caps: list[int], upper_bound: float) -> _M
     edges = precedences(costs, N, caps, ix)
     head, tail, depth = windows(ix, edges, dur, caps)
     lst = [upper_bound - tail[v] for v in range(ix.n_times)]
-    lb = head + [max(max(head[v] + tail[v] for v in range(ix.n_times)), one_machine_bound(ix, head, tail, dur))]
+    per_stage = [[ix.t(s, k, m) for k in KINDS for m in range(N)] for s in range(S)]
+    lb = head + [max(max(head[v] + tail[v] for v in range(ix.n_times)), one_machine_bound(per_stage, head, tail, dur))]
     ub = lst + [upper_bound]
     ub[ix.t(0, "F", 0)] = 0.0
     model = _Model(ix, ix.n_times + 1, lb, ub, [], depth, dur)

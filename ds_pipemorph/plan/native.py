@@ -29,19 +29,21 @@ import sys
 import sysconfig
 import tempfile
 from array import array
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Optional
 
-from .ops import Op
+from .links import DIRECT, LATENCY, Delegated
+from .listsched_py import Policy, list_schedule_py
+from .ops import op_table, peak_inflight, warmup_counts
+from .profile import Costs
+from .replay_py import run_py
 
 logger = logging.getLogger(__name__)
 
 SOURCE_FILE = "plancore.c"
 # No fused multiply-adds, no fast-math: the same IEEE double operations as the Python code.
 FLAGS = ["-O3", "-std=c99", "-pthread", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
-KINDS = "FBW"
 THREADS = 8  # at most, for the link tolerances (one link per lane, 8 lanes per thread)
 # What running without the core costs (benchmarks/plan_core.py: 4x12 to 16x64 pipelines).
 PYTHON_COST = "about 5-50x slower (more with more stages)"
@@ -189,11 +191,6 @@ def load(src: Optional[bytes] = None) -> Optional[ctypes.CDLL]:
 def disagreement(L: ctypes.CDLL) -> Optional[str]:
     """None if the library gives the Python code's schedule, times and peaks on one fixed case
     (3 stages, 5 micro-batches, uneven op times, every link model); else what differs."""
-    from .links import DIRECT, LATENCY, Delegated
-    from .listsched import Policy, list_schedule_py
-    from .profile import Costs
-    from .simulate import _run_py, peak_inflight, warmup_counts
-
     S, N, x = 3, 5, [4, 3, 1]
     costs = Costs([3.0, 2.5, 4.25], [4.0, 5.5, 3.5], [2.0, 1.5, 3.0], [1.0, 7.5])
     pol = Policy()
@@ -206,7 +203,7 @@ def disagreement(L: ctypes.CDLL) -> Optional[str]:
         return "the in-flight peaks"
     for fused in (False, True):
         for model in (LATENCY, DIRECT, Delegated(2)):
-            first, last, busy = _run_py(want, costs, N, fused, None, model)
+            first, last, busy = run_py(want, costs, N, fused, None, model)
             rc, *res = replay(enc, costs, N, fused, [model] * (S - 1), L=L)[:4]
             if rc != 0 or any(abs(a - b) > 1e-9 for a, b in zip([first, last, *busy], [res[0], res[1], *res[2]])):
                 return f"the replay ({type(model).__name__} links{', fused backward' if fused else ''})"
@@ -239,13 +236,6 @@ def _i(a: array):
 
 def dbl(xs) -> array:
     return array("d", xs)
-
-
-@lru_cache(maxsize=8)
-def op_table(n: int) -> tuple[tuple[Op, ...], dict]:
-    """Ops by code (kind * n + m) and codes by op, for n micro-batches."""
-    ops = tuple(Op(k, m) for k in KINDS for m in range(n))
-    return ops, {op: i for i, op in enumerate(ops)}
 
 
 _ENCODED: list = []  # (schedule, copy of its rows, n, encoding) of the last few schedules encoded
@@ -287,7 +277,7 @@ def _encode(schedule, n: int) -> Optional[tuple[array, array]]:
 
 
 def peaks_and_warmups(enc: tuple[array, array], n: int, L=None) -> Optional[tuple[list[int], list[int]]]:
-    """``simulate.peak_inflight`` and ``simulate.warmup_counts`` of an encoded schedule; None
+    """``ops.peak_inflight`` and ``ops.warmup_counts`` of an encoded schedule; None
     without the library."""
     L = L or lib()
     if L is None:
@@ -300,7 +290,7 @@ def peaks_and_warmups(enc: tuple[array, array], n: int, L=None) -> Optional[tupl
 
 def list_schedule(costs, n: int, warmup: list[int], priority: str, w_fits_gap: bool, late_w,
                   L=None) -> Optional[tuple]:
-    """``listsched.list_schedule_py`` in C: (schedule, its encoding), or None if it stalled (the
+    """``listsched_py.list_schedule_py`` in C: (schedule, its encoding), or None if it stalled (the
     caller re-runs the Python code for its error) or the library is missing."""
     L = L or lib()
     S = costs.stages
@@ -328,7 +318,7 @@ MODEL_CODES = {"Latency": 0, "Direct": 1, "Delegated": 2}
 
 def replay(enc: tuple[array, array], costs, n: int, fused: bool, models: list, limit: Optional[float] = None,
            slots: bool = False, positions: bool = False, L=None):
-    """``simulate._run`` in C on an encoded schedule. Returns (rc, first, last, busy, ptr, slots,
+    """``replay_py.run_py`` in C on an encoded schedule. Returns (rc, first, last, busy, ptr, slots,
     pos_start): rc 0 done, 1 stuck (ptr says where), 2 above ``limit``; None without the library."""
     L = L or lib()
     if L is None:

@@ -17,20 +17,20 @@ computed from the scaled stage times, so the search stays exact with factors.
 
 The search is a depth-first branch and bound over the boundaries, stage by stage from the input.
 Every pruning uses lower bounds on the iteration time of *any* valid schedule within the caps
-(``bounds.lower_bound_ms`` and ``cap_bound_ms``), and ``quick_ms`` replays a valid schedule within
+(``bounds.lower_bound_ms`` and ``bounds.cap_bound_ms``), and ``quick_ms`` replays a valid schedule within
 the caps, so nothing that could beat the best score found is cut: on completion the result is the
 exhaustive optimum of ``quick_ms`` (``exhaustive`` is the test oracle; ties within ``EPS`` may pick
 another partition).
 
 - A node is a prefix of stages ending before layer l. Its bound is the largest, over the cut
   stages, of their bound terms with what the uncut stages could add at its least
-  (``_stage_bound``, with the round trip below a stage at its least over every way of cutting the
+  (``bounds.stage_bound``, with the round trip below a stage at its least over every way of cutting the
   stages below that fits memory: ``_trip_table``), and over the uncut ones, the least over every
   way of cutting them that fits memory of the largest of their simpler terms (``_suffix_table``).
   Both tables are dynamic programs over (stage, first layer), computed once. Children are tried
   best bound first. The cheap parts of a child's bound come first: the stage's own work (it only
   grows as the stage takes more layers, so the first child it rules out ends the list) and the
-  suffix table's term; the full ``_stage_bound`` only for children that pass both.
+  suffix table's term; the full ``bounds.stage_bound`` only for children that pass both.
 - A leaf is scored by its lower bound first (the last stage's exact terms, then the whole
   partition's ``lower_bound_ms`` and ``cap_bound_ms``) and replayed only if that bound is below
   the best score so far. Partitions with equal stage costs and caps share one replay.
@@ -54,9 +54,10 @@ from itertools import combinations
 from typing import Callable, Iterator, Optional, Sequence
 
 from ..fileio import BadInput
-from .bounds import lower_bound_ms, ramp_busy
+from .bounds import cap_bound_ms, cap_chain, lower_bound_ms, stage_bound
 from .layer_profile import LayerProfile, check_slowdown
-from .listsched import Policy, list_schedule
+from .listsched import list_schedule
+from .listsched_py import Policy
 from .parts import balanced_parts, uniform_parts
 from .profile import Costs
 from .search import ramp_warmup
@@ -244,7 +245,7 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
             else:
                 x = slow[k]
                 f, b, w = (pf[e] - pf[l]) * x, (pb[e] - pb[l]) * x, (pw[e] - pw[l]) * x
-                got = max(N * (f + b + w), f + trip + N * (b + w) + (N - c) * f, _cap_chain(0.0, f, b, w, trip, c, N))
+                got = max(N * (f + b + w), f + trip + N * (b + w) + (N - c) * f, cap_chain(0.0, f, b, w, trip, c, N))
             lb_memo[key] = got
         return got
 
@@ -306,7 +307,7 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
         c = caps[k] = cap(k, l, L)
         x = slow[k]
         f, b, w = (pf[L] - pf[l]) * x, (pb[L] - pb[l]) * x, (pw[L] - pw[l]) * x
-        if max(bound, _stage_bound(a, f, b, w, 0.0, max(g, f), up, c, min(kmin, c), N)) >= st["best"] - EPS:
+        if max(bound, stage_bound(a, f, b, w, 0.0, max(g, f), up, c, min(kmin, c), N)) >= st["best"] - EPS:
             return
         lb = leaf_bound(parts, caps)
         st["lb"] = min(st["lb"], lb)
@@ -317,7 +318,7 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
     def node(k: int, l: int, a: float, pre: float, bound: float, g: float, up: float, kmin: int) -> None:
         """Stages 0..k-1 are cut (``parts[:k+1]``), stage k starts at layer l, F0 arrives at a;
         ``pre``: the prefix stages' largest bound; ``bound``: this node's bound; ``g``, ``up``,
-        ``kmin``: the slowest forward, the gradient path's tail (``_stage_bound``) and the least
+        ``kmin``: the slowest forward, the gradient path's tail (``bounds.stage_bound``) and the least
         cap of the stages above."""
         if st["stopped"] or expired():
             st["stopped"] = True
@@ -336,7 +337,7 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
             arrive = a + f + delay[e - 1][k]
             if c is None or arrive + nxt[e] >= cut:  # (inf where the rest does not fit)
                 continue
-            here = max(pre, _stage_bound(a, f, b, w, trip_below(k, e), max(g, f), up, c, min(kmin, c), N))
+            here = max(pre, stage_bound(a, f, b, w, trip_below(k, e), max(g, f), up, c, min(kmin, c), N))
             kids.append((max(here, arrive + nxt[e]), e, arrive, here, f, b, w, c))
         kids.sort()
         for bd, e, arrive, here, f, b, w, c in kids:
@@ -378,60 +379,6 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
     lb = min(st["lb"], st["open"], st["best"])
     return PartitionResult(st["parts"], st["best"], lb, st["replayed"], st["leaves"], not st["stopped"],
                            time.perf_counter() - t0)
-
-
-def _stage_bound(a: float, f: float, b: float, w: float, trip: float, g: float, up: float, k: int, kmin: int,
-                 N: int) -> float:
-    """``bounds.lower_bound_ms``'s terms 1-5 for one stage, from what the stages above fix and
-    the least the stages below can add: F0 arrives at ``a``; the stage runs ``f``, ``b``, ``w``
-    per micro-batch and holds at most ``k`` activations; ``trip`` is the least round trip below it
-    over the cuts of the stages below (``_trip_table``; the true one is no shorter: every term
-    grows with it, terms 4 and 5 too, as the ramp's busy time grows at most as fast as its span);
-    ``g`` the slowest forward at or above it; ``up`` the longest gradient path above it ending in a W
-    (tail = max(w, up)); ``kmin`` the least cap at or above it."""
-    r = a + f + trip
-    tail = max(w, up)
-    lb3_start = a + (N - 1) * g
-    if N > k:
-        lb3_start = max(lb3_start, r + (N - k) * b + (N - k - 1) * f)
-    busy = ramp_busy(r - a, f, g, kmin)
-    return max(a + N * (f + b + w), r + N * (b + w) + max(0, N - k) * f, lb3_start + f + trip + b + tail,
-               r + N * (f + b + w) - busy, r + N * (f + b) - busy + tail, _cap_chain(a, f, b, tail, trip, k, N))
-
-
-def cap_bound_ms(costs: Costs, microbatches: int, caps: list[int]) -> float:
-    """A lower bound on the iteration time of any valid schedule that keeps stage s at most
-    caps[s] activations in flight, for where the caps bind (``bounds.lower_bound_ms`` counts one
-    round trip per stage; a tight cap costs one per cap's worth of micro-batches).
-
-    On stage s, let E_j be the end of the j-th forward it runs (in whatever order), trip_s the
-    round trip below it (the forward and backward-input of every stage below, and both ways of
-    every link below). The backward-input of the micro-batch of forward i starts at or after
-    E_i + trip_s, since its gradient comes back from the last stage. Before starting forward
-    j >= k (k = caps[s]), at least j - k + 1 backward-inputs have ended (at most k in flight), of
-    distinct micro-batches among forwards 0..j-1, one of them of forward index >= j - k; so
-    E_j >= E_{j-k} + trip_s + b_s + f_s, and E_j >= E_{j-1} + f_s, E_0 >= a_s + f_s. Hence,
-    with N - 1 = q k + r, the last forward ends at or after a_s + f_s + r f_s + q (f_s + trip_s +
-    b_s); its micro-batch then goes down and back (trip_s), runs its backward-input here and still
-    its W here or its backward-input and W above (tail_s, as in ``bounds``)."""
-    S, N = costs.stages, microbatches
-    f, b, w, c = costs.f, costs.b, costs.w, costs.links
-    trip = [0.0] * S
-    for s in range(S - 2, -1, -1):
-        trip[s] = trip[s + 1] + f[s + 1] + b[s + 1] + 2 * c[s]
-    best, a, up = 0.0, 0.0, -INF
-    for s in range(S):
-        best = max(best, _cap_chain(a, f[s], b[s], max(w[s], up), trip[s], min(caps[s], N), N))
-        if s < S - 1:
-            up = max(up, w[s]) + c[s] + b[s]
-            a += f[s] + c[s]
-    return best
-
-
-def _cap_chain(a: float, f: float, b: float, tail: float, trip: float, k: int, N: int) -> float:
-    """``cap_bound_ms``'s term for one stage (it grows with ``trip``)."""
-    q, r = divmod(N - 1, max(1, k))
-    return a + f + r * f + q * (f + trip + b) + trip + b + tail
 
 
 def _table_optimum(lp: LayerProfile, G, stage_lb, fwd, delay) -> list[int]:

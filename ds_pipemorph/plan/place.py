@@ -42,11 +42,12 @@ from .linkmatrix import LinkMatrix
 from . import native
 from .links import DIRECT, LATENCY, Delegated, per_link
 from .listsched import list_schedule
+from .ops import Schedule, warmup_counts
 from .placement import Placement, allreduce_ms
 from .placesearch import EXACT_MAX_PLACEMENTS, best_placements, placements_modulo_renaming
 from .profile import Costs
 from .search import search
-from .simulate import Schedule, replay, warmup_counts
+from .simulate import replay
 from .warmup import adapted_warmup, initial_warmup
 
 FINALISTS = 5  # placements the orchestrator plans fully (the best by the quick planner)

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import Union
 
 from .links import LATENCY, Delegated, LinkModel, per_link
+from .ops import Schedule
 from .profile import Costs
-from .simulate import Schedule, makespan
+from .simulate import makespan
 
 MIN_QUEUES = 2  # the configured default: never fewer, so one late message does not stall the next
 MAX_QUEUES = 8  # delegate processes per link direction and end, at most

@@ -24,9 +24,10 @@ from .incremental import Evaluator
 from .justify import justify
 from . import native
 from .links import LATENCY, Latency, LinkModel, per_link
-from .listsched import Policy, list_schedule_encoded
+from .listsched import list_schedule_encoded
+from .listsched_py import Policy
 from .profile import Costs
-from .simulate import Schedule, peak_inflight, warmup_counts
+from .ops import Schedule, peak_inflight, warmup_counts
 from .warmup import adapted_warmup, initial_warmup
 
 STARTS = 5  # local-search starting points (best distinct orders; 1 did worse, 3-8 about the same)

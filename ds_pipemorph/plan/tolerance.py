@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from . import native
 from .links import LATENCY, Latency, per_link
+from .ops import Schedule, warmup_counts
 from .profile import Costs
-from .simulate import Schedule, makespan, warmup_counts
+from .simulate import makespan
 from .warmup import eq1_tolerance_ms, slackness
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 from ..fileio import BadInput
 from .lower import Stream
-from .ops import Op, format_stage
+from .ops import Op, Schedule, format_stage, warmup_counts
 from .planfile import PlanFile
-from .simulate import Schedule, warmup_counts
 from .validate import InvalidPlan, validate_schedule
 
 _TO_TORCH = {"B": "I"}  # our backward-input is torch's BACKWARD_INPUT

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import native
-from .ops import KINDS, Op, parse_op
+from .ops import KINDS, Op, Schedule, op_table, parse_op, peak_inflight
 from .profile import Costs
-from .simulate import Schedule, StuckSchedule, peak_inflight, replay
+from .simulate import replay
+from .timeline import StuckSchedule
 
 
 class InvalidPlan(ValueError):
@@ -70,7 +70,7 @@ def _valid_rows(schedule: Schedule, N: int) -> bool:
     each W after its B (what ``_check_rows`` checks, without naming an op)."""
     if N < 1:
         return False
-    idx = native.op_table(N)[1]
+    idx = op_table(N)[1]
     get = idx.get
     for row in schedule:
         if len(row) != 3 * N:

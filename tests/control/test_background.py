@@ -10,9 +10,10 @@ from ds_pipemorph.control.detector import DetectorConfig
 from ds_pipemorph.control.policy import Policy
 from ds_pipemorph.plan.links import DIRECT
 from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.ops import warmup_counts
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import replay, warmup_counts
+from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.validate import validate_schedule
 from ds_pipemorph.plan.warmup import initial_warmup
 

@@ -12,9 +12,8 @@ import yaml
 from typer.testing import CliRunner
 
 from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, format_stage
+from ds_pipemorph.plan.ops import Op, format_stage, warmup_counts
 from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import warmup_counts
 from ds_pipemorph.plan.validate import validate_schedule
 from ds_pipemorph.plan.warmup import adapted_warmup
 from ds_pipemorph.procs import run_group

@@ -2,9 +2,9 @@
 import pytest
 
 from ds_pipemorph.plan.baselines import deepspeed_1f1b, gpipe, zb_h1
-from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.ops import Op, peak_inflight, warmup_counts
 from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import peak_inflight, replay, warmup_counts
+from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.validate import validate_schedule
 
 

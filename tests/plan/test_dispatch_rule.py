@@ -7,10 +7,9 @@ import pytest
 
 from ds_pipemorph.plan.dispatch import ReadyRule
 from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.ops import Op, peak_inflight
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.ready import replay_varying
-from ds_pipemorph.plan.simulate import peak_inflight
 from ds_pipemorph.plan.variation import jitter
 from ds_pipemorph.plan.warmup import initial_warmup
 

@@ -7,9 +7,10 @@ import pytest
 
 from ds_pipemorph.plan.baselines import BASELINES, baseline
 from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, parse_stage
+from ds_pipemorph.plan.ops import Op, parse_stage, peak_inflight
 from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import StuckSchedule, peak_inflight, replay
+from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.timeline import StuckSchedule
 from ds_pipemorph.plan.validate import validate_schedule
 from ds_pipemorph.plan.warmup import initial_warmup
 

@@ -1,4 +1,4 @@
-"""The fast planner core equals the pure-Python reference (plan/reference.py) exactly.
+"""The fast planner core equals the pure-Python reference (reference.py beside this file) exactly.
 
 On many random cases (1-16 stages, 1-64 micro-batches, op times and delays with zeros and ties,
 random warm-ups within caps and outside them, every policy of ``search.policies``, the link models
@@ -21,13 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipemorph.plan import native, reference
+import reference
+
+from ds_pipemorph.plan import native
 from ds_pipemorph.plan import simulate as sim
 from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import list_schedule, list_schedule_py
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.listsched_py import list_schedule_py
 from ds_pipemorph.plan.ops import Op
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.search import policies
+from ds_pipemorph.plan.timeline import StuckSchedule
 
 HAVE_NATIVE = native.lib() is not None
 
@@ -126,7 +130,7 @@ def random_model(rng: random.Random, S: int):
 def _replayed(fn, sched, costs, N, fused, model):
     try:
         tl = fn(sched, costs, N, fused, model)
-    except sim.StuckSchedule as e:
+    except StuckSchedule as e:
         return ("stuck", str(e))
     return ("ok", tl.iteration_ms, tl.busy_ms, tl.peak_inflight, tl.work_ms,
             [(x.stage, x.op, x.start, x.end) for x in tl.slots])
@@ -165,7 +169,7 @@ def test_replay_gives_the_reference_timelines(impl, seed):
         if want[0] == "ok":
             assert abs(sim.makespan(sched, costs, N, fused, model) - want[1]) <= 1e-9
         else:
-            with pytest.raises(sim.StuckSchedule, match="stage"):
+            with pytest.raises(StuckSchedule, match="stage"):
                 sim.makespan(sched, costs, N, fused, model)
 
 
@@ -175,7 +179,7 @@ def test_replay_rejects_what_the_reference_rejects(impl):
         sim.replay([[Op("F", 0), Op("B", 0), Op("W", 0)]], costs, 1)
     with pytest.raises(IndexError):  # a micro-batch beyond N: the Python code's own error
         sim.replay([[Op("F", 5), Op("B", 5), Op("W", 5)]] * 2, costs, 1)
-    with pytest.raises(sim.StuckSchedule, match="stage 0: B0 before F0"):
+    with pytest.raises(StuckSchedule, match="stage 0: B0 before F0"):
         sim.replay([[Op("B", 0), Op("F", 0), Op("W", 0)], [Op("F", 0), Op("B", 0), Op("W", 0)]], costs, 1)
 
 

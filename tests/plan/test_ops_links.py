@@ -1,10 +1,15 @@
 """The one op type (compute and communication, torch's ``_Action`` spelling) and the typed link model."""
+import json
+import pickle
+
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ds_pipemorph.fileio import dump
 from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated, Direct, Latency, per_link
-from ds_pipemorph.plan.ops import ALL_KINDS, Op, parse_op
+from ds_pipemorph.plan.ops import ALL_KINDS, COMM_KINDS, KINDS, Kind, Op, parse_op, parse_stage
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.validate import InvalidPlan, parse_schedule
@@ -34,6 +39,34 @@ def test_peer_is_the_neighbour_the_message_flows_to_or_from():
 def test_format_then_parse_is_the_identity(kind, mb, stage):
     op = Op(kind, mb, stage)
     assert parse_op(str(op)) == op
+
+
+def test_an_ops_kind_is_a_kind_that_equals_its_text():
+    for op in (parse_op("2SEND_F5"), parse_op("W3"), Op("B", 1), Op(Kind.RECV_B, 0, 1), Op._make(("F", 2, None))):
+        assert type(op.kind) is Kind
+    assert Kind.SEND_F == "SEND_F" and "F" == Kind.F and hash(Kind.B) == hash("B")
+    assert Op("F", 3) == Op(Kind.F, 3) == ("F", 3, None) and hash(Op("F", 3)) == hash(("F", 3, None))
+    assert {Op("W", 1): 1}[Op(Kind.W, 1)] == 1
+    assert [k for k in Kind] == [*KINDS, *COMM_KINDS] == list(ALL_KINDS)
+    assert [k.is_compute for k in ALL_KINDS] == [True] * 3 + [False] * 4
+    assert [k for k in Kind if k.is_send] == [Kind.SEND_F, Kind.SEND_B]
+    assert [k for k in Kind if k.is_recv] == [Kind.RECV_F, Kind.RECV_B]
+    assert [k.code for k in KINDS] == [0, 1, 2]
+
+
+def test_an_op_of_an_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="'I' is not an op kind: one of F, B, W, SEND_F"):
+        Op("I", 0)
+    with pytest.raises(ValueError, match="is not an op kind"):
+        Op(["F"], 0)
+
+
+def test_ops_and_kinds_leave_the_process_as_their_text():
+    ops = parse_stage(["F0", "B0", "W0"])
+    assert [str(o) for o in ops] == ["F0", "B0", "W0"] and f"{Kind.SEND_B}" == "SEND_B"
+    assert pickle.loads(pickle.dumps(ops)) == ops and type(pickle.loads(pickle.dumps(ops[0])).kind) is Kind
+    assert json.dumps({Kind.F: [o.kind for o in ops]}) == '{"F": ["F", "B", "W"]}'
+    assert yaml.safe_load(dump({"kinds": [o.kind for o in ops]}, as_json=False)) == {"kinds": ["F", "B", "W"]}
 
 
 @pytest.mark.parametrize("text", ["X3", "F", "SEND3", "2SEND_X1", "-1F0", "F3x", ""])

@@ -12,9 +12,10 @@ from crossing_paths import longest_paths_by_crossings
 
 from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.ops import warmup_counts
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import replay, warmup_counts
+from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.tolerance import link_tolerances
 from ds_pipemorph.plan.warmup import adapted_warmup, check_lemma1, eq1_tolerance_ms, initial_warmup, slackness
 

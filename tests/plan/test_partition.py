@@ -8,9 +8,9 @@ from layer_cases import random_layer_data
 import yaml
 
 from ds_pipemorph.fileio import BadInput, load_model
-from ds_pipemorph.plan.bounds import lower_bound_ms
+from ds_pipemorph.plan.bounds import cap_bound_ms, lower_bound_ms
 from ds_pipemorph.plan.layer_profile import LayerProfile, read_layer_profile
-from ds_pipemorph.plan.partition import cap_bound_ms, compositions, evaluate, exhaustive, partition, quick_ms
+from ds_pipemorph.plan.partition import compositions, evaluate, exhaustive, partition, quick_ms
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.parts import PartsFile, balanced_parts, check_parts, read_parts, uniform_parts
 

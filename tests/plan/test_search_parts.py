@@ -9,10 +9,13 @@ from ds_pipemorph.plan.improve import _allowed, _critical_moves, _w_move
 from ds_pipemorph.plan.incremental import Evaluator
 from ds_pipemorph.plan.justify import justify
 from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import Policy, list_schedule
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.listsched_py import Policy
+from ds_pipemorph.plan.ops import peak_inflight
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import StuckSchedule, makespan, peak_inflight
+from ds_pipemorph.plan.simulate import makespan
+from ds_pipemorph.plan.timeline import StuckSchedule
 from ds_pipemorph.plan.validate import validate_schedule
 from ds_pipemorph.plan.warmup import initial_warmup
 

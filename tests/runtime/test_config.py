@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_pipemorph.plan.simulate import peak_inflight, warmup_counts
+from ds_pipemorph.plan.ops import peak_inflight, warmup_counts
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
 from ds_pipemorph.runtime.plans import build_plan
 from ds_pipemorph.runtime.transport.header import decode_header, encode_header

@@ -1,10 +1,10 @@
-"""The planner's pure-Python reference: the list scheduler and the replay simulator in their plainest
-form, against which the event-driven versions (``listsched``, ``simulate``) and the compiled core
-(``native``) are checked.
+"""The planner's reference, for the tests: the list scheduler and the replay simulator in their
+plainest form, against which the event-driven versions (``plan.listsched_py``, ``plan.replay_py``)
+and the compiled core (``plan.native``) are checked.
 
-Used only by tests (tests/plan/test_native.py): every faster version must give the same schedules,
-the same timelines (times equal to 1e-9) and the same errors as these, on many random cases.
-Slow: the list scheduler scans every stage at every event time.
+test_native.py asserts that every faster version gives the same schedules, the same timelines (times
+equal to 1e-9) and the same errors as these, on many random cases. Slow: the list scheduler scans
+every stage at every event time.
 """
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import heapq
 from collections import deque
 from typing import Optional, Sequence, Union
 
-from .links import LATENCY, Delegated, Direct, LinkModel, per_link
-from .listsched import Policy
-from .ops import Op
-from .profile import Costs
-from .simulate import Schedule, Slot, StuckSchedule, Timeline, _stuck_message, peak_inflight
+from ds_pipemorph.plan.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ds_pipemorph.plan.listsched_py import Policy
+from ds_pipemorph.plan.ops import Op, Schedule, peak_inflight
+from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.timeline import Slot, StuckSchedule, Timeline, stuck_message
+
 
 def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
     S, N = costs.stages, microbatches
@@ -275,7 +276,7 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
                     queue.append(nb)
     for s in range(S):
         if ptr[s] < len(schedule[s]):
-            raise StuckSchedule(_stuck_message(schedule, ptr, S))
+            raise StuckSchedule(stuck_message(schedule, ptr, S))
     return (0.0 if first == inf else first), last_end, busy
 
 
