@@ -8,7 +8,6 @@ from typing import Optional
 import typer
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.lower import dry_run, lower
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.torch_csv import check_torch_runnable, torch_csv
 
@@ -32,7 +31,7 @@ def export(
         if ranks is not None and ranks != pf.stages:
             raise BadInput(f"--ranks {ranks}: the plan has {pf.stages} stages, and each rank runs one stage")
         check_torch_runnable(sched)
-        streams = lower(sched, pf.fused)
-        dry_run(streams, ordered_channels=True)  # torch matches the messages of two ranks in order
+        # the engine's ordered lowering, dry-run with messages matched in order (as torch does)
+        streams = pf.lowering.lower(sched)
         write_outputs({str(output): torch_csv(streams)})
     console.print(f"wrote {output}: {pf.stages} ranks, one row each (torch pipelining, format=\"compute_comms\")", markup=False)

@@ -10,11 +10,11 @@ from rich.table import Table
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.baselines import BASELINES, baseline
 from ds_pipemorph.plan.links import DIRECT, LATENCY
-from ds_pipemorph.plan.lower import checked_lines
+from ds_pipemorph.plan.ops import peak_inflight
 from ds_pipemorph.plan.planfile import PlanFile
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.ready import DISPATCH, replay_varying
-from ds_pipemorph.plan.simulate import peak_inflight, replay
+from ds_pipemorph.plan.simulate import replay
 from ds_pipemorph.plan.torch_csv import read_torch_plan
 from ds_pipemorph.plan.variation import link_trace, parse_vary
 
@@ -30,7 +30,7 @@ def simulate(
     dispatch: str = typer.Option("ordered", "--dispatch", metavar="[ordered|ready]", help="ordered: each stage runs the plan's order as written; ready: the order is a hint, each stage runs the first ready op in it, holding no more activations than the plan does (docs/ready_dispatch.md). With ready, both times are printed."),
     vary: Optional[str] = typer.Option(None, "--vary", metavar="SPEC", help="Vary op times per micro-batch: jitter:SPREAD[,seed=K][,kinds=FB], heavy:frac=F,factor=X,stages=K[,seed=S] or table:FILE. Applies to every row."),
     link_trace_path: Optional[Path] = typer.Option(None, "--link-trace", metavar="FILE", help="Per-link delay over time, YAML/JSON: points: [{t: seconds, links_ms: [...]}, ...] (the inject.trace format); instead of --links-ms."),
-    lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank) instead of replaying."),
+    lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank), as the engine runs them under --dispatch, instead of replaying."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the replayed plan (format from the suffix: .png, .pdf, .svg, ...)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),
@@ -40,8 +40,10 @@ def simulate(
         check_outputs({"--chrome": chrome}, pictures={"--gantt": gantt})
         pf, sched = read_torch_plan(plan_path) if plan_path.suffix.lower() == ".csv" else PlanFile.read(plan_path)
         S, N = pf.stages, pf.microbatches
-        if lowered:
-            lines = checked_lines(sched, pf.fused)
+        if dispatch not in DISPATCH:
+            raise BadInput(f"--dispatch: '{dispatch}' is not a dispatch rule; choose ordered or ready")
+        if lowered:  # the engine's lowering of this plan under this dispatch
+            lines = pf.lowering.for_dispatch(dispatch).lines(sched)
             if as_json:
                 print_json({"lowered": lines})
             else:
@@ -52,8 +54,6 @@ def simulate(
         if planned is None and comp is None:
             raise BadInput(f"{plan_path} carries no profile: give --compute-ms")
         f, b, w = comp if comp else (planned.f, planned.b, planned.w)
-        if dispatch not in DISPATCH:
-            raise BadInput(f"--dispatch: '{dispatch}' is not a dispatch rule; choose ordered or ready")
         if links_ms is not None and link_trace_path is not None:
             raise BadInput("give either --links-ms or --link-trace, not both")
         links = parse_floats(links_ms, "--links-ms")

@@ -8,9 +8,15 @@ has not run, the first one in the hint that is ready now:
 - ``B m``: ``F m`` is done and its output gradient has arrived (the last stage: none needed);
 - ``W m``: ``B m`` is done.
 
-``plan.ready`` replays the same rule in simulated time; ``docs/ready_dispatch.md`` argues why it
-cannot deadlock when every cap is at least 1. The engine runs an op to its end before it picks
-the next one, so "done" is "started" here.
+Patience (``hold``): a ready op does not jump ahead of the hint's first op when that op waits
+only for its message and the message is expected before the jumping op would end; the stage waits
+for the message instead, at most until it is due plus a tenth of the op. The engine expects a
+message when it came in the last iteration; the replay knows when a message in flight lands.
+
+The engine (``runtime.ready_exec``) and the replay (``plan.ready``) both run this class, so the
+replay predicts the engine's choices; ``docs/ready_dispatch.md`` argues why the rule cannot
+deadlock when every cap is at least 1 (a hold waits for a message already on its way, or times
+out). The engine runs an op to its end before it picks the next one, so "done" is "started" here.
 
 Cost: the ops not run yet are kept as hint positions in heaps, so choosing and starting an op
 do not scan them; starting ``F m`` pushes ``B m`` in, starting ``B m`` pushes ``W m``. A message
@@ -31,6 +37,10 @@ from typing import Optional
 from .ops import Op
 
 Arrived = Callable[[str, int], bool]  # (message kind "F" or "B", micro-batch) -> is it in?
+
+
+def _ANY(kind: str, mb: int) -> bool:
+    return True
 
 
 class ReadyRule:
@@ -184,6 +194,28 @@ class ReadyRule:
                     if not done[j]:
                         heapq.heappush(self._ready, j)
             self.inflight -= 1
+
+    def hold(self, op: Op, now: float, op_time: Optional[float],
+             expected: Callable[[tuple[str, int]], Optional[float]]) -> Optional[tuple[tuple[str, int], float]]:
+        """Patience: ``(message, until)`` if the stage should wait for ``message`` (at most until
+        ``until``) instead of starting ``op``, the op ``pick`` chose; else None.
+
+        It waits when ``op`` is not the hint's first op still to run, that op needs only its message
+        (kind, micro-batch) to be ready, and ``expected(message)`` (None: not known) comes before
+        ``op`` would end if it started ``now`` (``op_time`` long; None: not known). ``until`` is the
+        expected time (or ``now``, if it is past) plus a tenth of ``op_time``. Any unit of time."""
+        if op_time is None:
+            return None
+        head = self.pending[0]
+        if op == head:
+            return None
+        msg = self.message_of(head)
+        if msg is None or not self.is_ready(head, _ANY):
+            return None
+        due = expected(msg)
+        if due is None or now + op_time <= due:
+            return None
+        return msg, max(due, now) + op_time / 10
 
     def message_of(self, op: Op):
         """The message ``op`` waits for, as (kind, micro-batch), or None."""

@@ -1,11 +1,13 @@
 """Lowering: a compute plan (per-stage F/B/W orders) -> per-rank instruction streams with the
 communication placed, and a dry run that proves the streams deadlock-free before any rank starts.
 
-One stage per rank. Where communication goes (``lower``):
+``LoweringPolicy`` is the one rule the engine, ``pipemorph simulate --lowered`` and ``pipemorph
+export`` lower with (receive window, fused backward), so what the command line prints is what the
+engine runs. One stage per rank. Where communication goes (``lower``):
 
-- receives are posted up front (or within a window, ``recv_window``): at the start of the iteration
-  each stage posts every receive it will need, RECV_F for each of its F (stages > 0), then RECV_B for each of its B (stages < S-1),
-  each in the order the producing stage sends them. That is the order messages arrive on the
+- receives are posted ahead within a window (``recv_window``, default ``RECV_WINDOW``) or up
+  front: each stage posts the receives it will need, RECV_F for each of its F (stages > 0) and
+  RECV_B for each of its B (stages < S-1), each in the order the producing stage sends them. That is the order messages arrive on the
   channel, so the streams also run where messages between two ranks are matched in order
   (torch pipelining's untagged p2p); where they are matched by tag it changes nothing.
 - a send follows its producer: SEND_F right after F (stages < S-1), SEND_B right after B
@@ -28,12 +30,17 @@ Pure Python: no torch, no deepspeed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from .ops import Op
-from .simulate import Schedule
+from .ops import Op, Schedule
 
 Stream = list[Op]  # one rank's ops, each with its stage (global form, ``2SEND_F5``)
+
+# Receives of each kind posted ahead of the ops that consume them. A posted receive holds its
+# buffer, so the window bounds the receive memory (two per kind) where posting every receive of
+# the iteration would hold N; two ahead keeps a receive in place before its message arrives.
+RECV_WINDOW = 2
 
 
 class BadStream(ValueError):
@@ -94,6 +101,47 @@ def lower(schedule: Schedule, fused_backward: bool = False, recv_window: Optiona
     return out
 
 
+@dataclass(frozen=True)
+class LoweringPolicy:
+    """How a compute plan becomes per-rank streams: receives posted ``recv_window`` ahead per kind
+    (None: every receive of the iteration up front), each send right after its producer, and
+    ``fused``: a B m directly followed by W m is one backward whose input gradient leaves after W.
+
+    A plan file names both (``recv_window``, ``backward``; ``PlanFile.lowering``); plans the engine
+    builds itself take the defaults. Ready dispatch lowers with every receive up front
+    (``for_dispatch``): a completed receive is what makes an op ready, and a receive not posted
+    cannot complete.
+
+    >>> LoweringPolicy(recv_window=1).lines([[Op("F", 0), Op("B", 0), Op("W", 0)],
+    ...                                      [Op("F", 0), Op("B", 0), Op("W", 0)]])
+    ['0RECV_B0 0F0 0SEND_F0 0B0 0W0', '1RECV_F0 1F0 1B0 1SEND_B0 1W0']
+    """
+
+    recv_window: Optional[int] = RECV_WINDOW
+    fused: bool = False
+
+    def __post_init__(self):
+        if self.recv_window is not None and self.recv_window < 1:
+            raise ValueError(f"recv_window must be None or >= 1, got {self.recv_window}")
+
+    def for_dispatch(self, dispatch: str) -> "LoweringPolicy":
+        """The policy a dispatch runs: ``ordered`` this one, ``ready`` every receive up front."""
+        if dispatch not in ("ordered", "ready"):
+            raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
+        return self if dispatch == "ordered" else replace(self, recv_window=None)
+
+    def lower(self, schedule: Schedule) -> list[Stream]:
+        """The streams of ``schedule`` after a dry run with non-blocking sends and messages matched
+        in order (what the engine and torch pipelining both run); raises BadStream otherwise."""
+        streams = lower(schedule, self.fused, self.recv_window)
+        dry_run(streams, ordered_channels=True)
+        return streams
+
+    def lines(self, schedule: Schedule) -> list[str]:
+        """``format_streams`` of ``lower(schedule)``: one line per rank, ``0F0 0SEND_F0 ...``."""
+        return format_streams(self.lower(schedule))
+
+
 def _consumes(op: Op, s: int, S: int) -> bool:
     """Whether ``op`` on stage ``s`` consumes a received tensor (F below the first stage, B above the last)."""
     return op.kind == "F" and s > 0 or op.kind == "B" and s < S - 1
@@ -111,14 +159,6 @@ def _sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:
 def format_streams(streams: list[Stream]) -> list[str]:
     """One line per rank: ``0F0 0SEND_F0 0F1 ...``."""
     return [" ".join(str(op) for op in stream) for stream in streams]
-
-
-def checked_lines(schedule: Schedule, fused_backward: bool = False) -> list[str]:
-    """``format_streams(lower(...))`` after a dry run with non-blocking sends and messages matched
-    in order (what the runtime and torch pipelining both accept)."""
-    streams = lower(schedule, fused_backward)
-    dry_run(streams, ordered_channels=True)
-    return format_streams(streams)
 
 
 # What a message is: (kind of the payload "F" | "B", micro-batch, sending stage, receiving stage).

@@ -11,9 +11,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..fileio import BadInput, describe, load_model
-from .ops import format_stage
+from .lower import RECV_WINDOW, LoweringPolicy
+from .ops import Schedule, format_stage, warmup_counts
 from .profile import Costs, Profile
-from .simulate import Schedule, replay, warmup_counts
+from .simulate import replay
 from .validate import InvalidPlan, parse_schedule, validate_schedule
 
 
@@ -34,6 +35,9 @@ class PlanFile(BaseModel):
     # Extension: "fused" marks a plan whose B m is fused with the W m right after it (stock
     # DeepSpeed's BackwardPass); the input gradient then leaves the stage after W. Default "split".
     backward: Literal["split", "fused"] = "split"
+    # Extension: receives of each kind posted ahead of the ops that consume them when the plan is
+    # lowered (``plan.lower.LoweringPolicy``); files without it get the default.
+    recv_window: int = Field(RECV_WINDOW, ge=1)
     predicted: Optional[Predicted] = None
     profile: Optional[Profile] = None
 
@@ -67,6 +71,11 @@ class PlanFile(BaseModel):
     @property
     def fused(self) -> bool:
         return self.backward == "fused"
+
+    @property
+    def lowering(self) -> LoweringPolicy:
+        """How this plan becomes per-rank streams, for the engine, ``simulate --lowered`` and ``export``."""
+        return LoweringPolicy(recv_window=self.recv_window, fused=self.fused)
 
     @classmethod
     def build(cls, schedule: Schedule, profile: Profile, fused: bool = False) -> "PlanFile":

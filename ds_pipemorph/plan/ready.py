@@ -7,10 +7,12 @@ Two dispatch rules share one event-driven core (no time step):
 - ``ready``: the order is a non-binding hint. Whenever a stage is idle it starts, among its ops
   that are ready at that moment, the one listed first in its hint. ``F m`` is ready once its
   activation has arrived (stage 0: at once) and the stage holds fewer activations than its cap
-  (F done, B not done: what ``simulate.peak_inflight`` counts); ``B m`` once its own ``F m`` is
+  (F done, B not done: what ``ops.peak_inflight`` counts); ``B m`` once its own ``F m`` is
   done and its output gradient has arrived (the last stage needs no gradient); ``W m`` once its
-  own ``B m`` is done. Under caps >= 1 this never deadlocks, whatever the hint
-  (``docs/ready_dispatch.md`` gives the argument).
+  own ``B m`` is done. With ``patience`` (the default, as the engine runs it) a stage waits for
+  the message of its hint's first op instead when that message is on its way and lands before
+  the other op would end. The rule is the engine's own, ``plan.dispatch.ReadyRule``. Under caps
+  >= 1 this never deadlocks, whatever the hint (``docs/ready_dispatch.md`` gives the argument).
 
 Op times may differ per (stage, kind, micro-batch) (``op_times``, see ``plan.variation``) and
 link delays may change over time (``link_delays``: per link a constant or ``(time_ms, delay_ms)``
@@ -27,10 +29,11 @@ from collections.abc import Mapping
 from math import isfinite
 from typing import Callable, Optional, Sequence, Union
 
+from .dispatch import ReadyRule
 from .links import LATENCY, Delegated, Direct, LinkModel, per_link
-from .ops import KINDS, Op
+from .ops import KINDS, Op, Schedule
 from .profile import Costs
-from .simulate import Schedule, Slot, StuckSchedule, Timeline, _stuck_message
+from .timeline import Slot, StuckSchedule, Timeline, stuck_message
 
 DISPATCH = ("ordered", "ready")
 OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
@@ -43,15 +46,16 @@ _INF = float("inf")
 def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  op_times: Union[OpTimes, Mapping, None] = None, link_delays: Optional[LinkDelays] = None,
                  fused_backward: bool = False,
-                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> Timeline:
+                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True) -> Timeline:
     """Ready dispatch with ``hint`` ranking the ready ops; ``caps`` per stage (default: no cap)."""
-    return replay_varying(hint, costs, microbatches, "ready", caps, op_times, link_delays, fused_backward, link_model)
+    return replay_varying(hint, costs, microbatches, "ready", caps, op_times, link_delays, fused_backward,
+                          link_model, patience)
 
 
 def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: str = "ordered",
                    caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
                    link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
-                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> Timeline:
+                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True) -> Timeline:
     """Replay ``schedule`` under ``dispatch`` ("ordered" or "ready"); raise StuckSchedule if it cannot run.
 
     ``op_times``: a callable ``(stage, kind, mb) -> ms`` or a mapping ``{(stage, kind, mb): ms}``
@@ -59,7 +63,8 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     delay in ms or ``(time_ms, delay_ms)`` breakpoints; default ``costs.links``. ``caps`` bound
     the activations a stage holds under ready dispatch (an ordered replay follows its order, which
     sets its own peak). ``fused_backward`` and ``link_model`` are as in ``simulate.replay``; under
-    ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it.
+    ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it. ``patience``:
+    ready dispatch's patience (``ReadyRule.hold``), on as in the engine; off, the bare rule.
     """
     S, N = len(schedule), microbatches
     if dispatch not in DISPATCH:
@@ -73,7 +78,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
             else [sum(map(sum, dur[s])) for s in range(S)])
     return _Run(schedule, N, dispatch == "ready", cap, dur, _curves(link_delays, costs, S),
-                per_link(link_model, S - 1), fused_backward, work).run()
+                per_link(link_model, S - 1), fused_backward, work, patience).run()
 
 
 def _check_rows(schedule: Schedule, N: int) -> None:
@@ -156,7 +161,7 @@ class _Run:
     next free time are known when it starts, and are pushed as wake-ups.
     """
 
-    def __init__(self, schedule, N, ready, cap, dur, curves, model, fused, work):
+    def __init__(self, schedule, N, ready, cap, dur, curves, model, fused, work, patience=True):
         S = len(schedule)
         self.rows, self.S, self.N, self.is_ready, self.cap, self.dur = schedule, S, N, ready, cap, dur
         self.curves = curves
@@ -187,19 +192,17 @@ class _Run:
         self.slots: list[Slot] = []
         self.left = 3 * N * S
         self.wake: list[tuple[float, int]] = []
-        # ready dispatch: per stage, heaps of hint positions ready now (forwards apart: the cap
-        # gates them) and a heap of (time, position) known to become ready later
-        self.ready_f = [[] for _ in range(S)]
-        self.ready_o = [[] for _ in range(S)]
-        self.later = [[] for _ in range(S)]
+        # ready dispatch: per stage the engine's rule, a heap of (arrival, kind, mb) of the
+        # messages on their way to it and their arrival times by (kind, mb)
+        self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1) for s, row in enumerate(schedule)] if ready else []
+        self.patience = patience
+        self.on_way = [[] for _ in range(S)]
+        self.lands = [{} for _ in range(S)]
         self.work = work
 
     def run(self) -> Timeline:
         S = self.S
         for s in range(S):
-            if self.is_ready and s == 0:
-                for m in range(self.N):
-                    self._becomes_ready(0, 0, m, 0.0)
             heapq.heappush(self.wake, (0.0, s))
         while self.wake:
             t, s = heapq.heappop(self.wake)
@@ -212,10 +215,12 @@ class _Run:
 
     # -- readiness ------------------------------------------------------------------------------
 
-    def _becomes_ready(self, s: int, k: int, m: int, t: float) -> None:
-        """Ready dispatch: op (k, m) of stage s is ready from ``t`` on (a wake-up covers ``t``)."""
+    def _deliver(self, s: int, kind: str, m: int, t: float) -> None:
+        """A message (kind "F" or "B", micro-batch m) lands on stage s at ``t``; s wakes up then."""
         if self.is_ready:
-            heapq.heappush(self.later[s], (t, self.pos[s][(k, m)], k))
+            heapq.heappush(self.on_way[s], (t, kind, m))
+            self.lands[s][(kind, m)] = t
+        heapq.heappush(self.wake, (t, s))
 
     def _ready_at(self, s: int, k: int, m: int) -> float:
         """Ordered dispatch: when op (k, m) of stage s is ready (inf: not known yet)."""
@@ -247,18 +252,23 @@ class _Run:
             self._start(s, i, t)
 
     def _pick(self, s: int, t: float) -> Optional[int]:
-        """The ready op with the smallest hint position (a forward only under the cap)."""
-        later, rf, ro = self.later[s], self.ready_f[s], self.ready_o[s]
-        while later and later[0][0] <= t:
-            _, i, k = heapq.heappop(later)
-            heapq.heappush(rf if k == 0 else ro, i)
-        f = rf[0] if rf and self.inflight[s] < self.cap[s] else None
-        o = ro[0] if ro else None
-        if f is None and o is None:
+        """The hint position of the op the rule starts at ``t`` (None: none, or it waits for a
+        message that lands before that op would end, and the landing wakes the stage)."""
+        rule, way, lands = self.rules[s], self.on_way[s], self.lands[s]
+        while way and way[0][0] <= t:
+            _, kind, m = heapq.heappop(way)
+            del lands[(kind, m)]
+            rule.arrive(kind, m)
+        op = rule.pick()
+        if op is None:
             return None
-        if o is None or (f is not None and f < o):
-            return heapq.heappop(rf)
-        return heapq.heappop(ro)
+        k = _K[op.kind]
+        if self.patience and rule.hold(op, t, self.dur[s][k][op.mb], lands.get) is not None:
+            return None
+        rule.started(op)
+        if k == 1 and self.fused[s][op.mb]:  # W m runs with it (``_start``)
+            rule.started(Op("W", op.mb))
+        return self.pos[s][(k, op.mb)]
 
     def _start(self, s: int, i: int, t: float) -> None:
         op = self.rows[s][i]
@@ -273,10 +283,7 @@ class _Run:
             if s < last:
                 arr, blocked = self._send(s, 0, fin)
                 self.arr_f[s][m] = arr
-                self._becomes_ready(s + 1, 0, m, arr)
-                heapq.heappush(self.wake, (arr, s + 1))
-            else:
-                self._becomes_ready(s, 1, m, fin)
+                self._deliver(s + 1, "F", m, arr)
         elif k == 1:
             self.inflight[s] -= 1
             if self.fused[s][m]:  # W m runs right after, the gradient leaves when it ends
@@ -286,15 +293,11 @@ class _Run:
                 if s > 0:
                     arr, depart = self._send(s, 1, fin)
                     blocked = depart if depart > fin else fin
-            else:
-                self._becomes_ready(s, 2, m, fin)
-                if s > 0:
-                    arr, blocked = self._send(s, 1, fin)
+            elif s > 0:
+                arr, blocked = self._send(s, 1, fin)
             if s > 0:
                 self.arr_b[s][m] = arr
-                f_end = self.end[s - 1][0][m]
-                self._becomes_ready(s - 1, 1, m, arr if arr > f_end else f_end)
-                heapq.heappush(self.wake, (arr, s - 1))
+                self._deliver(s - 1, "B", m, arr)
         self.free[s] = blocked if blocked > fin else fin
         heapq.heappush(self.wake, (self.free[s], s))
 
@@ -344,7 +347,7 @@ class _Run:
 
     def _stuck(self) -> str:
         if not self.is_ready:
-            return _stuck_message(self.rows, self.ptr, self.S)
+            return stuck_message(self.rows, self.ptr, self.S)
         for s in range(self.S):  # pragma: no cover - docs/ready_dispatch.md: cannot happen
             if self.ptr[s] < len(self.rows[s]):
                 return (f"stage {s}: no op is ready and nothing is in flight "

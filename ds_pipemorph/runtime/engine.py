@@ -8,9 +8,10 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   recomputation (``bw_split``); all W of an iteration run before ``ReduceTiedGrads``;
 - received activations, received gradients, input gradients and the loss live per pipe buffer
   (the stock engine shares one receive buffer, one gradient buffer and ``self.loss``);
-- it executes the plan's lowered stream (``plan.lower``: receives posted ``RECV_AHEAD`` per kind
-  ahead of their consumers, each send right after the op that produced it), dry-run for deadlocks
-  before it is used;
+- it executes the plan's lowered stream (``plan.lower.LoweringPolicy``, the one ``pipemorph
+  simulate --lowered`` prints: receives posted a window ahead of their consumers, each send right
+  after the op that produced it), dry-run for deadlocks before it is used, and keeps the stream of
+  the last batch in ``executed_stream``;
   messages go through a transport (``runtime.transport``): non-blocking sends, a tag per (kind,
   micro-batch), a timeout on every wait;
 - every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
@@ -35,9 +36,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ..plan.links import DIRECT, Delegated
-from ..plan.lower import BadStream, dry_run, lower
-from ..plan.ops import Op
-from ..plan.simulate import Schedule
+from ..plan.lower import BadStream, LoweringPolicy
+from ..plan.ops import Op, Schedule
 from . import instructions as I
 from .bw_split import backward_input
 from .checkpoint import default_tag, restore_parts, save_parts
@@ -50,20 +50,14 @@ from .clocks import estimate_clock_offsets
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .hooks import EngineHooks, Hooks, active_plugins, transport_hooks
-from .plans import DEFAULT_OP_MS, caps
-from .ready_exec import run_ready
+from .plans import DEFAULT_OP_MS, caps, lowering_for
+from .ready_exec import ReadyProgram, run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
 from .transport.router import build_transport
 
 logger = logging.getLogger(__name__)
-
-
-# Receives of each kind (activations, gradients) posted ahead of the op that consumes them. A posted
-# receive holds its buffer, so this bounds the receive memory (two per kind) where posting every
-# receive of the iteration would hold N; two ahead keeps a receive in place before its message.
-RECV_AHEAD = 2
 
 
 def backend_reason(backend: str, delegation_mode: str) -> Optional[str]:
@@ -116,8 +110,10 @@ class PipeMorphEngine(PipelineEngine):
         self.pipemorph = pipemorph
         self._schedule: Optional[PipeMorphSchedule] = None
         self._program: list = []
-        self._program_map = None
-        self._set_plan(plan)
+        self._ready_program: Optional[ReadyProgram] = None
+        self.inbox = None  # dispatch "ready" (set below): every receive of an iteration in flight
+        self.executed_stream: list[str] = []  # the lowered ops the last train_batch ran, in order
+        self._set_plan(plan, lowering_for(pipemorph))
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
@@ -152,7 +148,6 @@ class PipeMorphEngine(PipelineEngine):
         self.measured_peak_inflight = 0
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         # dispatch "ready": every receive of an iteration in flight, completed in worker threads
-        self.inbox = None
         if pipemorph.dispatch == "ready":
             self.inbox = Inbox(self.transport, 2 * self.micro_batches, pipemorph.timeout_s, self.global_rank)
         self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
@@ -219,42 +214,56 @@ class PipeMorphEngine(PipelineEngine):
             waits = bool(flag.item())
         return DIRECT if waits else Delegated(1)
 
-    def _set_plan(self, plan: Schedule) -> None:
-        """Lower ``plan`` and dry-run every rank's stream before this rank uses it (the same plan
-        gives the same result on every rank, so all adopt it or all refuse it)."""
-        streams = lower(plan, recv_window=RECV_AHEAD)
+    def _set_plan(self, plan: Schedule, lowering: Optional[LoweringPolicy] = None) -> None:
+        """Lower ``plan`` with ``lowering`` (default: the policy in force) for both dispatches and
+        dry-run every rank's streams before this rank uses them (the same plan gives the same result
+        on every rank, so all adopt it or all refuse it)."""
+        lowering = lowering or self.lowering
         try:
-            dry_run(streams)
+            streams = {d: lowering.for_dispatch(d).lower(plan)[self.stage_id] for d in ("ordered", "ready")}
         except BadStream as e:
             raise PipeMorphConfigError(f"the plan cannot run: {e}") from None
-        self.plan = plan
+        self.plan, self.lowering = plan, lowering
         self.stage_plan: list[Op] = list(plan[self.stage_id])
-        self.stream = streams[self.stage_id]
-        self._schedule = None  # built at the next batch
-        self._program_map = None
+        self._streams = streams
+        self._compiled: dict[str, tuple] = {}  # dispatch -> its program, built at the next batch
 
-    def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[str] = None) -> None:
+    @property
+    def dispatch(self) -> str:
+        """``"ordered"`` or ``"ready"``: how the next ``train_batch`` runs its stream."""
+        return "ready" if self.inbox is not None else "ordered"
+
+    @property
+    def stream(self) -> list[Op]:
+        """This stage's lowered stream under the dispatch in force (``LoweringPolicy.for_dispatch``)."""
+        return self._streams[self.dispatch]
+
+    def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[str] = None,
+                  lowering: Optional[LoweringPolicy] = None) -> None:
         """Run ``plan`` and/or ``dispatch`` ("ordered" or "ready") from the next ``train_batch``, as a
         re-plan takes effect at an iteration boundary: every rank calls it with the same arguments
-        between two ``train_batch`` calls. Ready dispatch switched off keeps its receive threads for
+        between two ``train_batch`` calls; ``lowering`` (a plan file's ``PlanFile.lowering``) lowers
+        ``plan``, default the policy in force. Ready dispatch switched off keeps its receive threads for
         when it is switched on again (a paired benchmark switches every iteration). Every argument
         is checked before anything changes: a refused call leaves the plan and dispatch as they were."""
         if dispatch not in (None, "ordered", "ready"):
             raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
         if dispatch == "ready" and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)
-        if plan is not None and plan is not self.plan:
+        if plan is not None and (plan is not self.plan or lowering not in (None, self.lowering)):
             self._check_micro_batches(plan[self.stage_id])
-            self._set_plan(plan)  # dry-runs the plan before adopting it
+            self._set_plan(plan, lowering)  # dry-runs the plan before adopting it
             self._train_schedule()  # its program is built now, not inside the next train_batch
-        if dispatch is None or (dispatch == "ready") == (self.inbox is not None):
+        if dispatch is None or dispatch == self.dispatch:
             return
         if dispatch == "ordered":
             self._idle_inbox, self.inbox = self.inbox, None
-            return
-        idle = getattr(self, "_idle_inbox", None)
-        self.inbox = idle or Inbox(self.transport, 2 * self.micro_batches, self.pipemorph.timeout_s, self.global_rank)
-        self._idle_inbox = None
+        else:
+            idle = getattr(self, "_idle_inbox", None)
+            self.inbox = idle or Inbox(self.transport, 2 * self.micro_batches, self.pipemorph.timeout_s,
+                                       self.global_rank)
+            self._idle_inbox = None
+        self._train_schedule()  # built once per plan and dispatch, not inside the next train_batch
 
     def add_hooks(self, *items: EngineHooks) -> None:
         """Run the engine hooks ``items`` (``runtime.hooks``) from the next ``train_batch`` on, after
@@ -274,15 +283,18 @@ class PipeMorphEngine(PipelineEngine):
 
     def _train_schedule(self):
         self._check_micro_batches(self.stage_plan)
-        if self._schedule is None:
-            self._schedule = PipeMorphSchedule(self.stream, self.micro_batches, self.num_stages, self.stage_id)
-        handlers = self._handlers
-        if self._program_map is not handlers:  # a new plan, or hooks added since (add_hooks)
-            self._program_map = handlers
-            # Per instruction: (recorded?, op text, handler, kwargs), built once per plan.
-            self._program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
-                             for step in self._schedule.steps() for cmd in step]
-            self._tail = len(list(self._schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
+        dispatch, handlers = self.dispatch, self._handlers
+        compiled = self._compiled.get(dispatch)
+        if compiled is None or compiled[1] is not handlers:  # a new plan, or hooks added since (add_hooks)
+            schedule = PipeMorphSchedule(self._streams[dispatch], self.micro_batches, self.num_stages, self.stage_id)
+            # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
+            program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
+                       for step in schedule.steps() for cmd in step]
+            tail = len(list(schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
+            ready = ReadyProgram(schedule, handlers, self.lowering.fused) if dispatch == "ready" else None
+            compiled = self._compiled[dispatch] = (schedule, handlers, program, tail, ready,
+                                                   [str(op) for op in schedule.stream])
+        self._schedule, _, self._program, self._tail, self._ready_program, self._stream_texts = compiled
         return self._schedule
 
     # -- execution ------------------------------------------------------------------------------
@@ -306,14 +318,17 @@ class PipeMorphEngine(PipelineEngine):
             self.hooks.start_iteration(self)
         run = self.recorder.run
         program = self._program
-        if self.inbox is not None:  # dispatch "ready": the F/B/W part in readiness order, then the tail
-            self.choosing_ns.append(run_ready(self))
+        self.executed_stream = []
+        if self.inbox is not None:  # dispatch "ready": the stream's ops in readiness order, then the tail
+            self.choosing_ns.append(run_ready(self, self._ready_program))
             program = program[-self._tail:]
         for recorded, name, handler, kwargs in program:
             if recorded:
                 run(name, handler, self, **kwargs)
             else:
                 handler(self, **kwargs)
+        if self.inbox is None:  # ordered dispatch ran every op of its stream, in order
+            self.executed_stream = list(self._stream_texts)
         if self._weight_work:
             raise RuntimeError(f"stage {self.stage_id}: W never ran for micro-batches {sorted(self._weight_work)}")
         self._at_iteration_boundary()

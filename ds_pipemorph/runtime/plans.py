@@ -18,9 +18,11 @@ from __future__ import annotations
 from ..fileio import BadInput, load_model
 from ..plan.baselines import deepspeed_1f1b, zb_h1_warmup
 from ..plan.listsched import list_schedule
+from ..plan.lower import LoweringPolicy
+from ..plan.ops import Schedule, warmup_counts
 from ..plan.planfile import PlanFile
 from ..plan.profile import Costs
-from ..plan.simulate import Schedule, makespan, warmup_counts
+from ..plan.simulate import makespan
 from ..plan.validate import InvalidPlan, validate_schedule
 from ..plan.warmup import check_lemma1, initial_warmup
 from .config import PipeMorphConfig, PipeMorphConfigError
@@ -88,6 +90,17 @@ def load_plan_file(path: str, stages: int, microbatches: int) -> Schedule:
         return pf.ops()
     except InvalidPlan as e:
         raise PipeMorphConfigError(f"plan file {path} is invalid: {e}") from None
+
+
+def lowering_for(cfg: PipeMorphConfig) -> LoweringPolicy:
+    """How the job's plans are lowered: a plan file's own ``recv_window`` and ``backward``, else
+    the defaults (the plans ``1f1b``, ``zb`` and ``adaptive`` build have a split backward)."""
+    if cfg.schedule != "plan":
+        return LoweringPolicy()
+    try:
+        return load_model(cfg.plan_file, PlanFile).lowering
+    except BadInput as e:
+        raise PipeMorphConfigError(f"ds_config pipemorph.plan_file {e}") from None
 
 
 def _check_warmup(warmup: list[int]) -> None:

@@ -1,50 +1,124 @@
 """The engine's readiness-driven dispatch (``dispatch: "ready"``): one iteration of one stage.
 
-The plan's order for this stage is the hint (``plan.dispatch.ReadyRule``, refined in ``run_ready``
-by the last iteration's arrival times). Every receive of the
-iteration is posted up front (``runtime.inbox``: each completion is a readiness event); the
-training thread repeatedly runs the first ready op of the hint, with the same handlers, op records
-and NVTX ranges as ordered dispatch, each send right after the op that produced it. Pipe buffers
-are taken by F (the lowest free one) and released by B, as many as the plan's peak of in-flight
-activations, which is also the rule's cap: ready dispatch never holds more activations than the
-plan. The end of the iteration is the same as ordered dispatch's: wait for the sends, then tied
-reductions, the data-parallel all-reduce and the optimizer step, after every W, in the same order
-on every rank (replicas of a stage may have run their ops in different orders: the sums they
-reduce are the same up to floating-point order).
+Ready dispatch runs the same lowered stream as ordered dispatch (``plan.lower.LoweringPolicy``,
+with every receive of the iteration up front: ``for_dispatch("ready")``) and changes one thing:
+which compute op goes next. ``ReadyProgram`` cuts the stream's compiled steps
+(``runtime.schedule``) into the receives posted before the first compute op and one unit per
+compute op: its instructions and the sends that follow it in the stream (a fused B m takes its
+W m and the gradient's send along, as the lowering placed them). The receives are posted through
+the inbox (``runtime.inbox``: each completion is a readiness event) and the waits at F and B take
+from it. The rule (``plan.dispatch.ReadyRule``, with its patience) picks the next unit; the
+training thread runs it with the same handlers, op records and NVTX ranges as ordered dispatch.
+Pipe buffers follow ``schedule.Buffers`` in the order the ops run (F takes the lowest free one,
+B releases it), as many as the plan's peak of in-flight activations, which is also the rule's cap:
+ready dispatch never holds more activations than the plan. The end of the iteration is the
+stream's, run by ordered dispatch's loop: wait for the sends, then tied reductions, the
+data-parallel all-reduce and the optimizer step, after every W, in the same order on every rank
+(replicas of a stage may have run their ops in different orders: the sums they reduce are the
+same up to floating-point order).
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from ..plan.dispatch import ReadyRule
+from ..plan.ops import Op
 from . import instructions as I
+from .schedule import Buffers, PipeMorphSchedule
 
 
-def run_ready(engine) -> int:
-    """Run this iteration's F/B/W ops in readiness order; returns the nanoseconds spent choosing.
+def _post_f(engine, micro_batch):
+    engine.inbox.post("F", micro_batch, engine.recorder.records)
 
-    One refinement of the rule: a ready op does not jump ahead of the hint's first op when that op
-    waits only for a message that, in the last iteration, came before the jumping op would end now;
-    the stage waits for the message instead (at most until then, plus a tenth of the op). Without
-    it, a message a little later than the plan assumed makes a stage start a later op of its hint
-    (typically a W) and the op the plan wanted next waits for all of it."""
+
+def _post_b(engine, micro_batch):
+    engine.inbox.post("B", micro_batch, engine.recorder.records)
+
+
+def _take_f(engine, buffer_id, micro_batch):
+    engine._take_activation(buffer_id, engine.inbox.take("F", micro_batch))
+
+
+def _take_b(engine, buffer_id, micro_batch):
+    engine._output_grads[buffer_id] = engine.inbox.take("B", micro_batch)
+
+
+# Where ready dispatch's receives differ from ordered dispatch's: posted to the inbox, whose
+# worker threads record each one (``RECV_F3``: waiting to arrival), and taken from it.
+_INBOX = {I.PostRecvActivation: _post_f, I.PostRecvGrad: _post_b, I.RecvActivation: _take_f, I.RecvGrad: _take_b}
+
+
+class Unit(NamedTuple):
+    """One compute op of the stream with what rides with it, run as a whole."""
+    entries: list  # (recorded?, op text, handler, kwargs, takes a buffer?)
+    texts: list  # the stream's ops it runs (``2F5``, ``2SEND_F5``)
+    also: list  # ops of the hint it runs besides its own (the W of a fused backward)
+    takes: bool  # F: takes a pipe buffer
+    releases: bool  # B: releases it, after the unit
+
+
+class ReadyProgram:
+    """A stage's stream for ready dispatch, built once per plan: ``posts`` (instruction entries),
+    ``post_texts``, and ``units`` by compute op (local form, ``F3``). ``fused``: the policy's
+    fused backward (B m directly followed by W m in the plan runs as one unit)."""
+
+    def __init__(self, schedule: PipeMorphSchedule, handlers, fused: bool):
+        stream, steps = schedule.stream, list(schedule.steps())[:-1]
+        self.cap = schedule.num_pipe_buffers()
+
+        def entries(cmds):
+            return [(type(c) not in _INBOX, I.op_text(c), _INBOX.get(type(c)) or handlers[type(c)], c.kwargs,
+                     "buffer_id" in c.kwargs) for c in cmds]
+
+        self.posts: list = []
+        self.post_texts: list[str] = []
+        self.units: dict[Op, Unit] = {}
+        unit = None
+        for op, cmds in zip(stream, steps):
+            if op.is_compute:
+                unit = self.units[op.local()] = Unit(entries(cmds), [str(op)], [], op.kind == "F", op.kind == "B")
+            elif unit is None and op.kind.startswith("RECV"):
+                self.posts += entries(cmds)
+                self.post_texts.append(str(op))
+            elif unit is not None and op.kind.startswith("SEND"):
+                unit.entries.extend(entries(cmds))
+                unit.texts.append(str(op))
+            else:
+                raise ValueError(f"stage {schedule.stage_id}: ready dispatch needs every receive before the first "
+                                 f"compute op and each send after its producer, not {op} there")
+        if fused:  # the lowering sends B m's gradient after W m: the two run as one unit
+            ops = schedule.ops
+            for a, b in zip(ops, ops[1:]):
+                if a.kind == "B" and b == Op("W", a.mb):
+                    w = self.units.pop(b)
+                    u = self.units[a]
+                    u.entries.extend(w.entries)
+                    u.texts.extend(w.texts)
+                    u.also.append(b)
+
+
+def run_ready(engine, program: ReadyProgram) -> int:
+    """Run this iteration's stream up to its end in readiness order; returns the nanoseconds spent
+    choosing. ``engine.executed_stream`` gets the stream's ops in the order they ran.
+
+    The rule's patience (``ReadyRule.hold``) takes the last iteration's arrival times and mean op
+    times as its expectations: the first iteration has none and never waits."""
     s, S = engine.stage_id, engine.num_stages
-    first, last = s == 0, s == S - 1
-    h, run, records, inbox = engine._handlers, engine.recorder.run, engine.recorder.records, engine.inbox
-    if not first:  # in the order the upstream stage's hint produces them
-        for op in engine.plan[s - 1]:
-            if op.kind == "F":
-                inbox.post("F", op.mb, records)
-    if not last:
-        for op in engine.plan[s + 1]:
-            if op.kind == "B":
-                inbox.post("B", op.mb, records)
+    run, inbox = engine.recorder.run, engine.inbox
+    executed = engine.executed_stream
+    for _, _, handler, kwargs, _ in program.posts:  # every receive of the iteration, in the producers' order
+        handler(engine, **kwargs)
+    executed.extend(program.post_texts)
     t0 = time.monotonic_ns()
-    expect = getattr(engine, "_ready_expect", None) or ({}, {})  # last iteration: arrival offsets, op ns per kind
-    arrived_at, op_ns = expect
-    cap = engine._schedule.num_pipe_buffers()
-    rule = ReadyRule(engine.stage_plan, cap, needs_input=not first, needs_grad=not last)
-    free, buffer_of = list(range(cap)), {}
+    arrived_at, op_ns = getattr(engine, "_ready_expect", None) or ({}, {})  # last iteration: arrival offsets, op ns per kind
+
+    def expected(msg):
+        at = arrived_at.get(msg)
+        return None if at is None else t0 + at
+
+    rule = ReadyRule(engine.stage_plan, program.cap, needs_input=s > 0, needs_grad=s < S - 1)
+    buffers = Buffers(program.cap)
     choosing = 0
     while not rule.finished:
         t = time.perf_counter_ns()
@@ -57,39 +131,26 @@ def run_ready(engine) -> int:
                 raise RuntimeError(f"stage {s}: no op is ready and no message is on its way "
                                    f"(waiting for {', '.join(rule.waiting_for()) or 'nothing'})")
             continue
-        head = rule.pending[0]
-        msg = rule.message_of(head) if op != head else None
-        if (msg is not None and msg in arrived_at and op.kind in op_ns and not inbox.arrived(*msg)
-                and rule.is_ready(head, lambda kind, mb: True)):
-            # The hint's first op waits only for its message. If that message came, last iteration,
-            # before this op would end now, wait for it (up to then and a tenth of the op more).
-            due = t0 + arrived_at[msg]
-            now = time.monotonic_ns()
-            if now + op_ns[op.kind] > due and inbox.wait_for(*msg, (max(0, due - now) + op_ns[op.kind] // 10) / 1e9):
-                continue
+        now = time.monotonic_ns()
+        hold = rule.hold(op, now, op_ns.get(op.kind), expected)
+        if hold is not None and inbox.wait_for(*hold[0], (hold[1] - now) / 1e9):
+            continue  # the message the hint's first op waits for came: pick again
         rule.started(op)
+        unit = program.units[op]
+        for other in unit.also:
+            rule.started(other)
         m = op.mb
-        if op.kind == "F":
-            buf = min(free)
-            free.remove(buf)
-            buffer_of[m] = buf
-            if not first:
-                engine._take_activation(buf, inbox.take("F", m))
-            if first or last:
-                run(f"LOAD{m}", h[I.LoadMicroBatch], engine, buffer_id=buf, micro_batch=m)
-            run(f"F{m}", h[I.ForwardPass], engine, buffer_id=buf, micro_batch=m)
-            if not last:
-                run(f"SEND_F{m}", h[I.SendActivation], engine, buffer_id=buf, micro_batch=m)
-        elif op.kind == "B":
-            buf = buffer_of.pop(m)
-            if not last:
-                engine._output_grads[buf] = inbox.take("B", m)
-            run(f"B{m}", h[I.BackwardInputPass], engine, buffer_id=buf, micro_batch=m)
-            free.append(buf)
-            if not first:
-                run(f"SEND_B{m}", h[I.SendGrad], engine, buffer_id=buf, micro_batch=m)
-        else:
-            run(f"W{m}", h[I.BackwardWeightPass], engine, micro_batch=m)
+        buf = buffers.take(m) if unit.takes else buffers.of.get(m)
+        for recorded, name, handler, kwargs, buffered in unit.entries:
+            if buffered:
+                kwargs = {**kwargs, "buffer_id": buf}
+            if recorded:
+                run(name, handler, engine, **kwargs)
+            else:
+                handler(engine, **kwargs)
+        if unit.releases:
+            buffers.release(m)
+        executed.extend(unit.texts)
     recs = engine.recorder.records
     arrived_at = {(r.op[5], int(r.op[6:])): r.end_ns - t0 for r in recs if r.op.startswith("RECV_")}
     spans: dict = {}

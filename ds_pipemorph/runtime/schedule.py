@@ -14,19 +14,38 @@ for this stage, op by op::
     W m       ->  BackwardWeightPass
     end       ->  WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
 
-Buffers: F m takes the lowest free pipe buffer and B m releases it (W needs none), so the number
-of buffers is the plan's peak of in-flight activations on this stage, not more. The instructions
-are built once per stream (``steps`` hands out the same objects every iteration).
+Step i holds the instructions of ``stream[i]``; one last step ends the iteration. Buffers
+(``Buffers``): F m takes the lowest free pipe buffer and B m releases it (W needs none), so the
+number of buffers is the plan's peak of in-flight activations on this stage, not more; ready
+dispatch applies the same rule in the order it runs the ops. The instructions are built once per
+stream (``steps`` hands out the same objects every iteration).
 """
 from __future__ import annotations
 
+import heapq
 from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-from ..plan.ops import Op
-from ..plan.simulate import peak_inflight
+from ..plan.ops import Op, peak_inflight
 from . import instructions as I
+
+
+class Buffers:
+    """This stage's pipe buffers: F m takes the lowest free one, B m releases it (W needs none)."""
+
+    def __init__(self, count: int):
+        self._free = list(range(count))  # a heap
+        self.of: dict[int, int] = {}  # micro-batch -> the buffer its F took
+
+    def take(self, mb: int) -> int:
+        buf = self.of[mb] = heapq.heappop(self._free)
+        return buf
+
+    def release(self, mb: int) -> int:
+        buf = self.of.pop(mb)
+        heapq.heappush(self._free, buf)
+        return buf
 
 
 class PipeMorphSchedule(PipeSchedule):
@@ -46,8 +65,7 @@ class PipeMorphSchedule(PipeSchedule):
         return iter(self._steps)
 
     def _compile(self) -> list[list]:
-        free = list(range(self._buffers))
-        buffer_of: dict[int, int] = {}
+        buffers = Buffers(self._buffers)
         released: dict[int, int] = {}  # micro-batch -> the buffer its B released (SendGrad names it)
         first, last = self.is_first_stage, self.is_last_stage
         steps: list[list] = []
@@ -58,21 +76,17 @@ class PipeMorphSchedule(PipeSchedule):
             elif k == "RECV_B":
                 cmds = [I.PostRecvGrad(micro_batch=m)]
             elif k == "F":
-                buf = free.pop(0)
-                buffer_of[m] = buf
+                buf = buffers.take(m)
                 cmds = [] if first else [I.RecvActivation(buf, micro_batch=m)]
                 if first or last:
                     cmds.append(I.LoadMicroBatch(buf, micro_batch=m))
                 cmds.append(I.ForwardPass(buf, micro_batch=m))
             elif k == "SEND_F":
-                cmds = [I.SendActivation(buffer_of[m], micro_batch=m)]
+                cmds = [I.SendActivation(buffers.of[m], micro_batch=m)]
             elif k == "B":
-                buf = buffer_of.pop(m)
-                released[m] = buf
+                buf = released[m] = buffers.release(m)
                 cmds = [] if last else [I.RecvGrad(buf, micro_batch=m)]
                 cmds.append(I.BackwardInputPass(buf, micro_batch=m))
-                free.append(buf)
-                free.sort()
             elif k == "SEND_B":
                 cmds = [I.SendGrad(released.pop(m), micro_batch=m)]
             else:

@@ -51,6 +51,33 @@ def test_a_fused_plan_sends_its_gradient_after_W(tmp_path):
     assert out.read_text().splitlines()[1] == "1RECV_F0,1RECV_F1,1F0,1I0,1W0,1SEND_B0,1F1,1I1,1W1,1REDUCE_GRAD,1SEND_B1"
 
 
+def test_lowered_and_export_post_the_plans_recv_window_ahead_and_ready_dispatch_posts_all(tmp_path):
+    """Three micro-batches in 1F1B order on 2 stages; stage 1 consumes F0, F1, F2 in order.
+
+    Default window 2: RECV_F0 RECV_F1 up front, RECV_F2 once F0 consumed its receive (after its
+    send); window 1: one ahead, each next one after the op that consumed the last; ready dispatch:
+    all three up front."""
+    plan = {"version": 1, "stages": 2, "microbatches": 3, "warmup": [2, 1],
+            "schedule": [["F0", "F1", "B0", "W0", "F2", "B1", "W1", "B2", "W2"],
+                         ["F0", "B0", "W0", "F1", "B1", "W1", "F2", "B2", "W2"]]}
+    path = write(tmp_path, "p.yaml", plan)
+    r = run("simulate", path, "--lowered")
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[1] == ("1RECV_F0 1RECV_F1 1F0 1RECV_F2 1B0 1SEND_B0 1W0 1F1 1B1 1SEND_B1 1W1 "
+                                        "1F2 1B2 1SEND_B2 1W2")
+    one = write(tmp_path, "one.yaml", dict(plan, recv_window=1))
+    r = run("simulate", one, "--lowered")
+    assert r.output.splitlines()[1] == ("1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1W0 1F1 1RECV_F2 1B1 1SEND_B1 1W1 "
+                                        "1F2 1B2 1SEND_B2 1W2")
+    out = tmp_path / "one.csv"
+    assert run("export", one, "-o", out).exit_code == 0
+    assert out.read_text().splitlines()[1].startswith("1RECV_F0,1F0,1RECV_F1,1I0,1SEND_B0")
+    r = run("simulate", one, "--lowered", "--dispatch", "ready")
+    assert r.output.splitlines()[1].startswith("1RECV_F0 1RECV_F1 1RECV_F2 1F0 1B0 1SEND_B0")
+    r = run("simulate", one, "--lowered", "--dispatch", "eager")
+    one_sentence_exit_2(r, "--dispatch")
+
+
 # Stage 0: F0 F1 I0 W0 I1 W1, stage 1 the same, 10 ms per op. Without delay stage 1 runs F0 at
 # 10-20, F1 20-30, I0 30-40, W0 40-50, I1 50-60, W1 60-70; stage 0 gets the gradients at 40 and 60:
 # I0 40-50, W0 50-60, I1 60-70, W1 70-80 -> 80 ms. With 5 ms on the link, stage 1 starts at 15

@@ -201,3 +201,48 @@ def test_a_receive_window_bounds_outstanding_receives_and_still_runs(window):
 def test_a_window_below_one_is_refused():
     with pytest.raises(ValueError, match="recv_window"):
         lower([[Op("F", 0), Op("B", 0), Op("W", 0)]], recv_window=0)
+
+
+# -- the one lowering policy ---------------------------------------------------------------------
+
+def test_the_policy_posts_two_receives_ahead_by_default_and_a_plan_file_may_say_otherwise(tmp_path):
+    from ds_pipemorph.plan.lower import RECV_WINDOW, LoweringPolicy
+    from ds_pipemorph.plan.planfile import PlanFile
+
+    plan = zb_h1(Costs.uniform(3), 6)
+    assert RECV_WINDOW == 2 and LoweringPolicy() == LoweringPolicy(recv_window=2, fused=False)
+    assert LoweringPolicy().lower(plan) == lower(plan, recv_window=2)
+    # stage 1 of ZB-H1 receives F0, F1 and B0, B1 before its first op: two of each kind
+    assert LoweringPolicy().lines(plan)[1].split()[:5] == ["1RECV_F0", "1RECV_F1", "1RECV_B0", "1RECV_B1", "1F0"]
+    # ready dispatch: every receive of the iteration up front, the rest unchanged
+    ready = LoweringPolicy().for_dispatch("ready")
+    assert ready == LoweringPolicy(recv_window=None) and ready.lower(plan) == lower(plan)
+    assert LoweringPolicy(recv_window=5).for_dispatch("ordered") == LoweringPolicy(recv_window=5)
+    with pytest.raises(ValueError, match="recv_window"):
+        LoweringPolicy(recv_window=0)
+    with pytest.raises(ValueError, match="dispatch"):
+        LoweringPolicy().for_dispatch("eager")
+
+    base = {"version": 1, "stages": 3, "microbatches": 6, "warmup": [3, 2, 1],
+            "schedule": [[str(op) for op in row] for row in plan]}
+    path = tmp_path / "p.json"
+    import json
+
+    path.write_text(json.dumps(base))
+    assert PlanFile.read(path)[0].lowering == LoweringPolicy()  # a file without the field
+    path.write_text(json.dumps({**base, "recv_window": 1, "backward": "fused"}))
+    assert PlanFile.read(path)[0].lowering == LoweringPolicy(recv_window=1, fused=True)
+    path.write_text(json.dumps({**base, "recv_window": 0}))
+    from ds_pipemorph.fileio import BadInput
+
+    with pytest.raises(BadInput, match="recv_window"):
+        PlanFile.read(path)
+
+
+def test_a_policy_lowering_that_cannot_run_raises_bad_stream():
+    from ds_pipemorph.plan.lower import LoweringPolicy
+
+    # stage 0 waits at B0 for stage 1's gradient, stage 1 at F0 for stage 0's activation
+    stuck = [[Op("B", 0), Op("F", 0), Op("W", 0)], [Op("F", 0), Op("B", 0), Op("W", 0)]]
+    with pytest.raises(Deadlock, match="stage 0 waits at 0B0 .needs 1SEND_B0., stage 1 waits at 1F0"):
+        LoweringPolicy().lower(stuck)

@@ -17,11 +17,12 @@ from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.baselines import deepspeed_1f1b, gpipe, zb_h1
 from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, parse_stage
+from ds_pipemorph.plan.ops import Op, parse_stage, peak_inflight
 from ds_pipemorph.plan.profile import Costs
 from ds_pipemorph.plan.ready import replay_ready, replay_varying
 from ds_pipemorph.plan.search import POLICIES, search
-from ds_pipemorph.plan.simulate import StuckSchedule, peak_inflight, replay
+from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.timeline import StuckSchedule
 from ds_pipemorph.plan.variation import (
     OpTable,
     heavy,
@@ -117,23 +118,41 @@ def test_ready_lets_a_ready_w_overtake_a_late_b():
     assert stage_order(ready, 1) == stage_order(ordered, 1) == ["F0", "B0", "F1", "B1", "W0", "W1"]
 
 
-def test_ready_can_be_slower_than_the_order():
+def test_the_bare_rule_can_be_slower_than_the_order_and_patience_waits_for_the_message_on_its_way():
     """2 stages, 2 ms link, F1 on stage 0 takes 3 ms, W0 on stage 1 takes 3 ms.
 
     stage 0: F0 0-1 (arrives 3), F1 1-4 (arrives 6).
     stage 1 ordered: F0 3-4, B0 4-5 (gradient at 7), F1 6-7, B1 7-8 (gradient at 10), W0 8-11, W1 11-12.
     stage 0 ordered: B0 7-8, W0 8-9, B1 10-11, W1 11-12 -> 12 ms.
-    stage 1 ready: at 5 only W0 is ready (F1 arrives at 6): W0 5-8, F1 8-9, B1 9-10 (gradient at
-    12), W1 10-11; stage 0 then runs B1 12-13, W1 13-14 -> 14 ms.
+    stage 1, bare rule: at 5 only W0 is ready (F1 arrives at 6): W0 5-8, F1 8-9, B1 9-10 (gradient
+    at 12), W1 10-11; stage 0 then runs B1 12-13, W1 13-14 -> 14 ms.
+    With patience W0 would end at 8, after F1 lands at 6: stage 1 waits and runs the order -> 12 ms.
     """
     hint = rows("F0 F1 B0 W0 B1 W1", "F0 B0 F1 B1 W0 W1")
     costs = Costs.uniform(2, 1.0, [2.0])
     times = {(0, "F", 1): 3.0, (1, "W", 0): 3.0}
-    assert replay_varying(hint, costs, 2, "ordered", op_times=times).iteration_ms == 12.0
-    ready = replay_ready(hint, costs, 2, caps=[2, 1], op_times=times)
-    assert ready.iteration_ms == 14.0
-    assert slot_map(ready)[(1, "W", 0)] == (5.0, 8.0)
-    assert slot_map(ready)[(0, "B", 1)] == (12.0, 13.0)
+    ordered = replay_varying(hint, costs, 2, "ordered", op_times=times)
+    assert ordered.iteration_ms == 12.0
+    bare = replay_ready(hint, costs, 2, caps=[2, 1], op_times=times, patience=False)
+    assert bare.iteration_ms == 14.0
+    assert slot_map(bare)[(1, "W", 0)] == (5.0, 8.0)
+    assert slot_map(bare)[(0, "B", 1)] == (12.0, 13.0)
+    patient = replay_ready(hint, costs, 2, caps=[2, 1], op_times=times)
+    assert patient.iteration_ms == 12.0
+    assert slot_map(patient)[(1, "F", 1)] == (6.0, 7.0) and slot_map(patient)[(1, "W", 0)] == (8.0, 11.0)
+    assert slot_map(patient) == slot_map(ordered)
+
+
+def test_patience_does_not_wait_for_a_message_that_lands_after_the_other_op_would_end():
+    """As above with W0 on stage 1 taking 0.5 ms: at 5 it would end at 5.5, before F1 lands at 6,
+    so W0 runs 5-5.5 and F1 still starts at 6: F1 6-7, B1 7-8, W1 8-9 on stage 1; the gradient of
+    B1 lands on stage 0 at 10: B1 10-11, W1 11-12 -> 12 ms, W0 out of the hint's order."""
+    hint = rows("F0 F1 B0 W0 B1 W1", "F0 B0 F1 B1 W0 W1")
+    costs = Costs.uniform(2, 1.0, [2.0])
+    times = {(0, "F", 1): 3.0, (1, "W", 0): 0.5}
+    tl = replay_ready(hint, costs, 2, caps=[2, 1], op_times=times)
+    assert slot_map(tl)[(1, "W", 0)] == (5.0, 5.5) and slot_map(tl)[(1, "F", 1)] == (6.0, 7.0)
+    assert tl.iteration_ms == 12.0
 
 
 def test_the_cap_keeps_a_ready_forward_waiting():
@@ -270,11 +289,12 @@ def test_ready_dispatch_never_deadlocks_keeps_caps_and_dependencies(case, fused)
 @settings(max_examples=120, deadline=None)
 @given(replay_cases(models=False))
 def test_ready_dispatch_follows_its_rule(case):
-    """Latency links, so an op's ready time follows from the slots alone: at each start no op
-    earlier in the hint was ready, and during each idle gap no op the stage may run was ready."""
+    """The bare rule (no patience), latency links, so an op's ready time follows from the slots
+    alone: at each start no op earlier in the hint was ready, and during each idle gap no op the
+    stage may run was ready."""
     costs, n, hint, caps, table, delays, _ = case
     S = costs.stages
-    tl = replay_ready(hint, costs, n, caps, table, delays)
+    tl = replay_ready(hint, costs, n, caps, table, delays, patience=False)
     got = check_timeline(tl, costs, n, table, delays)
     curves = delays if delays is not None else [[(0.0, c)] for c in costs.links]
 

@@ -9,9 +9,8 @@ from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSche
 from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1
 from ds_pipemorph.plan.listsched import list_schedule
 from ds_pipemorph.plan.lower import lower
-from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.ops import Op, peak_inflight
 from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import peak_inflight
 from ds_pipemorph.runtime import instructions as I
 from ds_pipemorph.runtime.schedule import PipeMorphSchedule, lowered_text
 
@@ -119,3 +118,34 @@ def test_op_text_names_instructions_like_the_plan():
 def test_one_micro_batch_on_one_stage_is_f_b_w_then_the_step():
     text = lowered_text(PipeMorphSchedule(lower([[Op("F", 0), Op("B", 0), Op("W", 0)]])[0], 1, 1, 0))
     assert text == ["LOAD0", "F0", "B0", "W0", "WaitSends", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
+
+
+def test_ready_dispatch_runs_the_streams_posts_then_units_of_a_compute_op_and_its_sends():
+    from ds_pipemorph.plan.lower import LoweringPolicy
+    from ds_pipemorph.runtime.engine import PipeMorphEngine
+    from ds_pipemorph.runtime.ready_exec import ReadyProgram
+
+    plan = list_schedule(Costs.uniform(3, 10.0, [0.0, 20.0]), 6, [3, 2, 1])
+    for fused in (False, True):
+        streams = LoweringPolicy(fused=fused).for_dispatch("ready").lower(plan)
+        for s in range(3):
+            sched = PipeMorphSchedule(streams[s], 6, 3, s)
+            prog = ReadyProgram(sched, PipeMorphEngine._INSTRUCTION_MAP, fused)
+            text = [str(op) for op in streams[s]]
+            posts = [t for t in text if "RECV" in t]
+            assert prog.post_texts == posts == text[:len(posts)]
+            # in the plan's order, the units give back the stream after its receives
+            units = [prog.units[op] for op in plan[s] if op in prog.units]
+            assert [t for u in units for t in u.texts] == text[len(posts):]
+            for op, u in prog.units.items():
+                assert u.texts[0] == f"{s}{op}"
+                if fused and op.kind == "B" and Op("W", op.mb) in u.also:  # B m W m [SEND_B m]: one unit
+                    assert u.texts[:2] == [f"{s}B{op.mb}", f"{s}W{op.mb}"]
+                    assert Op("W", op.mb) not in prog.units
+                assert [t for t in u.texts if "SEND" in t] == \
+                    [t for t in u.texts[1:] if not t[1:].startswith(("F", "B", "W"))]
+            # what the units run is what ordered dispatch runs for the same stream, buffers aside
+            ran = [name for _, name, *_ in prog.posts] + [name for u in units for _, name, *_ in u.entries]
+            assert ran == lowered_text(sched)[:-4]
+    # fused plans merge: some stage has a B m directly followed by W m here
+    assert any(a.kind == "B" and b == Op("W", a.mb) for row in plan for a, b in zip(row, row[1:]))

@@ -108,6 +108,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     data = data_of(engine.grid.data_parallel_id)
     it = iter(data[start * N:])
     losses, peaks, ops, reduce_ms, seconds = [], [], [], [], []
+    executed = []  # per step: the lowered stream the engine ran (``executed_stream``)
     stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
     if stall.get("rank") == rank:
         time.sleep(stall["seconds"])
@@ -149,6 +150,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             return
         peaks.append(getattr(engine, "measured_peak_inflight", None))
         ops.append([r.op for r in getattr(engine, "op_records", [])])
+        executed.append(list(getattr(engine, "executed_stream", [])))
         reduce_ms.extend((r.end_ns - r.start_ns) / 1e6 for r in getattr(engine, "op_records", []) if r.op == "ReduceGrads")
     eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
@@ -158,7 +160,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         engine.inbox.close()
     if transport is not None:
         transport.close()  # this job's delegate processes exit before the next job starts
-    torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "stage": engine.stage_id,
+    torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "executed": executed,
+                "stage": engine.stage_id,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),

@@ -1,0 +1,89 @@
+"""The engine runs what ``pipemorph simulate --lowered`` prints for the same plan file.
+
+One launch of 3 ranks (gloo, CPU) trains stock DeepSpeed and our engine on plan files: DeepSpeed's
+1F1B order, a zero-bubble order (ZB-H1), a zero-bubble order with ``backward: fused``, the 1F1B
+order fused with ``recv_window: 1``, and ready dispatch. Each rank's ``executed_stream`` of every
+step must equal its line of the real command's output (a subprocess), losses and parameters must
+equal stock DeepSpeed's within 1e-5. Ready dispatch reorders compute ops only: its stream holds
+the same ops, posts the command's receives first and sends each message right after its producer.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1
+from ds_pipemorph.plan.listsched import list_schedule
+from ds_pipemorph.plan.ops import format_stage, warmup_counts
+from ds_pipemorph.plan.profile import Costs
+
+from .launch import REPO, launch, max_param_diff
+
+S, N = 3, 6
+TOL = 1e-5
+
+
+def _plan_file(path: Path, plan, **extra) -> str:
+    path.write_text(yaml.safe_dump({"version": 1, "stages": S, "microbatches": N, "warmup": warmup_counts(plan),
+                                    "schedule": [format_stage(r) for r in plan], **extra}))
+    return str(path)
+
+
+def _lowered(plan_file: str, *more: str) -> list[list[str]]:
+    """Per rank, the ops ``pipemorph simulate PLAN --lowered --json`` prints."""
+    p = subprocess.run([sys.executable, "-m", "ds_pipemorph_cli.app", "simulate", plan_file, "--lowered", "--json",
+                        *more], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    return [line.split() for line in json.loads(p.stdout)["lowered"]]
+
+
+def _section(plan_file: str, dispatch: str = "ordered") -> dict:
+    return {"schedule": "plan", "plan_file": plan_file, "dispatch": dispatch, "delegation": {"mode": "off"},
+            "adapt": {"enabled": False}}
+
+
+@pytest.mark.timeout(420)
+def test_the_engine_executes_the_stream_simulate_lowered_prints(tmp_path):
+    zb_fused = list_schedule(Costs.uniform(S, 10.0, [0.0, 20.0]), N, [3, 2, 1])
+    files = {
+        "one_f_one_b": _plan_file(tmp_path / "1f1b.yaml", deepspeed_1f1b(S, N)),
+        "zb": _plan_file(tmp_path / "zb.yaml", zb_h1(Costs.uniform(S), N)),
+        "zb_fused": _plan_file(tmp_path / "zb_fused.yaml", zb_fused, backward="fused"),
+        "one_f_one_b_fused_window_1": _plan_file(tmp_path / "1f1b_w1.yaml", deepspeed_1f1b(S, N), backward="fused",
+                                                 recv_window=1),
+    }
+    expected = {name: _lowered(path) for name, path in files.items()}
+    # The plan files' settings change the streams, so equal streams prove the engine honours them.
+    assert expected["zb_fused"] != _lowered(_plan_file(tmp_path / "zb_split.yaml", zb_fused))
+    assert expected["one_f_one_b_fused_window_1"] != expected["one_f_one_b"]
+    assert expected["one_f_one_b"] != _lowered(files["one_f_one_b"], "--dispatch", "ready")
+    ready_expected = _lowered(files["zb"], "--dispatch", "ready")
+
+    jobs = [{"name": "stock", "stages": S, "micro_batches": N, "pipemorph": None}]
+    jobs += [{"name": name, "stages": S, "micro_batches": N, "pipemorph": _section(path)} for name, path in files.items()]
+    jobs.append({"name": "zb_ready", "stages": S, "micro_batches": N, "pipemorph": _section(files["zb"], "ready")})
+    run = launch(S, jobs, tmp_path, timeout=400)
+
+    for r in range(S):
+        ref = run.result("stock", r)
+        for name in [*files, "zb_ready"]:
+            ours = run.result(name, r)
+            assert ours["losses"] == pytest.approx(ref["losses"], abs=TOL), f"{name} rank {r}: losses differ"
+            assert max_param_diff(ours, ref) <= TOL, f"{name} rank {r}: parameters differ"
+            assert len(ours["executed"]) == 3
+        stage = run.result("stock", r)["stage"]
+        for name in files:
+            for step, ran in enumerate(run.result(name, r)["executed"]):
+                assert ran == expected[name][stage], f"{name} rank {r} step {step}: ran {ran}"
+        for step, ran in enumerate(run.result("zb_ready", r)["executed"]):
+            want = ready_expected[stage]
+            posts = [t for t in want if "RECV" in t]
+            assert ran[:len(posts)] == posts and sorted(ran) == sorted(want), f"rank {r} step {step}: ran {ran}"
+            for i, t in enumerate(ran):  # each send right after the op that produced it (split backward)
+                if "SEND_" in t:
+                    assert ran[i - 1] == t.replace("SEND_", ""), f"rank {r} step {step}: {t} after {ran[i - 1]}"
