@@ -58,7 +58,10 @@ def plan_of(side: Side, stages: int, microbatches: int):
 
 def switch(engine, side: Side, plan, stages: int) -> None:
     """Make ``side`` the configuration of the next ``train_batch`` (every rank, between two batches)."""
-    engine.switch_to(plan=plan, dispatch=side.dispatch)
+    from ..runtime.config import parse_config
+    from ..runtime.plans import lowering_for
+
+    engine.switch_to(plan=plan, dispatch=side.dispatch, lowering=lowering_for(parse_config(side.section())))
     mode = "delegated" if side.delegated else "direct"
     for link in range(stages - 1):
         if engine.transport.link_mode(link) != mode:
