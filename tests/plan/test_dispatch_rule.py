@@ -60,3 +60,30 @@ def test_the_rule_names_what_a_stuck_stage_waits_for():
     assert [edge.message_of(op) for op in edge.pending] == [None, None, None]  # a one-stage pipeline
     with pytest.raises(ValueError, match="at least 1"):
         ReadyRule([], 0, True, True)
+
+
+def test_patience_holds_for_the_hints_first_op_only_when_its_message_lands_before_the_other_op_ends():
+    # the last stage: F1 waits for its activation, W0 is ready; the hint wants F1 first
+    rule = ReadyRule([Op(k, m) for k, m in (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("W", 1))], 1,
+                     needs_input=True, needs_grad=False)
+    rule.arrive("F", 0)
+    for want in (Op("F", 0), Op("B", 0)):
+        assert rule.pick() == want
+        rule.started(want)
+    assert rule.pick() == Op("W", 0) and rule.pending[0] == Op("F", 1)
+    due = {("F", 1): 6.0}.get
+    assert rule.hold(Op("W", 0), 5.0, 3.0, due) == (("F", 1), 6.0 + 0.3)  # W0 would end at 8, F1 lands at 6
+    assert rule.hold(Op("W", 0), 5.0, 0.5, due) is None  # W0 ends at 5.5, before F1 lands
+    assert rule.hold(Op("W", 0), 5.0, 3.0, {}.get) is None  # nothing expected
+    assert rule.hold(Op("W", 0), 5.0, None, due) is None  # the op's time is not known yet
+    assert rule.hold(Op("W", 0), 7.0, 3.0, due) == (("F", 1), 7.0 + 0.3)  # late: a tenth of the op from now
+    rule.arrive("F", 1)
+    assert rule.pick() == Op("F", 1) and rule.hold(Op("F", 1), 7.0, 1.0, due) is None  # the head itself
+    # a head that waits for more than its message (here: the cap) is not waited for
+    full = ReadyRule([Op("F", 0), Op("F", 1), Op("B", 0), Op("W", 0), Op("B", 1), Op("W", 1)], 1,
+                     needs_input=True, needs_grad=True)
+    full.arrive("F", 0)
+    full.started(Op("F", 0))
+    full.arrive("B", 0)
+    assert full.pending[0] == Op("F", 1) and full.pick() == Op("B", 0)
+    assert full.hold(Op("B", 0), 0.0, 5.0, {("F", 1): 1.0}.get) is None
