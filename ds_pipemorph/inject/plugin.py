@@ -74,18 +74,19 @@ class InjectPlugin(Plugin):
         "inject.faults": "testing only: link failures and killed delegates (failover, PipeMorph §5.3)",
         "inject.faults.link_fails_after": "testing only: link index → K; each direction of the link's direct path "
                                           "carries K messages, then fails",
-        "inject.faults.kill_delegate": "testing only: kill one delegate process mid-run (needs `delegation.mode: always`)",
+        "inject.faults.kill_delegate": "testing only: kill one delegate process mid-run (needs "
+                                       "`delegation.mode: always`)",
         "inject.faults.kill_delegate.link": "testing only: the link whose delegate is killed",
         "inject.faults.kill_delegate.after": "testing only: activation messages on the link before the kill",
         "inject.faults.kill_delegate.side": "testing only: which end's delegate is killed",
-        "inject.compute": "testing only: stage index → factor ≥ 1, e.g. `{\"2\": 2.0}`: each F, B and W of the stage "
-                          "waits (factor − 1) × its own measured time after it ran; numbers are unchanged",
+        "inject.compute": "testing only: stage index → factor ≥ 1, e.g. `{\"2\": 2.0}`: each F, B and W of the "
+                          "stage waits (factor − 1) × its own measured time after it ran; numbers are unchanged",
         "inject.compute_trace": "testing only: a file `points: [{iteration: 3, factors: {\"2\": 2.0}}, ...]`; from "
                                 "`train_batch` k on (0 = the first) the point's factors hold (unnamed stages: 1); not "
                                 "together with `inject.compute`",
-        "inject.rank_links": "testing only: `{\"0-4\": 30}` slows the link between global ranks 0 and 4 by 30 ms one "
-                             "way: a pipeline link between them per message, an all-reduce ring through it 2(D − 1) × "
-                             "`allreduce_messages` times per all-reduce",
+        "inject.rank_links": "testing only: `{\"0-4\": 30}` slows the link between global ranks 0 and 4 by 30 ms "
+                             "one way: a pipeline link between them per message, an all-reduce ring through it "
+                             "2(D − 1) × `allreduce_messages` times per all-reduce",
         "inject.allreduce_messages": "testing only: messages each part of a ring all-reduce travels as; each pays a "
                                      "slow ring link's delay once",
         "inject.migration_drop": "testing only: migration attempts (0 = the first) whose layer state is never sent, "

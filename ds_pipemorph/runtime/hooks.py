@@ -11,8 +11,9 @@ the plug-in imports the runtime, the runtime never imports the plug-in (tests/in
 A ``Plugin`` owns its section of the config: the runtime's ``PipeMorphConfig`` keeps the key and
 hands its value to ``Plugin.model`` for validation (errors read as any other key's:
 ``ds_config pipemorph: unknown key 'inject.links.2.delay'``), ``Plugin.check`` for the rules that
-involve other keys, and ``Plugin.check_job`` once the pipeline's size is known. What a plug-in does
-at run time goes through two kinds of hooks, built per rank:
+involve other keys, and ``Plugin.check_job`` once the pipeline's size is known (the engine asks it
+before DeepSpeed builds anything). What a plug-in does at run time goes through two kinds of hooks,
+built per rank by ``Plugin.transport_hooks`` and ``Plugin.engine_hooks``:
 
 - ``TransportHooks`` (``build_transport``, when a rank's link router is built): wrap the direct
   path (``wrap_direct``: delays, failing links), wrap the whole router (``wrap_router``: killing a
@@ -22,8 +23,8 @@ at run time goes through two kinds of hooks, built per rank:
   ``train_batch`` of the plan; ``after_op`` after the handler of each instruction type in ``ops``,
   inside the op's record (a wait there counts in the op's time, as a slower op would);
   ``migration_drop`` (migration attempts whose payload is never sent) and ``ready_refused`` (why
-  ready dispatch cannot run with these hooks, or None); and ``transport``, the ``TransportHooks``
-  the engine builds its router with.
+  ready dispatch cannot run with these hooks, or None). Tests and benchmarks add their own to a
+  running engine with ``PipeMorphEngine.add_hooks``.
 
 The engine composes ``after_op`` into the handlers of its compiled program once per plan (and
 again when hooks are added): an instruction no hook asks for runs exactly its handler, and with no
@@ -91,7 +92,6 @@ class EngineHooks:
     ops: frozenset = frozenset()  # instruction types whose runs ``after_op`` follows
     migration_drop: frozenset = frozenset()  # migration attempts (0 = the first) whose payload is never sent
     ready_refused: Optional[str] = None  # one sentence: why dispatch "ready" cannot run with these hooks
-    transport: Optional[TransportHooks] = None  # the router is built with these
 
     def start_iteration(self, engine) -> None:
         """Before the first instruction of each ``train_batch`` of the plan."""
@@ -144,7 +144,7 @@ class Plugin:
     ``key`` names a section ``PipeMorphConfig`` keeps for plug-ins (``PLUGIN_SECTIONS``);
     ``model`` validates it (strict: unknown keys refused); ``path_keys`` are the routes inside it
     that hold file paths (resolved as the section's other paths are); ``descriptions`` document its
-    keys in docs/config.md (dotted paths inside the section)."""
+    keys in docs/config.md (by dotted path, the section's key first: ``inject.links``)."""
 
     key: str = ""
     model: type[BaseModel] = BaseModel
@@ -191,8 +191,9 @@ def plugin(key: str) -> Optional[Plugin]:
 
 
 def active_plugins(cfg) -> list[tuple[Plugin, Any]]:
-    """(plug-in, its validated settings in ``cfg``, a ``PipeMorphConfig``) for every registered plug-in."""
-    return [(p, getattr(cfg, key)) for key, p in _PLUGINS.items()]
+    """(plug-in, its validated settings in ``cfg``, a ``PipeMorphConfig``) for every registered plug-in
+    whose section ``cfg`` validated (one parsed before the plug-in was registered has none)."""
+    return [(p, getattr(cfg, key)) for key, p in _PLUGINS.items() if getattr(cfg, key) is not None]
 
 
 def transport_hooks(cfg, stages: int, engine=None) -> list[TransportHooks]:

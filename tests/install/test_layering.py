@@ -63,7 +63,8 @@ def test_the_checker_finds_absolute_relative_and_function_local_imports(tmp_path
     (runtime / "transport").mkdir(parents=True)
     (tmp_path / "ds_pipemorph" / "__init__.py").write_text("")
     (runtime / "__init__.py").write_text("")
-    (runtime / "clean.py").write_text("from . import hooks\nfrom ..plan import ops\nimport ds_pipemorph.injection_free\n")
+    (runtime / "clean.py").write_text("from . import hooks\nfrom ..plan import ops\n"
+                                      "import ds_pipemorph.injection_free\n")
     (runtime / "a.py").write_text("import ds_pipemorph.inject.delays\n")
     (runtime / "b.py").write_text("def f():\n    from ..inject import plugin\n    return plugin\n")
     (runtime / "transport" / "__init__.py").write_text("")

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from ds_pipemorph.inject.config import InjectConfig
+from ds_pipemorph.inject.delays import load_trace
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
 from ds_pipemorph.runtime.engine import backend_reason
-from ds_pipemorph.inject.delays import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "recipes" / "gpu_cluster"
@@ -20,14 +21,15 @@ SHIPPED = sorted((ROOT / "recipes").glob("*/ds_config*.json")) + sorted((ROOT / 
 
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Dotted keys of the pipemorph section, leaves only (``inject.links`` counts as a leaf)."""
+    """Dotted keys of the pipemorph section, leaves only (``inject.links`` counts as a leaf; the
+    ``inject`` section's model is the injection plug-in's)."""
     out = []
     for name, field in model.model_fields.items():
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel) and name != "inject":
             out += keys(sub, f"{prefix}{name}.")
         elif name == "inject":
-            out += [f"inject.{k}" for k in sub.model_fields]
+            out += [f"inject.{k}" for k in InjectConfig.model_fields]
         else:
             out.append(prefix + name)
     return out
