@@ -36,12 +36,13 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..plan.bounds import lower_bound_ms
-from ..plan.links import DIRECT, LATENCY, Delegated, Direct, LinkModel
+from ..plan.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
 from ..plan.listsched import list_schedule
+from ..plan.ops import Schedule
 from ..plan.profile import Costs
 from ..plan.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
 from ..plan.search import search
-from ..plan.simulate import Schedule, replay
+from ..plan.simulate import replay
 from ..plan.tolerance import link_tolerances
 from ..plan.warmup import adapted_warmup
 from .detector import DetectorConfig, LinkDetector
@@ -57,15 +58,15 @@ DELEGATION_MODES = ("off", "always", "auto")
 class Decision:
     """What the engine applies at an iteration boundary, on every rank alike.
 
-    ``plan``: the new plan, or None to keep the one in force. ``link_modes``: link -> "direct" or
-    "delegated" (empty under delegation "off"); ``queues``: delegated link -> delegate FIFOs per
+    ``plan``: the new plan, or None to keep the one in force. ``link_modes``: link -> its ``Route``
+    (empty under delegation "off"); ``queues``: delegated link -> delegate FIFOs per
     direction. ``costs``: the op times and target delays (``costs.links``) planned for;
     ``tolerance_ms``: per link, the delay the plan absorbs; ``predicted_ms``: its replayed iteration
     time; ``reason``: one sentence for the log.
     """
 
     plan: Optional[Schedule]
-    link_modes: dict[int, str]
+    link_modes: dict[int, Route]
     queues: dict[int, int]
     costs: Costs
     tolerance_ms: list[float]
@@ -246,19 +247,19 @@ class Policy:
             return [d <= 0 for d in target]
         return [True] * len(target)  # "off"; or "auto" where direct sends do not block: a delegate gains nothing
 
-    def _link_modes(self, target: list[float]) -> dict[int, str]:
+    def _link_modes(self, target: list[float]) -> dict[int, Route]:
         """Links the engine routes: every link under "always" (listed so that its queue count can
         grow), every link under "auto" (delegated when planned for a delay), none under "off"."""
         if self.delegation == "off":
             return {}
-        return {i: "direct" if d else "delegated" for i, d in enumerate(self._direct(target))}
+        return {i: Route.DIRECT if d else Route.DELEGATED for i, d in enumerate(self._direct(target))}
 
     def _model(self, target: list[float], queues: Sequence[int]) -> list:
         return [self.direct_model if d else Delegated(k) for d, k in zip(self._direct(target), queues)]
 
     @staticmethod
-    def _queues_of(modes: dict[int, str], queues: Sequence[int]) -> dict[int, int]:
-        return {i: queues[i] for i, m in modes.items() if m == "delegated"}
+    def _queues_of(modes: dict[int, Route], queues: Sequence[int]) -> dict[int, int]:
+        return {i: queues[i] for i, m in modes.items() if m is Route.DELEGATED}
 
     def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list[int]:
         """Per link, the queues it gets under ``plan``: a delegated link the fewest (at least what it

@@ -4,7 +4,8 @@ policy decide, hand the engine the ``Decision``.
 After every iteration each rank contributes what it measured itself: the median F, B and W times
 of its stage and, per message, when its sends ended and its receives started and ended (both from
 its op records, so nothing extra travels and a slow or delegated link is measured as training uses
-it; ``control.estimate``). One all-gather gives every rank every row, so every rank feeds its
+it; ``control.estimate``). The boundary's one all-gather (``runtime.boundary``, beside the other
+loops' rows) gives every rank every row, so every rank feeds its
 ``control.policy.Policy`` the identical input and gets the identical answer from ``observe``. When
 a decision is due, rank 0 alone computes it (``propose``: a search bounded by evaluations) and
 broadcasts it: the other ranks wait idle instead of planning the same thing on a shared host.
@@ -44,8 +45,8 @@ from ..control.detector import DetectorConfig
 from ..control.estimate import RankTimes, link_delays, message_times
 from ..control.policy import REPLAN_EVALS, Decision, Policy
 from ..plan.links import DIRECT, LinkModel
+from ..plan.ops import Schedule, warmup_counts
 from ..plan.profile import Costs
-from ..plan.simulate import Schedule, warmup_counts
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
 from .profile_export import ProfileExport
 
@@ -96,6 +97,8 @@ class Adapter:
         self.overhead_book = OverheadBook()  # every rank's, one iteration behind
         self._stamp_ns = stamp_cost_ns()
         self._last_enter: Optional[int] = None
+        self._oh: Optional[Overhead] = None  # this boundary's, from ``row`` to ``decide``
+        self._prev: Optional[Overhead] = None  # the previous boundary's, shipped in this one's row
         self.profile_out = profile_out
         self.rank = dist.get_rank()
         self._planner = BackgroundPlanner() if self.background and self.rank == 0 else None
@@ -103,34 +106,37 @@ class Adapter:
         self._closed = False
         atexit.register(self.close)  # the profile and the overhead line also when nobody calls close()
 
-    def after_iteration(self, records, device_ms: Optional[dict[str, float]] = None) -> Optional[Decision]:
-        """Called on every rank at the same iteration boundary; returns the same ``Decision`` on every
-        rank when it brings a new plan, else None (nothing for the engine to change)."""
+    @property
+    def width(self) -> int:
+        """Floats of this loop's row: stage, F, B, W, neighbours, shipped overhead, period, flag, times."""
+        return _TIMES + 6 * self.N + 2
+
+    def row(self, engine, records) -> list[float]:
+        """This rank's row at the boundary that starts now (``boundary.Boundary`` all-gathers it)."""
         enter = time.perf_counter_ns()
         period = -1.0 if self._last_enter is None else (enter - self._last_enter) / 1e6
         self._last_enter = enter
         self.iteration += 1
         oh = Overhead(stamps=len(records) * self._stamp_ns / 1e6)
-        prev = self.overheads[-1] if self.overheads else None
-        mine = self._local(records, oh, device_ms)
-        shipped = list(astuple(prev)) if prev is not None else [-1.0] * len(OVERHEAD_FIELDS)
+        self._oh, self._prev = oh, (self.overheads[-1] if self.overheads else None)
+        mine = self._local(records, oh, engine.recorder.device_ms())
+        shipped = list(astuple(self._prev)) if self._prev is not None else [-1.0] * len(OVERHEAD_FIELDS)
         if self._pending is not None and self._planner is not None:
             self._landed = self._planner.poll()
         landed = float(self._landed is not None)
         t = time.perf_counter_ns()
         times = message_times(records, self.N, self.stage_id, self.clock_offsets)
         oh.links = _ms_since(t)
-        row = torch.tensor([*mine, *shipped, period, landed, *times], dtype=torch.float64)
-        t = time.perf_counter_ns()
-        dist.barrier()  # waiting for the last rank to finish its iteration is not the loop's cost
-        oh.sync = _ms_since(t)
-        t = time.perf_counter_ns()
-        everyone = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, row)
-        table = torch.stack(everyone)  # rows: [stage, f, b, w, up rank, down rank, overhead..., period, times...]
-        oh.exchange = _ms_since(t)
+        return [*mine, *shipped, period, landed, *times]
+
+    def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Decision]:
+        """Every rank, with every rank's row (rows: [stage, f, b, w, up rank, down rank, overhead...,
+        period, flag, times...]): the same ``Decision`` on every rank when it brings a new plan,
+        else None (nothing for the engine to change)."""
+        oh, enter = self._oh, self._last_enter
+        oh.sync, oh.exchange = sync_ms, exchange_ms
         try:
-            if prev is not None:
+            if self._prev is not None:
                 self.overhead_book.add(table[:, _LOCAL:_FLAG])
             return self._decide(table, oh)
         finally:

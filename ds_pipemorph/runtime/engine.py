@@ -39,12 +39,15 @@ from ..plan.links import DIRECT, Delegated
 from ..plan.lower import BadStream, LoweringPolicy
 from ..plan.ops import Op, Schedule
 from . import instructions as I
+from .builder import EngineBuilder
 from .bw_split import backward_input
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
 from ..plan.profile import Costs
+from ..control.policy import Decision
 from .adapt import Adapter
+from .boundary import Boundary, Migration, Remap
 from .clip import clip_as_built
 from .clocks import estimate_clock_offsets
 from .inbox import Inbox
@@ -94,7 +97,8 @@ def unsupported_reason(config_class, model) -> Optional[str]:
 class PipeMorphEngine(PipelineEngine):
     """A PipelineEngine that executes a PipeMorph plan (``plan[s]`` is stage s's op order)."""
 
-    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule, **super_kwargs):
+    def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
+                 builder: Optional[EngineBuilder] = None, **super_kwargs):
         require_pipeline_hooks()  # a DeepSpeed without them would train its own 1F1B instead of the plan
         reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
         if reason:
@@ -108,6 +112,7 @@ class PipeMorphEngine(PipelineEngine):
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
+        self.builder = builder  # how to build this engine again (re-mapping); None: not made by initialize
         self._schedule: Optional[PipeMorphSchedule] = None
         self._program: list = []
         self._ready_program: Optional[ReadyProgram] = None
@@ -168,6 +173,9 @@ class PipeMorphEngine(PipelineEngine):
             from .orchestrate_hook import OrchestrateHook
 
             self.orchestrate = OrchestrateHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
+        # The loops in the order their decisions apply: a migration's plan is the last word.
+        self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
+                                 self.migrator.vote_group)
         self._reset_iteration_state()
 
     def destroy(self):
@@ -335,23 +343,36 @@ class PipeMorphEngine(PipelineEngine):
 
     def _at_iteration_boundary(self) -> None:
         """The one place where work between iterations happens, the same on every rank: the control
-        loop's decision is applied (it runs from the next batch), the rebalance loop may move layers,
-        the orchestrator may decide a re-mapping, then the timeline."""
-        if self.adapter is not None:
-            decision = self.adapter.after_iteration(self.recorder.records, self.recorder.device_ms())
-            if decision is not None:  # every rank gets the same decision here; it runs from the next batch
-                if decision.plan is not None:
-                    self._set_plan(decision.plan)
-                t = time.perf_counter()
-                for link, mode in decision.link_modes.items():  # slow links go delegated ("auto")
-                    self.transport.set_link_mode(link, mode, queues=decision.queues.get(link))
-                self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
-        if self.rebalance is not None:  # after the adapter: a migration's new plan is the last word
-            self.rebalance.after_iteration(self, self.recorder.records)
-        if self.orchestrate is not None:  # a re-mapping it decides runs after train_batch (Orchestrated)
-            self.orchestrate.after_iteration(self, self.recorder.records)
+        loops exchange what they measured (``runtime.boundary``, one all-gather) and their decisions
+        apply in a fixed order (``_apply``), from the next batch; then the timeline."""
+        self._apply(self.boundary.exchange(self, self.recorder.records))
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)
+
+    def _apply(self, decisions) -> None:
+        """Apply one boundary's decisions, in the loops' order, on every rank alike: the adapter's
+        ``Decision`` (its plan, the links' routes), a ``Migration`` (layers move; if that succeeds
+        everywhere its plan, if any, replaces the adapter's), a ``Remap`` (run by ``Orchestrated``
+        after this ``train_batch``). The plan is replaced once, here."""
+        plan = None
+        self.pending_remap = None
+        for decision in decisions:
+            if isinstance(decision, Decision):
+                plan = decision.plan
+                t = time.perf_counter()
+                for link, route in decision.link_modes.items():  # slow links go delegated ("auto")
+                    self.transport.set_link_mode(link, route, queues=decision.queues.get(link))
+                self.switch_ms.append((self.adapter.iteration, round((time.perf_counter() - t) * 1e3, 1)))
+            elif isinstance(decision, Migration):
+                t = time.perf_counter()
+                report = self.migrator.migrate(self, decision.parts)
+                self.rebalance.applied(self, decision, report, time.perf_counter() - t)
+                if report.ok and decision.plan is not None:
+                    plan = decision.plan
+            elif isinstance(decision, Remap):
+                self.pending_remap = decision.ranks
+        if plan is not None:
+            self._set_plan(plan)
 
     def clip_fp32_gradients(self):
         """DeepSpeed's clipping, its norm over the parameters it counted before anything moved

@@ -61,6 +61,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     from ..fileio import BadInput
     from .config import PipeMorphConfigError, parse_config, pending_notes, resolve_paths
     from .cpu_threads import apply_cpu_threads
+    from .builder import EngineBuilder
     from .engine import PipeMorphEngine
     from .plans import build_plan, describe_start
     from ..staging.builder import announce_adam_build, announce_comm_build
@@ -75,7 +76,10 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     ds_dict = load_config(config)
     section = resolve_paths(ds_dict.pop("pipemorph", None), paths_base(config))
     pm = parse_config(section)
-    as_given = dict(copy.deepcopy(ds_dict), pipemorph=copy.deepcopy(section) or {})  # for engine.remap
+    as_given = dict(copy.deepcopy(ds_dict), pipemorph=copy.deepcopy(section) or {})
+    # What re-mapping (runtime.remap) needs to build this engine again on another topology.
+    builder = EngineBuilder(build_engine, args=args, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                            training_data=training_data, collate_fn=collate_fn, config=as_given)
 
     threads = apply_cpu_threads(get_accelerator().device_name())
     announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op in init_distributed
@@ -101,11 +105,8 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     engine = PipeMorphEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=ds_mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_dict,
-                             config_class=config_class, pipemorph=pm, plan=plan)
+                             config_class=config_class, pipemorph=pm, plan=plan, builder=builder)
     deepspeed.zero.partition_parameters.restore_init_context()
-    # What engine.remap needs to build this engine again on another topology.
-    engine._rebuild = {"args": args, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "training_data": training_data,
-                       "collate_fn": collate_fn, "config": as_given}
     engine._configure_python_gc()
     if announce and dist.get_rank() == 0:
         logger.warning(describe_start(pm, plan, model.num_stages, config_class.gradient_accumulation_steps))

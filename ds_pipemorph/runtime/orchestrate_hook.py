@@ -1,12 +1,12 @@
 """The orchestrator in the engine: measure every stage's all-reduce, decide on rank 0, re-map.
 
 At each iteration boundary every rank contributes its ``ReduceGrads`` time, its stage's mean F, B
-and W per micro-batch and its stage's gradient MB; the rows are all-gathered in the migration's
-gloo vote group and rank 0 runs the torch-free ``control.orchestrate.Orchestrator`` (its placement
-search is bounded by replays, but only one rank needs to run it). Rank 0 broadcasts the decision; a
-decision is stored as ``engine.pending_remap``, and ``Orchestrated.train_batch`` re-maps right after
-the ``train_batch`` that produced it (a re-mapping makes a new engine, which only the handle the
-training loop holds can swap in).
+and W per micro-batch and its stage's gradient MB; the rows travel in the boundary's one all-gather
+(``runtime.boundary``) and rank 0 runs the torch-free ``control.orchestrate.Orchestrator`` (its
+placement search is bounded by replays, but only one rank needs to run it). Rank 0 broadcasts the
+decision, a ``Remap``; the engine stores it as ``engine.pending_remap``, and
+``Orchestrated.train_batch`` re-maps right after the ``train_batch`` that produced it (a re-mapping
+makes a new engine, which only the handle the training loop holds can swap in).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ..control.orchestrate import Orchestrator
 from ..fileio import BadInput, load_model
 from ..plan.linkmatrix import LinkMatrix
 from ..plan.placement import Placement
+from .boundary import Remap
 from .config import PipeMorphConfigError
 from .oprecords import fbw_ms_per_microbatch
 
@@ -39,28 +40,36 @@ class OrchestrateHook:
         topo = engine.module._topo
         P, D = engine.num_stages, engine.grid.data_parallel_size
         self.placement = Placement.from_ranks([[topo.get_rank(pipe=s, data=d) for d in range(D)] for s in range(P)])
-        self.cfg, self.caps, self.matrix = cfg, caps, matrix
+        self.cfg, self.caps, self.matrix, self.S = cfg, caps, matrix, P
         self.orchestrator: Optional[Orchestrator] = None  # built at the first boundary (gradient sizes gathered)
 
-    def after_iteration(self, engine, records) -> None:
-        S = engine.num_stages
-        row = torch.zeros(5 * S, dtype=torch.float64)
-        s = engine.stage_id
+    @property
+    def width(self) -> int:
+        return 5 * self.S
+
+    def row(self, engine, records) -> torch.Tensor:
+        """This rank's stage's all-reduce ms, F/B/W per micro-batch and gradient MB (zeros elsewhere)."""
+        S, s = self.S, engine.stage_id
+        row = torch.zeros(self.width, dtype=torch.float64)
         row[s] = sum(r.end_ns - r.start_ns for r in records if r.op == "ReduceGrads") / 1e6
         row[S + 3 * s: S + 3 * s + 3] = torch.tensor(fbw_ms_per_microbatch(records, engine.micro_batches))
         row[4 * S + s] = sum(p.numel() * p.element_size() for p in engine.module.parameters()) / 1e6
-        table = engine.migrator.gather_max(row)
-        group = engine.migrator.vote_group()
+        return row
+
+    def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Remap]:
+        """Rank 0 decides on the slowest replica of each stage and broadcasts: the same ``Remap`` or
+        None on every rank."""
+        table = table.amax(dim=0)
         box = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = self._decide(engine, table, S)
+                box[0] = self._decide(engine, table, self.S)
             except Exception as e:  # noqa: BLE001 - every rank waits in the broadcast: tell them, then fail
                 box[0] = {"error": f"{type(e).__name__}: {e}"}
-        dist.broadcast_object_list(box, src=0, group=group)
+        dist.broadcast_object_list(box, src=0, group=engine.migrator.vote_group())
         if box[0] is not None and "error" in box[0]:
             raise RuntimeError(f"orchestrate: rank 0 failed to decide: {box[0]['error']}")
-        engine.pending_remap = None if box[0] is None else box[0]["ranks"]
+        return None if box[0] is None else Remap(box[0]["ranks"])
 
     def _decide(self, engine, table, S: int) -> Optional[dict]:
         if self.orchestrator is None:

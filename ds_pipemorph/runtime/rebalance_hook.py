@@ -2,17 +2,17 @@
 
 At each iteration boundary every rank contributes one row: its stage's mean F, B and W per
 micro-batch (from the op records, so an injected or real slowdown counts) and the parameter count
-of each layer it holds. The rows are all-gathered over the migrator's gloo vote group (a few hundred
-bytes), and every rank runs the same ``Rebalancer`` on the same table (the slowest replica of each
-stage; no wall clock in the decision), so every rank reaches the same decision without another
-message. A decision becomes ``LayerMigrator.migrate`` on every rank; if it succeeds everywhere, the
-partition's plan replaces a ``zb`` schedule's (``1f1b`` and ``plan`` keep the order the user chose;
-``adaptive`` re-plans from its own measurements, which now come from the new partition).
+of each layer it holds. The rows travel in the boundary's one all-gather (``runtime.boundary``; a
+few hundred bytes), and every rank runs the same ``Rebalancer`` on the same table (the slowest
+replica of each stage; no wall clock in the decision), so every rank reaches the same ``Migration``
+without another message. The engine runs it (``LayerMigrator.migrate`` on every rank); if it
+succeeds everywhere, the partition's plan replaces a ``zb`` schedule's (``1f1b`` and ``plan`` keep
+the order the user chose; ``adaptive`` re-plans from its own measurements, which now come from the
+new partition).
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import Optional
 
 import torch
@@ -21,6 +21,7 @@ from deepspeed.pipe import TiedLayerSpec
 from ..control.rebalance import Rebalancer
 from ..fileio import BadInput
 from ..plan.layer_profile import read_layer_profile
+from .boundary import Migration
 from .config import PipeMorphConfigError
 from .oprecords import fbw_ms_per_microbatch
 
@@ -44,36 +45,48 @@ class RebalanceHook:
         tied = tuple(i for i, spec in enumerate(engine.module._layer_specs) if isinstance(spec, TiedLayerSpec))
         self.rebalancer = Rebalancer(S, N, list(engine.module.parts), caps, noise=cfg.noise, patience=cfg.patience,
                                      min_gain=cfg.min_gain, warmup=cfg.warmup_iterations, profile=profile, pinned=tied)
-        self.layers = layers
+        self.S, self.layers = S, layers
         self.events: list[dict] = []  # one per decision: what was decided and what the migration did
 
-    def after_iteration(self, engine, records) -> Optional[dict]:
-        S, L = engine.num_stages, self.layers
-        row = torch.zeros(3 * S + L, dtype=torch.float64)
+    @property
+    def width(self) -> int:
+        return 3 * self.S + self.layers
+
+    def row(self, engine, records) -> torch.Tensor:
+        """This rank's stage's F, B, W per micro-batch and its layers' parameter counts (zeros elsewhere)."""
+        S = engine.num_stages
+        row = torch.zeros(self.width, dtype=torch.float64)
         row[3 * engine.stage_id: 3 * engine.stage_id + 3] = torch.tensor(fbw_ms_per_microbatch(records, engine.micro_batches))
         for i, func in enumerate(engine.module.forward_funcs):
             if isinstance(func, torch.nn.Module):
                 row[3 * S + engine.module._local_start + i] = sum(p.numel() for p in func.parameters())
-        table = engine.migrator.gather_max(row)  # per stage: its slowest replica
-        stage_ms = table[:3 * S].view(S, 3).tolist()
-        decision = self.rebalancer.observe(stage_ms, table[3 * S:].tolist())
+        return row
+
+    def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Migration]:
+        """The same ``Migration`` on every rank, or None; per stage, its slowest replica counts."""
+        S = self.S
+        table = table.amax(dim=0)
+        decision = self.rebalancer.observe(table[:3 * S].view(S, 3).tolist(), table[3 * S:].tolist())
         if decision is None:
             return None
-        t = time.perf_counter()
-        report = engine.migrator.migrate(engine, decision.parts)
-        event = {"iteration": decision.iteration, "parts": decision.parts, "ok": report.ok,
+        event = {"iteration": decision.iteration, "parts": decision.parts,
                  "slowdown": [round(x, 3) for x in decision.slowdown], "current_ms": round(decision.current_ms, 3),
-                 "predicted_ms": round(decision.predicted_ms, 3), "seconds": round(time.perf_counter() - t, 4),
-                 "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received, "reason": report.reason}
+                 "predicted_ms": round(decision.predicted_ms, 3)}
+        # ``zb`` follows the partition; ``1f1b`` and ``plan`` keep the order the user chose, and
+        # ``adaptive`` re-plans from its own measurements, which now come from the new partition.
+        plan = decision.plan if engine.pipemorph.schedule == "zb" else None
+        return Migration(list(decision.parts), plan, event)
+
+    def applied(self, engine, migration: Migration, report, seconds: float) -> None:
+        """Every rank, after the engine ran ``migration``: the loop's bookkeeping and one log line."""
+        event = {**migration.event, "ok": report.ok, "seconds": round(seconds, 4), "bytes_sent": report.bytes_sent,
+                 "bytes_received": report.bytes_received, "reason": report.reason}
         if report.ok:
-            self.rebalancer.moved(decision.parts)
-            if engine.pipemorph.schedule == "zb":
-                engine._set_plan(decision.plan)
+            self.rebalancer.moved(migration.parts)
         else:
             self.rebalancer.failed()
         self.events.append(event)
         if engine.global_rank == 0:
-            logger.warning(f"pipemorph: rebalance: predicted slowdowns {event['slowdown']} -> parts {decision.parts} "
-                           f"({decision.current_ms:.0f} -> {decision.predicted_ms:.0f} ms predicted): "
+            logger.warning(f"pipemorph: rebalance: predicted slowdowns {event['slowdown']} -> parts {migration.parts} "
+                           f"({event['current_ms']:.0f} -> {event['predicted_ms']:.0f} ms predicted): "
                            f"{report.describe()}")
-        return event

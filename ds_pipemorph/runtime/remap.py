@@ -15,7 +15,8 @@ DeepSpeed ``ProcessTopology`` of the same pipeline and data-parallel sizes). No 
 3. **Rebuild.** Every rank builds the new engine together, through DeepSpeed's own construction: a
    ``PartsPipelineModule`` on the current partition (so migrated layers stay where they are) and the
    new topology, whose ``PipelineParallelGrid`` forms the new data-parallel, pipeline and tied-weight
-   groups, and ``ds_pipemorph.initialize`` with the same config, optimizer and scheduler settings.
+   groups, and the engine's builder (``runtime.builder``: what ``ds_pipemorph.initialize`` was
+   given) with the same config, optimizer and scheduler settings.
    Loading the state follows, and a second vote: if a rank failed, every rank closes the new engine
    and keeps the old one (DeepSpeed's module-level pipeline state is pointed back at it). A rank
    failing *inside* the collective construction (running out of memory, say) is not covered: the
@@ -59,20 +60,15 @@ class RemapReport:
 
 def check_remappable(engine, topology) -> None:
     """BadInput (one sentence) if this engine cannot be rebuilt on ``topology``."""
-    rebuild = getattr(engine, "_rebuild", None)
-    if rebuild is None:
+    builder = getattr(engine, "builder", None)
+    if builder is None:
         raise BadInput("re-mapping needs an engine made by ds_pipemorph.initialize")
     if type(engine.module) not in (PipelineModule, PartsPipelineModule):
         raise BadInput(f"re-mapping rebuilds the model as a PipelineModule; {type(engine.module).__name__} "
                        f"(a subclass) would lose its own code")
-    for what in ("optimizer", "lr_scheduler"):
-        given = rebuild[what]
-        if given is not None and not callable(given):
-            raise BadInput(f"re-mapping cannot rebuild a client {what} object for new parameters: give it in "
-                           f"the DeepSpeed config or as a callable")
-    if rebuild["training_data"] is not None:
-        raise BadInput("re-mapping cannot carry a DeepSpeed data loader's position to the new replica: feed "
-                       "train_batch an iterator of the rank's replica's batches instead of training_data")
+    why = builder.refusal()
+    if why:
+        raise BadInput(why)
     pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
     if (pp, dp) != (engine.num_stages, engine.grid.data_parallel_size) or topology.world_size() != dist.get_world_size():
         raise BadInput(f"the new topology is {pp} stages x {dp} replicas; the job runs {engine.num_stages} x "
@@ -215,12 +211,8 @@ def _stage_state(engine) -> dict:
 
 def _rebuild(engine, topology, state: dict):
     """The engine on ``topology``: the same layers, partition, config, optimizer and scheduler
-    settings; this rank's optimizer groups as the stage it will hold has them (``state``)."""
-    import copy
-
-    from .initialize import build_engine
-
-    src = engine._rebuild
+    settings (``engine.builder``); this rank's optimizer groups as the stage it will hold has them
+    (``state``)."""
     old = engine.module
     module = PartsPipelineModule(old._layer_specs, list(old.parts), topology=topology, loss_fn=old.loss_fn,
                                  seed_layers=old.seed_layers, seed_fn=old.seed_fn, base_seed=old.base_seed,
@@ -231,14 +223,7 @@ def _rebuild(engine, topology, state: dict):
         if name in named:
             members[sent["group"]].append(named[name])
     groups = [dict(settings, params=ps) for settings, ps in zip(state["groups"], members)]
-    args = copy.copy(src["args"])
-    for attr in ("deepspeed_config", "deepscale_config"):  # the config goes as config=, once
-        if getattr(args, attr, None) is not None:
-            setattr(args, attr, None)
-    fresh, *_ = build_engine(args=args, model=module, optimizer=src["optimizer"], model_parameters=groups,
-                             lr_scheduler=src["lr_scheduler"], collate_fn=src["collate_fn"], config=src["config"],
-                             announce=False)
-    return getattr(fresh, "engine", fresh)  # the engine itself, not the handle initialize gives with orchestrate
+    return engine.builder.rebuild(module, groups)
 
 
 def _load_stage(engine, state: dict) -> None:
