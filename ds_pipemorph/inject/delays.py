@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 
 from ..fileio import BadInput, load_model
 from ..plan.variation import LinkTraceFile
+from ..runtime.hooks import TransportHooks
 from ..runtime.transport.protocol import DeliveryError, TransportError, TransportTimeout, link_of
 from .wrapping import TransportWrapper
 
@@ -231,17 +232,26 @@ def delay_schedule(inject_cfg, stages: int) -> Optional[DelaySchedule]:
     return DelaySchedule(static, trace)
 
 
+class DelayHooks(TransportHooks):
+    """Transport hooks that put ``delays`` on both paths: a ``DelayInjector`` around the direct path,
+    and the schedule as the delegated path's delay source."""
+
+    def __init__(self, delays: DelaySchedule):
+        self.delays = delays
+
+    def wrap_direct(self, direct, *, rank: int, stage_id: int, timeout_s: float):
+        return DelayInjector(direct, stage_id, self.delays, timeout_s=timeout_s)
+
+
 def install_delays(engine, delays: DelaySchedule, timeout_s: float = 60.0) -> DelayInjector:
     """Put ``delays`` on both paths of every link of a running ``PipeMorphEngine`` (tests and benchmarks
     that change delays while training; a job configures ``inject`` instead). The injected direct path
     blocks its sender, and the control loop is told so: its model of direct links becomes ``Direct()``.
     Call it on every rank (each plans from the same table with its own policy), on the engine's own
-    router (not one wrapped by another test injector)."""
+    router (not one wrapped by another test injector): it goes through the router's ``add_hooks``."""
     from ..plan.links import DIRECT
 
-    injector = DelayInjector(engine.transport.direct, engine.stage_id, delays, timeout_s)
-    engine.transport.direct = injector
-    engine.transport.delegated.delays = delays
+    engine.transport.add_hooks(DelayHooks(delays), timeout_s)
     if engine.adapter is not None:
         engine.adapter.policy.set_direct_model(DIRECT)
-    return injector
+    return engine.transport.direct

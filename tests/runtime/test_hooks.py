@@ -134,3 +134,22 @@ def test_build_transport_puts_transport_hooks_around_the_direct_path_and_the_rou
         assert isinstance(plain, LinkRouter) and type(plain.direct).__name__ == "DirectTransport"
     finally:
         plain.close()
+
+
+def test_a_running_router_takes_transport_hooks_on_its_direct_path_and_both_paths_read_their_delays():
+    from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule
+    from ds_pipemorph.inject.plugin import InjectTransport
+    from ds_pipemorph.runtime.transport.router import build_transport
+
+    cfg = parse_config({"delegation": {"mode": "off"}})
+    router = build_transport(cfg, 0, 0, [0, 1], None, store_port=1)
+    plain = router.direct
+    delays = DelaySchedule([5.0])
+    try:
+        router.add_hooks(InjectTransport(delays), timeout_s=3.0)
+        assert isinstance(router.direct, DelayInjector) and router.direct.inner is plain
+        assert router.direct.timeout_s == 3.0 and router.direct.delays is delays
+        assert router.delegated.delays is delays  # the delegates apply the same delays
+        assert router.direct.on_failure == router._recover  # a failed delayed delivery fails over
+    finally:
+        router.close()

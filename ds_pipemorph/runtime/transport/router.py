@@ -75,6 +75,19 @@ class LinkRouter:
                 if (link, kind) not in self._failed:
                     self._mode[(link, kind)] = mode
 
+    def add_hooks(self, hooks: plugins.TransportHooks, timeout_s: float) -> None:
+        """Put transport hooks on this running router as ``build_transport`` puts them on a new one (tests
+        and benchmarks that change injected conditions while training): its direct path is wrapped, and
+        the hooks' delay source, if any, becomes the one both paths read. Call it on both ends of every
+        link between iterations, after ``wait_sends``. ``wrap_router`` is not applied: the caller holds
+        this router."""
+        with self._lock:
+            self.direct = hooks.wrap_direct(self.direct, rank=self.rank, stage_id=self.stage_id, timeout_s=timeout_s)
+            if hooks.delays is not None:
+                self._delays = self.delegated.delays = hooks.delays
+            if self.failover and isinstance(self.direct, DeferredSends):
+                self.direct.on_failure = self._recover
+
     def queues_of(self, link: int) -> int:
         return self.delegated.queues_of(link)
 
