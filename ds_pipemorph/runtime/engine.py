@@ -58,6 +58,7 @@ from .ready_exec import ReadyProgram, run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
+from .transfer import Transfer
 from .transport.router import build_transport
 
 logger = logging.getLogger(__name__)
@@ -159,9 +160,11 @@ class PipeMorphEngine(PipelineEngine):
         # (stage, parameter names) DeepSpeed's gradient clipping counted before the first migration
         # or re-mapping (runtime.clip); None while nothing has moved (DeepSpeed's own clipping).
         self.clip_set: Optional[tuple[int, list[str]]] = None
-        self.migrator = LayerMigrator(pipemorph.rebalance.timeout_s,
-                                      self.hooks.migration_drop if self.hooks is not None else frozenset(),
-                                      eager=pipemorph.rebalance.enabled)
+        # The gloo groups, attempts and vote that moving layers and re-mapping share (runtime.transfer).
+        self.transfer = Transfer(pipemorph.rebalance.timeout_s,
+                                 self.hooks.migration_drop if self.hooks is not None else frozenset(),
+                                 eager=pipemorph.rebalance.enabled)
+        self.migrator = LayerMigrator(self.transfer)
         self.rebalance = None  # compute stragglers: measure stages, move layers away from a slowed one
         if pipemorph.rebalance.enabled:
             from .rebalance_hook import RebalanceHook

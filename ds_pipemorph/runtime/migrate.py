@@ -8,14 +8,12 @@ per-parameter state (Adam's moments and step) and the index of the optimizer gro
 is in. The receiving rank builds the layer from its spec (``LayerSpec.build()``, or the module
 object the spec list holds), loads that state, and only then do all ranks vote.
 
-Two phases, so a failure changes nothing: the transfer and the build happen beside the running
-partition (nothing of it is touched); a vote over every rank (all-reduce of "my part went well")
-follows, and only if every rank succeeded does each rank commit: drop the layers it gave away,
-install the ones it received, rebuild its forward list, module order and optimizer groups, and
-forget the activation layouts its links knew (the boundary's shapes may differ). Otherwise every
-rank keeps the old partition and training goes on. The vote travels in a group of its own, and a
-failed attempt's transfer group is replaced (gloo closes a connection whose receive timed out);
-later attempts also use fresh message tags, so nothing of a failed attempt lands in a later one.
+Two phases, so a failure changes nothing (``runtime.transfer``: the groups, tags, vote and blobs
+migration shares with re-mapping): the transfer and the build happen beside the running partition
+(nothing of it is touched); a vote over every rank follows, and only if every rank succeeded does
+each rank commit: drop the layers it gave away, install the ones it received, rebuild its forward
+list, module order and optimizer groups, and forget the activation layouts its links knew (the
+boundary's shapes may differ). Otherwise every rank keeps the old partition and training goes on.
 
 Exactness: Adam's update is element-wise per parameter, data-parallel and tied-weight reductions are
 element-wise sums, so a layer trained on another stage gets exactly the numbers it would have got
@@ -31,29 +29,22 @@ Not moved: tied layers (``TiedLayerSpec``: their reduction groups are fixed at s
 partition that moves one is refused). Random numbers need nothing moved with DeepSpeed's
 ``seed_layers``: ``PipelineModule`` seeds each layer by its index and its forward count, equal on
 every stage at a boundary; without it, torch's one generator per process serves whatever layers
-the process holds, so a moved dropout layer draws from its new stage's stream. The
-transfer goes over a gloo group of its own, so it never mixes with training messages and works the
-same on NCCL jobs (state travels through host memory).
+the process holds, so a moved dropout layer draws from its new stage's stream.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..fileio import BadInput
 from ..plan.parts import check_parts, layer_moves
 from .clip import freeze_clip_set
-
-# Message tags of one attempt: to the next stage (size, payload), to the previous one (size, payload).
-_TAGS_PER_ATTEMPT = 4
+from .transfer import (Purpose, Transfer, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept,
+                       send_blob, to_blob, unpacked_state)
 
 
 @dataclass
@@ -103,40 +94,16 @@ def check_movable(specs: list, moves: dict, new: list[int]) -> None:
 class LayerMigrator:
     """Runs migrations for one engine; every rank builds one and calls ``migrate`` collectively.
 
-    Its gloo group forms at the first migration (every rank is in that call), or at once with
-    ``eager`` (a job that expects to migrate keeps the group's set-up out of the first move).
-    ``drop_payload_at`` (testing only): attempts at which this rank sends the size of each message
-    but not the message, as a connection lost mid-transfer would leave it."""
+    ``transfer``: the engine's groups and attempts (``runtime.transfer``), shared with re-mapping."""
 
-    def __init__(self, timeout_s: float = 60.0, drop_payload_at: frozenset = frozenset(), eager: bool = False):
-        self.timeout = timedelta(seconds=timeout_s)
-        self.drop_payload_at = frozenset(drop_payload_at)
-        self.attempts = 0
+    def __init__(self, transfer: Transfer):
+        self.transfer = transfer
         self.reports: list[MigrationReport] = []
-        self._group = None  # transfers; a timed-out receive closes gloo's connection, so it is rebuilt after one
-        self._vote_group = None  # votes; nothing in it ever times out early
-        if eager:  # every rank builds its engine here, so the groups form now, not in the first migration
-            self._form_groups()
 
     def vote_group(self):
-        """The gloo group every rank votes in (formed here if no migration formed it yet; every
+        """The gloo group every rank votes in (formed here if no transfer formed it yet; every
         rank calls this together)."""
-        if self._vote_group is None:
-            self._form_groups()
-        return self._vote_group
-
-    def gather_max(self, row: torch.Tensor) -> torch.Tensor:
-        """The element-wise largest of every rank's ``row`` (same shape everywhere), in the vote
-        group: where a rank reports its own stage's slots (zeros elsewhere), this is per stage its
-        slowest replica."""
-        table = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-        dist.all_gather(table, row, group=self.vote_group())
-        return torch.stack(table).amax(dim=0)
-
-    def _form_groups(self) -> None:
-        if self._vote_group is None:
-            self._vote_group = dist.new_group(backend="gloo")
-        self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self.transfer.vote_group()
 
     def migrate(self, engine, new_parts: list[int]) -> MigrationReport:
         pm = engine.module
@@ -144,11 +111,12 @@ class LayerMigrator:
         new = check_parts([int(p) for p in new_parts], layers=old[-1], stages=len(old) - 1)
         moves = layer_moves(old, new)
         check_movable(pm._layer_specs, moves, new)
+        transfer = self.transfer
         if not moves:
-            return MigrationReport(True, old, old, {}, 0.0, attempt=self.attempts)
-        group = self.transfer_group()
-        freeze_clip_set(engine, self.vote_group())  # clipping keeps counting what it counted so far
-        attempt = self.next_attempt()
+            return MigrationReport(True, old, old, {}, 0.0, attempt=transfer.attempts)
+        group = transfer.transfer_group()
+        freeze_clip_set(engine, transfer.vote_group())  # clipping keeps counting what it counted so far
+        attempt = transfer.next_attempt()
         t0 = time.perf_counter()
         report = MigrationReport(False, old, old, moves, 0.0, attempt=attempt)
         incoming: list[_Incoming] = []
@@ -158,60 +126,34 @@ class LayerMigrator:
         except Exception as e:  # noqa: BLE001 - any failure here is a no vote, never a rank missing from the vote
             report.reason = first_line(e)
             ok = 0
-        if self.vote(ok):
+        if transfer.vote(ok):
             _commit(engine, new, moves, incoming)
             report.ok, report.after = True, new
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
         return report
 
-    # -- the protocol's parts, shared with re-mapping (runtime.remap) ------------------------------
-    def transfer_group(self):
-        """The gloo group transfers travel in (formed here at first use: every rank calls this together)."""
-        if self._group is None:
-            self._form_groups()
-        return self._group
-
-    def next_attempt(self) -> int:
-        """A fresh attempt number: its message tags were never used."""
-        attempt, self.attempts = self.attempts, self.attempts + 1
-        return attempt
-
-    def vote(self, ok: int) -> bool:
-        """True if every rank's part went well (every rank calls this together). After a failed
-        attempt the transfer group is replaced: gloo closes a connection whose receive timed out."""
-        ballot = torch.tensor([int(ok)], dtype=torch.int64)
-        dist.all_reduce(ballot, op=dist.ReduceOp.MIN, group=self.vote_group())
-        if ballot.item() != 1:
-            broken, self._group = self._group, dist.new_group(backend="gloo", timeout=self.timeout)
-            try:
-                dist.destroy_process_group(broken)
-            except Exception:  # noqa: BLE001 - a group whose connection already closed may refuse; it is unused
-                pass
-            return False
-        return True
-
     # -- transfer -------------------------------------------------------------------------------
     def _exchange(self, engine, group, moves, attempt: int, report: MigrationReport) -> list[_Incoming]:
-        stage, grid = engine.stage_id, engine.grid
-        base = attempt * _TAGS_PER_ATTEMPT
-        drop = attempt in self.drop_payload_at
+        stage, grid, timeout = engine.stage_id, engine.grid, self.transfer.timeout
+        forward, backward = blob_tags(Purpose.MIGRATION, attempt)  # to the next stage, to the previous one
+        drop = self.transfer.drops(attempt)
         sends = []
-        for peer_stage, tag in ((stage + 1, base), (stage - 1, base + 2)):
+        for peer_stage, tag in ((stage + 1, forward), (stage - 1, backward)):
             layers = sorted(l for l, (a, b) in moves.items() if a == stage and b == peer_stage)
             if layers:
                 blob = _pack(engine, layers)
                 report.bytes_sent += blob.numel()
                 sends += send_blob(blob, grid.stage_to_global(peer_stage), group, tag, drop)
         incoming = []
-        for peer_stage, tag in ((stage - 1, base), (stage + 1, base + 2)):
+        for peer_stage, tag in ((stage - 1, forward), (stage + 1, backward)):
             layers = sorted(l for l, (a, b) in moves.items() if a == peer_stage and b == stage)
             if layers:
-                blob = recv_blob(grid.stage_to_global(peer_stage), group, tag, self.timeout)
+                blob = recv_blob(grid.stage_to_global(peer_stage), group, tag, timeout)
                 report.bytes_received += blob.numel()
                 incoming += _unpack(engine, layers, blob)
         for work in sends:
-            work.wait(self.timeout)
+            work.wait(timeout)
         return incoming
 
 
@@ -340,64 +282,6 @@ def _regroup(opt, pm, leaving: set, incoming: list[_Incoming]) -> None:
                 old = st["step"]
                 st["step"] = (torch.tensor(counts[g], dtype=old.dtype, device=old.device) if torch.is_tensor(old)
                               else type(old)(counts[g]))
-
-
-# -- what migration and re-mapping (runtime.remap) share -------------------------------------------
-def packed_state(opt_state: dict) -> dict:
-    """A parameter's optimizer state as it travels: tensors on the host, with their device kind
-    (torch's Adam keeps ``step`` on the host even for GPU parameters)."""
-    return {k: ({"tensor": v.detach().cpu(), "host": v.device.type == "cpu"} if torch.is_tensor(v) else v)
-            for k, v in opt_state.items()}
-
-
-def unpacked_state(sent: dict, device) -> dict:
-    """``packed_state`` back, each tensor on the device kind it came from."""
-    return {k: (_placed(v, device) if isinstance(v, dict) else v) for k, v in sent.items()}
-
-
-def to_blob(obj) -> torch.Tensor:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def from_blob(blob: torch.Tensor):
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
-
-
-def send_blob(blob: torch.Tensor, peer: int, group, tag: int, drop: bool = False) -> list:
-    """Its size (tag) then the blob (tag + 1), non-blocking; ``drop`` (testing): the size only."""
-    works = [dist.isend(torch.tensor([blob.numel()], dtype=torch.int64), peer, group, tag)]
-    if not drop:
-        works.append(dist.isend(blob, peer, group, tag + 1))
-    return works
-
-
-def recv_blob(peer: int, group, tag: int, timeout: timedelta) -> torch.Tensor:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.irecv(size, peer, group, tag).wait(timeout)
-    blob = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.irecv(blob, peer, group, tag + 1).wait(timeout)
-    return blob
-
-
-def first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-@contextlib.contextmanager
-def rng_kept(device):
-    """Random numbers drawn inside (a new layer's initial weights) leave training's generators as
-    they were."""
-    cuda = getattr(device, "type", "cpu") == "cuda"
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-def _placed(sent: dict, device) -> torch.Tensor:
-    return sent["tensor"] if sent["host"] else sent["tensor"].to(device)
 
 
 def _step(v) -> float:

@@ -7,8 +7,8 @@ DeepSpeed ``ProcessTopology`` of the same pipeline and data-parallel sizes). No 
 1. **Exchange.** A rank whose stage changes receives its new stage's whole state (the module's
    ``state_dict``: parameters, buffers, tied modules; the optimizer's per-parameter state and
    group settings, by parameter name; gradients held at the boundary) from the rank that held its
-   new coordinate, the same packing and gloo transfer group as live layer migration
-   (``runtime.migrate``). A rank that keeps its stage keeps its own state: replicas of a stage are
+   new coordinate, with the blobs and gloo transfer group live layer migration uses too
+   (``runtime.transfer``). A rank that keeps its stage keeps its own state: replicas of a stage are
    identical after a step.
 2. **Vote.** Every rank votes on its part; if any failed, every rank keeps the engine it has (the
    old one is returned unchanged) and training goes on.
@@ -40,11 +40,9 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..fileio import BadInput
 from .clip import freeze_clip_set
-from .migrate import first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob, unpacked_state
 from .partition_hook import PartsPipelineModule
-
-# Tags of a re-mapping transfer (size, payload), after every migration attempt's.
-_TAG = 1 << 20
+from .transfer import (Purpose, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob,
+                       unpacked_state)
 
 
 @dataclass
@@ -84,11 +82,11 @@ def remap(engine, topology):
     new = topology.get_coord(rank)
     t0 = time.perf_counter()
     report = RemapReport(False, 0.0, (old.pipe, old.data), (old.pipe, old.data))
-    migrator = engine.migrator
-    group = migrator.transfer_group()
-    freeze_clip_set(engine, migrator.vote_group())  # clipping keeps counting what it counted so far
-    attempt = migrator.next_attempt()
-    tag = _TAG + 2 * attempt
+    transfer = engine.transfer
+    group = transfer.transfer_group()
+    freeze_clip_set(engine, transfer.vote_group())  # clipping keeps counting what it counted so far
+    attempt = transfer.next_attempt()
+    (tag,) = blob_tags(Purpose.REMAP, attempt)
     state = None
     try:
         sends = []
@@ -97,20 +95,20 @@ def remap(engine, topology):
         if old_topo.get_coord(taker).pipe != old.pipe:
             blob = to_blob(_stage_state(engine))
             report.bytes_sent = blob.numel()
-            sends += send_blob(blob, taker, group, tag, drop=attempt in migrator.drop_payload_at)
+            sends += send_blob(blob, taker, group, tag, drop=transfer.drops(attempt))
         if new.pipe != old.pipe:  # my new coordinate's state comes from its old holder
-            blob = recv_blob(old_topo.get_rank(pipe=new.pipe, data=new.data), group, tag, migrator.timeout)
+            blob = recv_blob(old_topo.get_rank(pipe=new.pipe, data=new.data), group, tag, transfer.timeout)
             report.bytes_received = blob.numel()
             state = from_blob(blob)
         else:
             state = _stage_state(engine)
         for w in sends:
-            w.wait(migrator.timeout)
+            w.wait(transfer.timeout)
         ok = 1
     except Exception as e:  # noqa: BLE001 - any failure is a no vote, never a rank missing from the vote
         report.reason = first_line(e)
         ok = 0
-    if not migrator.vote(ok):
+    if not transfer.vote(ok):
         report.seconds = time.perf_counter() - t0
         return engine, report
     # Every rank builds the new engine together (DeepSpeed forms its groups collectively), then loads
@@ -125,7 +123,7 @@ def remap(engine, topology):
     except Exception as e:  # noqa: BLE001
         report.reason = first_line(e)
         ok = 0
-    if not migrator.vote(ok):
+    if not transfer.vote(ok):
         if fresh is not None:
             fresh.destroy()
         _restore_deepspeed_globals(saved)  # the old engine's evaluation path reads them
