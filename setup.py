@@ -3,8 +3,8 @@
 The C++/CUDA sources of the host-staging op live in ``cuda_ext/`` at the top of the repository;
 a wheel carries a copy as ``ds_pipemorph/staging/cuda_ext/``, where the op builder
 (``ds_pipemorph.staging.builder.cuda_ext_dir``) finds them. An editable install reads them in place.
-The C source of the planner's core (``ds_pipemorph/plan/plancore.c``) is package data: every install
-carries it, and ``ds_pipemorph.plan.native`` compiles it at first use.
+The C source of the planner's core (``ds_pipemorph/plan/sim/plancore.c``) is package data: every install
+carries it, and ``ds_pipemorph.plan.sim.native`` compiles it at first use.
 """
 from pathlib import Path
 
@@ -40,7 +40,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["ds_pipemorph", "ds_pipemorph.*"]) + ["ds_pipemorph_cli"],
     package_dir={"ds_pipemorph_cli": "cli"},
-    package_data={"ds_pipemorph.plan": ["*.c"]},
+    package_data={"ds_pipemorph.plan.sim": ["*.c"]},
     install_requires=[
         # A range, so GPU users keep their own torch build; scripts/setup.sh pins the CPU wheel here.
         "torch>=2.4",

@@ -213,8 +213,8 @@ def alternate(other, ours, warmup: int, pairs: int, parts: list | None) -> list[
 
 def predicted_ms() -> float:
     """The replay simulator's iteration time of the ``zb`` plan at F = B = W = ``OP_MS``."""
-    from ds_pipemorph.plan.profile import Costs
-    from ds_pipemorph.plan.simulate import replay
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sim.simulate import replay
 
     return replay(zb_plan(), Costs.uniform(STAGES, OP_MS), MICROBATCHES).iteration_ms
 

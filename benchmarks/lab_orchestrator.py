@@ -10,7 +10,7 @@ stage's F/B/W, see ``_lab_dp_job``).
 1. **Measure the links**: ``pipemorph profile-links --all-pairs -o links.json`` runs on the 8 nodes
    (one rank each); the link matrix it writes is the one the engine and ``pipemorph place`` use.
    The shaped pair must be the matrix's slowest in bandwidth, near its configured rate.
-2. **Predict**: ``plan.place`` on that matrix (the model of ``pipemorph place``; op times F = B = W =
+2. **Predict**: ``plan.place.predict`` on that matrix (the model of ``pipemorph place``; op times F = B = W =
    ``--op-ms``, each stage's gradient bytes): DeepSpeed's default placement and the orchestrator's.
 3. **Train** (one launch, two rows, each a fresh engine from the same seed and batches):
    (a) the default placement, no orchestrator; (b) the default placement with ``"orchestrate":
@@ -98,12 +98,12 @@ def shaped_pair_check(matrix: dict, pair: tuple[int, int], rate_bits: int) -> di
 
 
 def predict_all(matrix: dict, args, grad_mb: float, chosen=None) -> dict:
-    """``plan.place`` on the measured matrix: DeepSpeed's default placement and the orchestrator's, and
+    """``plan.place.predict`` on the measured matrix: DeepSpeed's default placement and the orchestrator's, and
     (both rows run the static zb order) each placement under the static order."""
-    from ds_pipemorph.plan.linkmatrix import LinkMatrix
-    from ds_pipemorph.plan.place import Job, Planner, place, predict
-    from ds_pipemorph.plan.placement import Placement
-    from ds_pipemorph.plan.profile import Costs
+    from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.place.placement import Placement
+    from ds_pipemorph.plan.place.predict import Job, Planner, place, predict
 
     m = LinkMatrix.model_validate(matrix)
     job = Job(Costs.uniform(STAGES, args.op_ms), args.microbatches, [grad_mb] * STAGES)
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     def one(x):
         return "-" if x is None else f"{x:.1f}"
 
-    print_table("before and after the re-mapping against `pipemorph place`'s prediction (plan.place on the measured "
+    print_table("before and after the re-mapping against `pipemorph place`'s prediction (plan.place.predict on the measured "
                 "matrix, static zb order as both rows run)",
                 ["what", "ranks per stage", "iterations", "AR ms s0 / s1 / s2 / s3", "iteration ms"],
                 [[f"{DEFAULT} (a)", " ".join(",".join(map(str, r)) for r in s_def["ranks_before"]),

@@ -40,10 +40,10 @@ from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa:
 
 from ds_pipemorph.lab import Lab  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1  # noqa: E402
-from ds_pipemorph.plan.links import DIRECT, Delegated  # noqa: E402
-from ds_pipemorph.plan.profile import Costs  # noqa: E402
-from ds_pipemorph.plan.simulate import replay  # noqa: E402
+from ds_pipemorph.plan.ir.links import DIRECT, Delegated  # noqa: E402
+from ds_pipemorph.plan.ir.profile import Costs  # noqa: E402
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1  # noqa: E402
+from ds_pipemorph.plan.sim.simulate import replay  # noqa: E402
 
 SLOW_LINK = 1  # joins stage 1 (node 1) and stage 2 (node 2)
 ENGINES = {  # label -> how the row runs

@@ -11,7 +11,7 @@ link. (A single slow pair is no test of placement: 10 of the 28 pairs of this gr
 and moving one pair onto a silent position removes it, which re-placement alone already does.)
 
 Three runs, side by side in one launch, each on the placement ``pipemorph place`` chose for it from
-the same link matrix (``plan.place``):
+the same link matrix (``plan.place.predict``):
 
 - baseline: DeepSpeed's default placement, the static `zb` order;
 - re-placement only (Falcon-style): the placement fastest for the static order, static `zb`;
@@ -68,10 +68,10 @@ def cross_pairs() -> list[tuple[int, int]]:
 def plan_placements(work: Path) -> dict:
     """``pipemorph place`` on the matrix: the three placements, written as topology files, and the predictions."""
     from ds_pipemorph.fileio import dump, write_atomic
-    from ds_pipemorph.plan.linkmatrix import LinkMatrix
-    from ds_pipemorph.plan.place import Job, place
-    from ds_pipemorph.plan.placement import TopologyFile
-    from ds_pipemorph.plan.profile import Costs
+    from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.place.placement import TopologyFile
+    from ds_pipemorph.plan.place.predict import Job, place
 
     matrix = LinkMatrix.model_validate({"world_size": WORLD, "pairs": [
         {"ranks": list(p), "latency_ms": SLOW_MS} for p in cross_pairs()]})

@@ -26,11 +26,11 @@ from math import comb
 
 from _util import print_table, write_json
 
-from ds_pipemorph.plan import native
-from ds_pipemorph.plan.layer_profile import LayerProfile
-from ds_pipemorph.plan.partition import evaluate, exhaustive, partition
-from ds_pipemorph.plan.parts import balanced_parts, uniform_parts
-from ds_pipemorph.plan.search import search
+from ds_pipemorph.plan.partition.layer_profile import LayerProfile
+from ds_pipemorph.plan.partition.partition import evaluate, exhaustive, partition
+from ds_pipemorph.plan.partition.parts import balanced_parts, uniform_parts
+from ds_pipemorph.plan.sched.search import search
+from ds_pipemorph.plan.sim import native
 
 TARGET_S = 1.0
 PLAN_BUDGET_S = 0.5

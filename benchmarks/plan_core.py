@@ -5,7 +5,7 @@
 On uniform pipelines (10 ms per op, 30 ms on the last link) of 4x12, 8x32 and 16x64 stages x
 micro-batches: the best of three timings of ``repeats`` runs each, through the compiled core and
 through the pure-Python code it replaces (what a machine without a C compiler runs). The ratio is
-what ``plan.native.PYTHON_COST`` tells a user whose core could not be built. Times are wall clock
+what ``plan.sim.native.PYTHON_COST`` tells a user whose core could not be built. Times are wall clock
 on a shared machine: the load average is recorded.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pathlib import Path
 
 from _util import print_table, write_json
 
-from ds_pipemorph.plan import native
-from ds_pipemorph.plan import simulate as sim
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.listsched_py import Policy, list_schedule_py
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.replay_py import run_py
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.listsched_py import Policy, list_schedule_py
+from ds_pipemorph.plan.sim import native
+from ds_pipemorph.plan.sim import simulate as sim
+from ds_pipemorph.plan.sim.replay_py import run_py
 
 SIZES = ((4, 12), (8, 32), (16, 64))
 

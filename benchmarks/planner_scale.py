@@ -28,13 +28,15 @@ from pathlib import Path
 
 from _util import print_table, write_json
 
-from ds_pipemorph.plan import listsched, native
-from ds_pipemorph.plan.bounds import lower_bound_ms
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import milp_available, search
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.sched import listsched
+
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.bounds import lower_bound_ms
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import milp_available, search
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim import native
+from ds_pipemorph.plan.sim.simulate import replay
 
 GREEDY_TARGET_S = 0.050
 REPLAN_BUDGET_S = 0.2
@@ -146,7 +148,7 @@ def bound_tightness(seed: int, count: int, limit_s: float) -> dict:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from planner_vs_milp import random_case  # noqa: E402 - the held-out benchmark's cases
 
-        from ds_pipemorph.plan.milp import solve_exact
+        from ds_pipemorph.plan.sched.milp import solve_exact
 
         rng = random.Random(seed + 2)
         for _ in range(count):

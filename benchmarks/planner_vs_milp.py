@@ -3,7 +3,7 @@
 Random heterogeneous cases (3–5 stages, 6–8 micro-batches, per-stage F/B/W times uniform in
 [5, 20] ms, no slow link / one / two slow links of up to 40 ms, per-stage in-flight caps in
 [S−s, N]). Per case: the paper's single greedy pass (Alg. 1 warm-up from the caps + list scheduler),
-our planner (``plan.search.search``, heuristic part only unless ``--search-exact``), and the exact MILP (``plan.milp.solve_exact``) warm-started
+our planner (``plan.sched.search.search``, heuristic part only unless ``--search-exact``), and the exact MILP (``plan.sched.milp.solve_exact``) warm-started
 with our plan. Gaps are (heuristic − optimum) / optimum, summarised over the cases the MILP proved
 optimal.
 
@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_pipemorph.plan.bounds import lower_bound_ms
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.milp import solve_exact
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.bounds import lower_bound_ms
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.milp import solve_exact
+from ds_pipemorph.plan.sched.search import search
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 
 @dataclass

@@ -23,8 +23,8 @@ times. Workloads 3 and 4 have a control loop that re-plans on its own, which can
 iterations with another: whole runs alternate there, each a fresh engine in the same ranks (the
 delay trace starts anew with each), and a run's sample is the median of its measured iterations.
 
-Per-op times come from ``plan.variation`` tables (``inject.vary`` makes the engine's ops
-last them); the readiness replay (``plan.ready``) of the same tables predicts workloads 1, 2 and 5.
+Per-op times come from ``plan.sim.variation`` tables (``inject.vary`` makes the engine's ops
+last them); the readiness replay (``plan.sim.ready``) of the same tables predicts workloads 1, 2 and 5.
 Iteration time: from a barrier before ``train_batch`` to the last rank's return. The dispatch cost
 per op is the time ready dispatch spends choosing the next op (``engine.choosing_ns``) over the
 ops it ran; "ops ahead of the hint" counts, per stage, the ops of the last ready iteration that
@@ -81,8 +81,8 @@ def parse_args():
 
 def tables(workload: str, seed: int):
     """(iteration -> OpTable, the emulated stage's own F/B/W ms: the table's smallest)."""
-    from ds_pipemorph.plan.profile import Costs
-    from ds_pipemorph.plan.variation import OpTable, heavy, jitter
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sim.variation import OpTable, heavy, jitter
 
     costs = Costs.uniform(STAGES, OP_MS)
     if workload == "heavy":
@@ -205,10 +205,10 @@ def whole_runs(workload: str, args, trace: str) -> dict:
 
 def predict(workload: str, plan_text, dispatch: str, ks, args) -> float:
     """Mean over iterations ``ks`` of the replay of each one's table."""
-    from ds_pipemorph.plan.ops import peak_inflight
-    from ds_pipemorph.plan.profile import Costs
-    from ds_pipemorph.plan.ready import replay_varying
-    from ds_pipemorph.plan.validate import parse_schedule
+    from ds_pipemorph.plan.ir.ops import peak_inflight
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sim.ready import replay_varying
+    from ds_pipemorph.plan.sim.validate import parse_schedule
 
     plan = parse_schedule(plan_text)
     table_of, _ = tables(workload, args.seed)

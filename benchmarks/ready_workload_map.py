@@ -2,14 +2,14 @@
 parameters of the workloads of ``benchmarks/ready_dispatch.py``.
 
 4 stages x 12 micro-batches, F = B = W = 10 ms, no link delay, the simulator only
-(``plan.ready.replay_varying``; nothing runs on the engine). Each workload keeps its definition
+(``plan.sim.ready.replay_varying``; nothing runs on the engine). Each workload keeps its definition
 and sweeps its parameters:
 
 - heavy: round(frac x N) micro-batches (seeded) take ``factor`` times as long for F, B and W on
-  the first ``stages`` stages (``plan.variation.heavy``); frac 0.10-0.30 (1-4 of 12 micro-batches),
+  the first ``stages`` stages (``plan.sim.variation.heavy``); frac 0.10-0.30 (1-4 of 12 micro-batches),
   factor 2-6, stages 1-2 of 4;
 - jitter: every F and B (or F, B and W) of every (stage, micro-batch) scaled by its own seeded
-  factor of mean 1: uniform in [1 - s, 1 + s] (``plan.variation.jitter``), lognormal with sigma
+  factor of mean 1: uniform in [1 - s, 1 + s] (``plan.sim.variation.jitter``), lognormal with sigma
   0.2-0.6, or gamma with a coefficient of variation 0.2-0.6.
 
 Hints: ``zb`` (the engine's plan for ``schedule: "zb"``) and ``1f1b`` (DeepSpeed's order, B and W
@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _util import print_table, write_json  # noqa: E402
 
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1_warmup  # noqa: E402
-from ds_pipemorph.plan.ops import peak_inflight  # noqa: E402
-from ds_pipemorph.plan.profile import Costs  # noqa: E402
-from ds_pipemorph.plan.ready import replay_varying  # noqa: E402
-from ds_pipemorph.plan.variation import OpTable, heavy, jitter  # noqa: E402
+from ds_pipemorph.plan.ir.ops import peak_inflight  # noqa: E402
+from ds_pipemorph.plan.ir.profile import Costs  # noqa: E402
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1_warmup  # noqa: E402
+from ds_pipemorph.plan.sim.ready import replay_varying  # noqa: E402
+from ds_pipemorph.plan.sim.variation import OpTable, heavy, jitter  # noqa: E402
 from ds_pipemorph.runtime.plans import DEFAULT_OP_MS, latency_robust_schedule  # noqa: E402
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
@@ -76,7 +76,7 @@ def caps_of(plan, cap: str) -> list[int]:
 
 
 def scaled_jitter(costs: Costs, shape: str, spread: float, seed: int, kinds: str) -> OpTable:
-    """Per-op factors of mean 1, drawn in ``plan.variation.jitter``'s order (stage, micro-batch, kind)."""
+    """Per-op factors of mean 1, drawn in ``plan.sim.variation.jitter``'s order (stage, micro-batch, kind)."""
     if shape == "uniform":
         return jitter(costs, MICROBATCHES, spread, seed=seed, kinds=kinds)
     rng = random.Random(seed)

@@ -116,7 +116,7 @@ def model(microbatches: int):
 
 def layer_profile(microbatches: int):
     """The model's layer profile, measured here (rank 0, pinned, one thread)."""
-    from ds_pipemorph.plan.layer_profile import LayerProfile
+    from ds_pipemorph.plan.partition.layer_profile import LayerProfile
     from ds_pipemorph.profiling.layers import layer_profile_data, profile_layers
 
     layers_of, data, loss, _ = model(microbatches)
@@ -221,7 +221,7 @@ def ranks_main(args) -> int:
     results, best = {}, None
     for kind in args.rows:
         if kind == "best-static":
-            from ds_pipemorph.plan.partition import partition
+            from ds_pipemorph.plan.partition.partition import partition
 
             factors = measured_slowdowns(results["uniform"], lp, args)
             best = {"slowdown": factors, "parts": partition(lp, slowdown=factors).parts}

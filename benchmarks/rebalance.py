@@ -109,8 +109,8 @@ def loss_of(model: str):
 
 def best_static(model: str, stages: int) -> tuple[list[int], dict]:
     """What ``pipemorph partition --slowdown 1=2`` chooses for the model's layer profile (rank 0)."""
-    from ds_pipemorph.plan.layer_profile import LayerProfile
-    from ds_pipemorph.plan.partition import partition
+    from ds_pipemorph.plan.partition.layer_profile import LayerProfile
+    from ds_pipemorph.plan.partition.partition import partition
 
     slow = [FACTOR if s == SLOW_STAGE else 1.0 for s in range(stages)]
     if model == "emulated":

@@ -21,8 +21,8 @@ from ds_pipemorph.bench.scenarios import dynamic_traces, link_sets, scenarios_fo
 from ds_pipemorph.bench.spec import DISPATCHES, LABELS, SCHEDULES, BenchSpec, Scenario
 from ds_pipemorph.bench.traces import paper_trace_paths
 from ds_pipemorph.fileio import BadInput, describe
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.variation import vary_tables
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sim.variation import vary_tables
 
 from .bench_table import print_results
 from .common import announce, check_outputs, console, err_console, parse_floats, user_errors

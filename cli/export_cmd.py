@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph.plan.torch_csv import check_torch_runnable, torch_csv
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.files.torch_csv import check_torch_runnable, torch_csv
 
 from .common import check_outputs, console, user_errors, write_outputs
 

@@ -9,13 +9,13 @@ import typer
 from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput, dump
-from ds_pipemorph.plan.bounds import cap_bound_ms, lower_bound_ms
-from ds_pipemorph.plan.layer_profile import LayerProfile, read_layer_profile
-from ds_pipemorph.plan.ops import format_stage, warmup_counts
-from ds_pipemorph.plan.partition import evaluate, partition as search_partition
-from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph.plan.parts import PartsFile, PartsPredicted, StageMs, balanced_parts, uniform_parts
-from ds_pipemorph.plan.search import search
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.ir.ops import format_stage, warmup_counts
+from ds_pipemorph.plan.partition.layer_profile import LayerProfile, read_layer_profile
+from ds_pipemorph.plan.partition.partition import evaluate, partition as search_partition
+from ds_pipemorph.plan.partition.parts import PartsFile, PartsPredicted, StageMs, balanced_parts, uniform_parts
+from ds_pipemorph.plan.sched.bounds import cap_bound_ms, lower_bound_ms
+from ds_pipemorph.plan.sched.search import search
 
 from .common import announce, check_outputs, console, print_json, user_errors, write_outputs
 from .progress import budget_bar

@@ -9,10 +9,10 @@ import typer
 from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput, dump, load_model
-from ds_pipemorph.plan.linkmatrix import LinkMatrix
-from ds_pipemorph.plan.place import Job, PlaceResult, Prediction, place as place_ranks
-from ds_pipemorph.plan.placesearch import placements_modulo_renaming
-from ds_pipemorph.plan.profile import Costs, Profile
+from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
+from ds_pipemorph.plan.ir.profile import Costs, Profile
+from ds_pipemorph.plan.place.predict import Job, PlaceResult, Prediction, place as place_ranks
+from ds_pipemorph.plan.place.search import placements_modulo_renaming
 
 from .common import announce, check_outputs, console, parse_compute, parse_floats, print_json, user_errors, write_outputs
 

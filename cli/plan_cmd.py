@@ -8,13 +8,13 @@ import typer
 from rich.table import Table
 
 from ds_pipemorph.fileio import dump, load_model
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph.plan.profile import Profile
-from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.tolerance import link_tolerances
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.ir.profile import Profile
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import search
+from ds_pipemorph.plan.sched.tolerance import link_tolerances
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.simulate import replay
 
 from .common import announce, check_outputs, console, print_json, timeline_outputs, user_errors, write_outputs
 from .progress import budget_bar

@@ -8,15 +8,15 @@ import typer
 from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.baselines import BASELINES, baseline
-from ds_pipemorph.plan.links import DIRECT, LATENCY
-from ds_pipemorph.plan.ops import peak_inflight
-from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.ready import DISPATCH, replay_varying
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.torch_csv import read_torch_plan
-from ds_pipemorph.plan.variation import link_trace, parse_vary
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.files.torch_csv import read_torch_plan
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY
+from ds_pipemorph.plan.ir.ops import peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import BASELINES, baseline
+from ds_pipemorph.plan.sim.ready import DISPATCH, replay_varying
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.variation import link_trace, parse_vary
 
 from .common import announce, check_outputs, console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
 

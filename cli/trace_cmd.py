@@ -8,8 +8,8 @@ import typer
 from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.sim.simulate import replay
 from ds_pipemorph.trace.compare import compare as compare_timelines
 from ds_pipemorph.trace.load import load_measured
 from ds_pipemorph.trace.measured import analyze, check_iteration, iteration_timeline

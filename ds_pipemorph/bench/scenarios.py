@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Optional
 
 from ..fileio import BadInput, load_model
-from ..plan.baselines import deepspeed_1f1b
-from ..plan.links import DIRECT
-from ..plan.profile import Costs
-from ..plan.simulate import replay
+from ..plan.ir.links import DIRECT
+from ..plan.ir.profile import Costs
+from ..plan.sched.baselines import deepspeed_1f1b
+from ..plan.sim.simulate import replay
 from .spec import Scenario
 from .traces import mean_delays, write_paper_traces
 

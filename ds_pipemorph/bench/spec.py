@@ -44,7 +44,7 @@ class BenchSpec(BaseModel):
     out: str
     # Our engine's rows run once per dispatch ("ready": the plan is a hint, RRFP); stock 1F1B once.
     dispatches: list[str] = Field(default_factory=lambda: ["ordered"], min_length=1)
-    # Per-op time variation (``plan.variation``: jitter:S, heavy:..., table:FILE), drawn anew each iteration.
+    # Per-op time variation (``plan.sim.variation``: jitter:S, heavy:..., table:FILE), drawn anew each iteration.
     vary: Optional[str] = None
 
     @model_validator(mode="after")

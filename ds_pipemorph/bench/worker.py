@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import load_model, write_atomic
-from ..plan.baselines import deepspeed_1f1b
-from ..plan.links import DIRECT, Delegated
-from ..plan.profile import Costs
-from ..plan.simulate import replay
+from ..plan.ir.links import DIRECT, Delegated
+from ..plan.ir.profile import Costs
+from ..plan.sched.baselines import deepspeed_1f1b
+from ..plan.sim.simulate import replay
 from ..inject.delays import DelaySchedule, load_trace
 from .spec import BenchSpec, Scenario
 from .summary import summarize
@@ -70,7 +70,7 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "
     cfg["pipemorph"] = section
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if spec.vary:
-        from ..plan.variation import vary_tables
+        from ..plan.sim.variation import vary_tables
         from ..inject.vary import install
 
         install(engine, vary_tables(spec.vary, Costs.uniform(spec.stages, spec.op_ms), spec.microbatches))
@@ -134,13 +134,13 @@ def append(path: str, line: str) -> None:
 def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch: str = "ordered") -> float:
     """The replay simulator's time for the plan the schedule ran last, under the injected delays; slow
     links on the direct path are modelled as such (one message in flight, the sender blocks). With
-    --vary or ready dispatch: the mean over the measured iterations of ``plan.ready``'s replay of
+    --vary or ready dispatch: the mean over the measured iterations of ``plan.sim.ready``'s replay of
     each iteration's op times under that dispatch (caps: the plan's peak, as the engine holds)."""
     S, N = spec.stages, spec.microbatches
     if spec.vary or dispatch == "ready":
-        from ..plan.ops import peak_inflight
-        from ..plan.ready import replay_varying
-        from ..plan.variation import vary_tables
+        from ..plan.ir.ops import peak_inflight
+        from ..plan.sim.ready import replay_varying
+        from ..plan.sim.variation import vary_tables
 
         model = _link_model(schedule, engine)
         tables = vary_tables(spec.vary, costs, N) if spec.vary else (lambda k: None)

@@ -2,14 +2,14 @@
 
 The engine hands ``Orchestrator.observe`` each iteration's all-reduce time of every stage (its
 ``ReduceGrads``, the slowest replica) and every stage's F, B and W. From the link matrix
-(``pipemorph profile-links --all-pairs``) and those op times, ``plan.place`` predicts the iteration
+(``pipemorph profile-links --all-pairs``) and those op times, ``plan.place.predict`` predicts the iteration
 time of the placement in force and of the best one: data-parallel rings priced by the matrix, slow
 pairs put where the planner absorbs them. The orchestrator acts when both say so:
 
 - **measured**: some stage's all-reduce took more than ``noise`` above what the best placement's
   ring for that stage would take, in each of the last ``patience`` iterations (a data-parallel
   straggler is seen, not only listed in a file). What a ring would take is the ring model's time
-  (``plan.placement.allreduce_ms``) plus the fixed cost every all-reduce pays on this machine beyond
+  (``plan.place.placement.allreduce_ms``) plus the fixed cost every all-reduce pays on this machine beyond
   that model (the collective's start-up, the wait for the slowest replica, CPU contention: on a real
   network, tens of ms against a model's few ms). That cost is read from the same iteration: the
   median, over the stages whose ring in force is already as fast as the best placement's (the
@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..plan.linkmatrix import LinkMatrix
-from ..plan.place import Job, Planner, place, predict
-from ..plan.placement import Placement, allreduce_ms
-from ..plan.profile import Costs
+from ..plan.files.linkmatrix import LinkMatrix
+from ..plan.ir.profile import Costs
+from ..plan.place.placement import Placement, allreduce_ms
+from ..plan.place.predict import Job, Planner, place, predict
 
 # The planner's effort per planned pipeline: bounded by replays, not time (same answer on any machine).
 PLAN_EVALS = 200

@@ -18,7 +18,7 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
   "auto" delegates the links planned for a delay and keeps the others direct, but only where direct
   sends block: where they do not, a delegate adds copies and nothing the wire does not already
   give (a rate limit is shared by every queue on it), so "auto" keeps every link direct;
-* give each delegated link the delegate queues the new plan needs (``plan.queues``), between what
+* give each delegated link the delegate queues the new plan needs (``plan.sched.queues``), between what
   it has and the configured maximum; a running link grows only for a gain above ``GROW_GAIN`` of the
   iteration, since new delegates start while training runs.
 
@@ -35,16 +35,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..plan.bounds import lower_bound_ms
-from ..plan.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
-from ..plan.listsched import list_schedule
-from ..plan.ops import Schedule
-from ..plan.profile import Costs
-from ..plan.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
-from ..plan.search import search
-from ..plan.simulate import replay
-from ..plan.tolerance import link_tolerances
-from ..plan.warmup import adapted_warmup
+from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
+from ..plan.ir.ops import Schedule
+from ..plan.ir.profile import Costs
+from ..plan.sched.bounds import lower_bound_ms
+from ..plan.sched.listsched import list_schedule
+from ..plan.sched.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
+from ..plan.sched.search import search
+from ..plan.sched.tolerance import link_tolerances
+from ..plan.sched.warmup import adapted_warmup
+from ..plan.sim.simulate import replay
 from .detector import DetectorConfig, LinkDetector
 
 REPLAN_EVALS = 2000  # default search effort per re-plan: an evaluation bound, not a time bound (deterministic)
@@ -263,7 +263,7 @@ class Policy:
 
     def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list[int]:
         """Per link, the queues it gets under ``plan``: a delegated link the fewest (at least what it
-        has, at most ``max_queues``) with which its delegates keep pace (``plan.queues.queues_needed``),
+        has, at most ``max_queues``) with which its delegates keep pace (``plan.sched.queues.queues_needed``),
         but a link grows only when that gains more than ``GROW_GAIN`` of the iteration; a direct link
         keeps its count."""
         have = self.link_queues

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 from ..fileio import BadInput
-from ..plan.layer_profile import LayerProfile
-from ..plan.ops import Schedule
-from ..plan.partition import block_shifts, evaluate, partition
-from ..plan.parts import check_parts, layer_moves, owner
-from ..plan.search import search
+from ..plan.ir.ops import Schedule
+from ..plan.partition.layer_profile import LayerProfile
+from ..plan.partition.partition import block_shifts, evaluate, partition
+from ..plan.partition.parts import check_parts, layer_moves, owner
+from ..plan.sched.search import search
 
 # The plan for a new partition: a deterministic search (stopped by evaluations, never by the clock,
 # so every rank that runs it gets the same plan).

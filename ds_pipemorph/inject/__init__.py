@@ -14,7 +14,7 @@ section asks for; ``ds_pipemorph/__init__`` imports it, so every entry point hon
 - ``compute``: slowed stages (``inject.compute``, ``inject.compute_trace``): F, B and W of a stage wait
   (factor - 1) x their own time after they ran, counted in their op records;
 - ``rank_links``: a slow link between two global ranks, on the pipeline or the all-reduce ring;
-- ``vary``: per-micro-batch op times from a ``plan.variation`` table (benchmarks);
+- ``vary``: per-micro-batch op times from a ``plan.sim.variation`` table (benchmarks);
 - ``stock``: the same injected delays for stock DeepSpeed's p2p sends (benchmarks);
 - ``emulated``: a pipeline stage whose F, B and W take fixed times around tiny real math.
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..fileio import BadInput, load_model
-from ..plan.variation import LinkTraceFile
+from ..plan.sim.variation import LinkTraceFile
 from ..runtime.hooks import TransportHooks
 from ..runtime.transport.protocol import DeliveryError, TransportError, TransportTimeout, link_of
 from .wrapping import TransportWrapper
@@ -32,7 +32,7 @@ from .wrapping import TransportWrapper
 
 class DelayTrace(LinkTraceFile):
     """A delay trace file: ``points: [{t: 0.0, links_ms: [0, 0, 30]}, {t: 1.5, ...}]`` (the format of
-    ``plan.variation.LinkTraceFile``, which the simulator replays), looked up by time as it runs."""
+    ``plan.sim.variation.LinkTraceFile``, which the simulator replays), looked up by time as it runs."""
 
     def check_links(self, links: int, source: str) -> None:
         for p in self.points:
@@ -249,7 +249,7 @@ def install_delays(engine, delays: DelaySchedule, timeout_s: float = 60.0) -> De
     blocks its sender, and the control loop is told so: its model of direct links becomes ``Direct()``.
     Call it on every rank (each plans from the same table with its own policy), on the engine's own
     router (not one wrapped by another test injector): it goes through the router's ``add_hooks``."""
-    from ..plan.links import DIRECT
+    from ..plan.ir.links import DIRECT
 
     engine.transport.add_hooks(DelayHooks(delays), timeout_s)
     if engine.adapter is not None:

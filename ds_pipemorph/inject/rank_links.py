@@ -6,11 +6,11 @@
 - neighbouring stages of one pipeline: that pipeline link, as ``inject.links`` slows it (every
   message on it, ``inject.delays``);
 - the same stage (one data-parallel group), with the link on that group's all-reduce ring (torch
-  runs a group's ring in ascending rank order, closed at the end: ``plan.placement.ring_links``).
+  runs a group's ring in ascending rank order, closed at the end: ``plan.place.placement.ring_links``).
   A ring all-reduce takes 2(D - 1) steps, each sending one part over every ring link at once and
   ending with its slowest transfer; a part travels as k messages (``inject.allreduce_messages``:
   its size over the bucket size), one in flight per link. So a ring link slowed by c ms adds
-  2(D - 1) k c ms to the all-reduce, the model ``plan.placement.allreduce_ms`` prices placements
+  2(D - 1) k c ms to the all-reduce, the model ``plan.place.placement.allreduce_ms`` prices placements
   with (k = ⌈part / chunk⌉). Every rank of the group waits that long after its ``ReduceGrads``,
   inside the instruction (its op record shows it); the values reduced are untouched;
 - anything else (no traffic between them): nothing.
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..plan.placement import ring_links
+from ..plan.place.placement import ring_links
 from ..runtime import instructions as I
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks

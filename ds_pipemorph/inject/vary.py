@@ -1,7 +1,7 @@
 """Per-micro-batch op times in the real engine (testing and benchmarks only).
 
 ``VaryInjector`` is an engine hook (``runtime.hooks``) on F, B and W: each op of (stage, kind,
-micro-batch) lasts the time a ``plan.variation.OpTable`` gives it: the handler runs (an emulated
+micro-batch) lasts the time a ``plan.sim.variation.OpTable`` gives it: the handler runs (an emulated
 stage built with the table's smallest times, or a real model), then the op sleeps until its start
 plus the table's time. ``tables(k)`` gives the table of iteration k, so variation can change every
 iteration (seeded: the simulator replays the same tables). Timing only: the numbers computed are untouched.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..plan.variation import OpTable
+from ..plan.sim.variation import OpTable
 from ..runtime import instructions as I
 from ..runtime.hooks import EngineHooks
 from .emulated import _sleep_until

@@ -1,5 +1,5 @@
 """Per-layer costs and sizes of a model, measured in this process: the layer profile that
-``pipemorph partition`` reads (``plan.layer_profile``, docs/partition.md).
+``pipemorph partition`` reads (``plan.partition.layer_profile``, docs/partition.md).
 
 Each layer runs on its real input: the sample micro-batch carried through the layers before it.
 F, B and W are timed as ``stages.time_stage`` times a stage, each layer as a one-layer stage:
@@ -33,7 +33,7 @@ import torch
 from pydantic import ValidationError
 
 from ..fileio import BadInput, describe, dump, write_atomic
-from ..plan.layer_profile import LayerProfile
+from ..plan.partition.layer_profile import LayerProfile
 from .pipecapture import StageModule, _TiedCall, recording_pipeline_modules
 from .stages import _split_available, _stage_input, _sync, _tensors, _to, time_stage
 

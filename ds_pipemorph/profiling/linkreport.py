@@ -117,10 +117,10 @@ def build_pair_report(samples: dict, sizes: Sequence[int], *, world: int, rounds
 
 
 def link_matrix(rep: dict) -> dict:
-    """The link matrix file (``plan.linkmatrix.LinkMatrix``, docs/placement.md) of an ``--all-pairs``
+    """The link matrix file (``plan.files.linkmatrix.LinkMatrix``, docs/placement.md) of an ``--all-pairs``
     report: dense symmetric ``latency_ms`` and ``bandwidth_gbs`` (see ``MATRIX_RULE``), validated
     by the model and written in its own form."""
-    from ..plan.linkmatrix import LinkMatrix
+    from ..plan.files.linkmatrix import LinkMatrix
 
     W = rep["world_size"]
     known = [e["bandwidth_gbps"] for e in rep["pairs"] if e["bandwidth_gbps"] is not None]

@@ -12,7 +12,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..fileio import BadInput, describe, dump, load_mapping
-from ..plan.profile import ComputeMs, Memory, Profile
+from ..plan.ir.profile import ComputeMs, Memory, Profile
 
 ORDER = ("stages", "microbatches", "compute_ms", "links_ms", "memory")
 

@@ -44,9 +44,9 @@ from ..control.background import BackgroundPlanner
 from ..control.detector import DetectorConfig
 from ..control.estimate import RankTimes, link_delays, message_times
 from ..control.policy import REPLAN_EVALS, Decision, Policy
-from ..plan.links import DIRECT, LinkModel
-from ..plan.ops import Schedule, warmup_counts
-from ..plan.profile import Costs
+from ..plan.ir.links import DIRECT, LinkModel
+from ..plan.ir.ops import Schedule, warmup_counts
+from ..plan.ir.profile import Costs
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
 from .profile_export import ProfileExport
 

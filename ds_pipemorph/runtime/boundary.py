@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..plan.ops import Schedule
+from ..plan.ir.ops import Schedule
 
 
 @dataclass(frozen=True)

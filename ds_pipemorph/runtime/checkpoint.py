@@ -18,7 +18,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..fileio import write_atomic
-from ..plan.parts import PartsFile, neighbour_steps, read_parts
+from ..plan.partition.parts import PartsFile, neighbour_steps, read_parts
 
 PARTS_FILE = "pipemorph_parts.json"
 

@@ -8,7 +8,7 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   recomputation (``bw_split``); all W of an iteration run before ``ReduceTiedGrads``;
 - received activations, received gradients, input gradients and the loss live per pipe buffer
   (the stock engine shares one receive buffer, one gradient buffer and ``self.loss``);
-- it executes the plan's lowered stream (``plan.lower.LoweringPolicy``, the one ``pipemorph
+- it executes the plan's lowered stream (``plan.ir.lower.LoweringPolicy``, the one ``pipemorph
   simulate --lowered`` prints: receives posted a window ahead of their consumers, each send right
   after the op that produced it), dry-run for deadlocks before it is used, and keeps the stream of
   the last batch in ``executed_stream``;
@@ -35,16 +35,16 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from ..plan.links import DIRECT, Delegated
-from ..plan.lower import BadStream, LoweringPolicy
-from ..plan.ops import Op, Schedule
+from ..plan.ir.links import DIRECT, Delegated
+from ..plan.ir.lower import BadStream, LoweringPolicy
+from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
 from .builder import EngineBuilder
 from .bw_split import backward_input
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
-from ..plan.profile import Costs
+from ..plan.ir.profile import Costs
 from ..control.policy import Decision
 from .adapt import Adapter
 from .boundary import Boundary, Migration, Remap

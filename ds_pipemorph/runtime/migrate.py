@@ -41,7 +41,7 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..fileio import BadInput
-from ..plan.parts import check_parts, layer_moves
+from ..plan.partition.parts import check_parts, layer_moves
 from .clip import freeze_clip_set
 from .transfer import (Purpose, Transfer, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept,
                        send_blob, to_blob, unpacked_state)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from ..control.orchestrate import Orchestrator
 from ..fileio import BadInput, load_model
-from ..plan.linkmatrix import LinkMatrix
-from ..plan.placement import Placement
+from ..plan.files.linkmatrix import LinkMatrix
+from ..plan.place.placement import Placement
 from .boundary import Remap
 from .config import PipeMorphConfigError
 from .oprecords import fbw_ms_per_microbatch

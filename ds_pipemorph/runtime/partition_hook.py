@@ -17,7 +17,7 @@ from __future__ import annotations
 from deepspeed.pipe import PipelineModule
 
 from ..fileio import BadInput
-from ..plan.parts import check_parts, read_parts
+from ..plan.partition.parts import check_parts, read_parts
 
 
 class PartsPipelineModule(PipelineModule):

@@ -16,15 +16,15 @@ the faster plan with no latency wins, ties going to the one less hurt by ``HOP_L
 from __future__ import annotations
 
 from ..fileio import BadInput, load_model
-from ..plan.baselines import deepspeed_1f1b, zb_h1_warmup
-from ..plan.listsched import list_schedule
-from ..plan.lower import LoweringPolicy
-from ..plan.ops import Schedule, warmup_counts
-from ..plan.planfile import PlanFile
-from ..plan.profile import Costs
-from ..plan.simulate import makespan
-from ..plan.validate import InvalidPlan, validate_schedule
-from ..plan.warmup import check_lemma1, initial_warmup
+from ..plan.files.planfile import PlanFile
+from ..plan.ir.lower import LoweringPolicy
+from ..plan.ir.ops import Schedule, warmup_counts
+from ..plan.ir.profile import Costs
+from ..plan.sched.baselines import deepspeed_1f1b, zb_h1_warmup
+from ..plan.sched.listsched import list_schedule
+from ..plan.sched.warmup import check_lemma1, initial_warmup
+from ..plan.sim.simulate import makespan
+from ..plan.sim.validate import InvalidPlan, validate_schedule
 from .config import PipeMorphConfig, PipeMorphConfigError
 
 DEFAULT_OP_MS = 10.0

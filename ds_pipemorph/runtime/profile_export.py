@@ -14,7 +14,7 @@ from collections import deque
 from typing import Optional, Sequence
 
 from ..fileio import dump, write_atomic
-from ..plan.profile import Profile
+from ..plan.ir.profile import Profile
 
 OP_WINDOW = 5
 LINK_WINDOW = 3

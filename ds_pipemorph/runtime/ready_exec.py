@@ -1,13 +1,13 @@
 """The engine's readiness-driven dispatch (``dispatch: "ready"``): one iteration of one stage.
 
-Ready dispatch runs the same lowered stream as ordered dispatch (``plan.lower.LoweringPolicy``,
+Ready dispatch runs the same lowered stream as ordered dispatch (``plan.ir.lower.LoweringPolicy``,
 with every receive of the iteration up front: ``for_dispatch("ready")``) and changes one thing:
 which compute op goes next. ``ReadyProgram`` cuts the stream's compiled steps
 (``runtime.schedule``) into the receives posted before the first compute op and one unit per
 compute op: its instructions and the sends that follow it in the stream (a fused B m takes its
 W m and the gradient's send along, as the lowering placed them). The receives are posted through
 the inbox (``runtime.inbox``: each completion is a readiness event) and the waits at F and B take
-from it. The rule (``plan.dispatch.ReadyRule``, with its patience) picks the next unit; the
+from it. The rule (``plan.ir.ready_rule.ReadyRule``, with its patience) picks the next unit; the
 training thread runs it with the same handlers, op records and NVTX ranges as ordered dispatch.
 Pipe buffers follow ``schedule.Buffers`` in the order the ops run (F takes the lowest free one,
 B releases it), as many as the plan's peak of in-flight activations, which is also the rule's cap:
@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from ..plan.dispatch import ReadyRule
-from ..plan.ops import Op
+from ..plan.ir.ops import Op
+from ..plan.ir.ready_rule import ReadyRule
 from . import instructions as I
 from .schedule import Buffers, PipeMorphSchedule
 

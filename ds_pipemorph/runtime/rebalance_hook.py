@@ -20,7 +20,7 @@ from deepspeed.pipe import TiedLayerSpec
 
 from ..control.rebalance import Rebalancer
 from ..fileio import BadInput
-from ..plan.layer_profile import read_layer_profile
+from ..plan.partition.layer_profile import read_layer_profile
 from .boundary import Migration
 from .config import PipeMorphConfigError
 from .oprecords import fbw_ms_per_microbatch

@@ -1,4 +1,4 @@
-"""One stage's lowered stream (``plan.lower``) as DeepSpeed pipe instructions, compiled once per plan.
+"""One stage's lowered stream (``plan.ir.lower``) as DeepSpeed pipe instructions, compiled once per plan.
 
 ``PipeMorphSchedule`` has the shape of DeepSpeed's ``TrainSchedule`` (a generator of small named
 instructions, printable and testable without ranks) and executes exactly the stream ``lower`` made
@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-from ..plan.ops import Op, peak_inflight
+from ..plan.ir.ops import Op, peak_inflight
 from . import instructions as I
 
 

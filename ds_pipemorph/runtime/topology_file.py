@@ -17,7 +17,7 @@ from typing import Union
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..fileio import load_model
-from ..plan.placement import Placement, TopologyFile
+from ..plan.place.placement import Placement, TopologyFile
 
 
 class PlacedTopology(PipeDataParallelTopology):

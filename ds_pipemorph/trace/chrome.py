@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ..plan.timeline import Timeline
+from ..plan.sim.timeline import Timeline
 
 
 def timeline_to_chrome(tl: Timeline, name: str = "plan") -> dict:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..fileio import BadInput
-from ..plan.ops import Op, Schedule
-from ..plan.timeline import Timeline
+from ..plan.ir.ops import Op, Schedule
+from ..plan.sim.timeline import Timeline
 from .measured import NS_PER_MS, MeasuredTrace
 
 

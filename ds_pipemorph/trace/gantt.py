@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..fileio import BadInput
 
-from ..plan.timeline import Timeline
+from ..plan.sim.timeline import Timeline
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 LABELS = {"F": "F (forward)", "B": "B (backward-input)", "W": "W (backward-weight)"}

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
 
-from ..plan.ops import Op, peak_inflight
-from ..plan.timeline import Slot, Timeline
+from ..plan.ir.ops import Op, peak_inflight
+from ..plan.sim.timeline import Slot, Timeline
 
 NS_PER_MS = 1_000_000
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ds_pipemorph.control.policy import Policy
-from ds_pipemorph.plan.links import DIRECT
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import parse_schedule
+from ds_pipemorph.plan.ir.links import DIRECT
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.validate import parse_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 from ds_pipemorph.procs import run_group

@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ds_pipemorph.fileio import load_model
-from ds_pipemorph.plan.profile import Profile
+from ds_pipemorph.plan.ir.profile import Profile
 from ds_pipemorph.procs import run_group
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config, pending_notes
 from ds_pipemorph.runtime.overhead import OVERHEAD_FIELDS, OverheadBook

@@ -37,8 +37,8 @@ def test_bench_runs_stock_zb_and_pipemorph_on_two_stages_with_a_slow_link(tmp_pa
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_runs_ordered_and_ready_dispatch_under_heavy_micro_batches(tmp_path):
-    from ds_pipemorph.plan.profile import Costs
-    from ds_pipemorph.plan.variation import vary_tables
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sim.variation import vary_tables
 
     out = tmp_path / "bench.json"
     vary = "heavy:frac=0.5,factor=3,stages=1,seed=4"

@@ -6,9 +6,9 @@ import yaml
 from typer.testing import CliRunner
 
 from ds_pipemorph.bench.traces import RATES, make_trace, mean_delays, trace_text
-from ds_pipemorph.plan.links import DIRECT
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import replay
+from ds_pipemorph.plan.ir.links import DIRECT
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sim.simulate import replay
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.inject.delays import DelayTrace, load_trace
 from ds_pipemorph.runtime.plans import build_plan

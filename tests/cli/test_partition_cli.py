@@ -4,8 +4,8 @@ import json
 import pytest
 import yaml
 
-from ds_pipemorph.plan.parts import PartsFile
-from ds_pipemorph.plan.planfile import PlanFile
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.partition.parts import PartsFile
 from cli_helpers import run, write
 
 

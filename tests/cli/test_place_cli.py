@@ -4,7 +4,7 @@ import json
 import pytest
 import yaml
 
-from ds_pipemorph.plan.placement import Placement, TopologyFile
+from ds_pipemorph.plan.place.placement import Placement, TopologyFile
 from cli_helpers import run, write
 
 SLOW = {1, 3, 5, 7}  # behind a 30 ms link from the others: every default data-parallel ring crosses it

@@ -8,14 +8,14 @@ import pytest
 from ds_pipemorph.control.background import BackgroundPlanner
 from ds_pipemorph.control.detector import DetectorConfig
 from ds_pipemorph.control.policy import Policy
-from ds_pipemorph.plan.links import DIRECT
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import warmup_counts
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.links import DIRECT
+from ds_pipemorph.plan.ir.ops import warmup_counts
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import search
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 S, N = 4, 12
 SLOW = Costs.uniform(S, 10.0, [0.0, 0.0, 40.0])  # link 2 at 40 ms

@@ -4,8 +4,8 @@ model plus the fixed cost the other stages' all-reduces show, as on a real netwo
 ``benchmarks/lab_orchestrator.py``: gloo's all-reduces of 2 MB over fast pairs took 15-35 ms where
 the model says 3-5 ms)."""
 from ds_pipemorph.control.orchestrate import Orchestrator
-from ds_pipemorph.plan.linkmatrix import LinkMatrix
-from ds_pipemorph.plan.placement import Placement
+from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
+from ds_pipemorph.plan.place.placement import Placement
 
 FBW = [[10.0, 10.0, 10.0]] * 2
 GRAD_MB = [2.0, 2.0]
@@ -69,8 +69,8 @@ def test_the_deciding_iteration_searches_placements_once():
 
 
 def test_place_without_the_replacement_search_gives_the_same_orchestrator_placement():
-    from ds_pipemorph.plan.place import Job, place
-    from ds_pipemorph.plan.profile import Costs
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.place.predict import Job, place
 
     m = LinkMatrix.uniform(8, latency_ms=0.1, bandwidth_gbs=1.0, pairs=[{"ranks": [2, 3], "bandwidth_gbs": 0.0125},
                                                                          {"ranks": [0, 5], "latency_ms": 3.0}])

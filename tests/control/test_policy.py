@@ -1,7 +1,7 @@
 """The control policy on recorded per-iteration measurements: when it re-plans, for which delays, how
 it routes links under each delegation mode, how many delegate queues it gives them, and when it keeps
 the plan in force. Expected values follow from the rules the modules state (detector hysteresis,
-plan/queues.py, the 2 % keep margin), computed here, not copied from outputs."""
+plan/sched/queues.py, the 2 % keep margin), computed here, not copied from outputs."""
 import math
 import pickle
 
@@ -9,15 +9,15 @@ import pytest
 
 from ds_pipemorph.control.detector import DetectorConfig
 from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, Policy
-from ds_pipemorph.plan.bounds import lower_bound_ms
-from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.queues import SLACK
-from ds_pipemorph.plan.simulate import makespan, replay
-from ds_pipemorph.plan.tolerance import link_tolerances
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.bounds import lower_bound_ms
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.queues import SLACK
+from ds_pipemorph.plan.sched.tolerance import link_tolerances
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.simulate import makespan, replay
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 S, N = 4, 8
 CFG = DetectorConfig()  # floor 5 ms, 2 iterations up / down, recover below 50 %, 1 ms quantum, 5 % margin
@@ -117,7 +117,7 @@ def test_link_modes_under_each_delegation_mode(delegation, modes):
 
 
 def needed(plan, costs, link, model, lo, hi) -> int:
-    """plan/queues.py: the smallest k in [lo, hi] with which replaying the plan with k FIFOs on ``link``
+    """plan/sched/queues.py: the smallest k in [lo, hi] with which replaying the plan with k FIFOs on ``link``
     is as fast (within SLACK) as with unlimited ones; hi if none; a link without delay needs lo."""
     if costs.links[link] <= 0:
         return lo
@@ -155,7 +155,7 @@ def test_a_link_slower_than_all_its_queues_can_carry_gets_the_most():
 
 
 def test_a_running_link_grows_its_queues_only_for_a_gain_above_grow_gain():
-    """Link 2 delegated for 31 ms, then 61 ms: its count follows plan/queues.py (smallest that keeps
+    """Link 2 delegated for 31 ms, then 61 ms: its count follows plan/sched/queues.py (smallest that keeps
     pace, between what it has and max_queues), kept at what it has unless growing gains more than
     GROW_GAIN of the iteration."""
     p = policy("auto", queues=(2, 8))

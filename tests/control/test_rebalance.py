@@ -14,9 +14,9 @@ import pytest
 
 from ds_pipemorph.control.rebalance import Rebalancer, best_step, reachable
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.layer_profile import LayerProfile
-from ds_pipemorph.plan.parts import layer_moves
-from ds_pipemorph.plan.partition import evaluate
+from ds_pipemorph.plan.partition.layer_profile import LayerProfile
+from ds_pipemorph.plan.partition.partition import evaluate
+from ds_pipemorph.plan.partition.parts import layer_moves
 
 S, N, L = 4, 12, 16
 UNIFORM = [0, 4, 8, 12, 16]

@@ -1,4 +1,4 @@
-"""Every module of ds_pipemorph.control imports without torch or deepspeed (a fresh interpreter)."""
+"""Every module of ds_pipemorph.control, at any depth, imports without torch or deepspeed (a fresh interpreter)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK = """
 import importlib, pkgutil, sys
 import ds_pipemorph.control as pkg
-names = [m.name for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")]
+names = [m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
 for name in names:
     importlib.import_module(name)
 heavy = sorted(m for m in ("torch", "deepspeed") if m in sys.modules)

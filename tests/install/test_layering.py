@@ -1,5 +1,6 @@
 """The runtime never imports the injection plug-in: ``ds_pipemorph.inject`` plugs into the runtime's
-hooks (``runtime.hooks``) and imports the runtime, never the other way round.
+hooks (``runtime.hooks``) and imports the runtime, never the other way round. The planner's
+subpackages import only those below them (``PLAN_LAYERS``, docs/design.md).
 
 Read from the source with ``ast`` (nothing is imported), at any nesting level: a function-local
 import, or one under ``if TYPE_CHECKING:``, counts as much as a top-level one. Relative imports are
@@ -63,7 +64,7 @@ def test_the_checker_finds_absolute_relative_and_function_local_imports(tmp_path
     (runtime / "transport").mkdir(parents=True)
     (tmp_path / "ds_pipemorph" / "__init__.py").write_text("")
     (runtime / "__init__.py").write_text("")
-    (runtime / "clean.py").write_text("from . import hooks\nfrom ..plan import ops\n"
+    (runtime / "clean.py").write_text("from . import hooks\nfrom ..plan.ir import ops\n"
                                       "import ds_pipemorph.injection_free\n")
     (runtime / "a.py").write_text("import ds_pipemorph.inject.delays\n")
     (runtime / "b.py").write_text("def f():\n    from ..inject import plugin\n    return plugin\n")
@@ -77,3 +78,25 @@ def test_the_checker_finds_absolute_relative_and_function_local_imports(tmp_path
         "ds_pipemorph/runtime/transport/c.py:1 imports ds_pipemorph.inject.faults.FaultyLink",
         "ds_pipemorph/runtime/transport/d.py:1 imports ds_pipemorph.inject",
     ]
+
+
+PLAN = ROOT / "ds_pipemorph" / "plan"
+PLAN_LAYERS = ["ir", "sim", "files", "sched", "partition", "place"]  # each imports only those before it
+# The compiled core checks its list scheduler against the Python one, which lives above it.
+PLAN_UPWARD = {("ds_pipemorph.plan.sim.native", "ds_pipemorph.plan.sched.listsched_py")}
+
+
+def test_plan_subpackages_import_only_the_ones_below_them():
+    assert sorted(p.name for p in PLAN.iterdir() if (p / "__init__.py").is_file()) == sorted(PLAN_LAYERS)
+    found = []
+    for layer, sub in enumerate(PLAN_LAYERS):
+        for path in sorted((PLAN / sub).rglob("*.py")):
+            name = module_name(path)
+            for line, target in imported(path):
+                parts = target.split(".")
+                if parts[:2] != ["ds_pipemorph", "plan"] or len(parts) < 3 or parts[2] not in PLAN_LAYERS:
+                    continue
+                upward = PLAN_LAYERS.index(parts[2]) > layer
+                if upward and not any(name == src and target.startswith(dst) for src, dst in PLAN_UPWARD):
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not found, "a plan subpackage imports one above it:\n" + "\n".join(found)

@@ -48,7 +48,7 @@ def test_wheel_carries_the_staging_sources_the_planner_core_and_the_cli_but_no_r
     for s in sources:
         assert f"ds_pipemorph/staging/cuda_ext/{s}" in names
     assert "ds_pipemorph_cli/app.py" in names and "ds_pipemorph/staging/builder.py" in names
-    assert "ds_pipemorph/plan/plancore.c" in names  # the planner core's source, compiled at first use
+    assert "ds_pipemorph/plan/sim/plancore.c" in names  # the planner core's source, compiled at first use
     assert not [n for n in names if n.startswith(("recipes/", "tests/", "benchmarks/", "cuda_ext/"))]
     entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "pipemorph = ds_pipemorph_cli.app:console_main" in zipfile.ZipFile(wheel).read(entry[0]).decode()

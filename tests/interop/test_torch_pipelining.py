@@ -11,11 +11,11 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, format_stage, warmup_counts
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import adapted_warmup
+from ds_pipemorph.plan.ir.ops import Op, format_stage, warmup_counts
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.warmup import adapted_warmup
+from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.procs import run_group
 from ds_pipemorph_cli.app import app
 from model_spec import batch, build_model, loss_fn

@@ -1,6 +1,6 @@
 """An independent longest-path computation over a plan's dependency graph, in exact fractions.
 
-No code of ``ds_pipemorph.plan.simulate`` or ``plan.tolerance`` is involved: tests compare those
+No code of ``ds_pipemorph.plan.sim.simulate`` or ``plan.sched.tolerance`` is involved: tests compare those
 against it.
 """
 from fractions import Fraction

@@ -1,6 +1,6 @@
 """The planner's reference, for the tests: the list scheduler and the replay simulator in their
-plainest form, against which the event-driven versions (``plan.listsched_py``, ``plan.replay_py``)
-and the compiled core (``plan.native``) are checked.
+plainest form, against which the event-driven versions (``plan.sched.listsched_py``, ``plan.sim.replay_py``)
+and the compiled core (``plan.sim.native``) are checked.
 
 test_native.py asserts that every faster version gives the same schedules, the same timelines (times
 equal to 1e-9) and the same errors as these, on many random cases. Slow: the list scheduler scans
@@ -13,11 +13,11 @@ import heapq
 from collections import deque
 from typing import Optional, Sequence, Union
 
-from ds_pipemorph.plan.links import LATENCY, Delegated, Direct, LinkModel, per_link
-from ds_pipemorph.plan.listsched_py import Policy
-from ds_pipemorph.plan.ops import Op, Schedule, peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.timeline import Slot, StuckSchedule, Timeline, stuck_message
+from ds_pipemorph.plan.ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ds_pipemorph.plan.ir.ops import Op, Schedule, peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched_py import Policy
+from ds_pipemorph.plan.sim.timeline import Slot, StuckSchedule, Timeline, stuck_message
 
 
 def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
@@ -145,7 +145,7 @@ def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: 
     ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
     the input gradient leaves the stage only when that W ends (stock DeepSpeed sends after the
     whole backward). ``link_model`` (one for all links, or one per link) says how messages queue
-    on a link (``plan.links``).
+    on a link (``plan.ir.links``).
     """
     S, N = len(schedule), microbatches
     slots: list[Slot] = []
@@ -165,7 +165,7 @@ def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: 
          link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
     """Event-driven core of ``replay``: (first start, last end, busy ms per stage).
 
-    ``link_model`` (one, or one per link; ``plan.links``): ``Direct()`` is one FIFO holding one
+    ``link_model`` (one, or one per link; ``plan.ir.links``): ``Direct()`` is one FIFO holding one
     message in flight: a message departs when the previous one has arrived, and its sender is
     blocked until then. ``Delegated(k)`` is k independent FIFOs (message n of a direction travels
     in FIFO n % k, as the delegated transport sends them), and the sender never waits.

@@ -1,11 +1,11 @@
 """Baselines: DeepSpeed's 1F1B in exactly the order its TrainSchedule runs, ZB-H1, GPipe."""
 import pytest
 
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, gpipe, zb_h1
-from ds_pipemorph.plan.ops import Op, peak_inflight, warmup_counts
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import validate_schedule
+from ds_pipemorph.plan.ir.ops import Op, peak_inflight, warmup_counts
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, gpipe, zb_h1
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 
 def deepspeed_order(stages, n, stage):

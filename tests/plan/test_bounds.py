@@ -1,4 +1,4 @@
-"""The lower bound (plan/bounds.py): never above a proven optimum, at least the old bound, exact where
+"""The lower bound (plan/sched/bounds.py): never above a proven optimum, at least the old bound, exact where
 the optimum is known, and tight where the old one was loose (PipeMorph at scale, heterogeneous)."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from ds_pipemorph.plan.bounds import lower_bound_ms
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import ramp_warmup
-from ds_pipemorph.plan.simulate import makespan
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.bounds import lower_bound_ms
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import ramp_warmup
+from ds_pipemorph.plan.sim.simulate import makespan
 
 
 def old_bound(costs: Costs, N: int, caps=None) -> float:
@@ -52,7 +52,7 @@ def _case(rng: random.Random):
 @pytest.mark.parametrize("seed", range(4))
 def test_never_above_the_milp_optimum_and_never_below_the_old_bound(seed):
     pytest.importorskip("highspy", reason="highspy not installed (pip install ds_pipemorph[milp])")
-    from ds_pipemorph.plan.milp import solve_exact
+    from ds_pipemorph.plan.sched.milp import solve_exact
 
     rng = random.Random(seed)
     for _ in range(5):

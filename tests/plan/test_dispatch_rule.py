@@ -1,17 +1,17 @@
-"""The engine's readiness rule (``plan.dispatch.ReadyRule``) makes the choices the readiness replay
-(``plan.ready``) makes: replaying a hint under ready dispatch, then asking the rule at each op's
+"""The engine's readiness rule (``plan.ir.ready_rule.ReadyRule``) makes the choices the readiness replay
+(``plan.sim.ready``) makes: replaying a hint under ready dispatch, then asking the rule at each op's
 start which op to run, given the messages arrived by then, gives the op the replay started."""
 import random
 
 import pytest
 
-from ds_pipemorph.plan.dispatch import ReadyRule
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.ready import replay_varying
-from ds_pipemorph.plan.variation import jitter
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.ops import Op, peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.ir.ready_rule import ReadyRule
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.ready import replay_varying
+from ds_pipemorph.plan.sim.variation import jitter
 
 EPS = 1e-9
 

@@ -1,4 +1,4 @@
-"""``plan.dispatch.ReadyRule`` (heaps of hint positions) against a plain scan of the documented rule
+"""``plan.ir.ready_rule.ReadyRule`` (heaps of hint positions) against a plain scan of the documented rule
 (``docs/ready_dispatch.md``): same pick at every step, whether messages are asked for (``pick``'s
 ``arrived``), pushed in (``arrive``) or both, on random hints, caps and arrival orders."""
 import random
@@ -6,11 +6,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.dispatch import ReadyRule
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.ops import Op
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.ir.ready_rule import ReadyRule
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.warmup import initial_warmup
 
 
 class ScanRule:

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, gpipe, zb_h1
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.lower import BadStream, Deadlock, dry_run, format_streams, lower
-from ds_pipemorph.plan.ops import Op, parse_op
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import POLICIES, search
-from ds_pipemorph.plan.warmup import adapted_warmup, initial_warmup
+from ds_pipemorph.plan.ir.lower import BadStream, Deadlock, dry_run, format_streams, lower
+from ds_pipemorph.plan.ir.ops import Op, parse_op
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, gpipe, zb_h1
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import POLICIES, search
+from ds_pipemorph.plan.sched.warmup import adapted_warmup, initial_warmup
 
 # random valid plans: the generator the runtime tests use (tests/runtime/randplans.py)
 _spec = importlib.util.spec_from_file_location("randplans", Path(__file__).parents[1] / "runtime" / "randplans.py")
@@ -206,8 +206,8 @@ def test_a_window_below_one_is_refused():
 # -- the one lowering policy ---------------------------------------------------------------------
 
 def test_the_policy_posts_two_receives_ahead_by_default_and_a_plan_file_may_say_otherwise(tmp_path):
-    from ds_pipemorph.plan.lower import RECV_WINDOW, LoweringPolicy
-    from ds_pipemorph.plan.planfile import PlanFile
+    from ds_pipemorph.plan.files.planfile import PlanFile
+    from ds_pipemorph.plan.ir.lower import RECV_WINDOW, LoweringPolicy
 
     plan = zb_h1(Costs.uniform(3), 6)
     assert RECV_WINDOW == 2 and LoweringPolicy() == LoweringPolicy(recv_window=2, fused=False)
@@ -240,7 +240,7 @@ def test_the_policy_posts_two_receives_ahead_by_default_and_a_plan_file_may_say_
 
 
 def test_a_policy_lowering_that_cannot_run_raises_bad_stream():
-    from ds_pipemorph.plan.lower import LoweringPolicy
+    from ds_pipemorph.plan.ir.lower import LoweringPolicy
 
     # stage 0 waits at B0 for stage 1's gradient, stage 1 at F0 for stage 0's activation
     stuck = [[Op("B", 0), Op("F", 0), Op("W", 0)], [Op("F", 0), Op("B", 0), Op("W", 0)]]

@@ -5,14 +5,14 @@ import sys
 
 import pytest
 
-from ds_pipemorph.plan.baselines import BASELINES, baseline
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, parse_stage, peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.timeline import StuckSchedule
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.ops import Op, parse_stage, peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import BASELINES, baseline
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.timeline import StuckSchedule
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 try:
     import highspy  # noqa: F401
@@ -25,7 +25,7 @@ needs_highs = pytest.mark.skipif(not HAVE_HIGHS, reason="highspy not installed (
 
 
 def solve(costs, n, caps=None, **kw):
-    from ds_pipemorph.plan.milp import solve_exact
+    from ds_pipemorph.plan.sched.milp import solve_exact
 
     res = solve_exact(costs, n, caps, **kw)
     validate_schedule(res.schedule, costs.stages, n, caps)
@@ -180,7 +180,7 @@ def test_matches_brute_force_over_all_orders_without_fifo(seed, caps, zero_w):
 @needs_highs
 @pytest.mark.timeout(120)
 def test_warm_start_out_of_fifo_order_is_relabelled():
-    from ds_pipemorph.plan.milp import fifo_relabel
+    from ds_pipemorph.plan.sched.milp import fifo_relabel
 
     S, N = 2, 3
     costs = Costs([10.0, 10.0], [10.0, 10.0], [5.0, 5.0], [0.0])
@@ -201,7 +201,7 @@ def test_warm_start_out_of_fifo_order_is_relabelled():
 
 @pytest.mark.timeout(120)
 def test_missing_highspy_says_how_to_install(monkeypatch):
-    from ds_pipemorph.plan.milp import solve_exact
+    from ds_pipemorph.plan.sched.milp import solve_exact
 
     monkeypatch.setitem(sys.modules, "highspy", None)
     with pytest.raises(ImportError, match=r"pip install ds_pipemorph\[milp\]"):
@@ -211,7 +211,7 @@ def test_missing_highspy_says_how_to_install(monkeypatch):
 @pytest.mark.timeout(120)
 def test_rejects_bad_caps():
     pytest.importorskip("highspy", reason="highspy not installed (pip install ds_pipemorph[milp])")
-    from ds_pipemorph.plan.milp import solve_exact
+    from ds_pipemorph.plan.sched.milp import solve_exact
 
     with pytest.raises(ValueError, match="stage 1: cap 0"):
         solve_exact(Costs.uniform(2), 2, [1, 0])
@@ -225,8 +225,8 @@ def test_the_solver_prints_nothing_on_standard_output(tmp_path):
     """HiGHS's banner would break ``pipemorph plan --json``: it goes to standard error."""
     import subprocess
 
-    code = ("from ds_pipemorph.plan.milp import solve_exact\n"
-            "from ds_pipemorph.plan.profile import Costs\n"
+    code = ("from ds_pipemorph.plan.sched.milp import solve_exact\n"
+            "from ds_pipemorph.plan.ir.profile import Costs\n"
             "solve_exact(Costs.uniform(2), 2, None, time_limit_s=5)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert p.returncode == 0, p.stderr[-2000:]

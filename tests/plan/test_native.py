@@ -23,15 +23,15 @@ import pytest
 
 import reference
 
-from ds_pipemorph.plan import native
-from ds_pipemorph.plan import simulate as sim
-from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.listsched_py import list_schedule_py
-from ds_pipemorph.plan.ops import Op
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import policies
-from ds_pipemorph.plan.timeline import StuckSchedule
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.ops import Op
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.listsched_py import list_schedule_py
+from ds_pipemorph.plan.sched.search import policies
+from ds_pipemorph.plan.sim import native
+from ds_pipemorph.plan.sim import simulate as sim
+from ds_pipemorph.plan.sim.timeline import StuckSchedule
 
 HAVE_NATIVE = native.lib() is not None
 
@@ -242,9 +242,9 @@ def test_cc_naming_a_missing_compiler_says_so_in_one_line_and_the_planner_still_
     """A process with ``$CC`` naming a missing binary and no compiler on PATH: one log line naming
     the cause and the cost, and the plans and replays of the Python code."""
     code = (
-        "from ds_pipemorph.plan import native, simulate\n"
-        "from ds_pipemorph.plan.listsched import list_schedule\n"
-        "from ds_pipemorph.plan.profile import Costs\n"
+        "from ds_pipemorph.plan.sim import native, simulate\n"
+        "from ds_pipemorph.plan.sched.listsched import list_schedule\n"
+        "from ds_pipemorph.plan.ir.profile import Costs\n"
         "c = Costs.uniform(4, 10.0)\n"
         "s = list_schedule(c, 8, [8, 6, 4, 2])\n"
         "print(native.lib() is None, simulate.replay(s, c, 8).iteration_ms, simulate.makespan(s, c, 8))\n"
@@ -340,8 +340,7 @@ def test_the_build_key_changes_with_the_source_and_the_compiler(tmp_path):
 def test_native_tolerances_are_the_exact_ones(seed):
     """Newton steps in C against the Python secant search: never above it by more than float
     noise, never more than one resolution step below it (the secant may stop that far below)."""
-    from ds_pipemorph.plan import tolerance
-
+    from ds_pipemorph.plan.sched import tolerance
     if not HAVE_NATIVE:
         pytest.skip("no C compiler: the compiled core is not available")
     rng = random.Random(300 + seed)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.parts import layer_moves, neighbour_steps, owner
+from ds_pipemorph.plan.partition.parts import layer_moves, neighbour_steps, owner
 
 
 @st.composite

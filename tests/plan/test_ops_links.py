@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ds_pipemorph.fileio import dump
-from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated, Direct, Latency, per_link
-from ds_pipemorph.plan.ops import ALL_KINDS, COMM_KINDS, KINDS, Kind, Op, parse_op, parse_stage
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import InvalidPlan, parse_schedule
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated, Direct, Latency, per_link
+from ds_pipemorph.plan.ir.ops import ALL_KINDS, COMM_KINDS, KINDS, Kind, Op, parse_op, parse_stage
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.validate import InvalidPlan, parse_schedule
 
 
 def test_global_texts_read_like_torch_actions():

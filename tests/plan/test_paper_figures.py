@@ -2,7 +2,7 @@
 
 Expected iteration times and tolerances come from the paper (Fig. 4, Fig. 5), from closed formulas
 written out in the tests, or from ``crossing_paths``: an independent longest-path
-computation over the plan's dependency graph (no code of ``ds_pipemorph.plan.simulate`` involved).
+computation over the plan's dependency graph (no code of ``ds_pipemorph.plan.sim.simulate`` involved).
 """
 from fractions import Fraction
 
@@ -10,14 +10,14 @@ import pytest
 
 from crossing_paths import longest_paths_by_crossings
 
-from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import warmup_counts
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.tolerance import link_tolerances
-from ds_pipemorph.plan.warmup import adapted_warmup, check_lemma1, eq1_tolerance_ms, initial_warmup, slackness
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.ops import warmup_counts
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import search
+from ds_pipemorph.plan.sched.tolerance import link_tolerances
+from ds_pipemorph.plan.sched.warmup import adapted_warmup, check_lemma1, eq1_tolerance_ms, initial_warmup, slackness
+from ds_pipemorph.plan.sim.simulate import replay
 
 N = 12
 UNIFORM = Costs.uniform(4, 10.0)
@@ -185,7 +185,7 @@ def test_queue_count_decides_whether_60ms_on_the_last_link_is_absorbed():
 def test_queues_needed_keeps_pace_with_the_message_rate():
     # §5.2's rule by replay: 60 ms per message, a message every 30 ms each way -> 2 FIFOs fall behind,
     # 3 keep pace; 30 ms needs only the default 2; a link with no delay needs the minimum.
-    from ds_pipemorph.plan.queues import queues_needed
+    from ds_pipemorph.plan.sched.queues import queues_needed
 
     for delay, want in ((60.0, 3), (30.0, 2), (0.0, 2)):
         costs = Costs.uniform(4, 10.0, [0.0, 0.0, delay])

@@ -1,4 +1,4 @@
-"""Partitioning (``plan.partition``, ``plan.layer_profile``, ``plan.parts``): the branch and bound
+"""Partitioning (``plan.partition``, ``plan.partition.layer_profile``, ``plan.partition.parts``): the branch and bound
 equals exhaustive search of the same objective, memory limits are kept, hand-derived cases, the
 baselines equal DeepSpeed's own partition methods, and bad input is one sentence."""
 import random
@@ -8,11 +8,11 @@ from layer_cases import random_layer_data
 import yaml
 
 from ds_pipemorph.fileio import BadInput, load_model
-from ds_pipemorph.plan.bounds import cap_bound_ms, lower_bound_ms
-from ds_pipemorph.plan.layer_profile import LayerProfile, read_layer_profile
-from ds_pipemorph.plan.partition import compositions, evaluate, exhaustive, partition, quick_ms
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.parts import PartsFile, balanced_parts, check_parts, read_parts, uniform_parts
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.partition.layer_profile import LayerProfile, read_layer_profile
+from ds_pipemorph.plan.partition.partition import compositions, evaluate, exhaustive, partition, quick_ms
+from ds_pipemorph.plan.partition.parts import PartsFile, balanced_parts, check_parts, read_parts, uniform_parts
+from ds_pipemorph.plan.sched.bounds import cap_bound_ms, lower_bound_ms
 
 
 def layer_profile(**kw) -> LayerProfile:
@@ -128,7 +128,7 @@ def test_cap_bound_by_hand_and_never_above_a_schedule_or_the_milp_optimum():
         caps = [rng.randint(1, N) for _ in range(S)]
         assert cap_bound_ms(c, N, caps) <= quick_ms(c, N, caps) + 1e-9, (c, N, caps)
     pytest.importorskip("highspy")
-    from ds_pipemorph.plan.milp import solve_exact
+    from ds_pipemorph.plan.sched.milp import solve_exact
 
     proven = 0
     for _ in range(12):

@@ -8,9 +8,9 @@ import pytest
 from layer_cases import random_layer_data
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.bounds import cap_bound_ms, lower_bound_ms
-from ds_pipemorph.plan.layer_profile import LayerProfile, check_slowdown
-from ds_pipemorph.plan.partition import block_shifts, compositions, evaluate, exhaustive, partition, quick_ms
+from ds_pipemorph.plan.partition.layer_profile import LayerProfile, check_slowdown
+from ds_pipemorph.plan.partition.partition import block_shifts, compositions, evaluate, exhaustive, partition, quick_ms
+from ds_pipemorph.plan.sched.bounds import cap_bound_ms, lower_bound_ms
 
 
 def layer_profile(**kw) -> LayerProfile:

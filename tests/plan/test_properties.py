@@ -5,15 +5,15 @@ from collections import defaultdict, deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, gpipe, zb_h1
-from ds_pipemorph.plan.bounds import lower_bound_ms
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import POLICIES, search, warmup_candidates
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import check_lemma1, initial_warmup
+from ds_pipemorph.plan.ir.ops import peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, gpipe, zb_h1
+from ds_pipemorph.plan.sched.bounds import lower_bound_ms
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import POLICIES, search, warmup_candidates
+from ds_pipemorph.plan.sched.warmup import check_lemma1, initial_warmup
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 
 def critical_path_ms(schedule, costs, n, fused=False):

@@ -1,4 +1,4 @@
-"""Readiness-driven dispatch (``plan.ready``) and op-time variation (``plan.variation``).
+"""Readiness-driven dispatch (``plan.sim.ready``) and op-time variation (``plan.sim.variation``).
 
 Expected values come from ``simulate.replay`` (ordered dispatch with constant times must be it),
 from hand-worked timelines, and from checks computed here from the replayed slots alone: each op
@@ -14,16 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, gpipe, zb_h1
-from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, parse_stage, peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.ready import replay_ready, replay_varying
-from ds_pipemorph.plan.search import POLICIES, search
-from ds_pipemorph.plan.simulate import replay
-from ds_pipemorph.plan.timeline import StuckSchedule
-from ds_pipemorph.plan.variation import (
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.ops import Op, parse_stage, peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, gpipe, zb_h1
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.search import POLICIES, search
+from ds_pipemorph.plan.sim.ready import replay_ready, replay_varying
+from ds_pipemorph.plan.sim.simulate import replay
+from ds_pipemorph.plan.sim.timeline import StuckSchedule
+from ds_pipemorph.plan.sim.variation import (
     OpTable,
     heavy,
     heavy_microbatches,
@@ -31,7 +31,7 @@ from ds_pipemorph.plan.variation import (
     link_trace,
     parse_vary,
 )
-from ds_pipemorph.plan.warmup import adapted_warmup, initial_warmup
+from ds_pipemorph.plan.sched.warmup import adapted_warmup, initial_warmup
 
 KIDX = {"F": 0, "B": 1, "W": 2}
 

@@ -5,19 +5,19 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.improve import _allowed, _critical_moves, _w_move
-from ds_pipemorph.plan.incremental import Evaluator
-from ds_pipemorph.plan.justify import justify
-from ds_pipemorph.plan.links import DIRECT, LATENCY, Delegated
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.listsched_py import Policy
-from ds_pipemorph.plan.ops import peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.search import search
-from ds_pipemorph.plan.simulate import makespan
-from ds_pipemorph.plan.timeline import StuckSchedule
-from ds_pipemorph.plan.validate import validate_schedule
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.ops import peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.improve import _allowed, _critical_moves, _w_move
+from ds_pipemorph.plan.sched.justify import justify
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.listsched_py import Policy
+from ds_pipemorph.plan.sched.search import search
+from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.incremental import Evaluator
+from ds_pipemorph.plan.sim.simulate import makespan
+from ds_pipemorph.plan.sim.timeline import StuckSchedule
+from ds_pipemorph.plan.sim.validate import validate_schedule
 
 
 @st.composite

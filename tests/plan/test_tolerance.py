@@ -4,11 +4,11 @@ import random
 import pytest
 
 from crossing_paths import exact_tolerance
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.listsched_py import Policy
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.tolerance import link_tolerances
-from ds_pipemorph.plan.warmup import initial_warmup
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sched.listsched_py import Policy
+from ds_pipemorph.plan.sched.tolerance import link_tolerances
+from ds_pipemorph.plan.sched.warmup import initial_warmup
 
 
 def _case(seed):

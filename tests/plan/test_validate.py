@@ -1,10 +1,10 @@
 """Plan validity: every error names the first offending op."""
 import pytest
 
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import Op, parse_op
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.validate import InvalidPlan, parse_schedule, validate_schedule
+from ds_pipemorph.plan.ir.ops import Op, parse_op
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sim.validate import InvalidPlan, parse_schedule, validate_schedule
 
 
 def good(stages=4, n=4):

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from ds_pipemorph.fileio import BadInput, dump
-from ds_pipemorph.plan.linkmatrix import LinkMatrix
+from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
 from ds_pipemorph.profiling.linkreport import build_pair_report, link_matrix
 from ds_pipemorph.profiling.pairs import check_pair_ranks, parse_pair_delays, partner, round_robin
 

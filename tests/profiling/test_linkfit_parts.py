@@ -3,7 +3,7 @@ import pytest
 import yaml
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.profile import Profile
+from ds_pipemorph.plan.ir.profile import Profile
 from ds_pipemorph.profiling.linkfit import fit_latency_bandwidth, link_delays, parse_sizes, slow_links
 from ds_pipemorph.profiling.profileparts import load_base, merged
 

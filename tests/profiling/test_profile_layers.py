@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.layer_profile import read_layer_profile
+from ds_pipemorph.plan.partition.layer_profile import read_layer_profile
 from ds_pipemorph.profiling.layers import layer_profile_data, profile_layers, write_layer_profile
 
 from ds_pipemorph_cli.app import app

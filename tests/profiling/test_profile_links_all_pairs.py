@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from ds_pipemorph.fileio import load_model
-from ds_pipemorph.plan.linkmatrix import LinkMatrix
+from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
 from ds_pipemorph.procs import run_group
 from ds_pipemorph_cli.app import app
 

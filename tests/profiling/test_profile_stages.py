@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from ds_pipemorph.fileio import load_model
-from ds_pipemorph.plan.profile import Profile
+from ds_pipemorph.plan.ir.profile import Profile
 from ds_pipemorph.profiling.pipecapture import build_stages
 from ds_pipemorph.profiling.stages import profile_stages
 

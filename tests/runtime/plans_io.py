@@ -5,8 +5,8 @@ from pathlib import Path
 
 import yaml
 
-from ds_pipemorph.plan.ops import Op, format_stage, warmup_counts
-from ds_pipemorph.plan.planfile import PlanFile
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.ir.ops import Op, format_stage, warmup_counts
 
 
 def write_plan(path: Path, plan: list[list[Op]], microbatches: int) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.ir.ops import Op
 
 
 def random_plan(stages: int, microbatches: int, rng: random.Random) -> tuple[list[list[Op]], list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_pipemorph.plan.ops import peak_inflight, warmup_counts
+from ds_pipemorph.plan.ir.ops import peak_inflight, warmup_counts
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
 from ds_pipemorph.runtime.plans import build_plan
 from ds_pipemorph.runtime.transport.header import decode_header, encode_header
@@ -78,8 +78,8 @@ def test_zb_warmup_that_grows_downstream_is_refused():
 
 
 def test_plan_file_for_other_micro_batch_count_is_refused(tmp_path):
-    from ds_pipemorph.plan.baselines import zb_h1
-    from ds_pipemorph.plan.profile import Costs
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sched.baselines import zb_h1
 
     from .plans_io import write_plan
 

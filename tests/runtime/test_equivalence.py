@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import peak_inflight
-from ds_pipemorph.plan.profile import Costs
-from ds_pipemorph.plan.validate import validate_schedule
+from ds_pipemorph.plan.ir.ops import peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.ops import format_stage, warmup_counts
-from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.ir.ops import format_stage, warmup_counts
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1
+from ds_pipemorph.plan.sched.listsched import list_schedule
 
 from .launch import REPO, launch, max_param_diff
 

@@ -6,11 +6,11 @@ import random
 import pytest
 from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
 
-from ds_pipemorph.plan.baselines import deepspeed_1f1b, zb_h1
-from ds_pipemorph.plan.listsched import list_schedule
-from ds_pipemorph.plan.lower import lower
-from ds_pipemorph.plan.ops import Op, peak_inflight
-from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.ir.lower import lower
+from ds_pipemorph.plan.ir.ops import Op, peak_inflight
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1
+from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.runtime import instructions as I
 from ds_pipemorph.runtime.schedule import PipeMorphSchedule, lowered_text
 
@@ -121,7 +121,7 @@ def test_one_micro_batch_on_one_stage_is_f_b_w_then_the_step():
 
 
 def test_ready_dispatch_runs_the_streams_posts_then_units_of_a_compute_op_and_its_sends():
-    from ds_pipemorph.plan.lower import LoweringPolicy
+    from ds_pipemorph.plan.ir.lower import LoweringPolicy
     from ds_pipemorph.runtime.engine import PipeMorphEngine
     from ds_pipemorph.runtime.ready_exec import ReadyProgram
 

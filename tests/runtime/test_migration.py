@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.parts import layer_moves
+from ds_pipemorph.plan.partition.parts import layer_moves
 
 from .launch import launch
 

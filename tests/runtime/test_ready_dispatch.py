@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from ds_pipemorph.plan.ops import parse_stage, peak_inflight
-from ds_pipemorph.plan.planfile import PlanFile
-from ds_pipemorph.plan.profile import Profile
-from ds_pipemorph.plan.validate import validate_schedule
+from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.ir.ops import parse_stage, peak_inflight
+from ds_pipemorph.plan.ir.profile import Profile
+from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 

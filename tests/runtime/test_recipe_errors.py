@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipemorph.plan.baselines import zb_h1
-from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import zb_h1
 from ds_pipemorph.procs import run_group
 
 from .launch import REPO

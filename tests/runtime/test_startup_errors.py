@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from ds_pipemorph.plan.baselines import zb_h1
-from ds_pipemorph.plan.profile import Costs
+from ds_pipemorph.plan.ir.profile import Costs
+from ds_pipemorph.plan.sched.baselines import zb_h1
 
 from .launch import REPO as REPO_ROOT, launch
 from .plans_io import write_plan

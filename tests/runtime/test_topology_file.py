@@ -3,7 +3,7 @@ import pytest
 import yaml
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.placement import Placement
+from ds_pipemorph.plan.place.placement import Placement
 from ds_pipemorph.runtime.topology_file import PlacedTopology, load_topology, process_topology
 
 topology = pytest.importorskip("deepspeed.runtime.pipe.topology")

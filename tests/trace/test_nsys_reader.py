@@ -8,7 +8,7 @@ import pytest
 from nsys_rows import START_END, Rows, gtid, three_stage, two_stage
 
 from ds_pipemorph.fileio import BadInput
-from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.ir.ops import Op
 from ds_pipemorph.trace.measured import analyze, iteration_timeline
 from ds_pipemorph.trace.nsys import pid_of, read_nsys, tid_of
 

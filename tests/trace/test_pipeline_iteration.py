@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.ops import Op
+from ds_pipemorph.plan.ir.ops import Op
 from ds_pipemorph.trace.measured import IterMark, MeasuredOp, MeasuredTrace, RankTrace, analyze
 
 MS = 1_000_000

@@ -54,7 +54,7 @@ class DirectTransport:
         self.device = device or torch.device("cpu")
         self.static_shapes = static_shapes
         # Whether a send holds the training process while its message crosses a slow link, the link
-        # model the control loop plans with (``plan.links``). Gloo's isend hands the bytes to gloo's
+        # model the control loop plans with (``plan.ir.links``). Gloo's isend hands the bytes to gloo's
         # own thread: the process goes on, and the messages of a link queue on its wire one after the
         # other (one FIFO). NCCL's send runs on the GPU's stream until its peer has received it.
         self.sender_waits = not (dist.is_initialized() and dist.get_backend() == "gloo")

@@ -1,0 +1,180 @@
+"""One op type for compute and communication, one parse and one format; a schedule is rows of ops.
+
+Kinds (``Kind``): ``F`` forward, ``B`` backward-input (gradient w.r.t. the stage input), ``W``
+backward-weight; ``SEND_F`` / ``RECV_F`` carry the activation of a micro-batch from stage s to s+1,
+``SEND_B`` / ``RECV_B`` its input gradient from stage s to s-1. ``Kind`` is a ``StrEnum``: a kind
+equals its text (``Kind.F == "F"``), so plan files and op texts read and compare as before. Text is
+spelled like torch pipelining's ``_Action``: ``[stage]KIND[micro-batch]``, e.g. ``2SEND_F5`` (stage
+2 sends the activation of micro-batch 5 to stage 3) or ``0F1``. Without a stage the text is
+stage-local, as in plan files: ``F3``, ``B3``, ``W3``, ``SEND_F3``. (torch calls the backward-input
+``I`` and a fused backward ``B``; ``plan.files.torch_csv`` translates.)
+
+A ``Schedule`` is one row per stage of that stage's compute ops in execution order (what a plan
+file lists); ``peak_inflight`` and ``warmup_counts`` read the two counts a plan is judged by off it.
+
+Pure Python: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from functools import lru_cache
+from typing import NamedTuple, Optional
+
+
+class Kind(StrEnum):
+    """What an op does. Compute kinds first, in the order of their per-stage times (F, B, W)."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in KINDS
+
+    @property
+    def is_send(self) -> bool:
+        return self is Kind.SEND_F or self is Kind.SEND_B
+
+    @property
+    def is_recv(self) -> bool:
+        return self is Kind.RECV_F or self is Kind.RECV_B
+
+    @property
+    def code(self) -> int:
+        """0, 1, 2 for F, B, W (compute kinds only): the kind's code in ``op_table`` and the
+        position of its time in a stage's (F, B, W) times."""
+        return KINDS.index(self)
+
+
+KINDS = (Kind.F, Kind.B, Kind.W)  # compute: what a plan file lists
+COMM_KINDS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
+ALL_KINDS = KINDS + COMM_KINDS
+_KIND_OF = {k.value: k for k in Kind}  # text (or kind) -> kind: a dict lookup, not Enum.__call__
+_OP_RE = re.compile(r"^(\d+)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)$")
+
+
+class _OpFields(NamedTuple):
+    kind: Kind
+    mb: int  # micro-batch index
+    stage: Optional[int] = None  # None: stage-local (the stage is the row the op sits in)
+
+
+class Op(_OpFields):
+    """An op: its ``Kind``, micro-batch and (optionally) stage. The kind may be given as its text
+    (``Op("F", 3)``); it is stored as the ``Kind``, and anything else is refused."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind, mb: int, stage: Optional[int] = None) -> "Op":
+        try:
+            kind = _KIND_OF[kind]
+        except (KeyError, TypeError):
+            raise ValueError(f"{kind!r} is not an op kind: one of {', '.join(ALL_KINDS)}") from None
+        return tuple.__new__(cls, (kind, mb, stage))
+
+    @classmethod
+    def _make(cls, iterable) -> "Op":
+        return cls(*iterable)
+
+    def __str__(self) -> str:  # noqa: D105
+        return f"{'' if self.stage is None else self.stage}{self.kind}{self.mb}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in KINDS
+
+    @property
+    def peer(self) -> Optional[int]:
+        """The stage at the other end of a send or receive (None for compute or stage-local ops).
+
+        Activations flow down (stage s to s+1), input gradients up (s to s-1)."""
+        if self.stage is None or self.kind in KINDS:
+            return None
+        return self.stage + (1 if self.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+
+    def at(self, stage: int) -> "Op":
+        """The same op placed on ``stage`` (global form, printed with its stage)."""
+        return Op(self.kind, self.mb, stage)
+
+    def local(self) -> "Op":
+        """The same op without its stage (the form a plan file lists)."""
+        return Op(self.kind, self.mb)
+
+
+Schedule = list[list[Op]]  # per stage, its compute ops in execution order
+
+
+def parse_op(text: str) -> Op:
+    """``"B5"`` -> ``Op(Kind.B, 5)``, ``"2SEND_F5"`` -> ``Op(Kind.SEND_F, 5, 2)``; raises ValueError
+    naming the text otherwise."""
+    m = _OP_RE.match(str(text).strip())
+    if not m:
+        raise ValueError(f"'{text}' is not an op: write [stage]KIND<m>, e.g. F3 or 2SEND_F5")
+    stage = m.group(1)
+    return tuple.__new__(Op, (_KIND_OF[m.group(2)], int(m.group(3)), None if stage is None else int(stage)))
+
+
+_TEXTS: dict = {}  # op -> its text: plans repeat the same few thousand ops
+_CACHE_MAX = 1 << 20
+
+
+def parse_stage(texts: list[str]) -> list[Op]:
+    return [parse_op(t) for t in texts]
+
+
+def format_stage(ops: list[Op]) -> list[str]:
+    get = _TEXTS.get
+    out = [get(o) if type(o) is Op else None for o in ops]
+    if None in out:
+        if len(_TEXTS) > _CACHE_MAX:
+            _TEXTS.clear()
+        for i, o in enumerate(ops):
+            if out[i] is None:
+                out[i] = str(o)
+                if type(o) is Op:
+                    _TEXTS[o] = out[i]
+    return out
+
+
+@lru_cache(maxsize=8)
+def op_table(n: int) -> tuple[tuple[Op, ...], dict]:
+    """The compute ops of n micro-batches by code (``KINDS`` position * n + m), and codes by op:
+    one shared object per op (the compiled core's encoding; schedules built from it compare fast)."""
+    ops = tuple(Op(k, m) for k in KINDS for m in range(n))
+    return ops, {op: i for i, op in enumerate(ops)}
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Per stage, the most activations held at once (F done, B not yet done), from the order."""
+    out = []
+    for row in schedule:
+        cur = peak = 0
+        for op in row:
+            k = op.kind
+            if k == "F":
+                cur += 1
+                if cur > peak:
+                    peak = cur
+            elif k == "B":
+                cur -= 1
+        out.append(peak)
+    return out
+
+
+def warmup_counts(schedule: Schedule) -> list[int]:
+    """Forwards each stage runs before its first B (x_s)."""
+    out = []
+    for row in schedule:
+        n = 0
+        for op in row:
+            if op.kind == "B":
+                break
+            n += op.kind == "F"
+        out.append(n)
+    return out

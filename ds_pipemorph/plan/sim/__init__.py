@@ -1,0 +1,3 @@
+"""Replaying a schedule: the simulator (``simulate``, over the Python ``replay_py`` or the compiled
+core ``native`` with its C source ``plancore.c``), its timeline, the readiness replay (``ready``),
+incremental re-evaluation, varied op times (``variation``) and the validity check (``validate``)."""

@@ -1,0 +1,355 @@
+"""Readiness-driven dispatch (RRFP): a plan's order taken as a hint, replayed under varying times.
+
+Two dispatch rules share one event-driven core (no time step):
+
+- ``ordered``: each stage runs its order as written; the next op waits until it is ready. With
+  constant times this is ``simulate.replay``, to the last bit.
+- ``ready``: the order is a non-binding hint. Whenever a stage is idle it starts, among its ops
+  that are ready at that moment, the one listed first in its hint. ``F m`` is ready once its
+  activation has arrived (stage 0: at once) and the stage holds fewer activations than its cap
+  (F done, B not done: what ``ops.peak_inflight`` counts); ``B m`` once its own ``F m`` is
+  done and its output gradient has arrived (the last stage needs no gradient); ``W m`` once its
+  own ``B m`` is done. With ``patience`` (the default, as the engine runs it) a stage waits for
+  the message of its hint's first op instead when that message is on its way and lands before
+  the other op would end. The rule is the engine's own, ``plan.ir.ready_rule.ReadyRule``. Under caps
+  >= 1 this never deadlocks, whatever the hint (``docs/ready_dispatch.md`` gives the argument).
+
+Op times may differ per (stage, kind, micro-batch) (``op_times``, see ``plan.sim.variation``) and
+link delays may change over time (``link_delays``: per link a constant or ``(time_ms, delay_ms)``
+breakpoints; a message takes the delay in force when it departs; ``plan.sim.variation`` reads both
+from files).
+
+Pure Python: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections.abc import Mapping
+from math import isfinite
+from typing import Callable, Optional, Sequence, Union
+
+from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ..ir.ops import KINDS, Op, Schedule
+from ..ir.profile import Costs
+from ..ir.ready_rule import ReadyRule
+from .timeline import Slot, StuckSchedule, Timeline, stuck_message
+
+DISPATCH = ("ordered", "ready")
+OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
+Breakpoints = Sequence[tuple[float, float]]  # (time_ms, delay_ms), sorted by time
+LinkDelays = Sequence[Union[float, Breakpoints]]  # one entry per link
+_K = {k: i for i, k in enumerate(KINDS)}
+_INF = float("inf")
+
+
+def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
+                 op_times: Union[OpTimes, Mapping, None] = None, link_delays: Optional[LinkDelays] = None,
+                 fused_backward: bool = False,
+                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True) -> Timeline:
+    """Ready dispatch with ``hint`` ranking the ready ops; ``caps`` per stage (default: no cap)."""
+    return replay_varying(hint, costs, microbatches, "ready", caps, op_times, link_delays, fused_backward,
+                          link_model, patience)
+
+
+def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: str = "ordered",
+                   caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
+                   link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
+                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True) -> Timeline:
+    """Replay ``schedule`` under ``dispatch`` ("ordered" or "ready"); raise StuckSchedule if it cannot run.
+
+    ``op_times``: a callable ``(stage, kind, mb) -> ms`` or a mapping ``{(stage, kind, mb): ms}``
+    (missing keys take the time of ``costs``); default ``costs``. ``link_delays``: per link a
+    delay in ms or ``(time_ms, delay_ms)`` breakpoints; default ``costs.links``. ``caps`` bound
+    the activations a stage holds under ready dispatch (an ordered replay follows its order, which
+    sets its own peak). ``fused_backward`` and ``link_model`` are as in ``simulate.replay``; under
+    ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it. ``patience``:
+    ready dispatch's patience (``ReadyRule.hold``), on as in the engine; off, the bare rule.
+    """
+    S, N = len(schedule), microbatches
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
+    if costs.stages != S:
+        raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
+    _check_rows(schedule, N)
+    cap = _caps(caps, S, N)
+    dur = _durations(op_times, costs, S, N)
+    # N*(tF+tB+tW) per stage, the same floats as simulate.replay when the times are the costs'
+    work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
+            else [sum(map(sum, dur[s])) for s in range(S)])
+    return _Run(schedule, N, dispatch == "ready", cap, dur, _curves(link_delays, costs, S),
+                per_link(link_model, S - 1), fused_backward, work, patience).run()
+
+
+def _check_rows(schedule: Schedule, N: int) -> None:
+    """Every stage lists each of F m, B m, W m exactly once (a hint need not respect dependencies)."""
+    want = {Op(k, m) for k in KINDS for m in range(N)}
+    for s, row in enumerate(schedule):
+        seen: set = set()
+        for op in row:
+            if op not in want:
+                raise ValueError(f"stage {s}: {op} is not a compute op of micro-batches 0..{N - 1}")
+            if op in seen:
+                raise ValueError(f"stage {s}: {op} appears twice")
+            seen.add(op)
+        if len(seen) != len(want):
+            missing = min(want - seen, key=lambda o: (o.mb, _K[o.kind]))
+            raise ValueError(f"stage {s}: {missing} is missing")
+
+
+def _caps(caps: Optional[Sequence[int]], S: int, N: int) -> list[int]:
+    if caps is None:
+        return [N] * S
+    out = list(caps)
+    if len(out) != S:
+        raise ValueError(f"caps: expected {S} values (one per stage), got {len(out)}")
+    for s, c in enumerate(out):
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"caps: stage {s} must hold at least 1 activation, got {c!r}")
+    return out
+
+
+def _durations(op_times, costs: Costs, S: int, N: int) -> list[list[list[float]]]:
+    """``dur[s][kind][m]`` in ms, each checked to be finite and >= 0."""
+    if op_times is None:
+        return [[[costs.op_time(s, k)] * N for k in KINDS] for s in range(S)]
+    if isinstance(op_times, Mapping):
+        table = op_times
+
+        def op_times(s, k, m):
+            return table.get((s, k, m), costs.op_time(s, k))
+
+    out = []
+    for s in range(S):
+        per = []
+        for k in KINDS:
+            row = [float(op_times(s, k, m)) for m in range(N)]
+            for m, t in enumerate(row):
+                if not (isfinite(t) and t >= 0):
+                    raise ValueError(f"op times: stage {s} {k}{m} takes {t} ms; times are finite and >= 0")
+            per.append(row)
+        out.append(per)
+    return out
+
+
+def _curves(link_delays: Optional[LinkDelays], costs: Costs, S: int) -> list[Breakpoints]:
+    """Per link, sorted breakpoints ``(time_ms, delay_ms)`` (a constant is one breakpoint at 0)."""
+    raw = costs.links if link_delays is None else list(link_delays)
+    if len(raw) != S - 1:
+        raise ValueError(f"link delays: expected {S - 1} entries (one per link of {S} stages), got {len(raw)}")
+    out = []
+    for i, d in enumerate(raw):
+        curve = [(0.0, float(d))] if isinstance(d, (int, float)) else [(float(t), float(c)) for t, c in d]
+        if not curve:
+            raise ValueError(f"link {i}: a delay trace needs at least one (time_ms, delay_ms) point")
+        for (t0, _), (t1, _) in zip(curve, curve[1:]):
+            if t1 < t0:
+                raise ValueError(f"link {i}: trace times must not decrease ({t1} ms comes after {t0} ms)")
+        for t, c in curve:
+            if not (isfinite(c) and c >= 0) or not isfinite(t):
+                raise ValueError(f"link {i}: delay {c} ms at {t} ms; delays are finite and >= 0")
+        out.append(curve)
+    return out
+
+
+class _Run:
+    """One replay: per-stage state, the link queues, and a heap of (time, stage) wake-ups.
+
+    A stage is looked at only when something of its own happens: it becomes free, or a message
+    for it arrives (its own op ends never come later than it becomes free). At each wake-up an
+    idle stage starts what its rule allows; an op's end, its messages' arrivals and the stage's
+    next free time are known when it starts, and are pushed as wake-ups.
+    """
+
+    def __init__(self, schedule, N, ready, cap, dur, curves, model, fused, work, patience=True):
+        S = len(schedule)
+        self.rows, self.S, self.N, self.is_ready, self.cap, self.dur = schedule, S, N, ready, cap, dur
+        self.curves = curves
+        self.const = [c[0][1] if len(c) == 1 else None for c in curves]  # constant delay, if one
+        self.times = [[p[0] for p in c] for c in curves]
+        self.fifo = [isinstance(h, Direct) for h in model]
+        self.queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]
+        self.lane_free = [[[0.0] * max(q, 1) for q in self.queues] for _ in range(2)]  # [dir][link][fifo]
+        self.lane_next = [[0] * (S - 1) for _ in range(2)]
+        self.fifo_free = [[0.0, 0.0] for _ in range(S)]  # per sender stage: [down, up]
+        self.pos = [{(_K[op.kind], op.mb): i for i, op in enumerate(row)} for row in schedule]
+        # fused[s][m]: B m runs fused with W m (the W right after it in the order / hint)
+        self.fused = [[False] * N for _ in range(S)]
+        if fused:
+            for s, row in enumerate(schedule):
+                for i, op in enumerate(row[:-1]):
+                    if op.kind == "B" and row[i + 1] == Op("W", op.mb):
+                        self.fused[s][op.mb] = True
+        self.end = [[[_INF] * N for _ in range(3)] for _ in range(S)]
+        self.arr_f = [[_INF] * N for _ in range(S)]  # arrival at s+1 of the activation F m on s sent
+        self.arr_b = [[_INF] * N for _ in range(S)]  # arrival at s-1 of the gradient B m on s sent
+        self.free = [0.0] * S
+        self.started = [[False] * (3 * N) for _ in range(S)]  # by hint position
+        self.ptr = [0] * S  # ordered: next position; ready: first position not started
+        self.inflight = [0] * S
+        self.peak = [0] * S
+        self.busy = [0.0] * S
+        self.slots: list[Slot] = []
+        self.left = 3 * N * S
+        self.wake: list[tuple[float, int]] = []
+        # ready dispatch: per stage the engine's rule, a heap of (arrival, kind, mb) of the
+        # messages on their way to it and their arrival times by (kind, mb)
+        self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1) for s, row in enumerate(schedule)] if ready else []
+        self.patience = patience
+        self.on_way = [[] for _ in range(S)]
+        self.lands = [{} for _ in range(S)]
+        self.work = work
+
+    def run(self) -> Timeline:
+        S = self.S
+        for s in range(S):
+            heapq.heappush(self.wake, (0.0, s))
+        while self.wake:
+            t, s = heapq.heappop(self.wake)
+            self._dispatch(s, t)
+        if self.left:
+            raise StuckSchedule(self._stuck())
+        first = min((x.start for x in self.slots), default=0.0)
+        last = max((x.end for x in self.slots), default=0.0)
+        return Timeline(S, self.N, self.slots, last - first, self.busy, self.peak, self.work)
+
+    # -- readiness ------------------------------------------------------------------------------
+
+    def _deliver(self, s: int, kind: str, m: int, t: float) -> None:
+        """A message (kind "F" or "B", micro-batch m) lands on stage s at ``t``; s wakes up then."""
+        if self.is_ready:
+            heapq.heappush(self.on_way[s], (t, kind, m))
+            self.lands[s][(kind, m)] = t
+        heapq.heappush(self.wake, (t, s))
+
+    def _ready_at(self, s: int, k: int, m: int) -> float:
+        """Ordered dispatch: when op (k, m) of stage s is ready (inf: not known yet)."""
+        if k == 0:
+            return 0.0 if s == 0 else self.arr_f[s - 1][m]
+        if k == 2:
+            return self.end[s][1][m]
+        r = self.end[s][0][m]
+        if s < self.S - 1:
+            g = self.arr_b[s + 1][m]
+            r = g if g > r else r
+        return r
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def _dispatch(self, s: int, t: float) -> None:
+        """Start what stage s may start at ``t`` (more than one op only when an op takes 0 ms)."""
+        row = self.rows[s]
+        while self.free[s] <= t and self.ptr[s] < len(row):
+            if self.is_ready:
+                i = self._pick(s, t)
+                if i is None:
+                    return
+            else:
+                i = self.ptr[s]
+                op = row[i]
+                if self._ready_at(s, _K[op.kind], op.mb) > t:
+                    return
+            self._start(s, i, t)
+
+    def _pick(self, s: int, t: float) -> Optional[int]:
+        """The hint position of the op the rule starts at ``t`` (None: none, or it waits for a
+        message that lands before that op would end, and the landing wakes the stage)."""
+        rule, way, lands = self.rules[s], self.on_way[s], self.lands[s]
+        while way and way[0][0] <= t:
+            _, kind, m = heapq.heappop(way)
+            del lands[(kind, m)]
+            rule.arrive(kind, m)
+        op = rule.pick()
+        if op is None:
+            return None
+        k = _K[op.kind]
+        if self.patience and rule.hold(op, t, self.dur[s][k][op.mb], lands.get) is not None:
+            return None
+        rule.started(op)
+        if k == 1 and self.fused[s][op.mb]:  # W m runs with it (``_start``)
+            rule.started(Op("W", op.mb))
+        return self.pos[s][(k, op.mb)]
+
+    def _start(self, s: int, i: int, t: float) -> None:
+        op = self.rows[s][i]
+        k, m = _K[op.kind], op.mb
+        fin = self._slot(s, i, t)
+        blocked = fin
+        last = self.S - 1
+        if k == 0:
+            self.inflight[s] += 1
+            if self.inflight[s] > self.peak[s]:
+                self.peak[s] = self.inflight[s]
+            if s < last:
+                arr, blocked = self._send(s, 0, fin)
+                self.arr_f[s][m] = arr
+                self._deliver(s + 1, "F", m, arr)
+        elif k == 1:
+            self.inflight[s] -= 1
+            if self.fused[s][m]:  # W m runs right after, the gradient leaves when it ends
+                j = self.pos[s][(2, m)]
+                fin = self._slot(s, j, fin)
+                blocked = fin
+                if s > 0:
+                    arr, depart = self._send(s, 1, fin)
+                    blocked = depart if depart > fin else fin
+            elif s > 0:
+                arr, blocked = self._send(s, 1, fin)
+            if s > 0:
+                self.arr_b[s][m] = arr
+                self._deliver(s - 1, "B", m, arr)
+        self.free[s] = blocked if blocked > fin else fin
+        heapq.heappush(self.wake, (self.free[s], s))
+
+    def _slot(self, s: int, i: int, start: float) -> float:
+        """Run the op at hint position i of stage s from ``start``; its end."""
+        op = self.rows[s][i]
+        k = _K[op.kind]
+        d = self.dur[s][k][op.mb]
+        fin = start + d
+        self.end[s][k][op.mb] = fin
+        self.busy[s] += d
+        self.slots.append(Slot(s, op, start, fin))
+        self.started[s][i] = True
+        self.left -= 1
+        row_started = self.started[s]
+        while self.ptr[s] < len(row_started) and row_started[self.ptr[s]]:
+            self.ptr[s] += 1
+        return fin
+
+    def _send(self, s: int, d: int, t_send: float) -> tuple[float, float]:
+        """(arrival, the time the sender is free again) of a message stage s sends at ``t_send``
+        in direction d (0: activation down, 1: gradient up), as ``simulate`` queues it."""
+        link = s - d
+        c = self.const[link]
+        if self.fifo[link] and c != 0:
+            depart = max(t_send, self.fifo_free[s][d])
+            c = self._delay(link, depart)
+            self.fifo_free[s][d] = depart + c
+            return depart + c, depart
+        if self.queues[link] and c != 0:
+            n = self.lane_next[d][link]
+            self.lane_next[d][link] = n + 1
+            lane = self.lane_free[d][link]
+            j = n % self.queues[link]
+            depart = max(t_send, lane[j])
+            c = self._delay(link, depart)
+            lane[j] = depart + c
+            return depart + c, t_send
+        return t_send + self._delay(link, t_send), t_send
+
+    def _delay(self, link: int, t: float) -> float:
+        c = self.const[link]
+        if c is not None:
+            return c
+        i = bisect_right(self.times[link], t) - 1
+        return self.curves[link][max(i, 0)][1]
+
+    def _stuck(self) -> str:
+        if not self.is_ready:
+            return stuck_message(self.rows, self.ptr, self.S)
+        for s in range(self.S):  # pragma: no cover - docs/ready_dispatch.md: cannot happen
+            if self.ptr[s] < len(self.rows[s]):
+                return (f"stage {s}: no op is ready and nothing is in flight "
+                        f"({self.inflight[s]} activations held, cap {self.cap[s]})")
+        return "schedule is stuck"  # pragma: no cover
