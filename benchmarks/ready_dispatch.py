@@ -135,7 +135,7 @@ def batch():
 
 def departed(engine) -> int:
     """Ops of the last iteration this rank started while an op earlier in the hint was still to run."""
-    ran = [r.op for r in engine.op_records if r.op[:1] in "FBW" and r.op[1:].isdigit()]
+    ran = [r.op for r in engine.op_records if r.plan_op is not None and r.plan_op.kind.is_compute]
     position = {str(op): i for i, op in enumerate(engine.stage_plan)}
     count, pending = 0, sorted(position.values())
     for op in ran:

@@ -167,7 +167,8 @@ def run_row(kind: str, parts, core: int, cores: list[int], args) -> dict:
             seconds.append(time.perf_counter() - t0)
             losses.append(float(loss_value))
             records = engine.recorder.records
-            ops = [(r.op[0], (r.end_ns - r.start_ns) / 1e6) for r in records if r.op[0] in "FBW" and r.op[1:].isdigit()]
+            ops = [(r.plan_op.kind.value, (r.end_ns - r.start_ns) / 1e6) for r in records
+                   if r.plan_op is not None and r.plan_op.kind.is_compute]
             iters.append({"fbw": fbw_ms_per_microbatch(records, N), "ops": ops, "layers": layers,
                           "host": [list(vars_of(before)), list(vars_of(after))], "probe_ms": memcpy_probe_ms()})
     finally:

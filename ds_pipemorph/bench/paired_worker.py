@@ -92,7 +92,7 @@ def alternate(spec: PairedSpec, engine) -> list[dict]:
         ready_before = len(engine.choosing_ns)
         losses: list[float] = []
         ms = timed_step(lambda: losses.append(float(engine.train_batch(iter(data)).item())))
-        ran = [r.op for r in engine.op_records if r.op[:1] in "FBW" and r.op[1:].isdigit()]
+        ran = [r.op for r in engine.op_records if r.plan_op is not None and r.plan_op.kind.is_compute]
         out.append({"index": i, "side": label, "config": side.text, "ms": ms, "measured": i >= spec.warmup,
                     "loss": losses[0], "dispatch": "ready" if len(engine.choosing_ns) > ready_before else "ordered",
                     "links": [engine.transport.link_mode(k) for k in range(spec.stages - 1)],

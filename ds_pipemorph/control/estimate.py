@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from ..plan.ir.ops import recorded_op
+
 _BASE = {"SEND_F": 0, "SEND_B": 1, "RECV_F": 2, "RECV_B": 4}  # block offsets in units of N
 
 
@@ -33,12 +35,11 @@ def message_times(records: Iterable, microbatches: int, stage: int, clock_offset
     N = microbatches
     out = [-1.0] * (6 * N + 2)
     for r in records:
-        head, _, mb = r.op.rpartition("_")
-        key = f"{head}_{mb[:1]}"
-        if key not in _BASE or not mb[1:].isdigit() or int(mb[1:]) >= N:
+        op = recorded_op(r.op)
+        if op is None or op.kind not in _BASE or op.mb >= N:
             continue
-        m, base = int(mb[1:]), _BASE[key] * N
-        if key.startswith("SEND"):
+        m, base = op.mb, _BASE[op.kind] * N
+        if op.kind.is_send:
             out[base + m] = float(r.end_ns)
         else:
             out[base + 2 * m] = float(r.start_ns)

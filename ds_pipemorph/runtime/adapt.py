@@ -45,7 +45,7 @@ from ..control.detector import DetectorConfig
 from ..control.estimate import RankTimes, link_delays, message_times
 from ..control.policy import REPLAN_EVALS, Decision, Policy
 from ..plan.ir.links import DIRECT, LinkModel
-from ..plan.ir.ops import Schedule, warmup_counts
+from ..plan.ir.ops import Schedule, warmup_counts, recorded_op
 from ..plan.ir.profile import Costs
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
 from .profile_export import ProfileExport
@@ -257,8 +257,9 @@ class Adapter:
                 dur[op[0]].append(ms)
         else:
             for r in records:
-                if r.op[:1] in dur and r.op[1:].isdigit():
-                    dur[r.op[0]].append((r.end_ns - r.start_ns) / 1e6)
+                op = recorded_op(r.op)
+                if op is not None and op.kind.is_compute:
+                    dur[op.kind].append((r.end_ns - r.start_ns) / 1e6)
         med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in "FBW"]
         oh.stats = _ms_since(t)
         return [float(self.stage_id), *med, *map(float, self.neighbours)]

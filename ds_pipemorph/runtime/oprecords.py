@@ -17,6 +17,8 @@ import re
 import time
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from ..plan.ir.ops import KINDS, Op, recorded_op
+
 DOMAIN = "pipemorph"
 _MICRO_BATCH = re.compile(r"^(?:LOAD|F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
 
@@ -25,6 +27,11 @@ class OpRecord(NamedTuple):
     op: str  # "F3", "B3", "W3", "SEND_F3", "RECV_B3", "OptimizerStep", ...
     start_ns: int  # time.monotonic_ns(): one clock for all processes of a machine
     end_ns: int
+
+    @property
+    def plan_op(self) -> Optional[Op]:
+        """The plan op this record is of (``Op(Kind.F, 3)``), None for other instructions."""
+        return recorded_op(self.op)
 
 
 _started: list[Optional[float]] = [None]  # perf_counter() when the running instruction began
@@ -146,9 +153,9 @@ class OpRecorder:
 
 def fbw_ms_per_microbatch(records, microbatches: int) -> list[float]:
     """Mean ms per micro-batch of the F, B and W among ``records`` (one stage's iteration)."""
-    total = {"F": 0, "B": 0, "W": 0}
+    total = dict.fromkeys(KINDS, 0)
     for r in records:
-        kind = r.op[:1]
-        if kind in total and r.op[1:].isdigit():
-            total[kind] += r.end_ns - r.start_ns
-    return [total[k] / 1e6 / microbatches for k in "FBW"]
+        op = recorded_op(r.op)
+        if op is not None and op.kind in total:
+            total[op.kind] += r.end_ns - r.start_ns
+    return [total[k] / 1e6 / microbatches for k in KINDS]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from ..plan.ir.ops import Op
+from ..plan.ir.ops import Op, recorded_op
 from ..plan.ir.ready_rule import ReadyRule
 from . import instructions as I
 from .schedule import Buffers, PipeMorphSchedule
@@ -152,11 +152,15 @@ def run_ready(engine, program: ReadyProgram) -> int:
             buffers.release(m)
         executed.extend(unit.texts)
     recs = engine.recorder.records
-    arrived_at = {(r.op[5], int(r.op[6:])): r.end_ns - t0 for r in recs if r.op.startswith("RECV_")}
-    spans: dict = {}
+    arrived_at, spans = {}, {}
     for r in recs:
-        if r.op[:1] in "FBW" and r.op[1:].isdigit():
-            spans.setdefault(r.op[0], []).append(r.end_ns - r.start_ns)
+        op = recorded_op(r.op)
+        if op is None:
+            continue
+        if op.kind.is_recv:  # keyed by what the message carries: "F" (activation) or "B" (gradient)
+            arrived_at[(op.kind.value[-1], op.mb)] = r.end_ns - t0
+        elif op.kind.is_compute:
+            spans.setdefault(op.kind.value, []).append(r.end_ns - r.start_ns)
     engine._ready_expect = (arrived_at, {k: sum(v) / len(v) for k, v in spans.items()})
     if inbox.outstanding:  # every message was consumed by the op it feeds
         raise RuntimeError(f"stage {s}: {inbox.outstanding} received messages were never used")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ds_pipemorph.fileio import dump
 from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated, Direct, Latency, per_link
-from ds_pipemorph.plan.ir.ops import ALL_KINDS, COMM_KINDS, KINDS, Kind, Op, parse_op, parse_stage
+from ds_pipemorph.plan.ir.ops import ALL_KINDS, COMM_KINDS, KINDS, Kind, Op, parse_op, parse_stage, recorded_op
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sim.simulate import replay
 from ds_pipemorph.plan.sim.validate import InvalidPlan, parse_schedule
@@ -118,3 +118,16 @@ def test_link_models_order_the_replay_as_the_models_say():
     free = Costs([5.0, 5.0], [5.0, 5.0], [5.0, 5.0], [0.0])
     assert {replay(sched, free, 3, link_model=m).iteration_ms for m in (LATENCY, DIRECT, Delegated(1))} == {
         replay(sched, free, 3).iteration_ms}
+
+
+@pytest.mark.parametrize("text, kind, mb", [("F0", Kind.F, 0), ("W12", Kind.W, 12), ("SEND_F3", Kind.SEND_F, 3),
+                                            ("RECV_B7", Kind.RECV_B, 7), ("RECV_F10", Kind.RECV_F, 10)])
+def test_a_records_text_names_its_plan_op(text, kind, mb):
+    op = recorded_op(text)
+    assert (op.kind, op.mb, op.stage) == (kind, mb, None) and op.kind is kind
+
+
+@pytest.mark.parametrize("text", ["ReduceGrads", "OptimizerStep", "WaitSends", "LoadMicroBatch", "F", "SEND_F",
+                                  "2SEND_F5", "F3x", ""])
+def test_other_instructions_and_stage_qualified_texts_are_no_record_op(text):
+    assert recorded_op(text) is None

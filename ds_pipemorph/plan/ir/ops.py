@@ -178,3 +178,21 @@ def warmup_counts(schedule: Schedule) -> list[int]:
             n += op.kind == "F"
         out.append(n)
     return out
+
+
+_RECORDED: dict = {}  # record text -> its op (or None): an engine records the same few hundred texts
+
+
+def recorded_op(text: str) -> Optional[Op]:
+    """The plan op an op record's text names (``"SEND_F3"`` -> ``Op(Kind.SEND_F, 3)``, stage-local),
+    or None for the engine's other instructions (``"ReduceGrads"``, ``"OptimizerStep"``, ...). The
+    one parse of record texts; cached."""
+    try:
+        return _RECORDED[text]
+    except KeyError:
+        pass
+    m = _OP_RE.match(text)
+    op = None if m is None or m.group(1) is not None else Op(m.group(2), int(m.group(3)))
+    if len(_RECORDED) < _CACHE_MAX:
+        _RECORDED[text] = op
+    return op
