@@ -1,6 +1,6 @@
 """ds_pipemorph: straggler-resilient zero-bubble pipeline parallelism for DeepSpeed.
 
-``ds_pipemorph.plan`` is pure Python (no torch, no deepspeed) and imports fast; the runtime
+``ds_pipemorph.plan`` is pure Python (no torch, no deepspeed); the runtime
 (``ds_pipemorph.initialize``) is loaded on first use. The injection plug-in (``ds_pipemorph.inject``,
 torch-free to import) is registered here, above the runtime, which never imports it: any use of the
 package honours the ``pipemorph.inject`` section.

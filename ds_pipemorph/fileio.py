@@ -16,7 +16,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):
-    """Safe YAML; a ``str`` subclass (a ``StrEnum`` such as ``plan.ir.ops.Kind``) is written as its text."""
+    """Safe YAML; a ``str`` subclass (a text enum such as ``plan.ir.ops.Kind``) is written as its text."""
 
 
 _Dumper.add_multi_representer(str, lambda dumper, text: dumper.represent_str(str.__str__(text)))

@@ -65,6 +65,10 @@ class Boundary:
         if not self.loops:
             return []
         parts = [torch.as_tensor(loop.row(engine, records), dtype=torch.float64) for loop in self.loops]
+        for loop, part in zip(self.loops, parts):  # before the collective: a short row would hang every rank
+            if part.shape != (loop.width,):
+                raise RuntimeError(f"{type(loop).__name__} gave a boundary row of shape {tuple(part.shape)}, "
+                                   f"not ({loop.width},)")
         row = torch.cat(parts)
         group = self._group_of()
         t = time.perf_counter_ns()

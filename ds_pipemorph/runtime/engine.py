@@ -178,7 +178,7 @@ class PipeMorphEngine(PipelineEngine):
             self.orchestrate = OrchestrateHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
         # The loops in the order their decisions apply: a migration's plan is the last word.
         self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
-                                 self.migrator.vote_group)
+                                 self.transfer.vote_group)
         self._reset_iteration_state()
 
     def destroy(self):

@@ -124,7 +124,7 @@ class OpRecorder:
     def run(self, name: str, fn: Callable[..., object], *args, **kwargs) -> None:
         """``fn(*args, **kwargs)`` inside an NVTX range ``name``, recorded as one OpRecord."""
         pair = None
-        if self._event is not None and name[:1] in "FBW" and name[1:].isdigit():
+        if self._event is not None and (op := recorded_op(name)) is not None and op.kind.is_compute:
             pair = (self._event(), self._event())
             pair[0].record()
         domain = self._domain

@@ -133,7 +133,7 @@ def remap(engine, topology):
         setattr(fresh, counter, getattr(engine, counter))
     if engine.lr_scheduler is not None and fresh.lr_scheduler is not None:
         fresh.lr_scheduler.load_state_dict(engine.lr_scheduler.state_dict())
-    fresh._set_plan(engine.plan)
+    fresh._set_plan(engine.plan, engine.lowering)
     # DeepSpeed's seed_layers seeds each layer by its index and the module's forward count: carry the
     # count, so layers draw the same random numbers on their new ranks. Without it, a rank continues
     # the random stream of the stage it took over.

@@ -59,3 +59,14 @@ def test_one_gather_carries_every_loops_row(tmp_path):
 
 def test_no_loop_no_collective():
     assert Boundary([], lambda: pytest.fail("no group is formed without a loop")).exchange(None, []) == []
+
+
+def test_a_row_of_the_wrong_width_is_refused_before_any_collective():
+    class Short(Loop):
+        def row(self, engine, records):
+            return [0.0] * 3
+
+    short = Short(4, 0.0)  # says 4 floats, gives 3: the all-gather would hang every rank
+    boundary = Boundary([short], lambda: pytest.fail("no collective for a malformed row"))
+    with pytest.raises(RuntimeError, match=r"Short gave a boundary row of shape \(3,\), not \(4,\)"):
+        boundary.exchange(None, [])

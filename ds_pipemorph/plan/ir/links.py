@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Union
 
+from .text_enum import TextEnum
 
-class Route(StrEnum):
+
+class Route(TextEnum):
     """Which path carries a link's messages at run time: torch.distributed in the training process,
     or the staging rings and delegate processes (equal to the strings ``"direct"``, ``"delegated"``)."""
 

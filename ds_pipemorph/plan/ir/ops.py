@@ -2,7 +2,7 @@
 
 Kinds (``Kind``): ``F`` forward, ``B`` backward-input (gradient w.r.t. the stage input), ``W``
 backward-weight; ``SEND_F`` / ``RECV_F`` carry the activation of a micro-batch from stage s to s+1,
-``SEND_B`` / ``RECV_B`` its input gradient from stage s to s-1. ``Kind`` is a ``StrEnum``: a kind
+``SEND_B`` / ``RECV_B`` its input gradient from stage s to s-1. ``Kind`` is a ``TextEnum`` (a ``StrEnum`` that runs on Python 3.9): a kind
 equals its text (``Kind.F == "F"``), so plan files and op texts read and compare as before. Text is
 spelled like torch pipelining's ``_Action``: ``[stage]KIND[micro-batch]``, e.g. ``2SEND_F5`` (stage
 2 sends the activation of micro-batch 5 to stage 3) or ``0F1``. Without a stage the text is
@@ -17,12 +17,13 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 import re
-from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple, Optional
 
+from .text_enum import TextEnum
 
-class Kind(StrEnum):
+
+class Kind(TextEnum):
     """What an op does. Compute kinds first, in the order of their per-stage times (F, B, W)."""
 
     F = "F"
