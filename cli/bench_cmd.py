@@ -138,8 +138,6 @@ def _checked(args: BenchArgs) -> dict:
         if name not in SCHEDULES:
             raise BadInput(f"--schedules: unknown schedule '{name}': choose from {', '.join(SCHEDULES)}")
     if args.vary is not None:
-        if "stock-1f1b" in names:
-            raise BadInput("--vary times the ops of this package's engine; drop stock-1f1b from --schedules")
         vary_tables(args.vary, Costs.uniform(args.stages, args.op_ms), args.microbatches)  # a spec that does not parse
     fields = dict(stages=args.stages, microbatches=args.microbatches, op_ms=args.op_ms, schedules=names,
                   dispatches=dispatches or ["ordered"], vary=args.vary, iterations=args.iterations, warmup=args.warmup)

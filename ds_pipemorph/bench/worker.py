@@ -59,6 +59,12 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "
     if schedule == "stock-1f1b":
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         anchor_stock_engine(engine)  # emulated ops count from the instruction's start, as in ours
+        if spec.vary:
+            from ..plan.sim.variation import vary_tables
+            from ..inject.vary import install_stock
+
+            install_stock(engine, vary_tables(spec.vary, Costs.uniform(spec.stages, spec.op_ms), spec.microbatches),
+                          spec.microbatches)
         return engine
     if sc.trace:
         inject = {"trace": sc.trace}
@@ -142,9 +148,13 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch:
         from ..plan.sim.ready import replay_varying
         from ..plan.sim.variation import vary_tables
 
-        model = _link_model(schedule, engine)
         tables = vary_tables(spec.vary, costs, N) if spec.vary else (lambda k: None)
         ks = range(spec.warmup, spec.warmup + spec.iterations)
+        if schedule == "stock-1f1b":  # DeepSpeed's order, its backward fused
+            plan = deepspeed_1f1b(S, N)
+            return sum(replay_varying(plan, costs, N, "ordered", None, tables(k), fused_backward=True,
+                                      link_model=DIRECT).iteration_ms for k in ks) / len(ks)
+        model = _link_model(schedule, engine)
         return sum(replay_varying(engine.plan, costs, N, dispatch, peak_inflight(engine.plan), tables(k),
                                   link_model=model).iteration_ms for k in ks) / len(ks)
     if schedule == "stock-1f1b":

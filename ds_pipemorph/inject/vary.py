@@ -5,10 +5,12 @@ micro-batch) lasts the time a ``plan.sim.variation.OpTable`` gives it: the handl
 stage built with the table's smallest times, or a real model), then the op sleeps until its start
 plus the table's time. ``tables(k)`` gives the table of iteration k, so variation can change every
 iteration (seeded: the simulator replays the same tables). Timing only: the numbers computed are untouched.
+``install_stock`` times stock DeepSpeed's engine from the same tables, so benchmarks can compare them.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import perf_counter
 
 from ..plan.sim.variation import OpTable
 from ..runtime import instructions as I
@@ -39,3 +41,37 @@ def install(engine, tables: Callable[[int], OpTable]) -> VaryInjector:
     inj = VaryInjector(tables, engine.stage_id)
     engine.add_hooks(inj)
     return inj
+
+
+def install_stock(engine, tables: Callable[[int], OpTable], microbatches: int) -> None:
+    """The same op times for stock DeepSpeed's ``PipelineEngine`` (benchmarks compare the two): its
+    forward lasts the table's F and its fused backward the table's B + W, counted from the start of
+    the instruction. Stock instructions name a buffer, not a micro-batch; its 1F1B runs a stage's
+    forwards, and its backwards, in micro-batch order, so the k-th of either since start-up is
+    micro-batch k mod N of iteration k div N. Training only (an ``eval_batch``'s forwards would count)."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    stage, n = engine.stage_id, microbatches
+    count = {"F": 0, "B": 0}
+    drawn: dict[int, OpTable] = {}  # iteration -> its table (forwards and backwards of one iteration share it)
+
+    def table_of(iteration: int) -> OpTable:
+        if iteration not in drawn:
+            drawn.clear()
+            drawn[iteration] = tables(iteration)
+        return drawn[iteration]
+
+    def timed(handler, kind: str):
+        def run(eng, **kwargs):
+            started = perf_counter()
+            k, count[kind] = count[kind], count[kind] + 1
+            handler(eng, **kwargs)
+            table, mb = table_of(k // n), k % n
+            ms = table(stage, "F", mb) if kind == "F" else table(stage, "B", mb) + table(stage, "W", mb)
+            _sleep_until(started, ms)
+        return run
+
+    handlers = dict(engine._INSTRUCTION_MAP)
+    handlers[ForwardPass] = timed(handlers[ForwardPass], "F")
+    handlers[BackwardPass] = timed(handlers[BackwardPass], "B")
+    engine._INSTRUCTION_MAP = handlers  # stock's own map, on this instance only (as emulated.anchor_stock_engine)
