@@ -169,7 +169,7 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ds_pipemorph.control.estimate import RankTimes, link_delays, message_times
+    from ds_pipemorph.control.estimate import Neighbours, RankTimes, link_delays, message_times
 
     rank = dist.get_rank()
     if row.setting is not None:
@@ -195,7 +195,8 @@ def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:
                   "ops": [e["ops"] for e in everyone], "modes": modes, "estimated_links_ms": None}
             if not row.stock:  # the estimator reads our engine's op records; the stock engine keeps none
                 fifos = _fifos(engine, modes)
-                rows = {r: RankTimes(r, r - 1 if r > 0 else -1, r + 1 if r < NODES - 1 else -1, e["times"])
+                rows = {r: RankTimes(r, Neighbours(r - 1 if r > 0 else None, r + 1 if r < NODES - 1 else None),
+                                     e["times"])
                         for r, e in enumerate(everyone)}
                 it["estimated_links_ms"] = link_delays(rows, NODES - 1, spec.microbatches, fifos)
             adapter = getattr(engine, "adapter", None)

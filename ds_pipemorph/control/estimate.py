@@ -50,13 +50,21 @@ def message_times(records: Iterable, microbatches: int, stage: int, clock_offset
 
 
 @dataclass(frozen=True)
+class Neighbours:
+    """The global ranks of a stage's upstream (stage s-1) and downstream (stage s+1) neighbours in
+    its pipeline; None where the stage has none (the first stage has no upstream, the last no
+    downstream)."""
+
+    upstream: Optional[int]
+    downstream: Optional[int]
+
+
+@dataclass(frozen=True)
 class RankTimes:
-    """One rank's contribution: its stage, the global ranks of its upstream and downstream
-    neighbours in its pipeline (-1: none) and its ``message_times`` row."""
+    """One rank's contribution: its stage, its pipeline neighbours and its ``message_times`` row."""
 
     stage: int
-    upstream: int
-    downstream: int
+    neighbours: Neighbours
     times: Sequence[float]
 
 
@@ -75,9 +83,9 @@ def link_delays(ranks: Mapping[int, RankTimes], links: int, microbatches: int,
     for r, me in ranks.items():
         t = me.times
         for sender, link, off_col, send_base, recv_base in (
-                (me.upstream, me.stage - 1, 6 * N, 0, 2 * N),
-                (me.downstream, me.stage, 6 * N + 1, N, 4 * N)):
-            if sender < 0 or sender not in ranks:
+                (me.neighbours.upstream, me.stage - 1, 6 * N, 0, 2 * N),
+                (me.neighbours.downstream, me.stage, 6 * N + 1, N, 4 * N)):
+            if sender is None or sender not in ranks:
                 continue
             sent = list(ranks[sender].times[send_base: send_base + N])
             exact, bounds = per_replica[link].setdefault(min(r, sender), ([], []))

@@ -55,6 +55,19 @@ DELEGATION_MODES = ("off", "always", "auto")
 
 
 @dataclass(frozen=True)
+class QueueSettings:
+    """Delegate FIFOs per direction of a delegated link: ``start`` when a link is first delegated,
+    growing to at most ``cap`` when its delay needs more (``plan.sched.queues.queues_needed``)."""
+
+    start: int = MIN_QUEUES
+    cap: int = MAX_QUEUES
+
+    def __post_init__(self):
+        if self.start < 1 or self.cap < self.start:
+            raise ValueError(f"delegate queues: need 1 <= start <= cap, got start {self.start}, cap {self.cap}")
+
+
+@dataclass(frozen=True)
 class Decision:
     """What the engine applies at an iteration boundary, on every rank alike.
 
@@ -87,7 +100,7 @@ class Policy:
 
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
-                 queues: tuple[int, int] = (MIN_QUEUES, MAX_QUEUES), search_evals: int = REPLAN_EVALS,
+                 queues: QueueSettings = QueueSettings(), search_evals: int = REPLAN_EVALS,
                  direct: LinkModel = DIRECT):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
@@ -99,8 +112,8 @@ class Policy:
         self.every = every
         self.search_evals = search_evals
         self.delegation = delegation
-        self.min_queues, self.max_queues = queues  # delegate FIFOs per delegated link direction
-        self.link_queues = [self.min_queues] * (self.S - 1)  # what each link has (or gets when delegated)
+        self.queues = queues  # delegate FIFOs per delegated link direction
+        self.link_queues = [queues.start] * (self.S - 1)  # what each link has (or gets when delegated)
         self.plan_in_force = plan
         self.costs = costs
         self.detector = LinkDetector(self.S - 1, detector)
@@ -263,7 +276,7 @@ class Policy:
 
     def _size_queues(self, plan: Schedule, costs: Costs, direct: list[bool]) -> list[int]:
         """Per link, the queues it gets under ``plan``: a delegated link the fewest (at least what it
-        has, at most ``max_queues``) with which its delegates keep pace (``plan.sched.queues.queues_needed``),
+        has, at most ``queues.cap``) with which its delegates keep pace (``plan.sched.queues.queues_needed``),
         but a link grows only when that gains more than ``GROW_GAIN`` of the iteration; a direct link
         keeps its count."""
         have = self.link_queues
@@ -271,7 +284,7 @@ class Policy:
         for i, d in enumerate(direct):
             if not d:
                 model[i] = Delegated(queues_needed(plan, costs, self.N, i, link_model=model, lo=have[i],
-                                                   hi=max(have[i], self.max_queues)))
+                                                   hi=max(have[i], self.queues.cap)))
         out = list(have)
         for i, d in enumerate(direct):
             if d:

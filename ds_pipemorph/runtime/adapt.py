@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from ..control.background import BackgroundPlanner
 from ..control.detector import DetectorConfig
-from ..control.estimate import RankTimes, link_delays, message_times
-from ..control.policy import REPLAN_EVALS, Decision, Policy
+from ..control.estimate import Neighbours, RankTimes, link_delays, message_times
+from ..control.policy import REPLAN_EVALS, Decision, Policy, QueueSettings
 from ..plan.ir.links import DIRECT, LinkModel
 from ..plan.ir.ops import Schedule, warmup_counts, recorded_op
 from ..plan.ir.profile import Costs
@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 LOG_EVERY = 100  # rank 0 logs the profiler's overhead every this many iterations (and in close())
 _LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, W, upstream rank, downstream rank
+_NONE = -1.0  # a neighbour column's value where the stage has no neighbour on that side
 _FLAG = _LOCAL + len(OVERHEAD_FIELDS) + 1  # after the overhead and the period: rank 0's "the search landed"
 _TIMES = _FLAG + 1  # then the message times
 REPLAN_MODES = ("background", "inline")
@@ -76,14 +77,15 @@ class Adapter:
     def __init__(self, stages: int, microbatches: int, stage_id: int, plan: Schedule, costs: Costs,
                  caps: Optional[list[int]], every: int, clock_offsets: dict[int, int],
                  delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
-                 profile_out: Optional[str] = None, neighbours: tuple[int, int] = (-1, -1),
-                 queues: tuple[int, int] = (2, 2), replan: str = "background", search_evals: int = REPLAN_EVALS,
+                 profile_out: Optional[str] = None, neighbours: Neighbours = Neighbours(None, None),
+                 queues: QueueSettings = QueueSettings(2, 2), replan: str = "background",
+                 search_evals: int = REPLAN_EVALS,
                  direct: LinkModel = DIRECT):
         if replan not in REPLAN_MODES:
             raise ValueError(f"replan must be one of {REPLAN_MODES}, not {replan!r}")
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
-        self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline (-1: none)
+        self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline
         self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals,
                              direct)
         self.background = replan == "background"
@@ -262,12 +264,13 @@ class Adapter:
                     dur[op.kind].append((r.end_ns - r.start_ns) / 1e6)
         med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in "FBW"]
         oh.stats = _ms_since(t)
-        return [float(self.stage_id), *med, *map(float, self.neighbours)]
+        n = self.neighbours
+        return [float(self.stage_id), *med, _rank_column(n.upstream), _rank_column(n.downstream)]
 
     def _link_delays(self, table: torch.Tensor) -> list[Optional[float]]:
         """Per link, its delay in this iteration in ms (None: no message seen), ``estimate.link_delays``
         of every rank's row, with the delegate FIFOs each link ran with."""
-        rows = {r: RankTimes(int(row[0]), int(row[4]), int(row[5]), row[_TIMES:])
+        rows = {r: RankTimes(int(row[0]), Neighbours(_column_rank(row[4]), _column_rank(row[5])), row[_TIMES:])
                 for r, row in enumerate(table.tolist())}
         return link_delays(rows, self.S - 1, self.N, self.policy.fifos())
 
@@ -275,6 +278,16 @@ class Adapter:
         """F, B and W per stage: the max over data-parallel replicas (-1: op not seen)."""
         rows = [table[table[:, 0] == s] for s in range(self.S)]
         return tuple([r[:, col].max().item() for r in rows] for col in (1, 2, 3))
+
+
+def _rank_column(rank: Optional[int]) -> float:
+    """A neighbour's global rank as a column of the float row (``_NONE``: no neighbour)."""
+    return _NONE if rank is None else float(rank)
+
+
+def _column_rank(value: float) -> Optional[int]:
+    """The neighbour's global rank read back from its column of the row (None: no neighbour)."""
+    return None if value < 0 else int(value)
 
 
 def _ms_since(t_ns: int) -> float:

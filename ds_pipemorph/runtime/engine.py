@@ -45,7 +45,8 @@ from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
 from ..plan.ir.profile import Costs
-from ..control.policy import Decision
+from ..control.estimate import Neighbours
+from ..control.policy import Decision, QueueSettings
 from .adapt import Adapter
 from .boundary import Boundary, Migration, Remap
 from .clip import clip_as_built
@@ -141,9 +142,10 @@ class PipeMorphEngine(PipelineEngine):
                                    pipemorph.adapt.every_iterations,
                                    estimate_clock_offsets(self.grid, self.stage_id, self.num_stages),
                                    delegation=pipemorph.delegation.mode, profile_out=pipemorph.profile_out,
-                                   neighbours=(ranks[self.stage_id - 1] if self.stage_id > 0 else -1,
-                                               ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else -1),
-                                   queues=(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
+                                   neighbours=Neighbours(ranks[self.stage_id - 1] if self.stage_id > 0 else None,
+                                                         ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1
+                                                         else None),
+                                   queues=QueueSettings(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
                                    replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals,
                                    direct=self._direct_link_model())
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None

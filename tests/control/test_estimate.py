@@ -1,7 +1,7 @@
 """The link-delay estimator: message times from op records, transits per direction, per link and pipeline."""
 from types import SimpleNamespace as Rec
 
-from ds_pipemorph.control.estimate import RankTimes, add_transits, link_delay_ms, link_delays, message_times
+from ds_pipemorph.control.estimate import Neighbours, RankTimes, add_transits, link_delay_ms, link_delays, message_times
 
 MS = 1_000_000
 
@@ -77,10 +77,10 @@ def test_link_delay_pairs_each_receiver_with_its_sender_and_the_slowest_pipeline
     r2 = ops(("SEND_F0", 9, 10), ("SEND_F1", 19, 20), ("RECV_B0", 0, 89), ("RECV_B1", 100, 110))
     r3 = ops(("RECV_F0", 0, 50), ("RECV_F1", 10, 62), ("SEND_B0", 44, 45), ("SEND_B1", 59, 60))
     ranks = {
-        0: RankTimes(0, -1, 1, message_times(r0, N, 0, {1: -5 * MS})),
-        1: RankTimes(1, 0, -1, message_times(r1, N, 1, {0: 5 * MS})),
-        2: RankTimes(0, -1, 3, message_times(r2, N, 0, {})),
-        3: RankTimes(1, 2, -1, message_times(r3, N, 1, {})),
+        0: RankTimes(0, Neighbours(None, 1), message_times(r0, N, 0, {1: -5 * MS})),
+        1: RankTimes(1, Neighbours(0, None), message_times(r1, N, 1, {0: 5 * MS})),
+        2: RankTimes(0, Neighbours(None, 3), message_times(r2, N, 0, {})),
+        3: RankTimes(1, Neighbours(2, None), message_times(r3, N, 1, {})),
     }
     assert link_delays({r: ranks[r] for r in (0, 1)}, 1, N, [None]) == [32.0]
     assert link_delays({r: ranks[r] for r in (2, 3)}, 1, N, [None]) == [42.0]
@@ -91,5 +91,5 @@ def test_a_link_whose_far_end_sent_nothing_reads_none():
     N = 1
     r0 = ops(("SEND_F0", 0, 1))
     r1 = ops(("RECV_F0", 0, 4))  # stage 1's downstream neighbour (rank 5) has no row
-    ranks = {0: RankTimes(0, -1, 1, message_times(r0, N, 0, {})), 1: RankTimes(1, 0, 5, message_times(r1, N, 1, {}))}
+    ranks = {0: RankTimes(0, Neighbours(None, 1), message_times(r0, N, 0, {})), 1: RankTimes(1, Neighbours(0, 5), message_times(r1, N, 1, {}))}
     assert link_delays(ranks, 2, N, [None, None]) == [3.0, None]

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from ds_pipemorph.control.detector import DetectorConfig
-from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, Policy
+from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, Policy, QueueSettings
 from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.bounds import lower_bound_ms
@@ -36,7 +36,7 @@ def initial_plan(caps=None):
     return list_schedule(Costs.uniform(S, 10.0), N, initial_warmup(caps or [N] * S))
 
 
-def policy(delegation="off", caps=None, queues=(2, 8), every=1) -> Policy:
+def policy(delegation="off", caps=None, queues=QueueSettings(2, 8), every=1) -> Policy:
     return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, every, delegation, CFG, queues)
 
 
@@ -135,7 +135,7 @@ def test_a_link_with_little_delay_keeps_its_queues():
     leaves at least 2 x 10 ms after message n-2 of its FIFO, which arrived 14 ms after it left: two
     FIFOs never queue (c <= k t), the link keeps the configured 2; links without delay keep theirs."""
     for delegation in ("auto", "always"):
-        p = policy(delegation, queues=(2, 8))
+        p = policy(delegation, queues=QueueSettings(2, 8))
         [(_, d)] = feed(p, [CALM] * 3 + [[0.3, 0.2, 14.0]] * 2, ops=UNIFORM)
         assert d.target_ms == [0.0, 0.0, 14.0]
         assert d.queues == ({0: 2, 1: 2, 2: 2} if delegation == "always" else {2: 2})
@@ -146,7 +146,7 @@ def test_a_link_slower_than_all_its_queues_can_carry_gets_the_most():
     one after the other (600 ms) where unlimited FIFOs carry them side by side: no k <= 3 keeps pace
     (c > k t), so the link gets the maximum, 3, since going from 1 FIFO (1600 ms of serial sends) to 3
     gains far more than GROW_GAIN."""
-    p = policy("auto", queues=(1, 3))
+    p = policy("auto", queues=QueueSettings(1, 3))
     [(_, d)] = feed(p, [CALM] * 3 + [[0.3, 0.2, 200.0]] * 2, ops=UNIFORM)
     assert d.queues == {2: 3}
     plan = d.plan
@@ -158,7 +158,7 @@ def test_a_running_link_grows_its_queues_only_for_a_gain_above_grow_gain():
     """Link 2 delegated for 31 ms, then 61 ms: its count follows plan/sched/queues.py (smallest that keeps
     pace, between what it has and max_queues), kept at what it has unless growing gains more than
     GROW_GAIN of the iteration."""
-    p = policy("auto", queues=(2, 8))
+    p = policy("auto", queues=QueueSettings(2, 8))
     events = feed(p, [CALM] * 3 + [SLOW] * 3 + [[0.3, 0.2, 61.0]] * 3, ops=UNIFORM)
     assert [it for it, _ in events] == [4, 7]
     (_, first), (_, second) = events
@@ -231,7 +231,8 @@ FIFO = Delegated(1)
 
 
 def nonblocking(delegation="auto", caps=None) -> Policy:
-    return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, 1, delegation, CFG, (2, 8), direct=FIFO)
+    return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, 1, delegation, CFG, QueueSettings(2, 8),
+                  direct=FIFO)
 
 
 @pytest.mark.parametrize("delegation", ["off", "auto"])
@@ -263,4 +264,4 @@ def test_caps_are_relaxed_only_for_links_that_are_really_delegated():
 
 def test_a_direct_model_other_than_a_blocking_send_or_one_fifo_is_refused():
     with pytest.raises(ValueError, match="Direct"):
-        Policy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, (2, 8), direct=LATENCY)
+        Policy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, QueueSettings(2, 8), direct=LATENCY)
