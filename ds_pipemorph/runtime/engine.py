@@ -53,6 +53,7 @@ from .clip import clip_as_built
 from .clocks import estimate_clock_offsets
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
+from .grad_reduce import reduction_can_be_identity, reduction_is_identity
 from .hooks import EngineHooks, Hooks, active_plugins, transport_hooks
 from .plans import DEFAULT_OP_MS, caps, lowering_for
 from .ready_exec import ReadyProgram, run_ready
@@ -154,6 +155,7 @@ class PipeMorphEngine(PipelineEngine):
             events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         self.recorder = OpRecorder(pipemorph.nvtx, events, stage=self.stage_id, rank=self.global_rank)
         self.measured_peak_inflight = 0
+        self._reduce_can_be_identity = reduction_can_be_identity(self)
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         # dispatch "ready": every receive of an iteration in flight, completed in worker threads
         if pipemorph.dispatch == "ready":
@@ -553,6 +555,11 @@ class PipeMorphEngine(PipelineEngine):
     def _exec_wait_sends(self):
         self.transport.wait_sends()
 
+    def _exec_reduce_grads(self):
+        """DeepSpeed's, skipped where it cannot change a gradient (one replica: ``runtime.grad_reduce``)."""
+        if not reduction_is_identity(self, self._reduce_can_be_identity):
+            super()._exec_reduce_grads()
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         I.LoadMicroBatch: _exec_load_micro_batch,
@@ -564,6 +571,7 @@ class PipeMorphEngine(PipelineEngine):
         I.SendGrad: _exec_send_grads,
         I.RecvGrad: _exec_recv_grads,
         I.WaitSends: _exec_wait_sends,
+        I.ReduceGrads: _exec_reduce_grads,
         I.PostRecvActivation: _exec_post_recv_activation,
         I.PostRecvGrad: _exec_post_recv_grad,
     }

@@ -67,6 +67,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         cfg["optimizer"]["params"]["torch_adam"] = True
     if "gradient_clipping" in job:  # DeepSpeed's limit on the gradient norm (0: no clipping)
         cfg["gradient_clipping"] = job["gradient_clipping"]
+    cfg.update(job.get("ds", {}))  # more DeepSpeed settings, as given
     path = os.path.join(out_dir, f"{job['name']}.rank{rank}")
     if job.get("pipemorph") is None:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -163,7 +164,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "executed": executed,
                 "stage": engine.stage_id,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
-                "reduce_ms": reduce_ms, "seconds": seconds, "migrations": migrations,
+                "reduce_ms": reduce_ms,
+                "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None), "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
                 "parts": list(getattr(engine.module, "parts", [])),
