@@ -134,7 +134,7 @@ def run_row(kind: str, parts, core: int, cores: list[int], args) -> dict:
     import ds_pipemorph
     from ds_pipemorph.control.interference import memcpy_probe_ms, read_host
     from ds_pipemorph.runtime.oprecords import fbw_ms_per_microbatch
-    from ds_pipemorph.runtime.partition_hook import PartsPipelineModule
+    from ds_pipemorph.runtime.parts_module import PartsPipelineModule
 
     layers_of, data, loss, mbs = model(args.microbatches)
     torch.manual_seed(0)

@@ -141,7 +141,7 @@ def build(model: str, kind: str, parts, trace: str, stages: int):
     from deepspeed.pipe import PipelineModule
 
     import ds_pipemorph
-    from ds_pipemorph.runtime.partition_hook import PartsPipelineModule
+    from ds_pipemorph.runtime.parts_module import PartsPipelineModule
 
     torch.manual_seed(0)
     layers = layers_of(model)

@@ -1,8 +1,8 @@
 """The iteration boundary: one exchange for every control loop, typed decisions, one place applies them.
 
 Three loops act between iterations: the adapter (re-plans for slow links, ``runtime.adapt``), the
-rebalance loop (moves layers away from a slowed stage, ``runtime.rebalance_hook``) and the
-orchestrator (re-maps ranks around a slow data-parallel link, ``runtime.orchestrate_hook``). Each is
+rebalance loop (moves layers away from a slowed stage, ``runtime.rebalance_loop``) and the
+orchestrator (re-maps ranks around a slow data-parallel link, ``runtime.orchestrate_loop``). Each is
 a ``BoundaryLoop``: it contributes a fixed-width row of floats from this rank's op records, reads
 every rank's row back and returns a typed decision or None. ``Boundary.exchange`` concatenates the
 loops' rows and all-gathers them once per iteration in the migrator's gloo vote group (host tensors
@@ -37,7 +37,7 @@ class Migration:
 
 @dataclass(frozen=True)
 class Remap:
-    """Re-map after this ``train_batch``: ``ranks[stage][replica]`` (``runtime.orchestrated``)."""
+    """Re-map after this ``train_batch``: ``ranks[stage][replica]`` (run by ``runtime.engine_handle.EngineHandle``)."""
 
     ranks: list[list[int]]
 

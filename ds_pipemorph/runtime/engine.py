@@ -171,15 +171,15 @@ class PipeMorphEngine(PipelineEngine):
         self.migrator = LayerMigrator(self.transfer)
         self.rebalance = None  # compute stragglers: measure stages, move layers away from a slowed one
         if pipemorph.rebalance.enabled:
-            from .rebalance_hook import RebalanceHook
+            from .rebalance_loop import RebalanceLoop
 
-            self.rebalance = RebalanceHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
+            self.rebalance = RebalanceLoop(self, caps(pipemorph, self.num_stages, self.micro_batches))
         self.orchestrate = None  # a slow data-parallel link moved into the pipeline (re-mapping, PipeMorph §6)
         self.pending_remap = None  # ranks[stage][replica] the orchestrator chose at the last boundary
         if pipemorph.orchestrate.matrix:
-            from .orchestrate_hook import OrchestrateHook
+            from .orchestrate_loop import OrchestrateLoop
 
-            self.orchestrate = OrchestrateHook(self, caps(pipemorph, self.num_stages, self.micro_batches))
+            self.orchestrate = OrchestrateLoop(self, caps(pipemorph, self.num_stages, self.micro_batches))
         # The loops in the order their decisions apply: a migration's plan is the last word.
         self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
                                  self.transfer.vote_group)
@@ -359,7 +359,7 @@ class PipeMorphEngine(PipelineEngine):
     def _apply(self, decisions) -> None:
         """Apply one boundary's decisions, in the loops' order, on every rank alike: the adapter's
         ``Decision`` (its plan, the links' routes), a ``Migration`` (layers move; if that succeeds
-        everywhere its plan, if any, replaces the adapter's), a ``Remap`` (run by ``Orchestrated``
+        everywhere its plan, if any, replaces the adapter's), a ``Remap`` (run by ``EngineHandle``
         after this ``train_batch``). The plan is replaced once, here."""
         plan = None
         self.pending_remap = None

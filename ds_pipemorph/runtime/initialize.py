@@ -111,7 +111,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     if announce and dist.get_rank() == 0:
         logger.warning(describe_start(pm, plan, model.num_stages, config_class.gradient_accumulation_steps))
     if pm.orchestrate.matrix:  # re-mapping replaces the engine: the training loop holds a handle to it
-        from .orchestrated import Orchestrated
+        from .engine_handle import EngineHandle
         from .remap import check_remappable
 
         try:  # now, not at the first re-mapping, hours into training
@@ -119,7 +119,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
         except BadInput as e:
             raise PipeMorphConfigError(f"orchestrate.matrix is set, but {e}") from None
 
-        return Orchestrated(engine), engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+        return EngineHandle(engine), engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

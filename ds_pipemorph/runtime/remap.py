@@ -40,7 +40,7 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..fileio import BadInput
 from .clip import freeze_clip_set
-from .partition_hook import PartsPipelineModule
+from .parts_module import PartsPipelineModule
 from .transfer import (Purpose, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob,
                        unpacked_state)
 

@@ -2,7 +2,7 @@
 
 A partition is DeepSpeed's ``parts`` list: ``parts[0] = 0 < ... < parts[S] = L``, stage s owns layers
 ``parts[s]..parts[s+1]-1``. ``pipemorph partition`` writes it with what it predicts for it and the
-planned schedule; ``runtime.partition_hook`` builds a ``PipelineModule`` on it. ``uniform_parts``
+planned schedule; ``runtime.parts_module`` builds a ``PipelineModule`` on it. ``uniform_parts``
 and ``balanced_parts`` are DeepSpeed's ``partition_method="uniform"`` and ``"parameters"`` (same
 results as ``deepspeed.runtime.utils.partition_uniform`` / ``partition_balanced``), the baselines
 a chosen partition is compared with.

@@ -2,7 +2,7 @@
 class checks included."""
 from __future__ import annotations
 
-from ds_pipemorph.runtime.orchestrated import Orchestrated
+from ds_pipemorph.runtime.engine_handle import EngineHandle
 
 
 class FirstEngine:
@@ -22,11 +22,11 @@ class SecondEngine(FirstEngine):
 
 def test_the_handle_passes_class_checks_and_attribute_access_to_the_engine_in_force():
     first = FirstEngine()
-    handle = Orchestrated(first)
+    handle = EngineHandle(first)
     assert isinstance(handle, FirstEngine) and not isinstance(handle, SecondEngine)
     assert handle.train_batch() == 0.5 and first.steps == 1
     handle.lr = 0.1  # written through to the engine
     assert first.lr == 0.1
     object.__setattr__(handle, "_engine", SecondEngine())  # what a successful re-mapping does
     assert isinstance(handle, SecondEngine) and handle.steps == 0
-    assert type(handle) is Orchestrated and handle.engine is not first
+    assert type(handle) is EngineHandle and handle.engine is not first

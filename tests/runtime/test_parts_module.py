@@ -1,4 +1,4 @@
-"""``runtime.partition_hook``: a PipelineModule built on given parts (two CPU ranks over gloo) holds
+"""``runtime.parts_module``: a PipelineModule built on given parts (two CPU ranks over gloo) holds
 exactly those stage boundaries and builds only its own stage's layers; bad parts are one sentence."""
 import json
 import os
@@ -20,7 +20,7 @@ WORKER = textwrap.dedent("""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.pipe import LayerSpec
-    from ds_pipemorph.runtime.partition_hook import PartsPipelineModule
+    from ds_pipemorph.runtime.parts_module import PartsPipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")
     layers = [LayerSpec(torch.nn.Linear, 4, 4) for _ in range(5)]
@@ -55,7 +55,7 @@ def test_a_pipeline_module_built_on_parts_holds_them(tmp_path):
 
 
 def test_parts_that_do_not_fit_the_layers_are_one_sentence(tmp_path):
-    from ds_pipemorph.runtime.partition_hook import PartsPipelineModule
+    from ds_pipemorph.runtime.parts_module import PartsPipelineModule
 
     with pytest.raises(BadInput, match="ends at 4 but the model has 5 layers"):
         PartsPipelineModule([object()] * 5, parts=[0, 2, 4])

@@ -5,7 +5,7 @@ and W per micro-batch and its stage's gradient MB; the rows travel in the bounda
 (``runtime.boundary``) and rank 0 runs the torch-free ``control.orchestrate.Orchestrator`` (its
 placement search is bounded by replays, but only one rank needs to run it). Rank 0 broadcasts the
 decision, a ``Remap``; the engine stores it as ``engine.pending_remap``, and
-``Orchestrated.train_batch`` re-maps right after the ``train_batch`` that produced it (a re-mapping
+``EngineHandle.train_batch`` re-maps right after the ``train_batch`` that produced it (a re-mapping
 makes a new engine, which only the handle the training loop holds can swap in).
 """
 from __future__ import annotations
@@ -27,7 +27,9 @@ from .oprecords import fbw_ms_per_microbatch
 logger = logging.getLogger(__name__)
 
 
-class OrchestrateHook:
+class OrchestrateLoop:
+    """The orchestrator's ``runtime.boundary.BoundaryLoop``: its row, and on rank 0 the decision to re-map."""
+
     def __init__(self, engine, caps: list[int]):
         cfg = engine.pipemorph.orchestrate
         try:

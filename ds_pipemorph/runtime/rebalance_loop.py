@@ -28,7 +28,9 @@ from .oprecords import fbw_ms_per_microbatch
 logger = logging.getLogger(__name__)
 
 
-class RebalanceHook:
+class RebalanceLoop:
+    """The rebalance loop's ``runtime.boundary.BoundaryLoop``: its row, and every rank's same ``Migration``."""
+
     def __init__(self, engine, caps: list[int]):
         cfg = engine.pipemorph.rebalance
         S, N = engine.num_stages, engine.micro_batches

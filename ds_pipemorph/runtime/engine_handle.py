@@ -2,7 +2,7 @@
 
 A re-mapping (``runtime.remap``) builds a new engine on the new topology; the training loop holds
 the engine ``initialize`` returned, so that object must be able to change what it stands for.
-``Orchestrated`` forwards everything to the engine in force and, after a ``train_batch`` whose
+``EngineHandle`` forwards everything to the engine in force and, after a ``train_batch`` whose
 boundary decided to re-map (``engine.pending_remap``), re-maps and trains with the new engine from
 the next call on. ``optimizer`` and ``lr_scheduler`` read through it are always the current ones
 (those ``initialize`` returned next to it belong to the first engine). After a re-mapping a rank may
@@ -11,7 +11,9 @@ serve another data-parallel replica: read ``engine.grid.data_parallel_id`` for w
 from __future__ import annotations
 
 
-class Orchestrated:
+class EngineHandle:
+    """Stands for the engine in force: forwards to it, and swaps in the new one after a re-mapping."""
+
     def __init__(self, engine):
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "remaps", [])  # RemapReport of every re-mapping on this rank
@@ -49,4 +51,4 @@ class Orchestrated:
         setattr(self._engine, name, value)
 
     def __repr__(self) -> str:
-        return f"Orchestrated({self._engine!r})"
+        return f"EngineHandle({self._engine!r})"
