@@ -33,7 +33,7 @@ def load_mapping(path: str | os.PathLike) -> dict:
     try:
         data = yaml.load(p.read_text(), Loader=_Loader)  # noqa: S506 - a safe loader
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise BadInput(f"{p}: not valid YAML or JSON ({_first_line(e)})") from None
+        raise BadInput(f"{p}: not valid YAML or JSON ({first_line(e)})") from None
     if not isinstance(data, dict):
         raise BadInput(f"{p}: expected a mapping of keys at the top level")
     return data
@@ -133,7 +133,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
             except OSError:
                 pass
         if isinstance(e, OSError):
-            raise BadInput(f"cannot write '{p}' ({e.strerror or _first_line(e)})") from None
+            raise BadInput(f"cannot write '{p}' ({e.strerror or first_line(e)})") from None
         raise
 
 
@@ -143,5 +143,7 @@ def dump(data: dict, as_json: bool) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
 
 
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type's name if it has none): errors quoted in one sentence."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

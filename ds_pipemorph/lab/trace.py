@@ -8,7 +8,7 @@ from typing import Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ds_pipemorph.fileio import load_model
+from ..fileio import first_line, load_model
 
 
 class RatePoint(BaseModel):
@@ -82,7 +82,7 @@ class TracePlayer:
             try:
                 self.apply(p.bits)
             except Exception as e:  # noqa: BLE001 - handed to the thread that joins
-                failed = TraceFailed(f"the rate trace stopped at its point t={p.t:g} s: {_first_line(e)}")
+                failed = TraceFailed(f"the rate trace stopped at its point t={p.t:g} s: {first_line(e)}")
                 failed.__cause__ = e
                 self.error = failed
                 return
@@ -98,7 +98,3 @@ class TracePlayer:
         if self.error is not None and not self._reported:
             self._reported = True
             raise self.error
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

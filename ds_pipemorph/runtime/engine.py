@@ -121,7 +121,7 @@ class PipeMorphEngine(PipelineEngine):
         self._ready_program: Optional[ReadyProgram] = None
         self.inbox = None  # dispatch "ready" (set below): every receive of an iteration in flight
         self.executed_stream: list[str] = []  # the lowered ops the last train_batch ran, in order
-        self._set_plan(plan, lowering_for(pipemorph))
+        self._set_plan(plan, lowering_for(pipemorph), pipemorph.dispatch)
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
@@ -229,19 +229,31 @@ class PipeMorphEngine(PipelineEngine):
             waits = bool(flag.item())
         return DIRECT if waits else Delegated(1)
 
-    def _set_plan(self, plan: Schedule, lowering: Optional[LoweringPolicy] = None) -> None:
-        """Lower ``plan`` with ``lowering`` (default: the policy in force) for both dispatches and
-        dry-run every rank's streams before this rank uses them (the same plan gives the same result
-        on every rank, so all adopt it or all refuse it)."""
+    def _set_plan(self, plan: Schedule, lowering: Optional[LoweringPolicy] = None,
+                  dispatch: Optional[str] = None) -> None:
+        """Lower ``plan`` with ``lowering`` (default: the policy in force) for ``dispatch`` (default:
+        the one in force; the other's stream is lowered when it is first asked for) and dry-run every
+        rank's streams before this rank uses them (the same plan gives the same result on every rank,
+        so all adopt it or all refuse it)."""
         lowering = lowering or self.lowering
-        try:
-            streams = {d: lowering.for_dispatch(d).lower(plan)[self.stage_id] for d in ("ordered", "ready")}
-        except BadStream as e:
-            raise PipeMorphConfigError(f"the plan cannot run: {e}") from None
+        dispatch = dispatch or self.dispatch
+        streams = {dispatch: self._lowered(plan, lowering, dispatch)}
         self.plan, self.lowering = plan, lowering
         self.stage_plan: list[Op] = list(plan[self.stage_id])
         self._streams = streams
         self._compiled: dict[str, tuple] = {}  # dispatch -> its program, built at the next batch
+
+    def _lowered(self, plan: Schedule, lowering: LoweringPolicy, dispatch: str) -> list[Op]:
+        """This stage's stream of ``plan`` under ``dispatch``, every stage's dry-run first."""
+        try:
+            return lowering.for_dispatch(dispatch).lower(plan)[self.stage_id]
+        except BadStream as e:
+            raise PipeMorphConfigError(f"the plan cannot run: {e}") from None
+
+    def _stream_for(self, dispatch: str) -> list[Op]:
+        if dispatch not in self._streams:
+            self._streams[dispatch] = self._lowered(self.plan, self.lowering, dispatch)
+        return self._streams[dispatch]
 
     @property
     def dispatch(self) -> str:
@@ -251,7 +263,7 @@ class PipeMorphEngine(PipelineEngine):
     @property
     def stream(self) -> list[Op]:
         """This stage's lowered stream under the dispatch in force (``LoweringPolicy.for_dispatch``)."""
-        return self._streams[self.dispatch]
+        return self._stream_for(self.dispatch)
 
     def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[str] = None,
                   lowering: Optional[LoweringPolicy] = None) -> None:
@@ -265,11 +277,14 @@ class PipeMorphEngine(PipelineEngine):
             raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
         if dispatch == "ready" and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)
+        target = dispatch or self.dispatch
         if plan is not None and (plan is not self.plan or lowering not in (None, self.lowering)):
             self._check_micro_batches(plan[self.stage_id])
-            self._set_plan(plan, lowering)  # dry-runs the plan before adopting it
+            self._set_plan(plan, lowering, target)  # dry-runs the plan before adopting it
+        elif target != self.dispatch:
+            self._stream_for(target)  # lowered and dry-run before anything changes
+        if target == self.dispatch:
             self._train_schedule()  # its program is built now, not inside the next train_batch
-        if dispatch is None or dispatch == self.dispatch:
             return
         if dispatch == "ordered":
             self._idle_inbox, self.inbox = self.inbox, None
@@ -301,7 +316,7 @@ class PipeMorphEngine(PipelineEngine):
         dispatch, handlers = self.dispatch, self._handlers
         compiled = self._compiled.get(dispatch)
         if compiled is None or compiled[1] is not handlers:  # a new plan, or hooks added since (add_hooks)
-            schedule = PipeMorphSchedule(self._streams[dispatch], self.micro_batches, self.num_stages, self.stage_id)
+            schedule = PipeMorphSchedule(self._stream_for(dispatch), self.micro_batches, self.num_stages, self.stage_id)
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
             program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
                        for step in schedule.steps() for cmd in step]

@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
+from ..fileio import first_line
+
 logger = logging.getLogger(__name__)
 
 
@@ -177,7 +179,7 @@ def load_config(config) -> dict:
     except (OSError, ValueError) as e:
         if exists:
             raise PipeMorphConfigError(
-                f"DeepSpeed config {config}: cannot be read as JSON ({_first_line(e)})") from None
+                f"DeepSpeed config {config}: cannot be read as JSON ({first_line(e)})") from None
         raise PipeMorphConfigError(f"DeepSpeed config {_shorten(config)!r} is neither an existing file nor "
                                    f"base64-encoded JSON") from None
     if not isinstance(data, dict):
@@ -188,7 +190,3 @@ def load_config(config) -> dict:
 
 def _shorten(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -18,16 +18,12 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from ...fileio import first_line
 from .header import HEADER_INTS, decode_header, encode_header, tag
 from .protocol import TransportError, TransportTimeout, link_of, peer_of
 
 # A wait that failed after this share of the timeout timed out (backends wake a little early or late).
 TIMEOUT_REACHED = 0.95
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 @dataclass
@@ -80,7 +76,7 @@ class DirectTransport:
         try:
             yield
         except RuntimeError as e:
-            raise TransportError(f"rank {self.rank}: {what} failed: {_first_line(e)}") from e
+            raise TransportError(f"rank {self.rank}: {what} failed: {first_line(e)}") from e
 
     def _wait(self, work, what: str) -> None:
         start = time.monotonic()
@@ -92,7 +88,7 @@ class DirectTransport:
             if time.monotonic() - start >= TIMEOUT_REACHED * self.timeout_s:
                 raise TransportTimeout(
                     f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what}") from None
-            raise TransportError(f"rank {self.rank}: {what} failed: {_first_line(e)}") from e
+            raise TransportError(f"rank {self.rank}: {what} failed: {first_line(e)}") from e
         if ok is False:
             raise TransportTimeout(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what}")
 
