@@ -301,8 +301,13 @@ class PipeMorphEngine(PipelineEngine):
         (built again at the next batch), their ``start_iteration`` runs before its first instruction."""
         if not items:
             return
-        self.hooks = Hooks((*(self.hooks.items if self.hooks is not None else ()), *items))
-        self._handlers = self.hooks.around(self._INSTRUCTION_MAP)
+        hooks = Hooks((*(self.hooks.items if self.hooks is not None else ()), *items))
+        if self.inbox is not None and hooks.ready_refused:  # refused before anything changes
+            raise PipeMorphConfigError(hooks.ready_refused)
+        self.hooks = hooks
+        self._handlers = hooks.around(self._INSTRUCTION_MAP)
+        if getattr(self, "transfer", None) is not None:  # built after the plug-ins' hooks at start-up
+            self.transfer.drop_payload_at = hooks.migration_drop
 
     def _check_micro_batches(self, stage_plan) -> None:
         n = max((op.mb for op in stage_plan), default=-1) + 1
@@ -321,7 +326,7 @@ class PipeMorphEngine(PipelineEngine):
             program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
                        for step in schedule.steps() for cmd in step]
             tail = len(list(schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
-            ready = ReadyProgram(schedule, handlers, self.lowering.fused) if dispatch == "ready" else None
+            ready = ReadyProgram(schedule, handlers, self.lowering.fused, self.hooks) if dispatch == "ready" else None
             compiled = self._compiled[dispatch] = (schedule, handlers, program, tail, ready,
                                                    [str(op) for op in schedule.stream])
         self._schedule, _, self._program, self._tail, self._ready_program, self._stream_texts = compiled

@@ -20,11 +20,12 @@ same up to floating-point order).
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..plan.ir.ops import Op, recorded_op
 from ..plan.ir.ready_rule import ReadyRule
 from . import instructions as I
+from .hooks import Hooks
 from .schedule import Buffers, PipeMorphSchedule
 
 
@@ -61,14 +62,17 @@ class Unit(NamedTuple):
 class ReadyProgram:
     """A stage's stream for ready dispatch, built once per plan: ``posts`` (instruction entries),
     ``post_texts``, and ``units`` by compute op (local form, ``F3``). ``fused``: the policy's
-    fused backward (B m directly followed by W m in the plan runs as one unit)."""
+    fused backward (B m directly followed by W m in the plan runs as one unit); ``hooks``: the
+    engine hooks in force, whose ``after_op`` follows the inbox's receive handlers as it follows
+    the others (already in ``handlers``)."""
 
-    def __init__(self, schedule: PipeMorphSchedule, handlers, fused: bool):
+    def __init__(self, schedule: PipeMorphSchedule, handlers, fused: bool, hooks: Optional[Hooks] = None):
         stream, steps = schedule.stream, list(schedule.steps())[:-1]
         self.cap = schedule.num_pipe_buffers()
+        inbox = _INBOX if hooks is None else hooks.around(_INBOX)  # engine hooks follow these handlers too
 
         def entries(cmds):
-            return [(type(c) not in _INBOX, I.op_text(c), _INBOX.get(type(c)) or handlers[type(c)], c.kwargs,
+            return [(type(c) not in _INBOX, I.op_text(c), inbox.get(type(c)) or handlers[type(c)], c.kwargs,
                      "buffer_id" in c.kwargs) for c in cmds]
 
         self.posts: list = []

@@ -153,3 +153,46 @@ def test_a_running_router_takes_transport_hooks_on_its_direct_path_and_both_path
         assert router.direct.on_failure == router._recover  # a failed delayed delivery fails over
     finally:
         router.close()
+
+
+def test_under_ready_dispatch_hooks_follow_the_inboxs_receive_handlers_as_well():
+    from ds_pipemorph.plan.ir.lower import LoweringPolicy
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sched.baselines import zb_h1
+    from ds_pipemorph.runtime import instructions as I
+    from ds_pipemorph.runtime.engine import PipeMorphEngine
+    from ds_pipemorph.runtime.ready_exec import ReadyProgram
+    from ds_pipemorph.runtime.schedule import PipeMorphSchedule
+
+    plan = zb_h1(Costs.uniform(3), 4)
+    stream = LoweringPolicy().for_dispatch("ready").lower(plan)[1]  # the middle stage receives both ways
+    schedule = PipeMorphSchedule(stream, 4, 3, 1)
+    watched = (I.PostRecvActivation, I.RecvActivation, I.RecvGrad, I.ForwardPass)
+    hooked = hooks.Hooks([Record("r", watched, [])])
+    program = ReadyProgram(schedule, hooked.around(PipeMorphEngine._INSTRUCTION_MAP), fused=False, hooks=hooked)
+    entries = program.posts + [e for unit in program.units.values() for e in unit.entries]
+    by_text = {text[:6]: handler for _, text, handler, _, _ in entries}
+    # Each watched instruction runs a composed handler wrapping the one ready dispatch uses for it.
+    for prefix in ("POST_F", "RECV_F", "RECV_B", "F0"):
+        handler = next(h for t, h in by_text.items() if t.startswith(prefix))
+        assert getattr(handler, "__wrapped__", None) is not None, prefix
+    plain = ReadyProgram(schedule, PipeMorphEngine._INSTRUCTION_MAP, fused=False)
+    assert all(not hasattr(h, "__wrapped__") for _, _, h, _, _ in plain.posts)
+
+
+def test_hooks_added_while_ready_dispatch_runs_are_refused_if_they_refuse_it_and_nothing_changes():
+    from ds_pipemorph.runtime.engine import PipeMorphEngine
+    from ds_pipemorph.runtime.transfer import Transfer
+
+    engine = object.__new__(PipeMorphEngine)  # the method's own state only: no ranks, no DeepSpeed
+    engine.hooks, engine._handlers, engine.inbox = None, PipeMorphEngine._INSTRUCTION_MAP, object()
+    engine.transfer = Transfer()
+    refusing = hooks.EngineHooks()
+    refusing.ready_refused = "inject.faults cannot be combined with dispatch 'ready'"
+    with pytest.raises(PipeMorphConfigError, match="cannot be combined"):
+        engine.add_hooks(refusing)
+    assert engine.hooks is None and engine._handlers is PipeMorphEngine._INSTRUCTION_MAP
+    dropping = hooks.EngineHooks()
+    dropping.migration_drop = frozenset({1})
+    engine.add_hooks(dropping)  # a migration's transfer drops what hooks added later ask for too
+    assert engine.transfer.drops(1) and not engine.transfer.drops(0)
