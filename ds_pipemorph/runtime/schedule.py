@@ -94,8 +94,3 @@ class PipeMorphSchedule(PipeSchedule):
             steps.append(cmds)
         steps.append([I.WaitSends(), I.ReduceTiedGrads(), I.ReduceGrads(), I.OptimizerStep()])
         return steps
-
-
-def lowered_text(schedule: PipeMorphSchedule) -> list[str]:
-    """The instruction stream as text, e.g. ``['POST_F0', 'RECV_F0', 'F0', 'SEND_F0', ...]``."""
-    return [I.op_text(c) for step in schedule.steps() for c in step]

@@ -12,9 +12,14 @@ from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1
 from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.runtime import instructions as I
-from ds_pipemorph.runtime.schedule import PipeMorphSchedule, lowered_text
+from ds_pipemorph.runtime.schedule import PipeMorphSchedule
 
 from .randplans import random_plan
+
+
+def lowered_text(schedule: PipeMorphSchedule) -> list[str]:
+    """The instruction stream as text, e.g. ``['POST_F0', 'RECV_F0', 'F0', 'SEND_F0', ...]``."""
+    return [I.op_text(c) for step in schedule.steps() for c in step]
 
 
 def _lower(plan, s, n):
