@@ -11,10 +11,11 @@ from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.files.planfile import PlanFile
 from ds_pipemorph.plan.files.torch_csv import read_torch_plan
 from ds_pipemorph.plan.ir.links import DIRECT, LATENCY
+from ds_pipemorph.plan.ir.lower import DISPATCHES
 from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import BASELINES, baseline
-from ds_pipemorph.plan.sim.ready import DISPATCH, replay_varying
+from ds_pipemorph.plan.sim.ready import replay_varying
 from ds_pipemorph.plan.sim.simulate import replay
 from ds_pipemorph.plan.sim.variation import link_trace, parse_vary
 
@@ -40,7 +41,7 @@ def simulate(
         check_outputs({"--chrome": chrome}, pictures={"--gantt": gantt})
         pf, sched = read_torch_plan(plan_path) if plan_path.suffix.lower() == ".csv" else PlanFile.read(plan_path)
         S, N = pf.stages, pf.microbatches
-        if dispatch not in DISPATCH:
+        if dispatch not in DISPATCHES:
             raise BadInput(f"--dispatch: '{dispatch}' is not a dispatch rule; choose ordered or ready")
         if lowered:  # the engine's lowering of this plan under this dispatch
             lines = pf.lowering.for_dispatch(dispatch).lines(sched)

@@ -10,11 +10,12 @@ of its own cannot, and then whole short jobs alternate. Errors are one sentence 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..fileio import BadInput
+from ..plan.ir.lower import Dispatch
 
 PLANS = ("zb", "1f1b", "stock-1f1b", "pipemorph")
 MODIFIERS = {"ordered": ("dispatch", "ordered"), "ready": ("dispatch", "ready"),
@@ -27,7 +28,7 @@ class Side(BaseModel):
     text: str
     plan: str  # one of PLANS, or "plan" with plan_file
     plan_file: Optional[str] = None
-    dispatch: Literal["ordered", "ready"] = "ordered"
+    dispatch: Dispatch = "ordered"
     delegated: bool = False
 
     def section(self) -> dict:

@@ -5,8 +5,9 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..plan.ir.lower import DISPATCHES
+
 SCHEDULES = ("stock-1f1b", "zb", "zb-delegated", "pipemorph")
-DISPATCHES = ("ordered", "ready")
 LABELS = {  # short: the table must fit an 80-column terminal
     "stock-1f1b": "stock 1F1B",
     "zb": "static zb",

@@ -46,12 +46,12 @@ from ..plan.sched.tolerance import link_tolerances
 from ..plan.sched.warmup import adapted_warmup
 from ..plan.sim.simulate import replay
 from .detector import DetectorConfig, LinkDetector
+from .modes import DELEGATION_MODES, DelegationMode
 
 REPLAN_EVALS = 2000  # default search effort per re-plan: an evaluation bound, not a time bound (deterministic)
 KEEP_WITHIN = 0.02  # keep the plan in force when it is this close to the lower bound under new delays
 GROW_GAIN = 0.05  # add delegate queues to a running link only for a gain above this share of the iteration
 TOLERANCE_RESOLUTION_MS = 0.1
-DELEGATION_MODES = ("off", "always", "auto")
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Policy:
     """The control policy of one pipeline (``stages`` stages, ``microbatches`` per iteration)."""
 
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
-                 every: int = 1, delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
+                 every: int = 1, delegation: DelegationMode = "off", detector: DetectorConfig = DetectorConfig(),
                  queues: QueueSettings = QueueSettings(), search_evals: int = REPLAN_EVALS,
                  direct: LinkModel = DIRECT):
         if delegation not in DELEGATION_MODES:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ..control.background import BackgroundPlanner
 from ..control.detector import DetectorConfig
 from ..control.estimate import Neighbours, RankTimes, link_delays, message_times
+from ..control.modes import DelegationMode, ReplanMode
 from ..control.policy import REPLAN_EVALS, Decision, Policy, QueueSettings
 from ..plan.ir.links import DIRECT, LinkModel
 from ..plan.ir.ops import Schedule, warmup_counts, recorded_op
@@ -57,7 +58,6 @@ _LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, 
 _NONE = -1.0  # a neighbour column's value where the stage has no neighbour on that side
 _FLAG = _LOCAL + len(OVERHEAD_FIELDS) + 1  # after the overhead and the period: rank 0's "the search landed"
 _TIMES = _FLAG + 1  # then the message times
-REPLAN_MODES = ("background", "inline")
 
 
 @dataclass
@@ -76,13 +76,11 @@ class Replan:
 class Adapter:
     def __init__(self, stages: int, microbatches: int, stage_id: int, plan: Schedule, costs: Costs,
                  caps: Optional[list[int]], every: int, clock_offsets: dict[int, int],
-                 delegation: str = "off", detector: DetectorConfig = DetectorConfig(),
+                 delegation: DelegationMode = "off", detector: DetectorConfig = DetectorConfig(),
                  profile_out: Optional[str] = None, neighbours: Neighbours = Neighbours(None, None),
-                 queues: QueueSettings = QueueSettings(2, 2), replan: str = "background",
+                 queues: QueueSettings = QueueSettings(2, 2), replan: ReplanMode = "background",
                  search_evals: int = REPLAN_EVALS,
                  direct: LinkModel = DIRECT):
-        if replan not in REPLAN_MODES:
-            raise ValueError(f"replan must be one of {REPLAN_MODES}, not {replan!r}")
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
         self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline

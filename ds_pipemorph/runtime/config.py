@@ -12,7 +12,9 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..control.modes import DelegationMode, ReplanMode
 from ..fileio import describe
+from ..plan.ir.lower import Dispatch
 from . import hooks
 
 
@@ -26,16 +28,34 @@ class _Strict(BaseModel):
 
 class MemoryConfig(_Strict):
     # Cap on in-flight activations: one value for every stage or one per stage; None derives it
-    # from the micro-batch count.
+    # from the micro-batch count. Read through ``per_stage`` (the form a job uses: one per stage).
     max_inflight: Optional[Union[int, list[int]]] = None
 
     @field_validator("max_inflight")
     @classmethod
     def _positive(cls, v):
-        for c in [v] if isinstance(v, int) else (v or []):
+        for c in _as_list(v):
             if c < 1:
                 raise ValueError(f"every stage must hold at least 1 activation, got {c}")
         return v
+
+    def per_stage(self, stages: int) -> Optional[list[int]]:
+        """``max_inflight`` as one value per stage of a ``stages``-stage job (None: not set); the
+        config keeps the form it was given in, so that it reads the same when parsed again."""
+        if self.max_inflight is None:
+            return None
+        caps = _as_list(self.max_inflight, stages)
+        if len(caps) != stages:
+            raise PipeMorphConfigError(
+                f"ds_config pipemorph.memory.max_inflight has {len(caps)} values but the job has {stages} stages")
+        return caps
+
+
+def _as_list(v: Optional[Union[int, list[int]]], stages: int = 1) -> list[int]:
+    """The one place the two forms of ``max_inflight`` meet: a single value stands for every stage."""
+    if v is None:
+        return []
+    return [v] * stages if isinstance(v, int) else list(v)
 
 
 class AdaptConfig(_Strict):
@@ -44,7 +64,7 @@ class AdaptConfig(_Strict):
     # background: a re-plan first adopts Alg. 2's closed-form warm-up, and rank 0's worker process
     # runs the search beside training; every rank switches to its plan at the first boundary after
     # it lands. inline: the search runs at the boundary while every rank waits for it.
-    replan: Literal["background", "inline"] = "background"
+    replan: ReplanMode = "background"
     # The search's effort per re-plan, in replays (an evaluation bound: the same input gives the
     # same plan on any machine).
     search_evals: int = Field(2000, ge=1)
@@ -89,7 +109,7 @@ class OrchestrateConfig(_Strict):
 
 
 class DelegationConfig(_Strict):
-    mode: Literal["off", "auto", "always"] = "auto"
+    mode: DelegationMode = "auto"
     queues: int = Field(2, ge=1)  # delegate FIFOs per link direction at the start
     # The control loop gives a delegated link more queues, up to this many, when its delay needs them
     # to keep pace with the stages (§5.2: k FIFOs carry k messages per delay); = queues: never grows.
@@ -134,7 +154,7 @@ class PipeMorphConfig(_Strict):
     plan_file: Optional[str] = None
     # ordered: each stage runs its plan's order as written; ready: the order is a hint, each stage
     # runs the first ready op in it (RRFP), holding no more activations than the plan does.
-    dispatch: Literal["ordered", "ready"] = "ordered"
+    dispatch: Dispatch = "ordered"
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)

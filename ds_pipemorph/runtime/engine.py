@@ -36,7 +36,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ..plan.ir.links import DIRECT, Delegated
-from ..plan.ir.lower import BadStream, LoweringPolicy
+from ..plan.ir.lower import DISPATCHES, BadStream, LoweringPolicy
 from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
 from .builder import EngineBuilder
@@ -273,7 +273,7 @@ class PipeMorphEngine(PipelineEngine):
         ``plan``, default the policy in force. Ready dispatch switched off keeps its receive threads for
         when it is switched on again (a paired benchmark switches every iteration). Every argument
         is checked before anything changes: a refused call leaves the plan and dispatch as they were."""
-        if dispatch not in (None, "ordered", "ready"):
+        if dispatch is not None and dispatch not in DISPATCHES:
             raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
         if dispatch == "ready" and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)

@@ -33,15 +33,10 @@ HOP_LATENCY_MS = 0.5  # the per-message latency a plan should not be fragile to 
 
 def caps(cfg: PipeMorphConfig, stages: int, microbatches: int) -> list[int]:
     """Per-stage cap on in-flight activations from memory.max_inflight (default: N)."""
-    v = cfg.memory.max_inflight
-    if v is None:
+    per_stage = cfg.memory.per_stage(stages)
+    if per_stage is None:
         return [microbatches] * stages
-    if isinstance(v, int):
-        v = [v] * stages
-    if len(v) != stages:
-        raise PipeMorphConfigError(
-            f"ds_config pipemorph.memory.max_inflight has {len(v)} values but the job has {stages} stages")
-    return [min(c, microbatches) for c in v]
+    return [min(c, microbatches) for c in per_stage]
 
 
 def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int) -> Schedule:

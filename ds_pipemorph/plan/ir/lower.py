@@ -31,11 +31,16 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, get_args
 
 from .ops import Op, Schedule
 
 Stream = list[Op]  # one rank's ops, each with its stage (global form, ``2SEND_F5``)
+# How a stage runs its stream: ``ordered`` as written, ``ready`` the first ready op in it (RRFP).
+# The config's ``dispatch`` field is this type; functions that take a dispatch as a string check it
+# against ``DISPATCHES``.
+Dispatch = Literal["ordered", "ready"]
+DISPATCHES: tuple[str, ...] = get_args(Dispatch)
 
 # Receives of each kind posted ahead of the ops that consume them. A posted receive holds its
 # buffer, so the window bounds the receive memory (two per kind) where posting every receive of
@@ -126,7 +131,7 @@ class LoweringPolicy:
 
     def for_dispatch(self, dispatch: str) -> "LoweringPolicy":
         """The policy a dispatch runs: ``ordered`` this one, ``ready`` every receive up front."""
-        if dispatch not in ("ordered", "ready"):
+        if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
         return self if dispatch == "ordered" else replace(self, recv_window=None)
 

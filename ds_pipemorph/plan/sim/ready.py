@@ -30,12 +30,12 @@ from math import isfinite
 from typing import Callable, Optional, Sequence, Union
 
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ..ir.lower import DISPATCHES
 from ..ir.ops import KINDS, Op, Schedule
 from ..ir.profile import Costs
 from ..ir.ready_rule import ReadyRule
 from .timeline import Slot, StuckSchedule, Timeline, stuck_message
 
-DISPATCH = ("ordered", "ready")
 OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
 Breakpoints = Sequence[tuple[float, float]]  # (time_ms, delay_ms), sorted by time
 LinkDelays = Sequence[Union[float, Breakpoints]]  # one entry per link
@@ -67,7 +67,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     ready dispatch's patience (``ReadyRule.hold``), on as in the engine; off, the bare rule.
     """
     S, N = len(schedule), microbatches
-    if dispatch not in DISPATCH:
+    if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
