@@ -2,7 +2,10 @@
 
 4 stages, 12 micro-batches, emulated stages whose F, B and W each take 10 ms (sleeps around tiny
 real math, ``ds_pipemorph.inject.emulated``), no link delay, one CPU rank per stage. One job builds
-our engine with the ``zb`` plan and, one after the other, each runner it is compared with:
+our engine with the ``zb`` plan and, one after the other, each runner it is compared with (each
+trains the same math: SGD without gradient clipping, so our engine runs with DeepSpeed's
+``gradient_clipping`` 0 instead of its default 1.0, whose norm is all-reduced over the pipeline at
+every step):
 
 - ``bare_zb``: the same plan run by a plain torch.distributed loop, without DeepSpeed or our engine
   (``_bare_runner.py``): this machine's floor for any runtime;
@@ -99,7 +102,7 @@ def build(kind: str):
                            num_stages=STAGES, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICROBATCHES,
            "train_batch_size": MICROBATCHES, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-           "steps_per_print": 10**9,
+           "steps_per_print": 10**9, "gradient_clipping": 0.0,  # the runners compared with do not clip
            "pipemorph": {"schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False}, "nvtx": False}}
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
