@@ -79,7 +79,11 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "pipemorph paired zb stock-1f1b --pairs 8 --warmup 2 --job-iterations 5 --timeout-s 3600": Options(
         "16 whole jobs of 4 ranks"),
     "DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
-    "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py": Options("one job and whole runs per workload"),
+    "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py --workloads heavy,none": Options(
+        "one job switching dispatch every iteration per workload"),
+    "DS_ACCELERATOR=cpu python benchmarks/ready_vs_stock.py": Options(
+        "four sittings, each one `pipemorph bench` job of both engines (its stock rows under --vary are "
+        "tests/bench/test_bench_cli.py's)"),
     # The lab's rows (root, network namespaces): short runs of the same scripts are tests.
     "python benchmarks/lab_profile_links.py": Options("all pairs of 4 lab nodes at three sizes"),
     "DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py": Node(
