@@ -20,7 +20,7 @@ from _util import print_table, write_json
 
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.listsched import list_schedule
-from ds_pipemorph.plan.sched.listsched_py import Policy, list_schedule_py
+from ds_pipemorph.plan.sim.listsched_py import Policy, list_schedule_py
 from ds_pipemorph.plan.sim import native
 from ds_pipemorph.plan.sim import simulate as sim
 from ds_pipemorph.plan.sim.replay_py import run_py

@@ -30,7 +30,7 @@ _HOME = {
     "replay_ready": "sim.ready", "replay_varying": "sim.ready",
     "InvalidPlan": "sim.validate", "validate_schedule": "sim.validate",
     "PlanFile": "files.planfile", "LinkMatrix": "files.linkmatrix",
-    "list_schedule": "sched.listsched", "Policy": "sched.listsched_py",
+    "list_schedule": "sched.listsched", "Policy": "sim.listsched_py",
     "search": "sched.search", "SearchResult": "sched.search",
     "baseline": "sched.baselines", "initial_warmup": "sched.warmup", "adapted_warmup": "sched.warmup",
     "lower_bound_ms": "sched.bounds", "link_tolerances": "sched.tolerance",

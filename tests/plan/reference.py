@@ -1,5 +1,5 @@
 """The planner's reference, for the tests: the list scheduler and the replay simulator in their
-plainest form, against which the event-driven versions (``plan.sched.listsched_py``, ``plan.sim.replay_py``)
+plainest form, against which the event-driven versions (``plan.sim.listsched_py``, ``plan.sim.replay_py``)
 and the compiled core (``plan.sim.native``) are checked.
 
 test_native.py asserts that every faster version gives the same schedules, the same timelines (times
@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 from ds_pipemorph.plan.ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
 from ds_pipemorph.plan.ir.ops import Op, Schedule, peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
-from ds_pipemorph.plan.sched.listsched_py import Policy
+from ds_pipemorph.plan.sim.listsched_py import Policy
 from ds_pipemorph.plan.sim.timeline import Slot, StuckSchedule, Timeline, stuck_message
 
 

@@ -27,7 +27,7 @@ from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.ir.ops import Op
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.listsched import list_schedule
-from ds_pipemorph.plan.sched.listsched_py import list_schedule_py
+from ds_pipemorph.plan.sim.listsched_py import list_schedule_py
 from ds_pipemorph.plan.sched.search import policies
 from ds_pipemorph.plan.sim import native
 from ds_pipemorph.plan.sim import simulate as sim

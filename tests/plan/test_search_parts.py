@@ -11,7 +11,7 @@ from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.improve import _allowed, _critical_moves, _w_move
 from ds_pipemorph.plan.sched.justify import justify
 from ds_pipemorph.plan.sched.listsched import list_schedule
-from ds_pipemorph.plan.sched.listsched_py import Policy
+from ds_pipemorph.plan.sim.listsched_py import Policy
 from ds_pipemorph.plan.sched.search import search
 from ds_pipemorph.plan.sched.warmup import initial_warmup
 from ds_pipemorph.plan.sim.incremental import Evaluator

@@ -6,7 +6,7 @@ import pytest
 from crossing_paths import exact_tolerance
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.listsched import list_schedule
-from ds_pipemorph.plan.sched.listsched_py import Policy
+from ds_pipemorph.plan.sim.listsched_py import Policy
 from ds_pipemorph.plan.sched.tolerance import link_tolerances
 from ds_pipemorph.plan.sched.warmup import initial_warmup
 

@@ -57,7 +57,7 @@ from ...fileio import BadInput
 from ..ir.profile import Costs
 from ..sched.bounds import cap_bound_ms, cap_chain, lower_bound_ms, stage_bound
 from ..sched.listsched import list_schedule
-from ..sched.listsched_py import Policy
+from ..sim.listsched_py import Policy
 from ..sched.search import ramp_warmup
 from ..sched.warmup import initial_warmup
 from ..sim.simulate import makespan

@@ -1,3 +1,3 @@
-"""Making schedules: the list scheduler (``listsched`` over ``listsched_py`` or the compiled core),
+"""Making schedules: the list scheduler (``listsched``, over ``sim.listsched_py`` or the compiled core),
 warm-ups, baselines, the search with its local improvement, justification and exact MILP, lower
 bounds (``bounds``), link tolerances and delegation queue counts."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..ir.ops import Op, Schedule
 from ..ir.profile import Costs
 from .listsched import list_schedule
-from .listsched_py import Policy
+from ..sim.listsched_py import Policy
 
 
 def deepspeed_1f1b(stages: int, microbatches: int) -> Schedule:

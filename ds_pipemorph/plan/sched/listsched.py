@@ -1,7 +1,7 @@
 """List scheduler (PipeMorph Alg. 3/4): the greedy schedule of a warm-up and a ``Policy``.
 
 Which core runs is decided here: the compiled one (``plan.sim.native``) when it is available, else the
-pure-Python one (``plan.sched.listsched_py``, where the algorithm is written out); the same schedule
+pure-Python one (``plan.sim.listsched_py``, where the algorithm is written out); the same schedule
 either way.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..ir.ops import Schedule
 from ..ir.profile import Costs
 from ..sim import native
-from .listsched_py import Policy, list_schedule_py
+from ..sim.listsched_py import Policy, list_schedule_py
 
 
 def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:

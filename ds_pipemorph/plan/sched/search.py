@@ -27,7 +27,7 @@ from .bounds import first_arrivals, lower_bound_ms
 from .improve import improve
 from .justify import justify
 from .listsched import list_schedule_encoded
-from .listsched_py import Policy
+from ..sim.listsched_py import Policy
 from .warmup import adapted_warmup, initial_warmup
 
 STARTS = 5  # local-search starting points (best distinct orders; 1 did worse, 3-8 about the same)

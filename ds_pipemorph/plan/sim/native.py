@@ -36,7 +36,7 @@ from typing import Optional
 from ..ir.links import DIRECT, LATENCY, Delegated
 from ..ir.ops import op_table, peak_inflight, warmup_counts
 from ..ir.profile import Costs
-from ..sched.listsched_py import Policy, list_schedule_py
+from .listsched_py import Policy, list_schedule_py
 from .replay_py import run_py
 
 logger = logging.getLogger(__name__)
