@@ -52,3 +52,19 @@ def test_interleaved_attempts_of_one_engine_put_every_message_on_its_own_tag():
 def test_a_negative_attempt_is_refused():
     with pytest.raises(ValueError, match="attempt -1"):
         tags(Purpose.REMAP, -1)
+
+
+def test_migration_and_re_mapping_each_take_their_tags_with_their_own_purpose():
+    """The disjoint ranges above help only if each protocol asks for its own: read their calls."""
+    import ast
+    from pathlib import Path
+
+    runtime = Path(__file__).resolve().parents[2] / "ds_pipemorph" / "runtime"
+    for module, purpose in (("migrate.py", "MIGRATION"), ("remap.py", "REMAP")):
+        calls = [node for node in ast.walk(ast.parse((runtime / module).read_text()))
+                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "blob_tags"]
+        assert calls, f"{module} no longer calls blob_tags"
+        for call in calls:
+            arg = call.args[0]
+            assert isinstance(arg, ast.Attribute) and arg.attr == purpose and getattr(arg.value, "id", "") == "Purpose", \
+                f"{module}:{call.lineno} takes its tags as {ast.unparse(arg)}, not Purpose.{purpose}"
