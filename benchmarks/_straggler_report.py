@@ -12,6 +12,22 @@ from _util import print_table, write_json
 RESAMPLES, LEVEL = 10_000, 0.95
 
 
+def measured_slowdowns(row: dict, lp, args) -> list[float]:
+    """Per stage, as the rebalance loop measures it: F + B + W per micro-batch over what the layers it
+    held cost in the layer profile, the median after the burners (settled) over the median before."""
+    out = []
+    for stage in row["stages"]:
+        per = [sum(i["fbw"]) / solo_ms(lp, i["layers"]) for i in stage]
+        out.append(statistics.median(per[args.burn_from + args.settle:]) / statistics.median(per[1:args.burn_from]))
+    return out
+
+
+def solo_ms(lp, layers) -> float:
+    """F + B + W of layers ``layers[0]..layers[1]-1`` in the layer profile."""
+    a, b = layers
+    return sum(lp.layers.forward_ms[a:b]) + sum(lp.layers.backward_input_ms[a:b]) + sum(lp.layers.backward_weight_ms[a:b])
+
+
 def ratio_interval(row: list[float], base: list[float], seed: int = 0) -> tuple[float, float, float]:
     """median(row) / median(base) and its percentile bootstrap interval (two independent samples)."""
     from scipy.stats import bootstrap
@@ -30,7 +46,6 @@ def first_move_after(events: list[dict], burn_from: int):
 
 
 def row_summary(kind: str, res: dict, uniform_after: list[float] | None, lp, args) -> dict:
-    from real_straggler import measured_slowdowns
 
     ms = [1e3 * s for s in res["seconds"]]
     before, after = ms[1:args.burn_from], ms[args.burn_from + args.settle:]

@@ -187,22 +187,6 @@ def vars_of(counters) -> tuple:
     return astuple(counters)
 
 
-def measured_slowdowns(row: dict, lp, args) -> list[float]:
-    """Per stage, as the rebalance loop measures it: F + B + W per micro-batch over what the layers it
-    held cost in the layer profile, the median after the burners (settled) over the median before."""
-    out = []
-    for stage in row["stages"]:
-        per = [sum(i["fbw"]) / solo_ms(lp, i["layers"]) for i in stage]
-        out.append(statistics.median(per[args.burn_from + args.settle:]) / statistics.median(per[1:args.burn_from]))
-    return out
-
-
-def solo_ms(lp, layers) -> float:
-    """F + B + W of layers ``layers[0]..layers[1]-1`` in the layer profile."""
-    a, b = layers
-    return sum(lp.layers.forward_ms[a:b]) + sum(lp.layers.backward_input_ms[a:b]) + sum(lp.layers.backward_weight_ms[a:b])
-
-
 def ranks_main(args) -> int:
     cores = sorted(os.sched_getaffinity(0))[:STAGES]
     core = cores[int(os.environ["LOCAL_RANK"])]
@@ -222,6 +206,8 @@ def ranks_main(args) -> int:
     results, best = {}, None
     for kind in args.rows:
         if kind == "best-static":
+            from _straggler_report import measured_slowdowns
+
             from ds_pipemorph.plan.partition.partition import partition
 
             factors = measured_slowdowns(results["uniform"], lp, args)
