@@ -5,6 +5,12 @@ by the layout header (``header``) whenever the receiver cannot know the layout y
 (kind, micro-batch, part) so that sends and receives issued in any order match. Sends never block
 (completion is waited for once per iteration, in ``wait_sends``); receives wait with the transport's
 timeout. The contract is ``protocol.Transport``'s.
+
+The messages go through a point-to-point layer (``P2P``: ``isend``/``irecv`` returning works):
+``TorchP2P`` is torch.distributed's. A layer with ``in_order`` set (NCCL, or a test double with its
+rules: ``ds_pipemorph.inject.nccl_double``) ignores tags and runs a pair of ranks' operations in
+the order they were issued; there ``post_recv`` waits for the header at once and posts the tensors
+right behind it, so that header and tensors keep their place in the pair's order (``post_recv``).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +30,39 @@ from .protocol import TransportError, TransportTimeout, link_of, peer_of
 
 # A wait that failed after this share of the timeout timed out (backends wake a little early or late).
 TIMEOUT_REACHED = 0.95
+
+
+class P2P(Protocol):
+    """Non-blocking point-to-point operations of one rank (``TorchP2P``, or a test double).
+
+    ``isend``/``irecv`` return a work with ``wait(timeout: timedelta) -> bool | None`` (False or a
+    raised ``RuntimeError`` when it did not complete; a ``TransportError`` is passed on as it is)
+    and ``is_completed()``. ``in_order``: tags are ignored and every operation with one peer, both
+    directions, runs in issue order, a send completing only with its receive (NCCL's rules)."""
+
+    in_order: bool
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int): ...
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int): ...
+
+    def close(self) -> None: ...
+
+
+class TorchP2P:
+    """torch.distributed's ``isend``/``irecv`` on the default group; in order under NCCL."""
+
+    def __init__(self):
+        self.in_order = dist.is_initialized() and "nccl" in dist.get_backend()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int):
+        return dist.isend(tensor, dst=dst, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int):
+        return dist.irecv(tensor, src=src, tag=tag)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -43,8 +82,9 @@ class DirectTransport:
     """
 
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
-                 device: Optional[torch.device] = None, static_shapes: bool = True):
+                 device: Optional[torch.device] = None, static_shapes: bool = True, p2p: Optional[P2P] = None):
         self.rank, self.stage_id = rank, stage_id
+        self.p2p = p2p or TorchP2P()
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
@@ -53,12 +93,17 @@ class DirectTransport:
         # model the control loop plans with (``plan.ir.links``). Gloo's isend hands the bytes to gloo's
         # own thread: the process goes on, and the messages of a link queue on its wire one after the
         # other (one FIFO). NCCL's send runs on the GPU's stream until its peer has received it.
-        self.sender_waits = not (dist.is_initialized() and dist.get_backend() == "gloo")
+        self.sender_waits = self.p2p.in_order or not (dist.is_initialized() and dist.get_backend() == "gloo")
         self._sends: list[_Pending] = []
         self._sends_lock = threading.Lock()  # wrappers (delay injection) may send from their own thread
         self._posted: dict[tuple[str, int], tuple] = {}  # (kind, mb) -> ("header"|"data", ...)
         self._sent_layout: dict[tuple[str, int], tuple] = {}  # what this rank told its peer
         self._recv_layout: dict[tuple[str, int], tuple] = {}  # what the peer told this rank
+
+    def with_p2p(self, p2p: P2P) -> "DirectTransport":
+        """A new direct path like this one (nothing sent yet) whose messages go through ``p2p``."""
+        return DirectTransport(self.rank, self.stage_id, self.stage_ranks, self.timeout_s, self.device,
+                               self.static_shapes, p2p)
 
     # -- naming -------------------------------------------------------------------------------
     def _peer(self, kind: str, sending: bool) -> int:
@@ -82,6 +127,8 @@ class DirectTransport:
         start = time.monotonic()
         try:
             ok = work.wait(timedelta(seconds=self.timeout_s))
+        except TransportError:  # a point-to-point layer's own sentence (test doubles)
+            raise
         except RuntimeError as e:
             # A backend's timeout is a plain RuntimeError (gloo) or one of torch's DistError types:
             # what makes it a timeout is that the whole timeout went by, not the words of its text.
@@ -98,6 +145,19 @@ class DirectTransport:
 
         With static shapes and a known layout for (kind, mb), the tensors' receives are posted
         at once; otherwise the header's receive is, and the tensors' once the header is in.
+
+        In order (``P2P.in_order``: NCCL's rules) this waits for the header here and posts the
+        tensors right behind it, at the receive's place in the stream: posted at the consumer, they
+        would queue behind this rank's sends to the same peer issued in between, while the sender
+        issued header and tensors back to back, and the pair would deadlock. Waiting here cannot
+        deadlock with ``plan.ir.nccl_lowering``'s streams: both ranks of a pair issue its messages in
+        one order, that of a unit-time run of the plan, and a receive sits right before its consumer
+        or right after the producer of a later message of the pair. Every op the sender runs before
+        producing this message ran at an earlier step of that run, so the messages it needs from this
+        rank were produced by ops this rank has already run, their sends are issued, and every earlier
+        message of the pair was issued on both sides: the header's send reaches the head of the
+        sender's queue with this receive at the head of ours. (The NCCL double runs these streams,
+        tests/runtime/test_nccl_double.py.)
         """
         key = (kind, mb)
         if key in self._posted:
@@ -105,19 +165,24 @@ class DirectTransport:
         src = self.stage_ranks[self._peer(kind, sending=False)]
         what = self._describe(kind, mb, sending=False)
         layout = self._recv_layout.get(key) if self.static_shapes else None
+        if layout is None:
+            head = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
+            with self._failing(what):
+                work = self.p2p.irecv(head, src, tag(kind, mb, 0))
+            if not self.p2p.in_order:
+                self._posted[key] = ("header", work, head)
+                return
+            self._wait(work, what)
+            layout = self._recv_layout[key] = decode_header(head)
         with self._failing(what):
-            if layout is None:
-                head = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
-                self._posted[key] = ("header", dist.irecv(head, src=src, tag=tag(kind, mb, 0)), head)
-            else:
-                self._posted[key] = ("data", *self._post_tensors(kind, mb, src, layout))
+            self._posted[key] = ("data", *self._post_tensors(kind, mb, src, layout))
 
     def _post_tensors(self, kind: str, mb: int, src: int, layout) -> tuple[list, list]:
         _, metas = layout
         bufs, works = [], []
         for part, (dtype, shape) in enumerate(metas, start=1):
             t = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
-            works.append(dist.irecv(t, src=src, tag=tag(kind, mb, part)))
+            works.append(self.p2p.irecv(t, src, tag(kind, mb, part)))
             bufs.append(t)
         return works, bufs
 
@@ -146,11 +211,11 @@ class DirectTransport:
         with self._failing(what):
             if known is None:
                 head = encode_header(tensors, bare).to(self.device)
-                self._sends.append(_Pending(dist.isend(head, dst=dst, tag=tag(kind, mb, 0)), head, what))
+                self._sends.append(_Pending(self.p2p.isend(head, dst, tag(kind, mb, 0)), head, what))
                 self._sent_layout[(kind, mb)] = layout
             for part, t in enumerate(tensors, start=1):
                 wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
-                self._sends.append(_Pending(dist.isend(wire, dst=dst, tag=tag(kind, mb, part)), wire, what))
+                self._sends.append(_Pending(self.p2p.isend(wire, dst, tag(kind, mb, part)), wire, what))
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
@@ -190,6 +255,7 @@ class DirectTransport:
         with self._sends_lock:
             self._sends = []
         self._posted.clear()
+        self.p2p.close()
 
     def reset_shapes(self) -> None:
         """Forget the known layouts (every rank at once, between iterations): headers travel again."""

@@ -29,6 +29,13 @@ def tag(kind: str, micro_batch: int, part: int) -> int:
     return (KINDS[kind] << 24) | (micro_batch * _PARTS + part)
 
 
+def untag(wire_tag: int) -> str:
+    """What ``tag`` made ``wire_tag`` from, as text: ``F3`` (its header) or ``F3 part 2`` (its 2nd tensor)."""
+    kind = {v: k for k, v in KINDS.items()}.get(wire_tag >> 24, "?")
+    mb, part = divmod(wire_tag & ((1 << 24) - 1), _PARTS)
+    return f"{kind}{mb}" + (f" part {part}" if part else " header")
+
+
 def encode_header(tensors: Sequence[torch.Tensor], bare: bool) -> torch.Tensor:
     """[bare tensor (1) or tuple (0), count, then dtype id, ndim, *shape per tensor]."""
     vals = [int(bare), len(tensors)]
