@@ -81,6 +81,9 @@ class InjectConfig(_Strict):
     # Testing only: migration attempts (0 = the first) at which every sending rank sends the size of
     # its layers' state but never the state itself, as a connection lost mid-transfer would.
     migration_drop: list[int] = Field(default_factory=list)
+    # Testing only: the direct path runs under NCCL's point-to-point rules on gloo (``inject.nccl_double``):
+    # one serial queue per pair of ranks, tags ignored, a send completes with its receive.
+    nccl_rules: bool = False
 
     @field_validator("links")
     @classmethod

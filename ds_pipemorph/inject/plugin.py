@@ -4,9 +4,11 @@
 it). The runtime then validates the ``inject`` section with ``InjectConfig`` (``inject.config``), asks
 ``check``/``check_job`` to refuse what a job cannot use, and builds per rank:
 
-- ``InjectTransport`` (a ``TransportHooks``): the direct path under ``faults.FaultyLink`` (links that
-  break after K messages) under ``delays.DelayInjector`` (slow links), the delay schedule handed to
-  the delegated path (its sender delegates apply it), and ``faults.DelegateKiller`` around the router;
+- ``InjectTransport`` (a ``TransportHooks``): the direct path under NCCL's point-to-point rules
+  (``nccl_double.NcclRules``, which it then announces as ``p2p_rules = "nccl"``), under
+  ``faults.FaultyLink`` (links that break after K messages) under ``delays.DelayInjector`` (slow
+  links), the delay schedule handed to the delegated path (its sender delegates apply it), and
+  ``faults.DelegateKiller`` around the router;
 - engine hooks: ``compute.ComputeInjector`` (slowed stages, after each F, B and W),
   ``rank_links.SlowAllReduce`` (a slow data-parallel ring, after ``ReduceGrads``) and
   ``Settings`` (migration attempts that lose their payload; why ready dispatch is refused).
@@ -27,12 +29,18 @@ READY_REFUSED = "inject.faults cannot be combined with dispatch 'ready'"
 
 
 class InjectTransport(TransportHooks):
-    """Delays (``delays.DelaySchedule``) and faults (``faults.Faults``) on one rank's link router."""
+    """Delays (``delays.DelaySchedule``), faults (``faults.Faults``) and NCCL's rules (``nccl_rules``)
+    on one rank's link router."""
 
-    def __init__(self, delays=None, faults=None):
+    def __init__(self, delays=None, faults=None, nccl_rules: bool = False):
         self.delays, self.faults = delays, faults
+        self.p2p_rules = "nccl" if nccl_rules else None
 
     def wrap_direct(self, direct, *, rank: int, stage_id: int, timeout_s: float):
+        if self.p2p_rules == "nccl":  # the wire itself: NCCL's queues under everything else
+            from .nccl_double import NcclRules
+
+            direct = direct.with_p2p(NcclRules(rank, timeout_s))
         if self.faults is not None:  # next to the wire: on a delayed link a send fails after its delay
             from .faults import FaultyLink
 
@@ -89,6 +97,9 @@ class InjectPlugin(Plugin):
                              "2(D − 1) × `allreduce_messages` times per all-reduce",
         "inject.allreduce_messages": "testing only: messages each part of a ring all-reduce travels as; each pays a "
                                      "slow ring link's delay once",
+        "inject.nccl_rules": "testing only: the direct path runs under NCCL's point-to-point rules on gloo (one "
+                             "serial queue per pair of ranks, tags ignored, a send completes with its receive; "
+                             "docs/nccl.md), and the engine lowers for NCCL as it does on the NCCL backend",
         "inject.migration_drop": "testing only: migration attempts (0 = the first) whose layer state is never sent, "
                                  "only its size, as a connection lost mid-transfer would leave it",
     }
@@ -130,9 +141,9 @@ class InjectPlugin(Plugin):
 
             delays = add_pipeline_delays(settings, engine, delays)
         faults = faults_from_config(settings.faults, stages)
-        if delays is None and faults is None:
+        if delays is None and faults is None and not settings.nccl_rules:
             return None
-        return InjectTransport(delays, faults)
+        return InjectTransport(delays, faults, settings.nccl_rules)
 
     def engine_hooks(self, settings: InjectConfig, engine) -> list[EngineHooks]:
         out: list[EngineHooks] = []

@@ -56,7 +56,7 @@ DESCRIPTIONS: dict[str, str] = {
                           "plan on any machine",
     "delegation": "delegate processes that carry a link's messages through host staging rings (PipeMorph §5)",
     "delegation.mode": "`off`: every link direct (DeepSpeed p2p in the training process); `always`: every link "
-                       "through delegates (required with NCCL); `auto`: the control loop moves slow links to "
+                       "through delegates; `auto`: the control loop moves slow links to "
                        "delegates and back where a direct send holds the training process (NCCL, the injected "
                        "delays); with gloo, whose sends do not, slow links stay direct and are planned as one FIFO",
     "delegation.queues": "delegate FIFOs per link direction when a link is first delegated",

@@ -11,7 +11,9 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
 - it executes the plan's lowered stream (``plan.ir.lower.LoweringPolicy``, the one ``pipemorph
   simulate --lowered`` prints: receives posted a window ahead of their consumers, each send right
   after the op that produced it), dry-run for deadlocks before it is used, and keeps the stream of
-  the last batch in ``executed_stream``;
+  the last batch in ``executed_stream``; under NCCL's point-to-point rules (``nccl_rules``: the
+  NCCL backend, or a plug-in's test double) the stream is ``plan.ir.nccl_lowering.NcclLowering``'s,
+  dry-run under those rules, with ordered dispatch only (docs/nccl.md);
   messages go through a transport (``runtime.transport``): non-blocking sends, a tag per (kind,
   micro-batch), a timeout on every wait;
 - every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
@@ -21,14 +23,14 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   backward-to-the-input on every stage (its input gradient is dropped).
 
 Refused at start-up, with one sentence: fp16/bf16, ZeRO, activation checkpointing, tensor
-parallelism inside a stage (``unsupported_reason``).
+parallelism inside a stage (``unsupported_reason``), and dispatch "ready" under NCCL's rules.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,8 +56,8 @@ from .clocks import estimate_clock_offsets
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
-from .hooks import EngineHooks, Hooks, active_plugins, transport_hooks
-from .plans import DEFAULT_OP_MS, caps, lowering_for
+from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
+from .plans import DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for
 from .ready_exec import ReadyProgram, run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
@@ -66,18 +68,15 @@ from .transport.router import build_transport
 logger = logging.getLogger(__name__)
 
 
-def backend_reason(backend: str, delegation_mode: str) -> Optional[str]:
-    """One sentence if direct links cannot run on ``backend``, else None.
-
-    NCCL runs a pair of ranks' sends and receives in the order they were issued, on one stream, and
-    ignores tags: a receive posted ahead of a send the peer is waiting for holds that send back.
-    The direct path posts receives ahead (and matches messages by tag), so on NCCL every link goes
-    through the delegates, whose own gloo groups match by tag."""
-    if "nccl" in backend and delegation_mode != "always":  # "nccl" or e.g. "cpu:gloo,cuda:nccl"
-        return ("pipemorph's direct transport posts receives ahead of sends, which NCCL's in-order "
-                "point-to-point streams cannot serve: set pipemorph.delegation.mode to \"always\" "
-                "(every link through the delegates) with the NCCL backend")
-    return None
+def nccl_rules(backend: str, delegation_mode: str, hooks: Sequence[TransportHooks] = ()) -> bool:
+    """Whether the direct path runs under NCCL's point-to-point rules (``plan.ir.nccl``): on the NCCL
+    backend (``"nccl"`` or e.g. ``"cpu:gloo,cuda:nccl"``) or when a plug-in's transport hooks say so
+    (``TransportHooks.p2p_rules``, a test double on gloo), unless every link goes through the
+    delegates (``delegation.mode`` "always"), whose own gloo groups match by tag. Under these rules
+    plans are lowered with ``NcclLowering`` and dispatch is ordered."""
+    if delegation_mode == "always":
+        return False
+    return "nccl" in backend or any(h.p2p_rules == "nccl" for h in hooks)
 
 
 def unsupported_reason(config_class, model) -> Optional[str]:
@@ -109,9 +108,11 @@ class PipeMorphEngine(PipelineEngine):
         for plugin, settings in active_plugins(pipemorph):  # plug-ins refuse what this job cannot use
             plugin.check_job(settings, super_kwargs["model"].num_stages)
         super().__init__(*super_args, **super_kwargs)
-        reason = backend_reason(torch.distributed.get_backend(), pipemorph.delegation.mode)
-        if reason:
-            raise PipeMorphConfigError(reason)
+        # Plug-ins' router hooks (testing only: injection); one may put the direct path under NCCL's rules.
+        router_hooks = transport_hooks(pipemorph, self.num_stages, engine=self)
+        self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
+        if self.nccl_rules and pipemorph.dispatch == "ready":
+            raise PipeMorphConfigError(NCCL_READY_REFUSED)
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
@@ -121,7 +122,7 @@ class PipeMorphEngine(PipelineEngine):
         self._ready_program: Optional[ReadyProgram] = None
         self.inbox = None  # dispatch "ready" (set below): every receive of an iteration in flight
         self.executed_stream: list[str] = []  # the lowered ops the last train_batch ran, in order
-        self._set_plan(plan, lowering_for(pipemorph), pipemorph.dispatch)
+        self._set_plan(plan, lowering_for(pipemorph, self.nccl_rules), pipemorph.dispatch)
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
         adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
@@ -135,7 +136,7 @@ class PipeMorphEngine(PipelineEngine):
         # processes); injected delays (testing only) sit on both paths as docs/design.md models them.
         self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
                                          static_shapes=not self.dynamic_shape,
-                                         hooks=transport_hooks(pipemorph, self.num_stages, engine=self))
+                                         hooks=router_hooks)
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
             self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
                                    Costs.uniform(self.num_stages, DEFAULT_OP_MS),
@@ -236,6 +237,8 @@ class PipeMorphEngine(PipelineEngine):
         rank's streams before this rank uses them (the same plan gives the same result on every rank,
         so all adopt it or all refuse it)."""
         lowering = lowering or self.lowering
+        if self.nccl_rules:  # a plan file's receive window does not apply under NCCL's rules
+            lowering = for_nccl(lowering)
         dispatch = dispatch or self.dispatch
         streams = {dispatch: self._lowered(plan, lowering, dispatch)}
         self.plan, self.lowering = plan, lowering
@@ -275,9 +278,13 @@ class PipeMorphEngine(PipelineEngine):
         is checked before anything changes: a refused call leaves the plan and dispatch as they were."""
         if dispatch is not None and dispatch not in DISPATCHES:
             raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
+        if dispatch == "ready" and self.nccl_rules:
+            raise PipeMorphConfigError(NCCL_READY_REFUSED)
         if dispatch == "ready" and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)
         target = dispatch or self.dispatch
+        if lowering is not None and self.nccl_rules:
+            lowering = for_nccl(lowering)
         if plan is not None and (plan is not self.plan or lowering not in (None, self.lowering)):
             self._check_micro_batches(plan[self.stage_id])
             self._set_plan(plan, lowering, target)  # dry-runs the plan before adopting it

@@ -73,9 +73,14 @@ class DelaySource(Protocol):
 
 
 class TransportHooks:
-    """What a plug-in changes in one rank's link router (``build_transport``); the defaults change nothing."""
+    """What a plug-in changes in one rank's link router (``build_transport``); the defaults change nothing.
+
+    ``p2p_rules``: ``"nccl"`` when the direct path ``wrap_direct`` returns follows NCCL's
+    point-to-point rules (a test double on gloo): the engine then lowers and dispatches as on the
+    NCCL backend (``runtime.plans.lowering_for``)."""
 
     delays: Optional[DelaySource] = None
+    p2p_rules: Optional[str] = None
 
     def wrap_direct(self, direct, *, rank: int, stage_id: int, timeout_s: float):
         """The direct path the router uses: ``direct`` or a ``protocol.Transport`` around it."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
 from ..plan.ir.lower import LoweringPolicy
+from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Schedule, warmup_counts
 from ..plan.ir.profile import Costs
 from ..plan.sched.baselines import deepspeed_1f1b, zb_h1_warmup
@@ -87,15 +88,30 @@ def load_plan_file(path: str, stages: int, microbatches: int) -> Schedule:
         raise PipeMorphConfigError(f"plan file {path} is invalid: {e}") from None
 
 
-def lowering_for(cfg: PipeMorphConfig) -> LoweringPolicy:
+NCCL_READY_REFUSED = ("dispatch 'ready' posts every receive of an iteration up front, which NCCL's in-order "
+                      "point-to-point cannot run: set pipemorph.dispatch to \"ordered\"")
+
+
+def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> LoweringPolicy | NcclLowering:
     """How the job's plans are lowered: a plan file's own ``recv_window`` and ``backward``, else
-    the defaults (the plans ``1f1b``, ``zb`` and ``adaptive`` build have a split backward)."""
+    the defaults (the plans ``1f1b``, ``zb`` and ``adaptive`` build have a split backward).
+
+    ``nccl`` (NCCL's point-to-point rules on the direct path: the NCCL backend, or a plug-in's
+    ``TransportHooks.p2p_rules``): ``NcclLowering`` with the plan file's ``backward``; a plan file's
+    ``recv_window`` does not apply there (each receive is issued where the NCCL lowering puts it)."""
     if cfg.schedule != "plan":
-        return LoweringPolicy()
-    try:
-        return load_model(cfg.plan_file, PlanFile).lowering
-    except BadInput as e:
-        raise PipeMorphConfigError(f"ds_config pipemorph.plan_file {e}") from None
+        policy = LoweringPolicy()
+    else:
+        try:
+            policy = load_model(cfg.plan_file, PlanFile).lowering
+        except BadInput as e:
+            raise PipeMorphConfigError(f"ds_config pipemorph.plan_file {e}") from None
+    return NcclLowering(policy.fused) if nccl else policy
+
+
+def for_nccl(lowering: LoweringPolicy | NcclLowering) -> NcclLowering:
+    """``lowering`` under NCCL's rules: its fused backward kept, its receive window dropped."""
+    return lowering if isinstance(lowering, NcclLowering) else NcclLowering(lowering.fused)
 
 
 def _check_warmup(warmup: list[int]) -> None:

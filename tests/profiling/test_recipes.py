@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from ds_pipemorph.inject.config import InjectConfig
 from ds_pipemorph.inject.delays import load_trace
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
-from ds_pipemorph.runtime.engine import backend_reason
+from ds_pipemorph.runtime.engine import nccl_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "recipes" / "gpu_cluster"
@@ -40,9 +40,9 @@ def test_gpu_cluster_config_is_accepted_and_its_commented_copy_matches():
     cfg = json.loads((GPU / "ds_config.json").read_text())
     parsed = parse_config(cfg["pipemorph"])
     # The README's promise: the control loop re-plans, and every link goes through the delegates
-    # (what the engine requires with NCCL, which a GPU cluster runs).
+    # (whose gloo groups match by tag, so NCCL's point-to-point rules do not apply).
     assert (parsed.schedule, parsed.adapt.enabled, parsed.delegation.mode) == ("adaptive", True, "always")
-    assert backend_reason("nccl", parsed.delegation.mode) is None
+    assert not nccl_rules("nccl", parsed.delegation.mode)
     jsonc = re.sub(r"//[^\n]*", "", (GPU / "ds_config.commented.jsonc").read_text())
     assert json.loads(jsonc) == cfg
     # Every key (and every default) is in the README table and has a comment in the jsonc copy.

@@ -11,12 +11,13 @@ rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k
 calls ``engine.save_checkpoint(OUT_DIR/dir)``), "load": {"dir", "step"} (right after start-up every
 rank calls ``engine.load_checkpoint(OUT_DIR/dir)`` and trains from that step on), "remap": {"k": ranks[stage][replica]} (after k
 steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches),
-"param_groups": true (two optimizer groups), "config_via_args": true (the config as
+"param_groups": true (two optimizer groups), "switch_dispatch": d (right after start-up every rank calls
+``engine.switch_to(dispatch=d)``; a refusal is recorded as "switch_error"), "config_via_args": true (the config as
 --deepspeed_config gives it), "follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
 may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
-measured peak in-flight activations, the op texts run and the transport's recovery log lines
-(failover, delegate restarts); or <name>.rank<r>.err with the message. The transport (and its
+measured peak in-flight activations, the op texts run, the transport's recovery log lines
+(failover, delegate restarts) and the class of its direct path's point-to-point layer ("p2p"); or <name>.rank<r>.err with the message. The transport (and its
 delegate processes) is closed at the end of each job.
 """
 from __future__ import annotations
@@ -102,6 +103,12 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             return [(w[:, :-1], w[:, 1:]) for w in ids]
         return batches(N * steps, 2, seed=99 + replica)
 
+    switch_error = None
+    if job.get("switch_dispatch"):
+        try:
+            engine.switch_to(dispatch=job["switch_dispatch"])
+        except ValueError as e:
+            switch_error = str(e)
     start = 0
     if job.get("load"):  # resume from a checkpoint an earlier job of this launch saved
         engine.load_checkpoint(os.path.join(out_dir, job["load"]["dir"]))
@@ -162,7 +169,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     if transport is not None:
         transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "executed": executed,
-                "stage": engine.stage_id,
+                "stage": engine.stage_id, "switch_error": switch_error,
+                "p2p": type(getattr(getattr(transport, "direct", None), "p2p", None)).__name__,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms,
                 "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None), "seconds": seconds, "migrations": migrations,

@@ -1,0 +1,72 @@
+"""Plays lowered streams through the direct path under NCCL's rules (``inject.nccl_double``), no engine.
+
+    torchrun --standalone --nproc_per_node S tests/runtime/stream_player.py SPEC.json OUT_DIR
+
+SPEC: {"name", "timeout_s", "streams": per rank, its ops as [kind, mb]} (rank r is stage r). Each
+op does what the engine's does to the transport: RECV_F/RECV_B m posts the receive, F m (stages > 0)
+and B m (stages < S-1) wait for their message, SEND_F/SEND_B m send a tensor whose values name the
+message; the iteration ends with ``wait_sends``. Writes OUT_DIR/<name>.rank<r>.json: {"ok": true,
+"received": {...}} or {"error": type, "text": message}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ds_pipemorph.inject.nccl_double import NcclRules  # noqa: E402
+from ds_pipemorph.runtime.transport.direct import DirectTransport  # noqa: E402
+from ds_pipemorph.runtime.transport.protocol import TransportError  # noqa: E402
+
+
+def payload(kind: str, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two tensors of different shapes whose values name the message."""
+    code = (1 if kind == "F" else 2) * 100 + mb
+    return torch.full((3,), float(code)), torch.full((2, 2), float(-code))
+
+
+def play(spec: dict, rank: int) -> dict:
+    S, stream = len(spec["streams"]), spec["streams"][rank]
+    transport = DirectTransport(rank, rank, list(range(S)), timeout_s=spec["timeout_s"],
+                                p2p=NcclRules(rank, spec["timeout_s"]))
+    received = {}
+    try:
+        for kind, mb in stream:
+            if kind in ("RECV_F", "RECV_B"):
+                transport.post_recv(kind[-1], mb)
+            elif kind == "F" and rank > 0 or kind == "B" and rank < S - 1:
+                a, b = transport.recv(kind, mb)
+                received[f"{kind}{mb}"] = [a.tolist(), b.tolist()]
+            elif kind in ("SEND_F", "SEND_B"):
+                transport.send(kind[-1], mb, payload(kind[-1], mb))
+        transport.wait_sends()
+    except TransportError as e:
+        return {"error": type(e).__name__, "text": str(e)}
+    finally:
+        transport.close()
+    return {"ok": True, "received": received}
+
+
+def main() -> int:
+    spec_path, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for spec in json.load(open(spec_path)):
+        out = play(spec, rank)
+        with open(os.path.join(out_dir, f"{spec['name']}.rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        if "error" in out:  # the pair's queues are stuck: let the peer time out too, then leave
+            time.sleep(spec["timeout_s"] + 2)
+            os._exit(0)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""NCCL's point-to-point rules on CPU: the test double (``inject.nccl_double``) fails what NCCL cannot
+run, and the engine under it (``inject: {nccl_rules: true}``) lowers with ``NcclLowering`` and
+trains exactly like stock DeepSpeed.
+
+The double's own tests play lowered streams through the direct path with no engine
+(``stream_player.py``): the default lowering's streams end in ``TransportTimeout`` (a deadlock under
+NCCL's queues), a receive posted out of the sender's order ends in ``TransportError`` naming both
+messages, and the NCCL lowering's streams deliver every message to its receive. Results are judged
+from the files each rank writes, not from exit codes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import pytest
+
+from ds_pipemorph.plan.ir.lower import LoweringPolicy
+from ds_pipemorph.plan.ir.nccl_lowering import NcclLowering
+from ds_pipemorph.plan.ir.ops import Op
+from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
+from ds_pipemorph.plan.sim.validate import validate_schedule
+from ds_pipemorph.procs import run_group
+
+from .launch import HERE, REPO, launch
+from .plans_io import write_plan
+from .randplans import random_plan
+from .test_equivalence import _assert_equal_to_stock, _expected_peak
+
+NCCL = {"nccl_rules": True}
+
+
+def _play(cases: list[dict], ranks: int, tmp_path, timeout: float) -> dict:
+    """Run ``cases`` (stream_player's SPEC) on ``ranks`` ranks; (name, rank) -> what the rank wrote."""
+    spec = tmp_path / "streams.json"
+    spec.write_text(json.dumps(cases))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                   str(HERE / "stream_player.py"), str(spec), str(tmp_path)], timeout, cwd=REPO, env=env)
+    out = {}
+    for case in cases:
+        for r in range(ranks):
+            path = tmp_path / f"{case['name']}.rank{r}.json"
+            assert path.exists(), f"{path.name} missing; launch output:\n{(p.stdout + p.stderr)[-4000:]}"
+            out[case["name"], r] = json.loads(path.read_text())
+    return out
+
+
+def _case(name: str, streams, timeout_s: float = 5.0) -> dict:
+    return {"name": name, "timeout_s": timeout_s, "streams": [[[str(op.kind), op.mb] for op in s] for s in streams]}
+
+
+@pytest.mark.timeout(60)
+def test_default_lowering_deadlocks_under_the_double_and_ends_in_a_timeout(tmp_path):
+    streams = LoweringPolicy().lower(deepspeed_1f1b(2, 2))  # 0RECV_B0 0RECV_B1 0F0 ... / 1RECV_F0 1RECV_F1 ...
+    got = _play([_case("default", streams)], 2, tmp_path, timeout=50)
+    for r in range(2):
+        assert got["default", r]["error"] == "TransportTimeout", got["default", r]
+        assert "timed out after 5 s" in got["default", r]["text"]
+
+
+@pytest.mark.timeout(60)
+def test_two_ranks_sending_to_each_other_before_receiving_deadlock_under_the_double(tmp_path):
+    # Stage 0 sends F0 then waits for B0; stage 1 sends B0 (of an earlier exchange, here made up as an
+    # ungrouped swap) then receives F0: both queue heads are sends, neither meets its receive.
+    streams = [[Op("F", 0, 0), Op("SEND_F", 0, 0), Op("RECV_B", 0, 0), Op("B", 0, 0)],
+               [Op("SEND_B", 0, 1), Op("RECV_F", 0, 1), Op("F", 0, 1)]]
+    got = _play([_case("swap", streams)], 2, tmp_path, timeout=50)
+    texts = [got["swap", r]["text"] for r in range(2)]
+    assert [got["swap", r]["error"] for r in range(2)] == ["TransportTimeout"] * 2, texts
+
+
+@pytest.mark.timeout(60)
+def test_a_receive_posted_out_of_the_senders_order_is_an_error_naming_both_messages(tmp_path):
+    streams = [[Op("F", 0, 0), Op("SEND_F", 0, 0), Op("F", 1, 0), Op("SEND_F", 1, 0)],
+               [Op("RECV_F", 1, 1), Op("RECV_F", 0, 1), Op("F", 1, 1), Op("F", 0, 1)]]
+    got = _play([_case("swapped", streams)], 2, tmp_path, timeout=50)
+    assert got["swapped", 1]["error"] == "TransportError", got["swapped", 1]
+    assert "receive no. 1 from rank 0 was posted for F1 header" in got["swapped", 1]["text"]
+    assert "meets F0 header" in got["swapped", 1]["text"]
+
+
+@pytest.mark.timeout(90)
+def test_nccl_lowering_streams_deliver_every_message_under_the_double(tmp_path):
+    rng = random.Random(5)
+    plans = [("1f1b_s3", deepspeed_1f1b(3, 3)), ("random_s3", random_plan(3, 3, rng)[0]),
+             ("random_s3_b", random_plan(3, 3, rng)[0])]
+    cases = [_case(name, NcclLowering().lower(plan)) for name, plan in plans]
+    cases.append(_case("fused_s3", NcclLowering(fused=True).lower(deepspeed_1f1b(3, 3))))
+    got = _play(cases, 3, tmp_path, timeout=80)
+    for case in cases:
+        for r in range(3):
+            out = got[case["name"], r]
+            assert out.get("ok"), (case["name"], r, out)
+            want = {f"F{m}" for m in range(3) if r > 0} | {f"B{m}" for m in range(3) if r < 2}
+            assert set(out["received"]) == want
+            for msg, (a, b) in out["received"].items():
+                code = (1 if msg[0] == "F" else 2) * 100 + int(msg[1:])
+                assert a == [code] * 3 and b == [[-code] * 2] * 2, (case["name"], r, msg)
+
+
+def _nccl_section(schedule: str, **more) -> dict:
+    return {"schedule": schedule, "delegation": {"mode": "off"}, "adapt": {"enabled": False}, "inject": NCCL, **more}
+
+
+def _assert_ran_nccl_lowering(run, name: str, plan, ranks: int) -> None:
+    """Every step ran the NCCL lowering's stream of ``plan`` (receives where it puts them)."""
+    streams = NcclLowering().lines(plan)
+    for r in range(ranks):
+        ours = run.result(name, r)
+        assert ours["p2p"] == "NcclRules", f"{name} rank {r}: the direct path ran on {ours['p2p']}"
+        assert ours["executed"] == [streams[ours["stage"]].split()] * 3, f"{name} rank {r}: {ours['executed']}"
+
+
+@pytest.mark.timeout(150)
+def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan_files_and_refuse_ready(tmp_path):
+    from ds_pipemorph.runtime.config import parse_config
+    from ds_pipemorph.runtime.plans import build_plan
+
+    S, N = 2, 4
+    jobs = [{"name": "stock", "stages": S, "micro_batches": N, "pipemorph": None}]
+    checks = []
+    for sched in ("1f1b", "zb", "adaptive"):
+        section = _nccl_section(sched)
+        jobs.append({"name": sched, "stages": S, "micro_batches": N, "pipemorph": section})
+        checks.append((sched, build_plan(parse_config(section), S, N)))
+    rng = random.Random(3)
+    plan, caps = random_plan(S, N, rng)
+    validate_schedule(plan, S, N, caps)
+    path = write_plan(tmp_path / "random.yaml", plan, N)
+    jobs.append({"name": "random_plan_file", "stages": S, "micro_batches": N,
+                 "pipemorph": _nccl_section("plan", plan_file=path)})
+    checks.append(("random_plan_file", plan))
+    # The control loop re-plans every iteration; its plans are lowered for NCCL too.
+    jobs.append({"name": "adaptive_replanning", "stages": S, "micro_batches": N,
+                 "pipemorph": {**_nccl_section("adaptive"), "adapt": {"enabled": True, "every_iterations": 1}}})
+    jobs.append({"name": "switch_to_ready", "stages": S, "micro_batches": N, "pipemorph": _nccl_section("zb"),
+                 "switch_dispatch": "ready"})
+    jobs.append({"name": "ready", "stages": S, "micro_batches": N, "expect_error": True,
+                 "pipemorph": _nccl_section("zb", dispatch="ready")})
+    run = launch(S, jobs, tmp_path, timeout=140)
+    for name, plan in checks:
+        _assert_equal_to_stock(run, name, "stock", S, _expected_peak(jobs[[j["name"] for j in jobs].index(name)]
+                                                                     ["pipemorph"], S, N), plan)
+        _assert_ran_nccl_lowering(run, name, plan, S)
+    _assert_equal_to_stock(run, "adaptive_replanning", "stock", S)
+    print("re-plans:", [run.result("adaptive_replanning", r)["replans"] for r in range(S)])
+    refusal = ("dispatch 'ready' posts every receive of an iteration up front, which NCCL's in-order "
+               "point-to-point cannot run: set pipemorph.dispatch to \"ordered\"")
+    for r in range(S):
+        assert run.result("switch_to_ready", r)["switch_error"] == refusal
+        assert run.error("ready", r) == refusal
+    _assert_equal_to_stock(run, "switch_to_ready", "stock", S)
+
+
+@pytest.mark.timeout(120)
+def test_two_pipelines_by_two_stages_under_nccl_rules_train_like_stock(tmp_path):
+    jobs = [{"name": "stock", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None},
+            {"name": "zb", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _nccl_section("zb")}]
+    run = launch(4, jobs, tmp_path, timeout=110)
+    _assert_equal_to_stock(run, "zb", "stock", 4, _expected_peak(jobs[1]["pipemorph"], 2, 4))
+    assert [run.result("zb", r)["p2p"] for r in range(4)] == ["NcclRules"] * 4
