@@ -14,8 +14,10 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from ds_pipemorph.plan.ir.lower import LoweringPolicy
 from ds_pipemorph.plan.ir.nccl_lowering import NcclLowering
@@ -133,9 +135,17 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
     jobs.append({"name": "random_plan_file", "stages": S, "micro_batches": N,
                  "pipemorph": _nccl_section("plan", plan_file=path)})
     checks.append(("random_plan_file", plan))
-    # The control loop re-plans every iteration; its plans are lowered for NCCL too.
-    jobs.append({"name": "adaptive_replanning", "stages": S, "micro_batches": N,
+    # The control loop on (its re-plans go through the same _set_plan as a plan change), and a plan
+    # change after the first step, whose plan file asks for a receive window NCCL's rules ignore.
+    jobs.append({"name": "adaptive_control_loop", "stages": S, "micro_batches": N,
                  "pipemorph": {**_nccl_section("adaptive"), "adapt": {"enabled": True, "every_iterations": 1}}})
+    other, _ = random_plan(S, N, rng)
+    other_path = write_plan(tmp_path / "other.yaml", other, N)
+    other_file = yaml.safe_load(open(other_path))
+    other_file["recv_window"] = 1
+    Path(other_path).write_text(yaml.safe_dump(other_file, sort_keys=False))
+    jobs.append({"name": "plan_changed", "stages": S, "micro_batches": N, "pipemorph": _nccl_section("zb"),
+                 "switch_plan": {"1": other_path}})
     jobs.append({"name": "switch_to_ready", "stages": S, "micro_batches": N, "pipemorph": _nccl_section("zb"),
                  "switch_dispatch": "ready"})
     jobs.append({"name": "ready", "stages": S, "micro_batches": N, "expect_error": True,
@@ -145,8 +155,11 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
         _assert_equal_to_stock(run, name, "stock", S, _expected_peak(jobs[[j["name"] for j in jobs].index(name)]
                                                                      ["pipemorph"], S, N), plan)
         _assert_ran_nccl_lowering(run, name, plan, S)
-    _assert_equal_to_stock(run, "adaptive_replanning", "stock", S)
-    print("re-plans:", [run.result("adaptive_replanning", r)["replans"] for r in range(S)])
+    _assert_equal_to_stock(run, "adaptive_control_loop", "stock", S)
+    _assert_equal_to_stock(run, "plan_changed", "stock", S)
+    first, then = NcclLowering().lines(checks[1][1]), NcclLowering().lines(other)
+    for r in range(S):
+        assert run.result("plan_changed", r)["executed"] == [first[r].split()] + [then[r].split()] * 2
     refusal = ("dispatch 'ready' posts every receive of an iteration up front, which NCCL's in-order "
                "point-to-point cannot run: set pipemorph.dispatch to \"ordered\"")
     for r in range(S):

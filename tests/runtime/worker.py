@@ -12,7 +12,8 @@ calls ``engine.save_checkpoint(OUT_DIR/dir)``), "load": {"dir", "step"} (right a
 rank calls ``engine.load_checkpoint(OUT_DIR/dir)`` and trains from that step on), "remap": {"k": ranks[stage][replica]} (after k
 steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches),
 "param_groups": true (two optimizer groups), "switch_dispatch": d (right after start-up every rank calls
-``engine.switch_to(dispatch=d)``; a refusal is recorded as "switch_error"), "config_via_args": true (the config as
+``engine.switch_to(dispatch=d)``; a refusal is recorded as "switch_error"), "switch_plan": {"k": plan file}
+(after k steps every rank calls ``engine.switch_to(plan=..., lowering=...)`` with the file's plan and lowering), "config_via_args": true (the config as
 --deepspeed_config gives it), "follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
 may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
@@ -143,6 +144,12 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             else:
                 migrations.append({"step": step, "ok": r.ok, "after": r.after, "moved": sorted(r.moved),
                                    "sent": r.bytes_sent, "received": r.bytes_received, "reason": r.reason})
+        if str(step) in job.get("switch_plan", {}):  # a plan change at an iteration boundary, as a re-plan's
+            from ds_pipemorph.fileio import load_model
+            from ds_pipemorph.plan.files.planfile import PlanFile
+
+            pf = load_model(job["switch_plan"][str(step)], PlanFile)
+            engine.switch_to(plan=pf.ops(), lowering=pf.lowering)
         if str(step) in job.get("save", {}):
             engine.save_checkpoint(os.path.join(out_dir, job["save"][str(step)]))
         try:
