@@ -1,5 +1,6 @@
 """The control loop's modes, each defined once: the config's fields are these ``Literal`` types, and
-a public function that takes a mode as a string checks it against the matching tuple.
+a public function that takes a mode as a string checks it against the matching tuple (the re-plan
+mode reaches only the adapter, which the engine builds from a validated config: it has none).
 
 Pure Python, imports nothing: the config module (imported by ``import ds_pipemorph``) reads it.
 """
@@ -15,4 +16,3 @@ DELEGATION_MODES: tuple[str, ...] = get_args(DelegationMode)
 # Where a re-plan's search runs: "background" beside training after a closed-form first reaction,
 # "inline" at the boundary while every rank waits (``runtime.adapt``).
 ReplanMode = Literal["background", "inline"]
-REPLAN_MODES: tuple[str, ...] = get_args(ReplanMode)

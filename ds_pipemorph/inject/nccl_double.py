@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..fileio import first_line
 from ..runtime.transport.header import untag
 from ..runtime.transport.protocol import TransportError, TransportTimeout
 
@@ -114,6 +115,9 @@ class NcclRules:
                     self._send(op) if op.sending else self._recv(op)
                 except TransportError as e:
                     failed = e
+                except Exception as e:  # noqa: BLE001 - e.g. isend itself failing: the op's error, not a dead thread
+                    failed = TransportError(f"rank {self.rank}: {op} failed: {first_line(e)}")
+                    failed.__cause__ = e
             op.error = failed
             op.done.set()
 

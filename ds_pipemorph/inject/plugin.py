@@ -35,6 +35,7 @@ class InjectTransport(TransportHooks):
     def __init__(self, delays=None, faults=None, nccl_rules: bool = False):
         self.delays, self.faults = delays, faults
         self.p2p_rules = "nccl" if nccl_rules else None
+        self.keeps_issue_order = delays is None and faults is None  # a delay lane sends later; faults post late
 
     def wrap_direct(self, direct, *, rank: int, stage_id: int, timeout_s: float):
         if self.p2p_rules == "nccl":  # the wire itself: NCCL's queues under everything else

@@ -113,6 +113,11 @@ class PipeMorphEngine(PipelineEngine):
         self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
         if self.nccl_rules and pipemorph.dispatch == "ready":
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
+        if self.nccl_rules and not all(h.keeps_issue_order for h in router_hooks):
+            raise PipeMorphConfigError(
+                "injected link delays and faults issue the direct path's sends and receives out of the stream's "
+                "order, which NCCL's in-order point-to-point cannot run: drop pipemorph.inject's links, trace and "
+                "faults, or set pipemorph.delegation.mode to \"always\"")
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
@@ -157,6 +162,7 @@ class PipeMorphEngine(PipelineEngine):
         self.recorder = OpRecorder(pipemorph.nvtx, events, stage=self.stage_id, rank=self.global_rank)
         self.measured_peak_inflight = 0
         self._reduce_can_be_identity = reduction_can_be_identity(self)
+        self.reductions_skipped = 0  # ReduceGrads runs that left DeepSpeed's all-reduce out (the identity)
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         # dispatch "ready": every receive of an iteration in flight, completed in worker threads
         if pipemorph.dispatch == "ready":
@@ -584,7 +590,9 @@ class PipeMorphEngine(PipelineEngine):
 
     def _exec_reduce_grads(self):
         """DeepSpeed's, skipped where it cannot change a gradient (one replica: ``runtime.grad_reduce``)."""
-        if not reduction_is_identity(self, self._reduce_can_be_identity):
+        if reduction_is_identity(self, self._reduce_can_be_identity):
+            self.reductions_skipped += 1
+        else:
             super()._exec_reduce_grads()
 
     _INSTRUCTION_MAP = {

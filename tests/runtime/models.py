@@ -7,12 +7,21 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 WIDTH = 16
 
 
-def mlp_layers(stages: int, per_stage: int = 2, tied: bool = False, dropout: float = 0.0) -> list:
+class IdleHeadLinear(torch.nn.Linear):
+    """A Linear with one more parameter its forward never uses (an idle head): no gradient reaches it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.idle = torch.nn.Parameter(torch.ones(WIDTH))
+
+
+def mlp_layers(stages: int, per_stage: int = 2, tied: bool = False, dropout: float = 0.0, idle: bool = False) -> list:
+    """``idle``: every Linear also holds a parameter without a gradient (``IdleHeadLinear``)."""
     layers = []
     if tied:  # the same Linear at both ends of the pipeline (first and last stage)
         layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))
     for _ in range(stages * per_stage):
-        layers += [LayerSpec(torch.nn.Linear, WIDTH, WIDTH), torch.nn.GELU()]
+        layers += [LayerSpec(IdleHeadLinear if idle else torch.nn.Linear, WIDTH, WIDTH), torch.nn.GELU()]
         if dropout:
             layers.append(LayerSpec(torch.nn.Dropout, dropout))
     if tied:
@@ -20,11 +29,11 @@ def mlp_layers(stages: int, per_stage: int = 2, tied: bool = False, dropout: flo
     return layers
 
 
-def build_model(stages: int, seed: int, tied: bool = False, dropout: float = 0.0) -> PipelineModule:
+def build_model(stages: int, seed: int, tied: bool = False, dropout: float = 0.0, idle: bool = False) -> PipelineModule:
     """With ``dropout``, a Dropout after every GELU and DeepSpeed's ``seed_layers``: each layer's random
     numbers are seeded by its index and the forward count, whatever stage runs it."""
     torch.manual_seed(seed)
-    return PipelineModule(layers=mlp_layers(stages, tied=tied, dropout=dropout), num_stages=stages,
+    return PipelineModule(layers=mlp_layers(stages, tied=tied, dropout=dropout, idle=idle), num_stages=stages,
                           loss_fn=torch.nn.MSELoss(), partition_method="uniform", seed_layers=bool(dropout))
 
 

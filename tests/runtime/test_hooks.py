@@ -172,10 +172,14 @@ def test_under_ready_dispatch_hooks_follow_the_inboxs_receive_handlers_as_well()
     program = ReadyProgram(schedule, hooked.around(PipeMorphEngine._INSTRUCTION_MAP), fused=False, hooks=hooked)
     entries = program.posts + [e for unit in program.units.values() for e in unit.entries]
     by_text = {text[:6]: handler for _, text, handler, _, _ in entries}
-    # Each watched instruction runs a composed handler wrapping the one ready dispatch uses for it.
-    for prefix in ("POST_F", "RECV_F", "RECV_B", "F0"):
+    # Each watched instruction runs a composed handler wrapping the one ready dispatch uses for it:
+    # the inbox's for the receives, the engine's own for F.
+    from ds_pipemorph.runtime import ready_exec
+
+    for prefix, own in (("POST_F", ready_exec._post_f), ("RECV_F", ready_exec._take_f),
+                        ("RECV_B", ready_exec._take_b), ("F0", PipeMorphEngine._INSTRUCTION_MAP[I.ForwardPass])):
         handler = next(h for t, h in by_text.items() if t.startswith(prefix))
-        assert getattr(handler, "__wrapped__", None) is not None, prefix
+        assert getattr(handler, "__wrapped__", None) is own, prefix
     plain = ReadyProgram(schedule, PipeMorphEngine._INSTRUCTION_MAP, fused=False)
     assert all(not hasattr(h, "__wrapped__") for _, _, h, _, _ in plain.posts)
 

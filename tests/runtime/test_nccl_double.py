@@ -150,6 +150,9 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
                  "switch_dispatch": "ready"})
     jobs.append({"name": "ready", "stages": S, "micro_batches": N, "expect_error": True,
                  "pipemorph": _nccl_section("zb", dispatch="ready")})
+    delayed = _nccl_section("zb")
+    delayed["inject"] = {**delayed["inject"], "links": {"0": {"delay_ms": 5}}}
+    jobs.append({"name": "delayed", "stages": S, "micro_batches": N, "expect_error": True, "pipemorph": delayed})
     run = launch(S, jobs, tmp_path, timeout=140)
     for name, plan in checks:
         _assert_equal_to_stock(run, name, "stock", S, _expected_peak(jobs[[j["name"] for j in jobs].index(name)]
@@ -165,6 +168,7 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
     for r in range(S):
         assert run.result("switch_to_ready", r)["switch_error"] == refusal
         assert run.error("ready", r) == refusal
+        assert run.error("delayed", r).startswith("injected link delays and faults issue the direct path's sends")
     _assert_equal_to_stock(run, "switch_to_ready", "stock", S)
 
 

@@ -63,7 +63,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         model = PipelineModule([LayerSpec(EmulatedStage, 16, ms, ms, ms) for _ in range(job["layers"])],
                                num_stages=S, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     else:
-        model = build_model(S, seed=1234, tied=job.get("tied", False), dropout=job.get("dropout", 0.0))
+        model = build_model(S, seed=1234, tied=job.get("tied", False), dropout=job.get("dropout", 0.0),
+                            idle=job.get("idle", False))
     cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
     if job.get("torch_adam"):  # torch.optim.Adam (per-parameter step counts) instead of DeepSpeed's FusedAdam
         cfg["optimizer"]["params"]["torch_adam"] = True
@@ -180,7 +181,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "p2p": type(getattr(getattr(transport, "direct", None), "p2p", None)).__name__,
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms,
-                "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None), "seconds": seconds, "migrations": migrations,
+                "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None),
+                "reductions_skipped": getattr(engine, "reductions_skipped", None), "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
                 "parts": list(getattr(engine.module, "parts", [])),
