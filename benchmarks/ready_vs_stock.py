@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _util import print_table, write_json
+from _util import BadInput, check_out, print_table, write_json
 
 from ds_pipemorph.bench.launch import run_job
 from ds_pipemorph.bench.spec import BenchSpec, Scenario
@@ -67,6 +67,14 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--out", default="out/ready_vs_stock.json")
     args = ap.parse_args()
+    for name, value, least in (("--sittings", args.sittings, 1), ("--iterations", args.iterations, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            ap.error(f"{name} must be at least {least}, not {value}")
+    try:
+        check_out(args.out)
+    except BadInput as e:
+        ap.error(str(e))
     results = []
     for k in range(args.sittings):
         results.append(sitting(k, args))

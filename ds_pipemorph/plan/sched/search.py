@@ -212,6 +212,20 @@ def search(
     # more resilient, then the leaner plan, so the search goes on at the bound.
     seen: set[tuple] = set()
     pool: dict[tuple, tuple] = {}  # distinct portfolio orders -> (key, schedule): local-search starts
+
+    def consider(sched, enc, found_by: str) -> bool:
+        """Score ``sched``, keep it in the pool and make it the best if its key is; whether it was."""
+        nonlocal best, best_t, best_key, source
+        t = score(sched, enc)
+        k = _key(sched, t, enc, N)
+        pool.setdefault(_pool_key(sched, enc), (k, sched))
+        if k >= best_key:
+            return False
+        if t < best_t - 1e-9:
+            trace.append((time.perf_counter() - t0, t))
+        best, best_t, best_key, source = sched, t, k, found_by
+        return True
+
     pols = policies(costs)
     frontier = warmup_candidates(costs, N, caps)
     while frontier and not out_of_time():
@@ -222,13 +236,7 @@ def search(
                     continue
                 seen.add((tuple(x), pol))
                 sched, enc = list_schedule_encoded(costs, N, x, pol)
-                t = score(sched, enc)
-                k = _key(sched, t, enc, N)
-                pool.setdefault(_pool_key(sched, enc), (k, sched))
-                if k < best_key:
-                    if t < best_t - 1e-9:
-                        trace.append((time.perf_counter() - t0, t))
-                    best, best_t, best_key, source, improved = sched, t, k, "portfolio", True
+                improved = consider(sched, enc, "portfolio") or improved
         frontier = _neighbours(warmup_counts(best), caps, N) if improved else []
 
     # Double justification of the best distinct portfolio orders: never slower, often faster. It is
@@ -243,14 +251,7 @@ def search(
         justify_s = time.perf_counter() - tj
         if sched is None:
             break
-        enc = ev.encode(sched) if ev.native else None
-        t = score(sched, enc)
-        k = _key(sched, t, enc, N)
-        pool.setdefault(_pool_key(sched, enc), (k, sched))
-        if k < best_key:
-            if t < best_t - 1e-9:
-                trace.append((time.perf_counter() - t0, t))
-            best, best_t, best_key, source = sched, t, k, "justified"
+        consider(sched, ev.encode(sched) if ev.native else None, "justified")
 
     # Iterated local search from the best few distinct orders, sharing the time left.
     starts = [best] + [sc for _, sc in sorted(pool.values(), key=lambda v: v[0]) if sc != best][: STARTS - 1]
