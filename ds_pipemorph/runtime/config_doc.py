@@ -98,7 +98,8 @@ DESCRIPTIONS: dict[str, str] = {
     "orchestrate.patience": "... in this many iterations in a row is a data-parallel straggler",
     "orchestrate.min_gain": "re-map only if the predicted iteration time improves by at least this fraction",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
-            "(`F3`, `SEND_F3`, `RECV_B3`, …); nothing is emitted while no profiler is attached",
+            "(`F3`, `SEND_F3`, `RECV_B3`, …; under ready dispatch each receive is a range on its receive thread); "
+            "nothing is emitted while no profiler is attached",
     "timeline": "path: rank 0 writes a Chrome/Perfetto trace of every rank's ops (last 20 iterations), readable "
                 "by `pipemorph trace inspect`",
     "profile_out": "path: with the control loop, rank 0 writes the measured profile (input of `pipemorph plan`) "

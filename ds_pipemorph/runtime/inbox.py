@@ -10,18 +10,17 @@ way (direct, delegated, the router, test wrappers): ``recv`` matches by (kind, m
 receives can complete in any order. A receive's op record is stamped in its thread (``RECV_F3``:
 from when the thread began waiting to when it had the message back, which can be up to the
 interpreter's switch interval after the arrival), which is what the control loop's delay
-estimator reads.
+estimator reads; with NVTX on, the same span is a range on that thread
+(``OpRecorder.run_on_thread``).
 """
 from __future__ import annotations
 
 import collections
 import queue
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from .oprecords import OpRecord
 from .transport.protocol import TransportTimeout
 
 
@@ -34,8 +33,9 @@ class Inbox:
         self._futures: dict[tuple[str, int], Future] = {}
         self._completed: collections.deque = collections.deque()  # (kind, mb) as receives end, for ``drain``
 
-    def post(self, kind: str, mb: int, records: list) -> None:
-        """Start receiving message (kind, mb); its record goes to ``records`` when it is in."""
+    def post(self, kind: str, mb: int, recorder) -> None:
+        """Start receiving message (kind, mb); ``recorder`` (an ``OpRecorder``) records it, and puts an
+        NVTX range around it, on the receive's thread."""
         self.transport.post_recv(kind, mb)
         fut: Future = Future()
         self._futures[(kind, mb)] = fut
@@ -43,20 +43,18 @@ class Inbox:
             t = threading.Thread(target=self._work, name=f"pipemorph-recv-{len(self._workers)}", daemon=True)
             t.start()
             self._workers.append(t)
-        self._jobs.put((fut, kind, mb, records))
+        self._jobs.put((fut, kind, mb, recorder))
 
     def _work(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            fut, kind, mb, records = job
+            fut, kind, mb, recorder = job
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                t0 = time.monotonic_ns()
-                payload = self.transport.recv(kind, mb)
-                records.append(OpRecord(f"RECV_{kind}{mb}", t0, time.monotonic_ns()))  # list.append: atomic
+                payload = recorder.run_on_thread(f"RECV_{kind}{mb}", lambda: self.transport.recv(kind, mb))
             except BaseException as e:  # handed to the training thread at ``take``
                 self._completed.append((kind, mb))
                 fut.set_exception(e)

@@ -151,6 +151,23 @@ class OpRecorder:
             self._events.append((name, *pair))
 
 
+    def run_on_thread(self, name: str, fn: Callable[[], object]):
+        """``fn()`` inside an NVTX range ``name`` on the calling thread (ready dispatch's receive
+        threads), recorded as one OpRecord when it returns; its result."""
+        domain = self._domain
+        t0 = time.monotonic_ns()
+        if domain is None:
+            out = fn()
+        else:
+            domain.push_range(self._attrs.get(name) or self._attributes(name))
+            try:
+                out = fn()
+            finally:
+                domain.pop_range()
+        self.records.append(OpRecord(name, t0, time.monotonic_ns()))  # list.append: atomic
+        return out
+
+
 def fbw_ms_per_microbatch(records, microbatches: int) -> list[float]:
     """Mean ms per micro-batch of the F, B and W among ``records`` (one stage's iteration)."""
     total = dict.fromkeys(KINDS, 0)

@@ -30,11 +30,11 @@ from .schedule import Buffers, PipeMorphSchedule
 
 
 def _post_f(engine, micro_batch):
-    engine.inbox.post("F", micro_batch, engine.recorder.records)
+    engine.inbox.post("F", micro_batch, engine.recorder)
 
 
 def _post_b(engine, micro_batch):
-    engine.inbox.post("B", micro_batch, engine.recorder.records)
+    engine.inbox.post("B", micro_batch, engine.recorder)
 
 
 def _take_f(engine, buffer_id, micro_batch):

@@ -1,6 +1,6 @@
 """Trains a small pipeline with PipeMorphEngine under torchrun; each rank writes who it is and its op records.
 
-    torchrun --standalone --nproc_per_node S*DP tests/nvtx/nvtx_job.py OUT_DIR STAGES DP MICRO_BATCHES STEPS
+    torchrun --standalone --nproc_per_node S*DP tests/nvtx/nvtx_job.py OUT_DIR STAGES DP MICRO_BATCHES STEPS [DISPATCH]
 
 Per rank: OUT_DIR/rank<r>.json = {rank, stage, replica (DeepSpeed's data-parallel id), pid,
 records: one list per train_batch of [op, start_ns, end_ns] (time.monotonic_ns)}. Started with
@@ -25,9 +25,10 @@ from models import batches, build_model, ds_config  # noqa: E402
 
 def main() -> int:
     out_dir, S, dp, N, steps = sys.argv[1], *map(int, sys.argv[2:6])
+    dispatch = sys.argv[6] if len(sys.argv) > 6 else "ordered"
     deepspeed.init_distributed(dist_backend="gloo")
     section = {"schedule": "zb", "adapt": {"enabled": False}, "delegation": {"mode": "off"}, "nvtx": True,
-               "timeout_s": 120}
+               "timeout_s": 120, "dispatch": dispatch}
     model = build_model(S, seed=1234)
     engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
                                               config=ds_config(N, dp=dp, pipemorph=section))

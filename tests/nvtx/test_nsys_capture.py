@@ -29,19 +29,23 @@ MICRO_BATCH_OP = re.compile(r"(?:LOAD|F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)") 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """Run the job once with the injection loaded; (rank reports, recorded processes, export path)."""
+def _run_job(tmp_path_factory, stages: int, dp: int, *more: str):
+    """Run nvtx_job.py once with the injection loaded; (rank reports, recorded processes, export path)."""
     tmp = tmp_path_factory.mktemp("nvtx_job")
     lib = build_injection(tmp)
     env = {**os.environ, **injection_env(lib, tmp / "nvtx"), "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={STAGES * DP}",
-           str(HERE / "nvtx_job.py"), str(tmp), str(STAGES), str(DP), str(N), str(STEPS)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={stages * dp}",
+           str(HERE / "nvtx_job.py"), str(tmp), str(stages), str(dp), str(N), str(STEPS), *more]
     p = run_group(cmd, 540, cwd=REPO, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(STAGES * DP)]
+    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(stages * dp)]
     return ranks, {pr.pid: pr for pr in read_all(tmp / "nvtx")}, export_sqlite(tmp / "nvtx", tmp / "report.sqlite")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return _run_job(tmp_path_factory, STAGES, DP)
 
 
 def expected_ops(stage: int) -> dict[str, int]:
@@ -116,3 +120,25 @@ def test_replicas_pair_by_rank_so_every_message_is_received_after_it_was_sent(jo
     for _, sender, send, receiver, recv in pairs:
         assert replica[sender.rank] == replica[receiver.rank]  # DeepSpeed's p2p pairs replicas by data-parallel id
         assert send.start_ns < recv.end_ns
+
+
+@pytest.mark.timeout(600)
+def test_ready_dispatchs_receives_are_ranges_on_their_receive_threads_inside_their_records(tmp_path_factory):
+    """Ready dispatch receives in threads of its own (``runtime.inbox``): each receive is one range on
+    such a thread, named, categorised and numbered as on the training thread, within its op record."""
+    ranks, procs, _ = _run_job(tmp_path_factory, 2, 1, "ready")
+    for me in ranks:
+        proc = procs[me["pid"]]
+        ranges = proc.in_domain("pipemorph")
+        iters = [r for r in ranges if r.message.startswith("ITER")]
+        main = {r.tid for r in iters}
+        assert len(iters) == STEPS and len(main) == 1
+        kind = "RECV_F" if me["stage"] == 1 else "RECV_B"
+        recvs = [r for r in ranges if r.message.startswith("RECV_")]
+        assert sorted(r.message for r in recvs) == sorted(f"{kind}{m}" for m in range(N) for _ in range(STEPS))
+        for r in recvs:
+            assert r.tid not in main and r.depth == 0 and r.end is not None, r
+            assert r.category == f"stage{me['stage']}" and (r.payload_type, r.payload) == (2, int(r.message[6:]))
+            k = next(k for k, it in enumerate(iters) if it.start <= r.start <= it.end)
+            (t0, t1), = [(a, b) for op, a, b in me["records"][k] if op == r.message]
+            assert t0 <= r.start <= r.end <= t1, r.message

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from ds_pipemorph.runtime.inbox import Inbox
+from ds_pipemorph.runtime.oprecords import OpRecorder
 from ds_pipemorph.runtime.transport.protocol import TransportTimeout
 
 pytestmark = pytest.mark.timeout(30)
@@ -44,9 +45,9 @@ def _drained_until(inbox: Inbox, n: int) -> list:
 def test_completions_arrive_in_the_order_the_messages_come_not_the_order_posted():
     t = GatedTransport()
     inbox = Inbox(t, workers=4, timeout_s=5, rank=0)
-    records: list = []
+    recorder = OpRecorder(nvtx_enabled=False)
     for mb in range(3):
-        inbox.post("F", mb, records)
+        inbox.post("F", mb, recorder)
     t.open("F", 2)
     assert _drained_until(inbox, 1) == [("F", 2)]
     assert inbox.arrived("F", 2) and not inbox.arrived("F", 0)
@@ -56,14 +57,14 @@ def test_completions_arrive_in_the_order_the_messages_come_not_the_order_posted(
     assert sorted(_drained_until(inbox, 2)) == [("F", 0), ("F", 1)]
     assert [inbox.take("F", m) for m in (1, 0)] == ["F1", "F0"]
     assert inbox.outstanding == 0 and inbox.drain() == []
-    assert sorted(r.op for r in records) == ["RECV_F0", "RECV_F1", "RECV_F2"]
+    assert sorted(r.op for r in recorder.records) == ["RECV_F0", "RECV_F1", "RECV_F2"]
     inbox.close()
 
 
 def test_a_message_that_never_comes_is_a_timeout_naming_it_not_a_hang():
     t = GatedTransport()
     inbox = Inbox(t, workers=2, timeout_s=0.2, rank=3)
-    inbox.post("B", 7, [])
+    inbox.post("B", 7, OpRecorder(nvtx_enabled=False))
     with pytest.raises(TransportTimeout, match="rank 3: timed out after 0.2 s with no op ready, waiting for RECV_B7"):
         inbox.wait_any(["RECV_B7"])
     with pytest.raises(TransportTimeout, match="rank 3: RECV_B7 was announced as in but not handed over within 0.2 s"):
