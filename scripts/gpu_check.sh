@@ -12,10 +12,14 @@
 #                   no CUDA point-to-point; scripts/gpu_check/on_gpu0.py), PipeMorphEngine with
 #                   delegation.mode "always" (CUDA staging rings, gloo delegates) against stock DeepSpeed:
 #                   losses and parameters within 1e-5;
+#   nccl_job        with 2 GPUs or more (otherwise recorded as skipped: NCCL wants one GPU per rank): one rank
+#                   per GPU on the NCCL backend (scripts/gpu_check/nccl_job.py), PipeMorphEngine with direct
+#                   links under NCCL's rules (delegation.mode "auto", the GPU recipe's, and "off") against
+#                   stock DeepSpeed: losses and parameters within 1e-5, NcclLowering's streams run;
 #   staging_bench   benchmarks/staging_throughput.py, shortened;
 #   nsight          where nsys is installed: an Nsight Systems capture of a 4-rank job read back by
 #                   `pipemorph trace inspect` (otherwise recorded as skipped), delegated as one_gpu_job.
-# Exit code: 0 when every step passed (or was skipped for want of nsys), 1 when one failed or the budget ran
+# Exit code: 0 when every step passed (or was skipped for want of nsys or GPUs), 1 when one failed or the budget ran
 # out before one ran (verdict INCOMPLETE), 2 on bad arguments or a broken environment.
 # Without a CUDA device: one line saying so, exit 0, nothing run and no report.
 # PYTHON names the interpreter (default: python); GPU_CHECK_BUDGET_S the overall budget (default 480).
@@ -28,7 +32,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a directory" >&2; exit 2; }; OUT=$2; shift 2 ;;
     --out=*) OUT=${1#--out=}; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (only --out DIR)" >&2; exit 2 ;;
   esac
 done
@@ -96,6 +100,13 @@ step cuda_tests "$OUT/cuda_tests.xml" -- "$PYTHON" -m pytest -q -rs -p no:cachep
 step op_timing "$OUT/op_timing.json" -- "$PYTHON" scripts/gpu_check/op_timing.py "$OUT/op_timing.json"
 step one_gpu_job "$OUT/one_gpu_job.json" -- env DS_ACCELERATOR=cuda \
   "$PYTHON" scripts/gpu_check/one_gpu_job.py "$OUT/one_gpu_job" "$OUT/one_gpu_job.json"
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1) || gpus=0
+if [ "${gpus:-0}" -ge 2 ] 2>/dev/null; then
+  step nccl_job "$OUT/nccl_job.json" -- "$PYTHON" scripts/gpu_check/nccl_job.py "$OUT/nccl_job" "$OUT/nccl_job.json"
+else
+  row nccl_job skipped 0 "" "needs 2 CUDA devices or more (NCCL refuses two ranks of one communicator on one GPU)" \
+    "$PYTHON" scripts/gpu_check/nccl_job.py "$OUT/nccl_job" "$OUT/nccl_job.json"
+fi
 step staging_bench "$OUT/staging_throughput.json" -- "$PYTHON" benchmarks/staging_throughput.py \
   --sizes-mb 1 16 64 --repeats 3 --total-mb 256 --out "$OUT/staging_throughput.json"
 if command -v nsys > /dev/null; then

@@ -176,12 +176,14 @@ def test_a_step_the_budget_left_unrun_makes_the_check_incomplete_and_exit_1(tmp_
 
 
 def _stub_python(tmp_path: Path) -> Path:
-    """A PYTHON for gpu_check.sh that claims a CUDA device, runs the report writer with the real
-    interpreter and fails every GPU step at once: the script's own logic runs, no GPU work does."""
+    """A PYTHON for gpu_check.sh that claims a CUDA device (``STUB_GPUS`` of them, default 1), runs the
+    report writer with the real interpreter and fails every GPU step at once: the script's own logic
+    runs, no GPU work does."""
     stub = tmp_path / "python"
     stub.write_text(f"""#!/usr/bin/env bash
 case "$*" in
   *torch.cuda.is_available*) echo True ;;
+  *torch.cuda.device_count*) echo "${{STUB_GPUS:-1}}" ;;
   *versioned_extensions_dir*) [ -n "${{STUB_EXT:-}}" ] || exit 1; echo "$STUB_EXT" ;;
   *scripts/gpu_check/report.py*) exec {sys.executable} "$@" ;;
   *) echo "stub: no GPU step runs here"; exit 3 ;;
@@ -207,15 +209,17 @@ def test_a_spent_budget_leaves_steps_unrun_an_incomplete_verdict_and_a_relative_
     assert data["verdict"] == "INCOMPLETE"
     assert {s["name"]: s["status"] for s in data["steps"]} == {
         "cuda_tests": "incomplete", "op_timing": "incomplete", "one_gpu_job": "incomplete",
-        "staging_bench": "incomplete", "nsight": "skipped"}
+        "nccl_job": "skipped", "staging_bench": "incomplete", "nsight": "skipped"}
+    nccl = next(s for s in data["steps"] if s["name"] == "nccl_job")  # one GPU: NCCL wants one per rank
+    assert nccl["note"].startswith("needs 2 CUDA devices or more")
 
 
 @pytest.mark.timeout(90)
 def test_with_time_left_failing_steps_fail_the_check(tmp_path):
-    p = _run_stubbed(tmp_path, "100", STUB_EXT=str(tmp_path / "ext"))
+    p = _run_stubbed(tmp_path, "100", STUB_EXT=str(tmp_path / "ext"), STUB_GPUS="2")
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
-    assert data["verdict"] == "FAILED" and data["failed"] == 4
+    assert data["verdict"] == "FAILED" and data["failed"] == 5  # with 2 GPUs the NCCL step runs too
     assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"] if s["name"] != "nsight")
 
 
@@ -261,3 +265,20 @@ def test_deepspeed_p2p_works_through_the_host_staging_shim_on_two_gloo_ranks(tmp
     # rank 0: p2p.send, send_obj's two sends, two isends; rank 1: p2p.recv, recv_obj's two recvs, two irecvs
     assert staged[0] == {"send": 3, "recv": 1, "isend": 2, "irecv": 0}
     assert staged[1] == {"send": 1, "recv": 3, "isend": 0, "irecv": 2}
+
+
+@pytest.mark.timeout(180)
+def test_the_nccl_step_runs_its_jobs_and_checks_on_the_cpu_double_of_nccls_rules(tmp_path):
+    """nccl_job.py --double: its jobs and checks, on gloo under NCCL's rules instead of NCCL (the NCCL
+    run itself needs two GPUs); the key file says the engine trained like stock and ran NcclLowering."""
+    keys = tmp_path / "nccl_job.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check" / "nccl_job.py"), str(tmp_path / "work"),
+                        str(keys), "--double"], capture_output=True, text=True, cwd=ROOT, timeout=170,
+                       env={**os.environ, "GPU_CHECK_STEP_S": "160"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    got = json.loads(keys.read_text())
+    assert got["ok"] and got["failures"] == []
+    for job in ("auto", "off"):
+        k = got["key_numbers"][job]
+        assert k["max_loss_diff"] <= 1e-5 and k["max_param_diff"] <= 1e-5 and k["p2p"] == ["NcclRules"]
+
