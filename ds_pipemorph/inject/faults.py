@@ -63,7 +63,9 @@ class FaultyLink(TransportWrapper):
         super().__init__(inner)
         self.rank, self.stage_id = rank, stage_id
         self.fails_after = dict(faults.link_fails_after)
-        self.count: dict[tuple[int, str], int] = {}
+        self.count: dict[tuple[int, str], int] = {}  # messages sent or received, per (link, kind)
+        self.posts: dict[tuple[int, str], int] = {}  # receives posted, per (link, kind)
+        self._posted: set[tuple[str, int]] = set()
 
     def _tick(self, kind: str, mb: int, sending: bool) -> None:
         link = link_of(self.stage_id, kind, sending)
@@ -76,15 +78,28 @@ class FaultyLink(TransportWrapper):
                                  f"(link {link} fails after {self.fails_after[link]} {kind} messages)")
 
     def post_recv(self, kind: str, mb: int) -> None:
-        if link_of(self.stage_id, kind, False) in self.fails_after:
-            return  # ``recv`` posts it: a receive posted ahead on a link about to fail would dangle
-        self.inner.post_recv(kind, mb)
+        """Posted where the stream posts it, up to the K-th message of a failing direction; later ones are
+        never posted (their ``recv`` fails), so none dangles and the wire keeps the stream's order."""
+        if self._count_post(kind, mb):
+            self.inner.post_recv(kind, mb)
+
+    def _count_post(self, kind: str, mb: int) -> bool:
+        """Whether the receive of (kind, mb) may reach the wire (counted once per message)."""
+        link = link_of(self.stage_id, kind, False)
+        if link not in self.fails_after:
+            return True
+        if (kind, mb) not in self._posted:
+            self._posted.add((kind, mb))
+            self.posts[(link, kind)] = self.posts.get((link, kind), 0) + 1
+        return self.posts[(link, kind)] <= self.fails_after[link]
 
     def send(self, kind: str, mb: int, payload) -> None:
         self._tick(kind, mb, True)
         self.inner.send(kind, mb, payload)
 
     def recv(self, kind: str, mb: int):
+        self._count_post(kind, mb)  # a receive not posted ahead counts as posted here
+        self._posted.discard((kind, mb))
         self._tick(kind, mb, False)
         return self.inner.recv(kind, mb)
 

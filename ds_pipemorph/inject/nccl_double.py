@@ -15,9 +15,16 @@ section asks for it. It runs on gloo what NCCL would run on GPUs, with NCCL's ma
   an op queued behind an unmatched one waits, and a stream NCCL would deadlock on ends in
   ``TransportTimeout`` after the transport's timeout, naming the op and what it is queued behind.
 
+A slow link (``inject.links``, ``inject.trace``, ``inject.rank_links``) is slow here, in the pair's
+queue: the worker holds each message's first tensor for the link's delay before sending it, so
+everything queued behind it with that peer, both directions, waits too, as on NCCL's one stream per
+pair; the messages keep their issue order.
+
 Each message costs three gloo messages (identity, bytes, ack); the double is for correctness tests,
-not for timing. Groups (``batch_isend_irecv``) are not modelled: every op is alone, which is
-stricter (``plan.ir.nccl_lowering``'s streams pass the dry run without groups too).
+not for timing. A group (``batch``: ``batch_isend_irecv``) is queued op by op in its order, as if
+each op were alone, which is stricter (``plan.ir.nccl_lowering``'s streams pass the dry run without
+groups too); ``groups`` records what each group held (``("send", "F3 part 1")``, ...), so a test
+can check that the engine issued the groups its stream asks for.
 """
 from __future__ import annotations
 
@@ -25,13 +32,13 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..fileio import first_line
-from ..runtime.transport.header import untag
+from ..runtime.transport.header import PARTS, untag
 from ..runtime.transport.protocol import TransportError, TransportTimeout
 
 DATA_TAG = 3 << 24  # above the direct path's tags: a message's identity, then its bytes, one direction
@@ -70,11 +77,14 @@ class NcclRules:
 
     in_order = True
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, delay_s: Optional[Callable[[int], float]] = None):
+        """``delay_s(peer)``: seconds each message to ``peer`` is held before its first tensor is sent."""
         self.rank, self.timeout_s = rank, float(timeout_s)
+        self.delay_s = delay_s
         self._queues: dict[int, queue.Queue] = {}
         self._heads: dict[int, Optional[_Op]] = {}  # peer -> the op its worker runs now
         self._received: dict[int, int] = {}  # peer -> receives completed (for the error's "no. k")
+        self.groups: list[list[tuple[str, str]]] = []  # per group issued: ("send"|"recv", untag text) per op
         self._lock = threading.Lock()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> _Op:
@@ -82,6 +92,11 @@ class NcclRules:
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> _Op:
         return self._issue(_Op(self, False, tensor, src, tag))
+
+    def batch(self, ops) -> list[_Op]:
+        """A group of (sending?, tensor, peer, tag): queued in its order, each op as if alone."""
+        self.groups.append([("send" if sending else "recv", untag(t)) for sending, _, _, t in ops])
+        return [self._issue(_Op(self, sending, tensor, peer, t)) for sending, tensor, peer, t in ops]
 
     def head(self, peer: int) -> Optional[_Op]:
         return self._heads.get(peer)
@@ -133,6 +148,10 @@ class NcclRules:
 
     def _send(self, op: _Op) -> None:
         t = op.tensor
+        if self.delay_s is not None and op.tag % PARTS == 1:  # a message's first tensor: it crosses the slow link
+            seconds = self.delay_s(op.peer)
+            if seconds > 0:
+                time.sleep(seconds)
         identity = torch.tensor([op.tag, t.numel() * t.element_size()], dtype=torch.int64)
         self._gloo(dist.isend(identity, dst=op.peer, tag=DATA_TAG), op, "its identity")
         self._gloo(dist.isend(t, dst=op.peer, tag=DATA_TAG), op, "its bytes")

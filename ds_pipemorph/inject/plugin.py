@@ -7,7 +7,7 @@ it). The runtime then validates the ``inject`` section with ``InjectConfig`` (``
 - ``InjectTransport`` (a ``TransportHooks``): the direct path under NCCL's point-to-point rules
   (``nccl_double.NcclRules``, which it then announces as ``p2p_rules = "nccl"``), under
   ``faults.FaultyLink`` (links that break after K messages) under ``delays.DelayInjector`` (slow
-  links), the delay schedule handed to the delegated path (its sender delegates apply it), and
+  links; under the NCCL double the double holds the messages of a slow link instead), the delay schedule handed to the delegated path (its sender delegates apply it), and
   ``faults.DelegateKiller`` around the router;
 - engine hooks: ``compute.ComputeInjector`` (slowed stages, after each F, B and W),
   ``rank_links.SlowAllReduce`` (a slow data-parallel ring, after ``ReduceGrads``) and
@@ -35,22 +35,31 @@ class InjectTransport(TransportHooks):
     def __init__(self, delays=None, faults=None, nccl_rules: bool = False):
         self.delays, self.faults = delays, faults
         self.p2p_rules = "nccl" if nccl_rules else None
-        self.keeps_issue_order = delays is None and faults is None  # a delay lane sends later; faults post late
+        # A delay lane sends from its own thread, later than the stream puts the send; under the NCCL
+        # double the delays are applied in the pair's queue instead, in issue order.
+        self.keeps_issue_order = delays is None or nccl_rules
 
     def wrap_direct(self, direct, *, rank: int, stage_id: int, timeout_s: float):
         if self.p2p_rules == "nccl":  # the wire itself: NCCL's queues under everything else
             from .nccl_double import NcclRules
 
-            direct = direct.with_p2p(NcclRules(rank, timeout_s))
+            direct = direct.with_p2p(NcclRules(rank, timeout_s, self._pair_delay_s(direct.stage_ranks, stage_id)))
         if self.faults is not None:  # next to the wire: on a delayed link a send fails after its delay
             from .faults import FaultyLink
 
             direct = FaultyLink(direct, rank, stage_id, self.faults)
-        if self.delays is not None:
+        if self.delays is not None and self.p2p_rules != "nccl":
             from .delays import DelayInjector
 
             direct = DelayInjector(direct, stage_id, self.delays, timeout_s=timeout_s)
         return direct
+
+    def _pair_delay_s(self, stage_ranks, stage_id: int):
+        """Seconds a message to a peer rank is held in the NCCL double: the delay of the link between them."""
+        if self.delays is None:
+            return None
+        delays, stage_of = self.delays, {r: s for s, r in enumerate(stage_ranks)}
+        return lambda peer: delays.delay_ms(min(stage_id, stage_of[peer])) / 1000.0
 
     def wrap_router(self, router):
         if self.faults is None or self.faults.kill_delegate is None:

@@ -35,6 +35,12 @@ class TransportWrapper:
     def wait_sends(self) -> None:
         self.inner.wait_sends()
 
+    def begin_group(self) -> None:
+        self.inner.begin_group()
+
+    def end_group(self) -> None:
+        self.inner.end_group()
+
     def reset_shapes(self) -> None:
         self.inner.reset_shapes()
 

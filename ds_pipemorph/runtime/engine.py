@@ -39,6 +39,7 @@ from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ..plan.ir.links import DIRECT, Delegated
 from ..plan.ir.lower import DISPATCHES, BadStream, LoweringPolicy
+from ..plan.ir.nccl import nccl_groups
 from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
 from .builder import EngineBuilder
@@ -96,6 +97,17 @@ def unsupported_reason(config_class, model) -> Optional[str]:
     return None
 
 
+def out_of_order_refusal(nccl: bool, hooks: Sequence[TransportHooks]) -> Optional[str]:
+    """The sentence refusing transport hooks that issue the direct path's operations out of the
+    stream's order while NCCL's rules hold (``TransportHooks.keeps_issue_order``); None if none does."""
+    if not nccl or all(h.keeps_issue_order for h in hooks):
+        return None
+    return ("a transport hook issues the direct path's sends or receives out of the stream's order (injected link "
+            "delays send from their own thread), which NCCL's in-order point-to-point cannot run: drop "
+            "pipemorph.inject's links, trace and rank_links on the NCCL backend, or set pipemorph.delegation.mode "
+            "to \"always\"")
+
+
 class PipeMorphEngine(PipelineEngine):
     """A PipelineEngine that executes a PipeMorph plan (``plan[s]`` is stage s's op order)."""
 
@@ -113,11 +125,9 @@ class PipeMorphEngine(PipelineEngine):
         self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
         if self.nccl_rules and pipemorph.dispatch == "ready":
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
-        if self.nccl_rules and not all(h.keeps_issue_order for h in router_hooks):
-            raise PipeMorphConfigError(
-                "injected link delays and faults issue the direct path's sends and receives out of the stream's "
-                "order, which NCCL's in-order point-to-point cannot run: drop pipemorph.inject's links, trace and "
-                "faults, or set pipemorph.delegation.mode to \"always\"")
+        refusal = out_of_order_refusal(self.nccl_rules, router_hooks)
+        if refusal:
+            raise PipeMorphConfigError(refusal)
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
@@ -334,9 +344,11 @@ class PipeMorphEngine(PipelineEngine):
         dispatch, handlers = self.dispatch, self._handlers
         compiled = self._compiled.get(dispatch)
         if compiled is None or compiled[1] is not handlers:  # a new plan, or hooks added since (add_hooks)
-            schedule = PipeMorphSchedule(self._stream_for(dispatch), self.micro_batches, self.num_stages, self.stage_id)
+            stream = self._stream_for(dispatch)
+            groups = nccl_groups([stream])[0] if self.nccl_rules else ()  # issued as batch_isend_irecv
+            schedule = PipeMorphSchedule(stream, self.micro_batches, self.num_stages, self.stage_id, groups)
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
-            program = [(type(cmd) not in I.POSTS, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
+            program = [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
                        for step in schedule.steps() for cmd in step]
             tail = len(list(schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
             ready = ReadyProgram(schedule, handlers, self.lowering.fused, self.hooks) if dispatch == "ready" else None
@@ -547,6 +559,12 @@ class PipeMorphEngine(PipelineEngine):
     def _exec_post_recv_grad(self, micro_batch):
         self.transport.post_recv("B", micro_batch)
 
+    def _exec_begin_p2p_group(self):
+        self.transport.begin_group()
+
+    def _exec_end_p2p_group(self):
+        self.transport.end_group()
+
     def _exec_backward_input(self, buffer_id, micro_batch):
         if self.is_last_stage():
             outs = [self._scale_loss_by_gas(self._losses.pop(buffer_id))]
@@ -609,6 +627,8 @@ class PipeMorphEngine(PipelineEngine):
         I.ReduceGrads: _exec_reduce_grads,
         I.PostRecvActivation: _exec_post_recv_activation,
         I.PostRecvGrad: _exec_post_recv_grad,
+        I.BeginP2PGroup: _exec_begin_p2p_group,
+        I.EndP2PGroup: _exec_end_p2p_group,
     }
 
 

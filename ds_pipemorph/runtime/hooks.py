@@ -82,7 +82,7 @@ class TransportHooks:
     delays: Optional[DelaySource] = None
     p2p_rules: Optional[str] = None
     # False when the wrapped direct path issues sends or receives elsewhere than where the stream puts
-    # them (a delay's lane sends later, a failing link posts at the consumer): NCCL's rules forbid it.
+    # them (a delay's lane sends later): NCCL's rules forbid it.
     keeps_issue_order: bool = True
 
     def wrap_direct(self, direct, *, rank: int, stage_id: int, timeout_s: float):

@@ -60,6 +60,19 @@ class PostRecvGrad(ds.PipeInstruction):
 POSTS = (PostRecvActivation, PostRecvGrad)
 
 
+class BeginP2PGroup(ds.PipeInstruction):
+    """Under NCCL's rules: the sends and receives up to ``EndP2PGroup`` go out as one group
+    (``plan.ir.nccl.nccl_groups``; ``Transport.begin_group``)."""
+
+
+class EndP2PGroup(ds.PipeInstruction):
+    """Issue the group ``BeginP2PGroup`` opened."""
+
+
+GROUPS = (BeginP2PGroup, EndP2PGroup)
+UNRECORDED = POSTS + GROUPS  # no op record or range of their own: they take no time worth one
+
+
 class WaitSends(ds.PipeInstruction):
     """Wait until every send of this iteration has been received (before reductions and step)."""
 

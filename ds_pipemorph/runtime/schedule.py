@@ -14,6 +14,9 @@ for this stage, op by op::
     W m       ->  BackwardWeightPass
     end       ->  WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
 
+With ``groups`` (index ranges of the stream, ``plan.ir.nccl.nccl_groups``: under NCCL's rules)
+the first op of a range starts with ``BeginP2PGroup`` and the last ends with ``EndP2PGroup``.
+
 Step i holds the instructions of ``stream[i]``; one last step ends the iteration. Buffers
 (``Buffers``): F m takes the lowest free pipe buffer and B m releases it (W needs none), so the
 number of buffers is the plan's peak of in-flight activations on this stage, not more; ready
@@ -51,9 +54,11 @@ class Buffers:
 class PipeMorphSchedule(PipeSchedule):
     """Executes ``stream`` (this stage's lowered ops, already dry-run) for one training batch."""
 
-    def __init__(self, stream: Sequence[Op], micro_batches: int, stages: int, stage_id: int):
+    def __init__(self, stream: Sequence[Op], micro_batches: int, stages: int, stage_id: int,
+                 groups: Sequence[range] = ()):
         super().__init__(micro_batches, stages, stage_id)
         self.stream = list(stream)
+        self.groups = list(groups)
         self.ops = [op.local() for op in self.stream if op.is_compute]  # the plan's F/B/W order
         self._buffers = max(1, peak_inflight([self.ops])[0])
         self._steps = self._compile()
@@ -69,7 +74,9 @@ class PipeMorphSchedule(PipeSchedule):
         released: dict[int, int] = {}  # micro-batch -> the buffer its B released (SendGrad names it)
         first, last = self.is_first_stage, self.is_last_stage
         steps: list[list] = []
-        for op in self.stream:
+        opens = {g.start for g in self.groups}
+        closes = {g.stop - 1 for g in self.groups}
+        for i, op in enumerate(self.stream):
             k, m = op.kind, op.mb
             if k == "RECV_F":
                 cmds = [I.PostRecvActivation(micro_batch=m)]
@@ -91,6 +98,10 @@ class PipeMorphSchedule(PipeSchedule):
                 cmds = [I.SendGrad(released.pop(m), micro_batch=m)]
             else:
                 cmds = [I.BackwardWeightPass(micro_batch=m)]
+            if i in opens:
+                cmds.insert(0, I.BeginP2PGroup())
+            if i in closes:
+                cmds.append(I.EndP2PGroup())
             steps.append(cmds)
         steps.append([I.WaitSends(), I.ReduceTiedGrads(), I.ReduceGrads(), I.OptimizerStep()])
         return steps

@@ -72,9 +72,10 @@ config, out, schedule = sys.argv[1:]
 out = os.path.abspath(out)  # relative paths in the config would be read against its own directory
 cfg = json.load(open(config))
 pm = cfg["pipemorph"]
-if schedule == "plan":  # the offline plan, never re-planned (links stay delegated, as NCCL needs)
+if schedule == "plan":  # the offline plan, never re-planned: no detector, so every link stays direct
     pm.update(schedule="plan", plan_file=f"{out}/plan.yaml", profile_out=None)
     pm.pop("adapt")
+    pm["delegation"]["mode"] = "off"
 else:  # adaptive
     pm["profile_out"] = f"{out}/measured_profile.yaml"  # feed it back to `pipemorph plan`
 json.dump(cfg, open(f"{out}/ds_config.json", "w"), indent=2)

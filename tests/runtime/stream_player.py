@@ -2,11 +2,15 @@
 
     torchrun --standalone --nproc_per_node S tests/runtime/stream_player.py SPEC.json OUT_DIR
 
-SPEC: {"name", "timeout_s", "streams": per rank, its ops as [kind, mb]} (rank r is stage r). Each
-op does what the engine's does to the transport: RECV_F/RECV_B m posts the receive, F m (stages > 0)
-and B m (stages < S-1) wait for their message, SEND_F/SEND_B m send a tensor whose values name the
-message; the iteration ends with ``wait_sends``. Writes OUT_DIR/<name>.rank<r>.json: {"ok": true,
-"received": {...}} or {"error": type, "text": message}.
+SPEC: {"name", "timeout_s", "streams": per rank, its ops as [kind, mb]} (rank r is stage r), and
+optionally "iterations" (default 1), "groups" (true: each run ``plan.ir.nccl.nccl_groups`` names is
+issued between ``begin_group`` and ``end_group``, as the engine does) and "p2p" ("double", the
+default: ``NcclRules``; "torch": torch.distributed's own ``isend``/``irecv``/``batch_isend_irecv`` on
+gloo, issued in order as under NCCL). Each op does what the engine's does to the transport:
+RECV_F/RECV_B m posts the receive, F m (stages > 0) and B m (stages < S-1) wait for their message,
+SEND_F/SEND_B m send a tensor whose values name the message; each iteration ends with
+``wait_sends``. Writes OUT_DIR/<name>.rank<r>.json: {"ok": true, "received": {...}} or
+{"error": type, "text": message}.
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ds_pipemorph.inject.nccl_double import NcclRules  # noqa: E402
-from ds_pipemorph.runtime.transport.direct import DirectTransport  # noqa: E402
+from ds_pipemorph.plan.ir.nccl import nccl_groups  # noqa: E402
+from ds_pipemorph.plan.ir.ops import Op  # noqa: E402
+from ds_pipemorph.runtime.transport.direct import DirectTransport, TorchP2P  # noqa: E402
 from ds_pipemorph.runtime.transport.protocol import TransportError  # noqa: E402
 
 
@@ -31,21 +37,34 @@ def payload(kind: str, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((3,), float(code)), torch.full((2, 2), float(-code))
 
 
+class InOrderTorchP2P(TorchP2P):
+    """torch.distributed's point-to-point on gloo, treated as in order (the direct path issues as for NCCL)."""
+
+    in_order = True
+
+
 def play(spec: dict, rank: int) -> dict:
     S, stream = len(spec["streams"]), spec["streams"][rank]
-    transport = DirectTransport(rank, rank, list(range(S)), timeout_s=spec["timeout_s"],
-                                p2p=NcclRules(rank, spec["timeout_s"]))
+    p2p = InOrderTorchP2P() if spec.get("p2p") == "torch" else NcclRules(rank, spec["timeout_s"])
+    transport = DirectTransport(rank, rank, list(range(S)), timeout_s=spec["timeout_s"], p2p=p2p)
+    groups = nccl_groups([[Op(kind, mb, rank) for kind, mb in stream]])[0] if spec.get("groups") else []
+    opens, closes = {g.start for g in groups}, {g.stop - 1 for g in groups}
     received = {}
     try:
-        for kind, mb in stream:
-            if kind in ("RECV_F", "RECV_B"):
-                transport.post_recv(kind[-1], mb)
-            elif kind == "F" and rank > 0 or kind == "B" and rank < S - 1:
-                a, b = transport.recv(kind, mb)
-                received[f"{kind}{mb}"] = [a.tolist(), b.tolist()]
-            elif kind in ("SEND_F", "SEND_B"):
-                transport.send(kind[-1], mb, payload(kind[-1], mb))
-        transport.wait_sends()
+        for _ in range(spec.get("iterations", 1)):
+            for i, (kind, mb) in enumerate(stream):
+                if i in opens:
+                    transport.begin_group()
+                if kind in ("RECV_F", "RECV_B"):
+                    transport.post_recv(kind[-1], mb)
+                elif kind == "F" and rank > 0 or kind == "B" and rank < S - 1:
+                    a, b = transport.recv(kind, mb)
+                    received[f"{kind}{mb}"] = received.get(f"{kind}{mb}", []) + [[a.tolist(), b.tolist()]]
+                elif kind in ("SEND_F", "SEND_B"):
+                    transport.send(kind[-1], mb, payload(kind[-1], mb))
+                if i in closes:
+                    transport.end_group()
+            transport.wait_sends()
     except TransportError as e:
         return {"error": type(e).__name__, "text": str(e)}
     finally:

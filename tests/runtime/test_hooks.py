@@ -200,3 +200,23 @@ def test_hooks_added_while_ready_dispatch_runs_are_refused_if_they_refuse_it_and
     dropping.migration_drop = frozenset({1})
     engine.add_hooks(dropping)  # a migration's transfer drops what hooks added later ask for too
     assert engine.transfer.drops(1) and not engine.transfer.drops(0)
+
+
+def test_under_nccls_rules_only_injected_delays_outside_the_double_are_refused_in_one_sentence():
+    """Delay lanes send from their own thread (out of the stream's order): refused on the NCCL backend;
+    under the NCCL double the double holds the messages in the pair's queue instead, and failing
+    links post their receives where the stream does."""
+    from ds_pipemorph.inject.delays import DelaySchedule
+    from ds_pipemorph.inject.faults import Faults
+    from ds_pipemorph.inject.plugin import InjectTransport
+    from ds_pipemorph.runtime.engine import nccl_rules, out_of_order_refusal
+
+    delays = DelaySchedule(static_ms=[5.0])
+    lanes = InjectTransport(delays)
+    assert nccl_rules("nccl", "auto", [lanes])
+    refusal = out_of_order_refusal(True, [lanes])
+    assert refusal.startswith("a transport hook issues the direct path's sends or receives out of the stream's order")
+    assert refusal.endswith('set pipemorph.delegation.mode to "always"') and refusal.count(". ") == 0
+    assert out_of_order_refusal(False, [lanes]) is None  # gloo matches by tag: any order is fine
+    assert out_of_order_refusal(True, [InjectTransport(delays, nccl_rules=True)]) is None
+    assert out_of_order_refusal(True, [InjectTransport(faults=Faults(link_fails_after={0: 3}))]) is None

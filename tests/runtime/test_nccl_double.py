@@ -21,7 +21,7 @@ import yaml
 
 from ds_pipemorph.plan.ir.lower import LoweringPolicy
 from ds_pipemorph.plan.ir.nccl_lowering import NcclLowering
-from ds_pipemorph.plan.ir.ops import Op
+from ds_pipemorph.plan.ir.ops import Op, parse_stage
 from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
 from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.procs import run_group
@@ -29,6 +29,7 @@ from ds_pipemorph.procs import run_group
 from .launch import HERE, REPO, launch
 from .plans_io import write_plan
 from .randplans import random_plan
+from .launch import max_param_diff
 from .test_equivalence import _assert_equal_to_stock, _expected_peak
 
 NCCL = {"nccl_rules": True}
@@ -84,23 +85,30 @@ def test_a_receive_posted_out_of_the_senders_order_is_an_error_naming_both_messa
     assert "meets F0 header" in got["swapped", 1]["text"]
 
 
-@pytest.mark.timeout(90)
-def test_nccl_lowering_streams_deliver_every_message_under_the_double(tmp_path):
+@pytest.mark.timeout(120)
+def test_nccl_lowering_streams_deliver_every_message_under_the_double_and_through_batch_isend_irecv(tmp_path):
+    """Ungrouped, and grouped as the engine issues them (``nccl_groups``) for two iterations (the
+    second with known layouts, so whole groups): under the double, and through torch's own
+    ``isend``/``irecv``/``batch_isend_irecv`` on gloo issued in the same order."""
     rng = random.Random(5)
     plans = [("1f1b_s3", deepspeed_1f1b(3, 3)), ("random_s3", random_plan(3, 3, rng)[0]),
              ("random_s3_b", random_plan(3, 3, rng)[0])]
     cases = [_case(name, NcclLowering().lower(plan)) for name, plan in plans]
     cases.append(_case("fused_s3", NcclLowering(fused=True).lower(deepspeed_1f1b(3, 3))))
-    got = _play(cases, 3, tmp_path, timeout=80)
+    for name, plan in plans[:2]:
+        for p2p in ("double", "torch"):
+            cases.append({**_case(f"{name}_grouped_{p2p}", NcclLowering().lower(plan)), "groups": True,
+                          "iterations": 2, "p2p": p2p})
+    got = _play(cases, 3, tmp_path, timeout=110)
     for case in cases:
         for r in range(3):
             out = got[case["name"], r]
             assert out.get("ok"), (case["name"], r, out)
             want = {f"F{m}" for m in range(3) if r > 0} | {f"B{m}" for m in range(3) if r < 2}
             assert set(out["received"]) == want
-            for msg, (a, b) in out["received"].items():
+            for msg, runs in out["received"].items():
                 code = (1 if msg[0] == "F" else 2) * 100 + int(msg[1:])
-                assert a == [code] * 3 and b == [[-code] * 2] * 2, (case["name"], r, msg)
+                assert runs == [[[code] * 3, [[-code] * 2] * 2]] * case.get("iterations", 1), (case["name"], r, msg)
 
 
 def _nccl_section(schedule: str, **more) -> dict:
@@ -108,12 +116,30 @@ def _nccl_section(schedule: str, **more) -> dict:
 
 
 def _assert_ran_nccl_lowering(run, name: str, plan, ranks: int) -> None:
-    """Every step ran the NCCL lowering's stream of ``plan`` (receives where it puts them)."""
-    streams = NcclLowering().lines(plan)
+    """Every step ran the NCCL lowering's stream of ``plan`` (receives where it puts them), and once
+    the layouts were known (steps 2 and 3) issued each run of adjacent sends and receives with one
+    peer as one group, holding those messages' tensors in the stream's order."""
+    streams = NcclLowering().lower(plan)
     for r in range(ranks):
         ours = run.result(name, r)
+        stream = streams[ours["stage"]]
         assert ours["p2p"] == "NcclRules", f"{name} rank {r}: the direct path ran on {ours['p2p']}"
-        assert ours["executed"] == [streams[ours["stage"]].split()] * 3, f"{name} rank {r}: {ours['executed']}"
+        assert ours["executed"] == [[str(op) for op in stream]] * 3, f"{name} rank {r}: {ours['executed']}"
+        want = [[("send" if op.kind.startswith("SEND") else "recv", f"{op.kind[-1]}{op.mb} part 1")
+                 for op in stream[i:j]] for i, j in _runs_with_one_peer(stream)]
+        got = ours["p2p_groups"]
+        assert got[len(got) - 2 * len(want):] == want * 2, f"{name} rank {r}: groups {got}"
+
+
+def _runs_with_one_peer(stream) -> list[tuple[int, int]]:
+    """(start, stop) of each run of two or more adjacent sends and receives with one peer."""
+    runs, start = [], 0
+    for i in range(1, len(stream) + 1):
+        if i == len(stream) or stream[i].is_compute or stream[start].is_compute or stream[i].peer != stream[start].peer:
+            if i - start > 1 and not stream[start].is_compute:
+                runs.append((start, i))
+            start = i
+    return runs
 
 
 @pytest.mark.timeout(150)
@@ -150,9 +176,10 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
                  "switch_dispatch": "ready"})
     jobs.append({"name": "ready", "stages": S, "micro_batches": N, "expect_error": True,
                  "pipemorph": _nccl_section("zb", dispatch="ready")})
-    delayed = _nccl_section("zb")
+    delayed = _nccl_section("zb")  # the double holds the slow link's messages in the pair's queue
     delayed["inject"] = {**delayed["inject"], "links": {"0": {"delay_ms": 5}}}
-    jobs.append({"name": "delayed", "stages": S, "micro_batches": N, "expect_error": True, "pipemorph": delayed})
+    jobs.append({"name": "delayed", "stages": S, "micro_batches": N, "pipemorph": delayed})
+    checks.append(("delayed", checks[1][1]))
     run = launch(S, jobs, tmp_path, timeout=140)
     for name, plan in checks:
         _assert_equal_to_stock(run, name, "stock", S, _expected_peak(jobs[[j["name"] for j in jobs].index(name)]
@@ -168,7 +195,6 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
     for r in range(S):
         assert run.result("switch_to_ready", r)["switch_error"] == refusal
         assert run.error("ready", r) == refusal
-        assert run.error("delayed", r).startswith("injected link delays and faults issue the direct path's sends")
     _assert_equal_to_stock(run, "switch_to_ready", "stock", S)
 
 
@@ -179,3 +205,57 @@ def test_two_pipelines_by_two_stages_under_nccl_rules_train_like_stock(tmp_path)
     run = launch(4, jobs, tmp_path, timeout=110)
     _assert_equal_to_stock(run, "zb", "stock", 4, _expected_peak(jobs[1]["pipemorph"], 2, 4))
     assert [run.result("zb", r)["p2p"] for r in range(4)] == ["NcclRules"] * 4
+
+
+@pytest.mark.timeout(150)
+def test_links_that_fail_under_nccl_rules_fail_over_to_the_delegates_and_train_like_stock(tmp_path):
+    """Failover (PipeMorph §5.3) under the double: link 0's direct path fails from its 6th message per
+    direction and link 1's, 10 ms slow, from its 7th (step 2, micro-batches 1 and 2); both ends move
+    each direction to the delegates, whose gloo groups match by tag, and training is unchanged."""
+    from ds_pipemorph.runtime.config import parse_config
+    from ds_pipemorph.runtime.plans import build_plan
+
+    from .test_faults import EXPECTED_EVENTS
+
+    S, N = 3, 4
+    section = {**_nccl_section("zb", timeout_s=60), "delegation": {"mode": "auto", "queues": 1},
+               "inject": {**NCCL, "links": {"1": {"delay_ms": 10.0}}, "faults": {"link_fails_after": {"0": 5, "1": 6}}}}
+    jobs = [{"name": "stock", "stages": S, "micro_batches": N, "pipemorph": None},
+            {"name": "link_fails", "stages": S, "micro_batches": N, "pipemorph": section}]
+    zb = build_plan(parse_config(section), S, N)
+    run = launch(S, jobs, tmp_path, timeout=140)
+    _assert_equal_to_stock(run, "link_fails", "stock", S, plan=zb)
+    for r in range(S):
+        got = run.result("link_fails", r)
+        assert got["p2p"] == "NcclRules"
+        events = "\n".join(got["events"])
+        for line in EXPECTED_EVENTS["link_fails"][got["stage"]]:
+            assert line in events, f"rank {r}: no '{line}' in\n{events}"
+        assert got["executed"][0] == NcclLowering().lines(zb)[got["stage"]].split()
+
+
+@pytest.mark.timeout(200)
+def test_the_control_loop_replans_for_a_slow_link_under_nccl_rules_and_trains_like_stock(tmp_path):
+    """A 40 ms link 0, slow in the double's pair queue: the control loop measures it and re-plans; every
+    step runs a stream that passes NCCL's dry run (the new plan lowered by ``NcclLowering``), and the
+    losses and parameters equal stock DeepSpeed's."""
+    from ds_pipemorph.plan.ir.nccl import nccl_dry_run
+
+    S, N, STEPS = 2, 4, 5
+    section = {**_nccl_section("adaptive", timeout_s=60), "adapt": {"enabled": True, "every_iterations": 1,
+                                                                     "replan": "inline"},
+               "inject": {**NCCL, "links": {"0": {"delay_ms": 40.0}}}}
+    jobs = [{"name": "stock", "stages": S, "micro_batches": N, "steps": STEPS, "pipemorph": None},
+            {"name": "replanned", "stages": S, "micro_batches": N, "steps": STEPS, "pipemorph": section}]
+    run = launch(S, jobs, tmp_path, timeout=190)
+    for r in range(S):
+        ours, ref = run.result("replanned", r), run.result("stock", r)
+        assert ours["p2p"] == "NcclRules"
+        assert ours["losses"] == pytest.approx(ref["losses"], abs=1e-5), f"rank {r}: losses differ"
+        assert max_param_diff(ours, ref) <= 1e-5, f"rank {r}: parameters differ"
+    replans = run.result("replanned", 0)["replans"]
+    assert replans and replans[0] < STEPS - 1, f"the 40 ms link was never re-planned for: {replans}"
+    streams = [[run.result("replanned", r)["executed"][k] for r in range(S)] for k in range(STEPS)]
+    for k, step in enumerate(streams):
+        nccl_dry_run([parse_stage(ops) for ops in step])  # raises naming the stuck ops
+    assert streams[-1] != streams[0], "the re-plan did not change what the stages ran"

@@ -13,6 +13,7 @@ from ds_pipemorph.runtime.transport.protocol import (
     DeferredSends,
     LinkControl,
     Transport,
+    TransportError,
     directions_on,
     link_of,
     peer_of,
@@ -22,7 +23,7 @@ from ds_pipemorph.inject.faults import DelegateKiller, FaultyLink, Faults
 from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule
 from ds_pipemorph.inject.wrapping import RouterWrapper, TransportWrapper
 
-TRANSPORT_METHODS = ("post_recv", "send", "recv", "wait_sends", "reset_shapes", "close")
+TRANSPORT_METHODS = ("post_recv", "send", "recv", "wait_sends", "begin_group", "end_group", "reset_shapes", "close")
 CONTROL_METHODS = ("link_mode", "set_link_mode", "queues_of", "delegate_pid")
 TRANSPORTS = (DirectTransport, DelegatedTransport, LinkRouter, DelayInjector, FaultyLink, DelegateKiller,
               TransportWrapper, RouterWrapper)
@@ -97,3 +98,37 @@ def test_the_end_stages_have_no_link_beyond_the_pipeline_and_kinds_are_checked()
     assert directions_on(0, -1) == (("F", False), ("B", True)) and directions_on(1, 3) == ()
     with pytest.raises(ValueError, match="message kind must be one of"):
         link_of(1, "W", True)
+
+
+class _Wire:
+    """A direct path that records what reaches it, in order."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def post_recv(self, kind, mb):
+        self.calls.append(f"post {kind}{mb}")
+
+    def recv(self, kind, mb):
+        self.calls.append(f"recv {kind}{mb}")
+        return kind, mb
+
+    def send(self, kind, mb, payload):
+        self.calls.append(f"send {kind}{mb}")
+
+
+def test_a_failing_link_posts_its_first_k_receives_where_the_stream_does_and_none_after():
+    wire = _Wire()
+    faulty = FaultyLink(wire, rank=1, stage_id=1, faults=Faults(link_fails_after={0: 2}))  # stage 1 gets F on link 0
+    for mb in range(3):
+        faulty.post_recv("F", mb)
+        faulty.post_recv("F", mb)  # counted once; passed on to the (idempotent) direct path
+    faulty.post_recv("B", 0)  # link 1 does not fail
+    assert wire.calls == ["post F0", "post F0", "post F1", "post F1", "post B0"]
+    assert faulty.recv("F", 0) == ("F", 0) and faulty.recv("F", 1) == ("F", 1)
+    with pytest.raises(TransportError, match=r"rank 1: RECV_F2 on link 0 failed: injected fault \(link 0 fails after 2"):
+        faulty.recv("F", 2)
+    assert wire.calls[-2:] == ["recv F0", "recv F1"]  # the third never reached the wire
+    with pytest.raises(TransportError, match="RECV_F3"):
+        faulty.recv("F", 3)  # not posted ahead: counted at its receive, failing all the same
+    assert faulty.posts[(0, "F")] == 4 and wire.calls.count("post F3") == 0

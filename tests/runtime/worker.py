@@ -19,7 +19,8 @@ may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run, the transport's recovery log lines
 (failover, delegate restarts) and the class of its direct path's point-to-point layer ("p2p"); or <name>.rank<r>.err with the message. The transport (and its
-delegate processes) is closed at the end of each job.
+delegate processes) is closed at the end of each job. ``WORKER_DIST_BACKEND`` names the backend (default
+gloo; ``scripts/gpu_check/nccl_job.py`` runs it on nccl).
 """
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "executed": executed,
                 "stage": engine.stage_id, "switch_error": switch_error,
-                "p2p": type(getattr(getattr(transport, "direct", None), "p2p", None)).__name__,
+                "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
+                "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms,
                 "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None),
@@ -191,10 +193,17 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                path + ".pt")
 
 
+def _innermost(transport):
+    """The direct path under the plug-ins' wrappers (each keeps what it wraps in ``inner``)."""
+    while hasattr(transport, "inner"):
+        transport = transport.inner
+    return transport
+
+
 def main() -> int:
     spec_path, out_dir = sys.argv[1], sys.argv[2]
     jobs = json.load(open(spec_path))
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=os.environ.get("WORKER_DIST_BACKEND", "gloo"))  # nccl: gpu_check
     rank = dist.get_rank()
     code = 0
     try:

@@ -10,7 +10,10 @@ The messages go through a point-to-point layer (``P2P``: ``isend``/``irecv`` ret
 ``TorchP2P`` is torch.distributed's. A layer with ``in_order`` set (NCCL, or a test double with its
 rules: ``ds_pipemorph.inject.nccl_double``) ignores tags and runs a pair of ranks' operations in
 the order they were issued; there ``post_recv`` waits for the header at once and posts the tensors
-right behind it, so that header and tensors keep their place in the pair's order (``post_recv``).
+right behind it, so that header and tensors keep their place in the pair's order (``post_recv``),
+and the sends and receives between ``begin_group`` and ``end_group`` go out as one group
+(``P2P.batch``: ``torch.distributed.batch_isend_irecv``), as DeepSpeed's own p2p issues a send and a
+receive with one peer.
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ class P2P(Protocol):
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int): ...
 
+    def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> list:
+        """Issue ``ops`` (sending?, tensor, peer, tag) as one group; their works, in order."""
+
     def close(self) -> None: ...
 
 
@@ -61,8 +67,26 @@ class TorchP2P:
     def irecv(self, tensor: torch.Tensor, src: int, tag: int):
         return dist.irecv(tensor, src=src, tag=tag)
 
+    def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> list:
+        """One ``batch_isend_irecv`` (NCCL: one ncclGroupStart/End; the engine's collectives at start-up
+        came first, as torch asks of a group's first batch)."""
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if sending else dist.irecv, t, peer, tag=tag)
+                                       for sending, t, peer, tag in ops])
+
     def close(self) -> None:
         pass
+
+
+class _Grouped:
+    """The work of a send or receive in an open group: set when the group is issued (``_flush``)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self):
+        self.work = None
+
+    def is_completed(self) -> bool:
+        return self.work is not None and self.work.is_completed()
 
 
 @dataclass
@@ -99,6 +123,7 @@ class DirectTransport:
         self._posted: dict[tuple[str, int], tuple] = {}  # (kind, mb) -> ("header"|"data", ...)
         self._sent_layout: dict[tuple[str, int], tuple] = {}  # what this rank told its peer
         self._recv_layout: dict[tuple[str, int], tuple] = {}  # what the peer told this rank
+        self._group: Optional[list] = None  # between begin_group and end_group: (op, _Grouped) not issued yet
 
     def with_p2p(self, p2p: P2P) -> "DirectTransport":
         """A new direct path like this one (nothing sent yet) whose messages go through ``p2p``."""
@@ -123,7 +148,48 @@ class DirectTransport:
         except RuntimeError as e:
             raise TransportError(f"rank {self.rank}: {what} failed: {first_line(e)}") from e
 
+    def _isend(self, tensor: torch.Tensor, dst: int, wire_tag: int):
+        if self._group is None:
+            return self.p2p.isend(tensor, dst, wire_tag)
+        return self._later((True, tensor, dst, wire_tag))
+
+    def _irecv(self, tensor: torch.Tensor, src: int, wire_tag: int):
+        if self._group is None:
+            return self.p2p.irecv(tensor, src, wire_tag)
+        return self._later((False, tensor, src, wire_tag))
+
+    def _later(self, op: tuple) -> _Grouped:
+        work = _Grouped()
+        self._group.append((op, work))
+        return work
+
+    def _flush(self) -> None:
+        """Issue the ops of the open group collected so far (the group stays open)."""
+        if self._group:
+            group, self._group = self._group, []
+            peers = sorted({peer for (_, _, peer, _), _ in group})
+            with self._failing(f"a group of {len(group)} sends and receives with rank(s) {peers}"):
+                issued = self.p2p.batch([op for op, _ in group])
+            for (_, work), w in zip(group, issued):
+                work.work = w
+
+    def begin_group(self) -> None:
+        """Under NCCL's rules, collect the sends and receives until ``end_group`` into one group; a
+        wait in between (a receive's header) issues what was collected first."""
+        if self.p2p.in_order:
+            self._flush()
+            self._group = []
+
+    def end_group(self) -> None:
+        if self._group is not None:
+            self._flush()
+            self._group = None
+
     def _wait(self, work, what: str) -> None:
+        if isinstance(work, _Grouped):
+            if work.work is None:
+                self._flush()
+            work = work.work
         start = time.monotonic()
         try:
             ok = work.wait(timedelta(seconds=self.timeout_s))
@@ -168,7 +234,7 @@ class DirectTransport:
         if layout is None:
             head = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
             with self._failing(what):
-                work = self.p2p.irecv(head, src, tag(kind, mb, 0))
+                work = self._irecv(head, src, tag(kind, mb, 0))
             if not self.p2p.in_order:
                 self._posted[key] = ("header", work, head)
                 return
@@ -182,7 +248,7 @@ class DirectTransport:
         bufs, works = [], []
         for part, (dtype, shape) in enumerate(metas, start=1):
             t = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
-            works.append(self.p2p.irecv(t, src, tag(kind, mb, part)))
+            works.append(self._irecv(t, src, tag(kind, mb, part)))
             bufs.append(t)
         return works, bufs
 
@@ -211,11 +277,11 @@ class DirectTransport:
         with self._failing(what):
             if known is None:
                 head = encode_header(tensors, bare).to(self.device)
-                self._sends.append(_Pending(self.p2p.isend(head, dst, tag(kind, mb, 0)), head, what))
+                self._sends.append(_Pending(self._isend(head, dst, tag(kind, mb, 0)), head, what))
                 self._sent_layout[(kind, mb)] = layout
             for part, t in enumerate(tensors, start=1):
                 wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
-                self._sends.append(_Pending(self.p2p.isend(wire, dst, tag(kind, mb, part)), wire, what))
+                self._sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, what))
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
@@ -255,6 +321,7 @@ class DirectTransport:
         with self._sends_lock:
             self._sends = []
         self._posted.clear()
+        self._group = None
         self.p2p.close()
 
     def reset_shapes(self) -> None:

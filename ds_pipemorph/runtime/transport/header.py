@@ -21,18 +21,18 @@ DTYPES = [
 _DTYPE_ID = {d: i for i, d in enumerate(DTYPES)}
 HEADER_INTS = 64
 KINDS = {"F": 1, "B": 2}  # wire ids: activation, input gradient
-_PARTS = 64  # header + up to 63 tensors per message
+PARTS = 64  # header + up to 63 tensors per message
 
 
 def tag(kind: str, micro_batch: int, part: int) -> int:
     """The torch.distributed tag of part ``part`` (0: the header, 1..: the tensors) of message (kind, mb)."""
-    return (KINDS[kind] << 24) | (micro_batch * _PARTS + part)
+    return (KINDS[kind] << 24) | (micro_batch * PARTS + part)
 
 
 def untag(wire_tag: int) -> str:
     """What ``tag`` made ``wire_tag`` from, as text: ``F3`` (its header) or ``F3 part 2`` (its 2nd tensor)."""
     kind = {v: k for k, v in KINDS.items()}.get(wire_tag >> 24, "?")
-    mb, part = divmod(wire_tag & ((1 << 24) - 1), _PARTS)
+    mb, part = divmod(wire_tag & ((1 << 24) - 1), PARTS)
     return f"{kind}{mb}" + (f" part {part}" if part else " header")
 
 
@@ -41,7 +41,7 @@ def encode_header(tensors: Sequence[torch.Tensor], bare: bool) -> torch.Tensor:
     vals = [int(bare), len(tensors)]
     for t in tensors:
         vals += [_DTYPE_ID[t.dtype], t.dim(), *t.shape]
-    if len(vals) > HEADER_INTS or len(tensors) >= _PARTS:
+    if len(vals) > HEADER_INTS or len(tensors) >= PARTS:
         raise TransportError(f"a message of {len(tensors)} tensors with shapes "
                              f"{[tuple(t.shape) for t in tensors]} does not fit the {HEADER_INTS}-int header")
     head = torch.zeros(HEADER_INTS, dtype=torch.int64)

@@ -110,6 +110,13 @@ class Transport(Protocol):
     def wait_sends(self) -> None:
         """Wait until the peers hold every message sent so far."""
 
+    def begin_group(self) -> None:
+        """Issue the sends and receives posted from here to ``end_group`` as one group where the wire
+        groups them (NCCL: one ``batch_isend_irecv``); elsewhere this changes nothing."""
+
+    def end_group(self) -> None:
+        """Issue the group ``begin_group`` opened."""
+
     def reset_shapes(self) -> None:
         """Forget the message layouts learned so far (every rank at once, between iterations)."""
 

@@ -170,6 +170,12 @@ class LinkRouter:
                 self._recover(e)
         self.delegated.wait_sends()
 
+    def begin_group(self) -> None:
+        self.direct.begin_group()  # only the direct path groups (the delegates' FIFOs need none)
+
+    def end_group(self) -> None:
+        self.direct.end_group()
+
     def reset_shapes(self) -> None:
         self.direct.reset_shapes()
         self.delegated.reset_shapes()

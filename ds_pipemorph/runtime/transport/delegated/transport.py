@@ -118,6 +118,12 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         return f"pm_{os.getpid()}_{self.session}_{link}{kind}{role}{q}_g{gen}"
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def begin_group(self) -> None:
+        """Nothing to group: each message goes through its own delegate FIFO."""
+
+    def end_group(self) -> None:
+        pass
+
     def reset_shapes(self) -> None:
         """Nothing to forget: every delegated message carries its layout."""
 
