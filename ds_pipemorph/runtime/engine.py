@@ -38,7 +38,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ..plan.ir.links import DIRECT, Delegated
-from ..plan.ir.lower import DISPATCHES, BadStream, LoweringPolicy
+from ..plan.ir.lower import DISPATCHES, BadStream, Lowering
 from ..plan.ir.nccl import nccl_groups
 from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
@@ -246,7 +246,7 @@ class PipeMorphEngine(PipelineEngine):
             waits = bool(flag.item())
         return DIRECT if waits else Delegated(1)
 
-    def _set_plan(self, plan: Schedule, lowering: Optional[LoweringPolicy] = None,
+    def _set_plan(self, plan: Schedule, lowering: Optional[Lowering] = None,
                   dispatch: Optional[str] = None) -> None:
         """Lower ``plan`` with ``lowering`` (default: the policy in force) for ``dispatch`` (default:
         the one in force; the other's stream is lowered when it is first asked for) and dry-run every
@@ -262,7 +262,7 @@ class PipeMorphEngine(PipelineEngine):
         self._streams = streams
         self._compiled: dict[str, tuple] = {}  # dispatch -> its program, built at the next batch
 
-    def _lowered(self, plan: Schedule, lowering: LoweringPolicy, dispatch: str) -> list[Op]:
+    def _lowered(self, plan: Schedule, lowering: Lowering, dispatch: str) -> list[Op]:
         """This stage's stream of ``plan`` under ``dispatch``, every stage's dry-run first."""
         try:
             return lowering.for_dispatch(dispatch).lower(plan)[self.stage_id]
@@ -281,11 +281,11 @@ class PipeMorphEngine(PipelineEngine):
 
     @property
     def stream(self) -> list[Op]:
-        """This stage's lowered stream under the dispatch in force (``LoweringPolicy.for_dispatch``)."""
+        """This stage's lowered stream under the dispatch in force (``Lowering.for_dispatch``)."""
         return self._stream_for(self.dispatch)
 
     def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[str] = None,
-                  lowering: Optional[LoweringPolicy] = None) -> None:
+                  lowering: Optional[Lowering] = None) -> None:
         """Run ``plan`` and/or ``dispatch`` ("ordered" or "ready") from the next ``train_batch``, as a
         re-plan takes effect at an iteration boundary: every rank calls it with the same arguments
         between two ``train_batch`` calls; ``lowering`` (a plan file's ``PlanFile.lowering``) lowers

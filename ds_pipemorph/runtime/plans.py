@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
-from ..plan.ir.lower import LoweringPolicy
+from ..plan.ir.lower import Lowering, LoweringPolicy
 from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Schedule, warmup_counts
 from ..plan.ir.profile import Costs
@@ -92,7 +92,7 @@ NCCL_READY_REFUSED = ("dispatch 'ready' posts every receive of an iteration up f
                       "point-to-point cannot run: set pipemorph.dispatch to \"ordered\"")
 
 
-def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> LoweringPolicy | NcclLowering:
+def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> Lowering:
     """How the job's plans are lowered: a plan file's own ``recv_window`` and ``backward``, else
     the defaults (the plans ``1f1b``, ``zb`` and ``adaptive`` build have a split backward).
 
@@ -109,7 +109,7 @@ def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> LoweringPolicy | N
     return NcclLowering(policy.fused) if nccl else policy
 
 
-def for_nccl(lowering: LoweringPolicy | NcclLowering) -> NcclLowering:
+def for_nccl(lowering: Lowering) -> NcclLowering:
     """``lowering`` under NCCL's rules: its fused backward kept, its receive window dropped."""
     return lowering if isinstance(lowering, NcclLowering) else NcclLowering(lowering.fused)
 

@@ -31,7 +31,7 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Optional, Sequence, get_args
+from typing import Literal, Optional, Protocol, Sequence, get_args
 
 from .ops import Op, Schedule
 
@@ -91,19 +91,36 @@ def lower(schedule: Schedule, fused_backward: bool = False, recv_window: Optiona
         post("F")
         post("B")
         for i, op in enumerate(row):
-            consumes = _consumes(op, s, S)
+            consumes = consumes_message(op, s, S)
             if consumes and any(r.mb == op.mb for r in pending[op.kind]):
                 post(op.kind, upto=op.mb)
             stream.append(op.at(s))
             if op.kind == "F" and s < S - 1:
                 stream.append(Op("SEND_F", op.mb, s))
-            elif s > 0 and _sends_gradient(row, i, fused_backward):
+            elif s > 0 and sends_gradient(row, i, fused_backward):
                 stream.append(Op("SEND_B", op.mb, s))
             if consumes:
                 outstanding[op.kind] -= 1
                 post(op.kind)
         out.append(stream)
     return out
+
+
+class Lowering(Protocol):
+    """What the engine, ``simulate --lowered`` and ``export`` lower a plan with: ``LoweringPolicy``
+    (gloo and the delegates: messages matched by tag) or ``nccl_lowering.NcclLowering`` (NCCL's
+    in-order point-to-point)."""
+
+    fused: bool
+
+    def for_dispatch(self, dispatch: str) -> "Lowering":
+        """The lowering ``dispatch`` runs; ValueError for a dispatch it cannot run."""
+
+    def lower(self, schedule: Schedule) -> list[Stream]:
+        """Per-rank streams of ``schedule``, dry-run; BadStream if they cannot run."""
+
+    def lines(self, schedule: Schedule) -> list[str]:
+        """``format_streams(lower(schedule))``."""
 
 
 @dataclass(frozen=True)
@@ -147,12 +164,12 @@ class LoweringPolicy:
         return format_streams(self.lower(schedule))
 
 
-def _consumes(op: Op, s: int, S: int) -> bool:
+def consumes_message(op: Op, s: int, S: int) -> bool:
     """Whether ``op`` on stage ``s`` consumes a received tensor (F below the first stage, B above the last)."""
     return op.kind == "F" and s > 0 or op.kind == "B" and s < S - 1
 
 
-def _sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:
+def sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:
     """Whether the input gradient leaves right after ``row[i]``: after B, or after the W that
     directly follows its B in a fused backward."""
     op = row[i]

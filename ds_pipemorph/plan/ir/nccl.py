@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
-from .lower import BadStream, Deadlock, Stream, _consumes
+from .lower import BadStream, Deadlock, Stream, consumes_message
 from .ops import Op
 
 Groups = list[list[range]]  # per rank, the index ranges of its stream issued as one group (one peer each)
@@ -123,7 +123,7 @@ def _pair_up(streams: Sequence[Stream]) -> tuple[dict, list[dict[int, int]]]:
         for i, op in enumerate(stream):
             if op.stage != r:
                 raise BadStream(f"rank {r}: {op} belongs to stage {op.stage}; one stage per rank")
-            if op.is_compute and _consumes(op, r, S):
+            if op.is_compute and consumes_message(op, r, S):
                 need = Op("RECV_" + op.kind, op.mb, r)
                 if need not in have:
                     raise BadStream(f"stage {r}: {op} consumes a tensor whose receive {need} is not posted before it")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .lower import Deadlock, Stream, _consumes, _sends_gradient, format_streams
+from .lower import Deadlock, Stream, consumes_message, sends_gradient, format_streams
 from .nccl import nccl_dry_run, nccl_groups
 from .ops import Op, Schedule
 
@@ -40,9 +40,9 @@ def lower_nccl(schedule: Schedule, fused_backward: bool = False) -> list[Stream]
         for i, op in enumerate(row):
             if op.kind == "F" and s < S - 1:
                 made[s][i] = Op("SEND_F", op.mb, s)
-            elif s > 0 and _sends_gradient(row, i, fused_backward):
+            elif s > 0 and sends_gradient(row, i, fused_backward):
                 made[s][i] = Op("SEND_B", op.mb, s)
-            if _consumes(op, s, S):
+            if consumes_message(op, s, S):
                 used[s][i] = Op("RECV_" + op.kind, op.mb, s)
     at = {op: i for s in range(S) for d in (made[s], used[s]) for i, op in d.items()}
     pairs: dict[int, list[Op]] = {}  # s -> the sends between s and s + 1, in the order the run makes them
