@@ -24,6 +24,12 @@ app = typer.Typer(
 )
 
 
+# What the times of a measured timeline are, said with every ``inspect``.
+MEASURES = ("host time: each op's range spans what the host spent on it; on a GPU that is the launch of its "
+            "kernels, not the kernels (the engine's CUDA events give F, B and W device times: "
+            "engine.recorder.device_ms())")
+
+
 def _f(x: Optional[float], fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -62,7 +68,7 @@ def inspect(
     _warn(trace)
     result = an.to_json()
     if as_json:
-        print_json({"source": str(report), "warnings": trace.warnings, **result})
+        print_json({"source": str(report), "warnings": trace.warnings, "measures": MEASURES, **result})
         announce(outputs, to_stderr=True)
         return
     t = Table(title=f"{report}: {len(trace.ranks)} ranks, {trace.stages} stages, iterations {an.iterations}", title_justify="left")
@@ -76,6 +82,7 @@ def inspect(
     pipe = result["pipeline"]
     console.print(f"pipeline: iteration mean {_f(pipe['iteration_ms']['mean'])} ms, median {_f(pipe['iteration_ms']['median'])} ms, "
                   f"bubble rate {_f(pipe['bubble_rate']['mean'], '.1%')}")
+    console.print(f"times are {MEASURES}", soft_wrap=True)
     if result["links"]:
         lt = Table(title="links, slowest first (median of RECV end - SEND start)", title_justify="left")
         for col in ("link", "stages", "median one-way ms", "messages"):

@@ -95,6 +95,7 @@ def test_trace_inspect_reports_the_jobs_iterations_stages_ranks_and_op_counts(jo
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["warnings"] == [] and out["iterations"] == list(range(STEPS))
+    assert out["measures"].startswith("host time") and "not the kernels" in out["measures"]  # said on every read
     # Ranks come from the ITER payloads, stages from the categories: each process is who it says it is.
     truth = sorted((me["rank"], me["stage"], me["pid"]) for me in ranks)
     assert [(x["rank"], x["stage"], x["pid"]) for x in out["ranks"]] == truth
