@@ -228,6 +228,8 @@ class PipeMorphEngine(PipelineEngine):
         self._weight_work: dict[int, object] = {}  # micro-batch -> WeightGradWork
         self._inflight = 0
         self.measured_peak_inflight = 0
+        # The trainable parameters B differentiates (layers move only between iterations).
+        self._trainable = [p for p in self.module.parameters() if p.requires_grad]
 
     def reset_activation_shape(self):
         """DeepSpeed's hook for a change of activation shapes (e.g. curriculum): re-send layouts."""
@@ -516,8 +518,10 @@ class PipeMorphEngine(PipelineEngine):
         # torch-style ``out.backward()`` (timers, 1/GAS scaling on the last stage), which B and W
         # do explicitly here. The module's own forward pre/post hooks still run.
         outputs = self.module(inputs)
-        self._inflight += 1
-        self.measured_peak_inflight = max(self.measured_peak_inflight, self._inflight)
+        inflight = self._inflight + 1
+        _set(self, "_inflight", inflight)
+        if inflight > self.measured_peak_inflight:
+            _set(self, "measured_peak_inflight", inflight)
         self.pipe_buffers["outputs"][buffer_id] = outputs
         if self.is_last_stage():
             if self._compute_loss and self.module.loss_fn is not None:
@@ -577,12 +581,11 @@ class PipeMorphEngine(PipelineEngine):
                                    f"for {len(outs)} floating-point outputs")
         inputs = self.pipe_buffers["inputs"][buffer_id]
         ins = _as_list(inputs)
-        self._running_engine_backward = True  # DeepSpeed's backward hooks check it
+        _set(self, "_running_engine_backward", True)  # DeepSpeed's backward hooks check it
         try:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            dins, work = backward_input(outs, grads, ins, params)
+            dins, work = backward_input(outs, grads, ins, self._trainable)
         finally:
-            self._running_engine_backward = False
+            _set(self, "_running_engine_backward", False)
         self._weight_work[micro_batch] = work
         if not self.is_first_stage():
             sent = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, dins) if t.is_floating_point()]
@@ -591,17 +594,17 @@ class PipeMorphEngine(PipelineEngine):
         self.pipe_buffers["outputs"][buffer_id] = None
         self.pipe_buffers["inputs"][buffer_id] = None
         self.pipe_buffers["labels"][buffer_id] = None
-        self._inflight -= 1
+        _set(self, "_inflight", self._inflight - 1)
 
     def _exec_send_grads(self, buffer_id, micro_batch):
         self.transport.send("B", micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
-        self._running_engine_backward = True
+        _set(self, "_running_engine_backward", True)
         try:
             self._weight_work.pop(micro_batch).run()
         finally:
-            self._running_engine_backward = False
+            _set(self, "_running_engine_backward", False)
 
     def _exec_wait_sends(self):
         self.transport.wait_sends()
@@ -630,6 +633,11 @@ class PipeMorphEngine(PipelineEngine):
         I.BeginP2PGroup: _exec_begin_p2p_group,
         I.EndP2PGroup: _exec_end_p2p_group,
     }
+
+
+# The handlers' per-op flags and counters are plain attributes (no parameter, buffer or module):
+# set without nn.Module.__setattr__'s checks, which cost more than the rest of a small handler.
+_set = object.__setattr__
 
 
 def _as_list(x) -> list:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -93,7 +94,13 @@ class _Grouped:
 class _Pending:
     work: object
     keep: object  # tensors that must stay alive until the work completes
-    what: str  # e.g. "SEND_F3 on link 1 to stage 2"
+    kind: str
+    mb: int  # the message: its op ("SEND_F3 on link 1 to stage 2") is named only if it fails
+
+
+def _shapes(layout: tuple) -> list:
+    """A sent layout's tensors as [(dtype, [shape...]), ...] (for messages)."""
+    return [(dtype, list(shape)) for dtype, shape in layout[1]]
 
 
 class DirectTransport:
@@ -111,6 +118,7 @@ class DirectTransport:
         self.p2p = p2p or TorchP2P()
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
+        self._timeout = timedelta(seconds=self.timeout_s)
         self.device = device or torch.device("cpu")
         self.static_shapes = static_shapes
         # Whether a send holds the training process while its message crosses a slow link, the link
@@ -118,7 +126,8 @@ class DirectTransport:
         # own thread: the process goes on, and the messages of a link queue on its wire one after the
         # other (one FIFO). NCCL's send runs on the GPU's stream until its peer has received it.
         self.sender_waits = self.p2p.in_order or not (dist.is_initialized() and dist.get_backend() == "gloo")
-        self._sends: list[_Pending] = []
+        self._sends: deque[_Pending] = deque()  # in the order sent
+        self._names: dict[tuple[str, int, bool], str] = {}  # (kind, mb, sending) -> "SEND_F3 on link 1 to stage 2"
         self._sends_lock = threading.Lock()  # wrappers (delay injection) may send from their own thread
         self._posted: dict[tuple[str, int], tuple] = {}  # (kind, mb) -> ("header"|"data", ...)
         self._sent_layout: dict[tuple[str, int], tuple] = {}  # what this rank told its peer
@@ -136,9 +145,13 @@ class DirectTransport:
         return peer_of(self.stage_id, kind, sending)
 
     def _describe(self, kind: str, mb: int, sending: bool) -> str:
-        verb, prep = ("SEND", "to") if sending else ("RECV", "from")
-        return (f"{verb}_{kind}{mb} on link {link_of(self.stage_id, kind, sending)} {prep} "
+        name = self._names.get((kind, mb, sending))
+        if name is None:
+            verb, prep = ("SEND", "to") if sending else ("RECV", "from")
+            name = self._names[(kind, mb, sending)] = (
+                f"{verb}_{kind}{mb} on link {link_of(self.stage_id, kind, sending)} {prep} "
                 f"stage {self._peer(kind, sending)}")
+        return name
 
     @contextmanager
     def _failing(self, what: str):
@@ -192,7 +205,7 @@ class DirectTransport:
             work = work.work
         start = time.monotonic()
         try:
-            ok = work.wait(timedelta(seconds=self.timeout_s))
+            ok = work.wait(self._timeout)
         except TransportError:  # a point-to-point layer's own sentence (test doubles)
             raise
         except RuntimeError as e:
@@ -265,23 +278,26 @@ class DirectTransport:
     def _send(self, kind: str, mb: int, payload) -> None:
         self._reap()
         dst = self.stage_ranks[self._peer(kind, sending=True)]
-        what = self._describe(kind, mb, sending=True)
         bare = isinstance(payload, torch.Tensor)
         tensors = [t.detach().contiguous() for t in ([payload] if bare else payload)]
-        layout = (bare, [(t.dtype, list(t.shape)) for t in tensors])
+        layout = (bare, [(t.dtype, t.shape) for t in tensors])
         known = self._sent_layout.get((kind, mb)) if self.static_shapes else None
         if known is not None and known != layout:
             raise TransportError(
-                f"rank {self.rank}: {what} changed its tensors from {known[1]} to {layout[1]}; build the "
-                f"PipelineModule with dynamic_shape=True or call engine.reset_activation_shape() on every rank")
-        with self._failing(what):
+                f"rank {self.rank}: {self._describe(kind, mb, True)} changed its tensors from {_shapes(known)} to "
+                f"{_shapes(layout)}; build the PipelineModule with dynamic_shape=True or call "
+                f"engine.reset_activation_shape() on every rank")
+        sends = self._sends
+        try:
             if known is None:
                 head = encode_header(tensors, bare).to(self.device)
-                self._sends.append(_Pending(self._isend(head, dst, tag(kind, mb, 0)), head, what))
+                sends.append(_Pending(self._isend(head, dst, tag(kind, mb, 0)), head, kind, mb))
                 self._sent_layout[(kind, mb)] = layout
             for part, t in enumerate(tensors, start=1):
                 wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
-                self._sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, what))
+                sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, kind, mb))
+        except RuntimeError as e:
+            raise TransportError(f"rank {self.rank}: {self._describe(kind, mb, True)} failed: {first_line(e)}") from e
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
@@ -306,20 +322,23 @@ class DirectTransport:
         return out[0] if bare else tuple(out)
 
     def _reap(self) -> None:
-        """Forget sends the peer has received, so their tensors (activations) can be freed."""
-        self._sends = [p for p in self._sends if not p.work.is_completed()]
+        """Forget sends the peer has received, so their tensors (activations) can be freed: those at
+        the front of the queue (a pair's sends complete in the order sent)."""
+        sends = self._sends
+        while sends and sends[0].work.is_completed():
+            sends.popleft()
 
     def wait_sends(self) -> None:
         """Wait until the peers have received every message sent so far."""
         with self._sends_lock:
-            pending, self._sends = self._sends, []
+            pending, self._sends = self._sends, deque()
         for p in pending:
-            self._wait(p.work, p.what + " to be received")
+            self._wait(p.work, self._describe(p.kind, p.mb, True) + " to be received")
 
     def close(self) -> None:
         """Drop pending state (after an error, or at shutdown); no waiting."""
         with self._sends_lock:
-            self._sends = []
+            self._sends = deque()
         self._posted.clear()
         self._group = None
         self.p2p.close()

@@ -50,6 +50,8 @@ class LinkRouter:
         self.events: list[str] = []
         self._mode: dict[tuple[int, str], str] = {}
         self._failed: set[tuple[int, str]] = set()  # directions whose direct path failed: delegated for good
+        self._links = {(kind, sending): link_of(stage_id, kind, sending)  # (kind, sending) -> link
+                       for kind in ("F", "B") for sending in (True, False)}
         self._lock = threading.RLock()
         self._delays = delays  # injected: started at the first message (a trace's t = 0)
         if failover and isinstance(direct, DeferredSends):
@@ -97,8 +99,8 @@ class LinkRouter:
     def _path(self, kind: str, sending: bool):
         if self._delays is not None:
             self._delays.start()
-        with self._lock:
-            mode = self.link_mode(link_of(self.stage_id, kind, sending), kind)
+        with self._lock:  # orders a delivery thread's failover re-send before this rank's later sends
+            mode = self._mode.get((self._links[kind, sending], kind), "direct")
         return self.delegated if mode == "delegated" else self.direct
 
     def _fail_over(self, kind: str, sending: bool, mb: int, err: TransportError) -> None:
