@@ -12,6 +12,8 @@ from ds_pipemorph.plan.files.planfile import PlanFile
 from ds_pipemorph.plan.files.torch_csv import read_torch_plan
 from ds_pipemorph.plan.ir.links import DIRECT, LATENCY
 from ds_pipemorph.plan.ir.lower import DISPATCHES
+from ds_pipemorph.plan.ir.nccl import grouped_lines, nccl_groups
+from ds_pipemorph.plan.ir.nccl_lowering import NcclLowering
 from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import BASELINES, baseline
@@ -32,6 +34,7 @@ def simulate(
     vary: Optional[str] = typer.Option(None, "--vary", metavar="SPEC", help="Vary op times per micro-batch: jitter:SPREAD[,seed=K][,kinds=FB], heavy:frac=F,factor=X,stages=K[,seed=S] or table:FILE. Applies to every row."),
     link_trace_path: Optional[Path] = typer.Option(None, "--link-trace", metavar="FILE", help="Per-link delay over time, YAML/JSON: points: [{t: seconds, links_ms: [...]}, ...] (the inject.trace format); instead of --links-ms."),
     lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank), as the engine runs them under --dispatch, instead of replaying."),
+    nccl: bool = typer.Option(False, "--nccl", help="With --lowered: the streams the engine runs under NCCL's point-to-point rules (NcclLowering, docs/nccl.md), each group issued as one batch_isend_irecv in [brackets]."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the replayed plan (format from the suffix: .png, .pdf, .svg, ...)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),
@@ -43,6 +46,19 @@ def simulate(
         S, N = pf.stages, pf.microbatches
         if dispatch not in DISPATCHES:
             raise BadInput(f"--dispatch: '{dispatch}' is not a dispatch rule; choose ordered or ready")
+        if nccl and not lowered:
+            raise BadInput("--nccl shows the lowered streams: give --lowered too")
+        if lowered and nccl:  # the engine's lowering under NCCL's rules, groups bracketed
+            if dispatch != "ordered":
+                raise BadInput("--nccl runs ordered dispatch only: ready dispatch posts every receive of an iteration "
+                               "up front, which NCCL's in-order point-to-point cannot run; drop --dispatch ready")
+            streams = NcclLowering(pf.lowering.fused).lower(sched)
+            lines = grouped_lines(streams, nccl_groups(streams))
+            if as_json:
+                print_json({"lowered": lines})
+            else:
+                console.print("\n".join(lines), markup=False, soft_wrap=True)
+            return
         if lowered:  # the engine's lowering of this plan under this dispatch
             lines = pf.lowering.for_dispatch(dispatch).lines(sched)
             if as_json:

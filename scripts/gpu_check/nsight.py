@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from step import start_step  # noqa: E402  (this directory is the script's: first on sys.path)
+from step import launch, start_step, write_keys  # noqa: E402  (this directory is the script's: first on sys.path)
 
 left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget left, less 10 s for the key file
 
@@ -28,8 +28,6 @@ left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget l
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from ds_pipemorph.fileio import write_atomic  # noqa: E402
-from ds_pipemorph.procs import run_group  # noqa: E402
 
 STAGES, DP, N, STEPS = 2, 2, 3, 2
 
@@ -46,13 +44,8 @@ def expected_ops(stage: int) -> dict[str, int]:
 def run(cmd: list[str], log, env: dict) -> subprocess.CompletedProcess:
     """Runs CMD within what is left of the step's budget (exit 124 when it does not end in time)."""
     log.write(f"$ {' '.join(cmd)}\n")
-    timeout = left_s()
-    try:
-        if timeout <= 0:
-            raise subprocess.TimeoutExpired(cmd, 0)
-        p = run_group(cmd, timeout, cwd=REPO, env=env)  # on timeout the launcher's children go too
-    except subprocess.TimeoutExpired:
-        p = subprocess.CompletedProcess(cmd, 124, "", f"did not end within the {max(timeout, 0):.0f} s left of the step's budget\n")
+    code, out, err = launch(cmd, left_s, REPO, env)
+    p = subprocess.CompletedProcess(cmd, 124 if code is None else code, out, err)
     log.write(p.stdout + p.stderr + f"(exit {p.returncode})\n")
     log.flush()
     return p
@@ -101,10 +94,7 @@ def main() -> int:
             keys = {"ranks": len(out["ranks"]), "iterations": out["iterations"],
                     "median_iteration_ms": {str(x["rank"]): x["iteration_ms"]["median"] for x in out["ranks"]},
                     "nvtx_active": [me["nvtx_active"] for me in ranks]}
-    result = {"ok": not failures, "failures": failures, "key_numbers": keys}
-    write_atomic(keys_path, json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 1 if failures else 0
+    return write_keys(keys_path, failures, keys)
 
 
 if __name__ == "__main__":

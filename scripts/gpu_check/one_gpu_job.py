@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from step import start_step  # noqa: E402  (this directory is the script's: first on sys.path)
+from step import launch, start_step, write_keys  # noqa: E402  (this directory is the script's: first on sys.path)
 
 left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget left, less 10 s for the key file
 
@@ -27,8 +26,6 @@ left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget l
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from ds_pipemorph.fileio import write_atomic  # noqa: E402
-from ds_pipemorph.procs import run_group  # noqa: E402
 from tests.runtime.launch import Launch, max_param_diff  # noqa: E402
 from tests.runtime.test_equivalence import TOL, _assert_equal_to_stock, _expected_peak  # noqa: E402
 
@@ -99,21 +96,13 @@ def main() -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
            str(REPO / "scripts" / "gpu_check" / "on_gpu0.py"), str(REPO / "tests" / "runtime" / "worker.py"),
            str(work / "jobs.json"), str(work)]
-    timeout = left_s()
-    try:
-        if timeout <= 0:
-            raise subprocess.TimeoutExpired(cmd, 0)
-        p = run_group(cmd, timeout, cwd=REPO, env=env)
-        code, output = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired:
-        code, output = None, f"the launch did not end within the {max(timeout, 0):.0f} s left of the step's budget"
+    code, out, err = launch(cmd, left_s, REPO, env)
+    output = out + err
     (work / "launch.log").write_text(output)
     print(output[-4000:])
     keys, failures = check(Launch(code if code is not None else -1, output, work), work / "op_times")
     keys["launch_exit_code"] = code  # judged by the files, as the tests do (DeepSpeed may abort at exit)
-    write_atomic(keys_path, json.dumps({"ok": not failures, "failures": failures, "key_numbers": keys}, indent=2) + "\n")
-    print(json.dumps({"ok": not failures, "failures": failures, "key_numbers": keys}, indent=2))
-    return 1 if failures else 0
+    return write_keys(keys_path, failures, keys)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,23 @@ def test_lowered_prints_one_stream_per_rank(tmp_path):
     assert json.loads(r.output)["lowered"][0].startswith("0RECV_B0 0RECV_B1 0F0")
 
 
+def test_lowered_nccl_prints_the_streams_run_under_nccls_rules_with_groups_bracketed(tmp_path):
+    r = run("simulate", write(tmp_path, "p.yaml", PLAN), "--lowered", "--nccl")
+    assert r.exit_code == 0, r.output
+    # A unit-time run sends F0, F1, then B0 (stage 1 runs B0 while stage 0 waits for it), then B1: both
+    # ends issue the pair's messages in that order. Each send right after its producer, each receive
+    # right before its consumer unless the order puts it before one of the receiver's own sends
+    # (stage 1 receives F1 before it sends B0); a send and a receive with one peer side by side are
+    # one group, as DeepSpeed's send_forward_recv_backward.
+    assert r.output.splitlines() == [
+        "0F0 0SEND_F0 0F1 [0SEND_F1 0RECV_B0] 0B0 0W0 0RECV_B1 0B1 0W1",
+        "1RECV_F0 1F0 1B0 [1RECV_F1 1SEND_B0] 1W0 1F1 1B1 1SEND_B1 1W1",
+    ]
+    one_sentence_exit_2(run("simulate", write(tmp_path, "p.yaml", PLAN), "--lowered", "--nccl", "--dispatch", "ready"),
+                        "--nccl runs ordered dispatch only")
+    one_sentence_exit_2(run("simulate", write(tmp_path, "p.yaml", PLAN), "--nccl"), "give --lowered too")
+
+
 def test_export_writes_torch_actions_with_backward_input_as_I(tmp_path):
     out = tmp_path / "s.csv"
     r = run("export", write(tmp_path, "p.yaml", PLAN), "--format", "torch-csv", "-o", out, "--ranks", "2")

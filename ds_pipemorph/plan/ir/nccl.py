@@ -192,3 +192,15 @@ def nccl_groups(streams: Sequence[Stream]) -> Groups:
             i = j
         out.append(ranges)
     return out
+
+
+def grouped_lines(streams: Sequence[Stream], groups: Groups) -> list[str]:
+    """One line per rank, as ``lower.format_streams`` prints it, with each group in brackets:
+    ``0F0 0SEND_F0 0F1 [0SEND_F1 0RECV_B0] 0B0 ...``."""
+    lines = []
+    for stream, ranges in zip(streams, groups):
+        opens = {g.start for g in ranges}
+        closes = {g.stop - 1 for g in ranges}
+        lines.append(" ".join(("[" if i in opens else "") + str(op) + ("]" if i in closes else "")
+                              for i, op in enumerate(stream)))
+    return lines
