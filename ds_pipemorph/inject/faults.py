@@ -64,43 +64,43 @@ class FaultyLink(TransportWrapper):
         self.rank, self.stage_id = rank, stage_id
         self.fails_after = dict(faults.link_fails_after)
         self.count: dict[tuple[int, str], int] = {}  # messages sent or received, per (link, kind)
-        self.posts: dict[tuple[int, str], int] = {}  # receives posted, per (link, kind)
-        self._posted: set[tuple[str, int]] = set()
+        self._index: dict[tuple[str, int], int] = {}  # a received message posted ahead -> its number
 
-    def _tick(self, kind: str, mb: int, sending: bool) -> None:
-        link = link_of(self.stage_id, kind, sending)
-        if link not in self.fails_after:
-            return
-        n = self.count[(link, kind)] = self.count.get((link, kind), 0) + 1
+    def _fails(self, link: int, kind: str, mb: int, n: int, sending: bool) -> None:
         if n > self.fails_after[link]:
             op = f"{'SEND' if sending else 'RECV'}_{kind}{mb}"
             raise TransportError(f"rank {self.rank}: {op} on link {link} failed: injected fault "
                                  f"(link {link} fails after {self.fails_after[link]} {kind} messages)")
 
-    def post_recv(self, kind: str, mb: int) -> None:
-        """Posted where the stream posts it, up to the K-th message of a failing direction; later ones are
-        never posted (their ``recv`` fails), so none dangles and the wire keeps the stream's order."""
-        if self._count_post(kind, mb):
-            self.inner.post_recv(kind, mb)
+    def _number(self, link: int, kind: str) -> int:
+        """The next message's number in this direction of ``link`` (1, 2, ...)."""
+        self.count[(link, kind)] = self.count.get((link, kind), 0) + 1
+        return self.count[(link, kind)]
 
-    def _count_post(self, kind: str, mb: int) -> bool:
-        """Whether the receive of (kind, mb) may reach the wire (counted once per message)."""
+    def post_recv(self, kind: str, mb: int) -> None:
+        """Numbered when first posted, in the stream's order; posted up to the K-th message of a failing
+        direction and never after (its ``recv`` fails), so none dangles and the wire keeps the order."""
         link = link_of(self.stage_id, kind, False)
         if link not in self.fails_after:
-            return True
-        if (kind, mb) not in self._posted:
-            self._posted.add((kind, mb))
-            self.posts[(link, kind)] = self.posts.get((link, kind), 0) + 1
-        return self.posts[(link, kind)] <= self.fails_after[link]
+            return self.inner.post_recv(kind, mb)
+        n = self._index.get((kind, mb))
+        if n is None:
+            n = self._index[(kind, mb)] = self._number(link, kind)
+        if n <= self.fails_after[link]:
+            self.inner.post_recv(kind, mb)
 
     def send(self, kind: str, mb: int, payload) -> None:
-        self._tick(kind, mb, True)
+        link = link_of(self.stage_id, kind, True)
+        if link in self.fails_after:
+            self._fails(link, kind, mb, self._number(link, kind), True)
         self.inner.send(kind, mb, payload)
 
     def recv(self, kind: str, mb: int):
-        self._count_post(kind, mb)  # a receive not posted ahead counts as posted here
-        self._posted.discard((kind, mb))
-        self._tick(kind, mb, False)
+        """Fails exactly when the message's number (given when it was posted, or now) is above K."""
+        link = link_of(self.stage_id, kind, False)
+        if link in self.fails_after:
+            n = self._index.pop((kind, mb), None)
+            self._fails(link, kind, mb, self._number(link, kind) if n is None else n, False)
         return self.inner.recv(kind, mb)
 
 

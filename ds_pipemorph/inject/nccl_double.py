@@ -23,8 +23,9 @@ pair; the messages keep their issue order.
 Each message costs three gloo messages (identity, bytes, ack); the double is for correctness tests,
 not for timing. A group (``batch``: ``batch_isend_irecv``) is queued op by op in its order, as if
 each op were alone, which is stricter (``plan.ir.nccl_lowering``'s streams pass the dry run without
-groups too); ``groups`` records what each group held (``("send", "F3 part 1")``, ...), so a test
-can check that the engine issued the groups its stream asks for.
+groups too), and like NCCL's coalesced batch it returns one work for the whole group; ``groups``
+records what each group held (``("send", "F3 part 1")``, ...), so a test can check that the engine
+issued the groups its stream asks for.
 """
 from __future__ import annotations
 
@@ -72,6 +73,21 @@ class _Op:
         return True
 
 
+class _Batch:
+    """One work for a whole group, done when every op of it is (NCCL's coalesced batch)."""
+
+    def __init__(self, ops: list[_Op]):
+        self.ops = ops
+
+    def is_completed(self) -> bool:
+        return all(op.is_completed() for op in self.ops)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        for op in self.ops:
+            op.wait(timeout)
+        return True
+
+
 class NcclRules:
     """NCCL's point-to-point rules on gloo for one rank (module docstring); ``in_order`` is set."""
 
@@ -93,10 +109,11 @@ class NcclRules:
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> _Op:
         return self._issue(_Op(self, False, tensor, src, tag))
 
-    def batch(self, ops) -> list[_Op]:
-        """A group of (sending?, tensor, peer, tag): queued in its order, each op as if alone."""
+    def batch(self, ops) -> list[_Batch]:
+        """A group of (sending?, tensor, peer, tag): queued in its order, each op as if alone; one work
+        for all of it, as NCCL returns."""
         self.groups.append([("send" if sending else "recv", untag(t)) for sending, _, _, t in ops])
-        return [self._issue(_Op(self, sending, tensor, peer, t)) for sending, tensor, peer, t in ops]
+        return [_Batch([self._issue(_Op(self, sending, tensor, peer, t)) for sending, tensor, peer, t in ops])]
 
     def head(self, peer: int) -> Optional[_Op]:
         return self._heads.get(peer)

@@ -420,6 +420,7 @@ class PipeMorphEngine(PipelineEngine):
             elif isinstance(decision, Migration):
                 t = time.perf_counter()
                 report = self.migrator.migrate(self, decision.parts)
+                self._trainable = []  # the layers that left are freed now, not at the next batch
                 self.rebalance.applied(self, decision, report, time.perf_counter() - t)
                 if report.ok and decision.plan is not None:
                     plan = decision.plan

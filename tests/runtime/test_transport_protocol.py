@@ -122,7 +122,7 @@ def test_a_failing_link_posts_its_first_k_receives_where_the_stream_does_and_non
     faulty = FaultyLink(wire, rank=1, stage_id=1, faults=Faults(link_fails_after={0: 2}))  # stage 1 gets F on link 0
     for mb in range(3):
         faulty.post_recv("F", mb)
-        faulty.post_recv("F", mb)  # counted once; passed on to the (idempotent) direct path
+        faulty.post_recv("F", mb)  # numbered once; passed on to the (idempotent) direct path
     faulty.post_recv("B", 0)  # link 1 does not fail
     assert wire.calls == ["post F0", "post F0", "post F1", "post F1", "post B0"]
     assert faulty.recv("F", 0) == ("F", 0) and faulty.recv("F", 1) == ("F", 1)
@@ -131,4 +131,12 @@ def test_a_failing_link_posts_its_first_k_receives_where_the_stream_does_and_non
     assert wire.calls[-2:] == ["recv F0", "recv F1"]  # the third never reached the wire
     with pytest.raises(TransportError, match="RECV_F3"):
         faulty.recv("F", 3)  # not posted ahead: counted at its receive, failing all the same
-    assert faulty.posts[(0, "F")] == 4 and wire.calls.count("post F3") == 0
+    assert faulty.count[(0, "F")] == 4 and wire.calls.count("post F3") == 0
+    # A receive keeps the number it was posted with, whatever order the receives come in.
+    wire = _Wire()
+    faulty = FaultyLink(wire, rank=1, stage_id=1, faults=Faults(link_fails_after={0: 1}))
+    faulty.post_recv("F", 0)
+    faulty.post_recv("F", 1)
+    with pytest.raises(TransportError, match="RECV_F1"):
+        faulty.recv("F", 1)
+    assert faulty.recv("F", 0) == ("F", 0) and wire.calls == ["post F0", "recv F0"]

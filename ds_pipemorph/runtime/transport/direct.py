@@ -90,6 +90,19 @@ class _Grouped:
         return self.work is not None and self.work.is_completed()
 
 
+class _Failed:
+    """The work of an operation whose group could not be issued: waiting for it raises the group's error."""
+
+    def __init__(self, error: TransportError):
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None):
+        raise self.error
+
+
 @dataclass
 class _Pending:
     work: object
@@ -101,6 +114,13 @@ class _Pending:
 def _shapes(layout: tuple) -> list:
     """A sent layout's tensors as [(dtype, [shape...]), ...] (for messages)."""
     return [(dtype, list(shape)) for dtype, shape in layout[1]]
+
+
+def _reap(sends: deque) -> None:
+    """Forget the sends to one peer that it has received, from the front (they complete in the order
+    sent, mostly), so that their tensors can be freed before ``wait_sends``."""
+    while sends and sends[0].work.is_completed():
+        sends.popleft()
 
 
 class DirectTransport:
@@ -126,7 +146,7 @@ class DirectTransport:
         # own thread: the process goes on, and the messages of a link queue on its wire one after the
         # other (one FIFO). NCCL's send runs on the GPU's stream until its peer has received it.
         self.sender_waits = self.p2p.in_order or not (dist.is_initialized() and dist.get_backend() == "gloo")
-        self._sends: deque[_Pending] = deque()  # in the order sent
+        self._sends: dict[int, deque[_Pending]] = {}  # per destination rank, in the order sent
         self._names: dict[tuple[str, int, bool], str] = {}  # (kind, mb, sending) -> "SEND_F3 on link 1 to stage 2"
         self._sends_lock = threading.Lock()  # wrappers (delay injection) may send from their own thread
         self._posted: dict[tuple[str, int], tuple] = {}  # (kind, mb) -> ("header"|"data", ...)
@@ -177,14 +197,31 @@ class DirectTransport:
         return work
 
     def _flush(self) -> None:
-        """Issue the ops of the open group collected so far (the group stays open)."""
-        if self._group:
-            group, self._group = self._group, []
-            peers = sorted({peer for (_, _, peer, _), _ in group})
-            with self._failing(f"a group of {len(group)} sends and receives with rank(s) {peers}"):
-                issued = self.p2p.batch([op for op, _ in group])
-            for (_, work), w in zip(group, issued):
-                work.work = w
+        """Issue the ops of the open group collected so far (the group stays open). A backend that
+        coalesces the group (NCCL) returns one work for all of it: each op then waits for the whole
+        group, as on NCCL's stream the ops issued before it complete first anyway. If the group cannot
+        be issued, every op of it fails with that error."""
+        if not self._group:
+            return
+        group, self._group = self._group, []
+        what = f"a group of {len(group)} sends and receives with rank(s) {sorted({op[2] for op, _ in group})}"
+        try:
+            issued = list(self.p2p.batch([op for op, _ in group]))
+            if len(issued) == 1 < len(group):
+                issued *= len(group)
+            if len(issued) != len(group):
+                raise TransportError(f"rank {self.rank}: {what}: the point-to-point layer returned "
+                                     f"{len(issued)} works for {len(group)} operations")
+        except RuntimeError as e:  # TransportError included
+            err = e if isinstance(e, TransportError) else TransportError(
+                f"rank {self.rank}: {what} failed: {first_line(e)}")
+            for _, work in group:
+                work.work = _Failed(err)
+            if err is e:
+                raise
+            raise err from e
+        for (_, work), w in zip(group, issued):
+            work.work = w
 
     def begin_group(self) -> None:
         """Under NCCL's rules, collect the sends and receives until ``end_group`` into one group; a
@@ -202,6 +239,8 @@ class DirectTransport:
         if isinstance(work, _Grouped):
             if work.work is None:
                 self._flush()
+            if work.work is None:  # its group was dropped (``close``) before it was issued
+                raise TransportError(f"rank {self.rank}: {what} was never issued")
             work = work.work
         start = time.monotonic()
         try:
@@ -276,8 +315,11 @@ class DirectTransport:
             self._send(kind, mb, payload)
 
     def _send(self, kind: str, mb: int, payload) -> None:
-        self._reap()
         dst = self.stage_ranks[self._peer(kind, sending=True)]
+        sends = self._sends.get(dst)
+        if sends is None:
+            sends = self._sends[dst] = deque()
+        _reap(sends)
         bare = isinstance(payload, torch.Tensor)
         tensors = [t.detach().contiguous() for t in ([payload] if bare else payload)]
         layout = (bare, [(t.dtype, t.shape) for t in tensors])
@@ -287,7 +329,6 @@ class DirectTransport:
                 f"rank {self.rank}: {self._describe(kind, mb, True)} changed its tensors from {_shapes(known)} to "
                 f"{_shapes(layout)}; build the PipelineModule with dynamic_shape=True or call "
                 f"engine.reset_activation_shape() on every rank")
-        sends = self._sends
         try:
             if known is None:
                 head = encode_header(tensors, bare).to(self.device)
@@ -321,24 +362,19 @@ class DirectTransport:
         out = [t.bool() if dtype == torch.bool else t for t, (dtype, _) in zip(bufs, metas)]
         return out[0] if bare else tuple(out)
 
-    def _reap(self) -> None:
-        """Forget sends the peer has received, so their tensors (activations) can be freed: those at
-        the front of the queue (a pair's sends complete in the order sent)."""
-        sends = self._sends
-        while sends and sends[0].work.is_completed():
-            sends.popleft()
 
     def wait_sends(self) -> None:
         """Wait until the peers have received every message sent so far."""
         with self._sends_lock:
-            pending, self._sends = self._sends, deque()
-        for p in pending:
-            self._wait(p.work, self._describe(p.kind, p.mb, True) + " to be received")
+            pending, self._sends = self._sends, {}
+        for sends in pending.values():
+            for p in sends:
+                self._wait(p.work, self._describe(p.kind, p.mb, True) + " to be received")
 
     def close(self) -> None:
         """Drop pending state (after an error, or at shutdown); no waiting."""
         with self._sends_lock:
-            self._sends = deque()
+            self._sends = {}
         self._posted.clear()
         self._group = None
         self.p2p.close()
