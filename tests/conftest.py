@@ -1,5 +1,10 @@
-"""Stable CLI output for tests (Typer reads these at import) and a version-keyed extension cache."""
+"""Stable CLI output for tests (Typer reads these at import), a version-keyed extension cache, and no
+shared memory left behind by the session's jobs."""
 import os
+import time
+from pathlib import Path
+
+import pytest
 
 from ds_pipemorph.procs import versioned_extensions_dir
 
@@ -11,3 +16,31 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # A cache built by another DeepSpeed version breaks the next job with an AttributeError.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())
+
+
+# Shared memory a killed or early-exiting rank never removes: DeepSpeed's CPU all-reduce buffers and
+# the delegated transport's staging rings (``pm_<pid>_...``). Left in /dev/shm they hold RAM.
+_SHM_LEFTOVERS = ("deepspeed_allreduce_buffer_*", "pm_*")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_shared_memory_left_behind():
+    """After the session: remove those this session's jobs created that no live process still maps."""
+    start = time.time()
+    yield
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+    for pattern in _SHM_LEFTOVERS:
+        for f in shm.glob(pattern):
+            try:
+                if f.stat().st_mtime >= start and str(f) not in mapped:
+                    f.unlink()
+            except OSError:
+                continue
