@@ -20,27 +20,31 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())
 
 # Shared memory a killed or early-exiting rank never removes: DeepSpeed's CPU all-reduce buffers and
 # the delegated transport's staging rings (``pm_<pid>_...``). Left in /dev/shm they hold RAM.
-_SHM_LEFTOVERS = ("deepspeed_allreduce_buffer_*", "pm_*")
+_SHM_LEFTOVERS = ("deepspeed_allreduce_buffer_*", "pm_[0-9]*_*")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _remove_shared_memory_left_behind():
-    """After the session: remove those this session's jobs created that no live process still maps."""
+    """After the session: remove those created while it ran (not in its last seconds, when another run's
+    rank may still be writing one it has not mapped yet) that no live process maps or holds open."""
     start = time.time()
     yield
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    scan = time.time()
+    in_use = set()
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            mapped.update(line.rsplit(None, 1)[-1] for line in maps.read_text().splitlines() if "/dev/shm/" in line)
+            in_use.update(line.rsplit(None, 1)[-1] for line in (proc / "maps").read_text().splitlines()
+                          if "/dev/shm/" in line)
+            in_use.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
         except OSError:  # the process ended meanwhile, or is not ours to read
             continue
     for pattern in _SHM_LEFTOVERS:
         for f in shm.glob(pattern):
             try:
-                if f.stat().st_mtime >= start and str(f) not in mapped:
+                if start <= f.stat().st_mtime < scan - 5 and str(f) not in in_use:
                     f.unlink()
             except OSError:
                 continue

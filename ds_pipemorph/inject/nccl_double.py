@@ -83,8 +83,14 @@ class _Batch:
         return all(op.is_completed() for op in self.ops)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Waits at most ``timeout`` for the whole group (each op gets what is left of it)."""
+        if timeout is None:
+            for op in self.ops:
+                op.wait(None)
+            return True
+        deadline = time.monotonic() + timeout.total_seconds()
         for op in self.ops:
-            op.wait(timeout)
+            op.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
         return True
 
 

@@ -106,4 +106,6 @@ def test_a_group_that_cannot_be_issued_fails_each_of_its_ops_with_one_sentence()
     assert str(e.value) == ("rank 1: a group of 2 sends and receives with rank(s) [0] failed: "
                             "ncclInvalidUsage: something broke")
     with pytest.raises(TransportError, match="a group of 2 sends and receives"):
-        t.wait_sends()  # its sends carry the same error, not a missing work
+        t.wait_sends()  # the group's sends carry its error, not a missing work
+    t.send("B", 1, x)  # the failed group is closed: this send goes out at once
+    assert "send B1 part 1" in t.p2p.log

@@ -51,7 +51,8 @@ class P2P(Protocol):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int): ...
 
     def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> list:
-        """Issue ``ops`` (sending?, tensor, peer, tag) as one group; their works, in order."""
+        """Issue ``ops`` (sending?, tensor, peer, tag) as one group: one work per op, in order, or one
+        work for the whole group (a coalescing backend: NCCL)."""
 
     def close(self) -> None: ...
 
@@ -232,8 +233,10 @@ class DirectTransport:
 
     def end_group(self) -> None:
         if self._group is not None:
-            self._flush()
-            self._group = None
+            try:
+                self._flush()
+            finally:
+                self._group = None
 
     def _wait(self, work, what: str) -> None:
         if isinstance(work, _Grouped):
@@ -361,7 +364,6 @@ class DirectTransport:
         bare, metas = layout
         out = [t.bool() if dtype == torch.bool else t for t, (dtype, _) in zip(bufs, metas)]
         return out[0] if bare else tuple(out)
-
 
     def wait_sends(self) -> None:
         """Wait until the peers have received every message sent so far."""
