@@ -48,19 +48,15 @@ def simulate(
             raise BadInput(f"--dispatch: '{dispatch}' is not a dispatch rule; choose ordered or ready")
         if nccl and not lowered:
             raise BadInput("--nccl shows the lowered streams: give --lowered too")
-        if lowered and nccl:  # the engine's lowering under NCCL's rules, groups bracketed
-            if dispatch != "ordered":
-                raise BadInput("--nccl runs ordered dispatch only: ready dispatch posts every receive of an iteration "
-                               "up front, which NCCL's in-order point-to-point cannot run; drop --dispatch ready")
-            streams = NcclLowering(pf.lowering.fused).lower(sched)
-            lines = grouped_lines(streams, nccl_groups(streams))
-            if as_json:
-                print_json({"lowered": lines})
+        if nccl and dispatch != "ordered":
+            raise BadInput("--nccl runs ordered dispatch only: ready dispatch posts every receive of an iteration "
+                           "up front, which NCCL's in-order point-to-point cannot run; drop --dispatch ready")
+        if lowered:  # the engine's lowering of this plan under this dispatch (NCCL's: groups bracketed)
+            if nccl:
+                streams = NcclLowering(pf.lowering.fused).lower(sched)
+                lines = grouped_lines(streams, nccl_groups(streams))
             else:
-                console.print("\n".join(lines), markup=False, soft_wrap=True)
-            return
-        if lowered:  # the engine's lowering of this plan under this dispatch
-            lines = pf.lowering.for_dispatch(dispatch).lines(sched)
+                lines = pf.lowering.for_dispatch(dispatch).lines(sched)
             if as_json:
                 print_json({"lowered": lines})
             else:

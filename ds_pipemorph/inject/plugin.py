@@ -7,7 +7,8 @@ it). The runtime then validates the ``inject`` section with ``InjectConfig`` (``
 - ``InjectTransport`` (a ``TransportHooks``): the direct path under NCCL's point-to-point rules
   (``nccl_double.NcclRules``, which it then announces as ``p2p_rules = "nccl"``), under
   ``faults.FaultyLink`` (links that break after K messages) under ``delays.DelayInjector`` (slow
-  links; under the NCCL double the double holds the messages of a slow link instead), the delay schedule handed to the delegated path (its sender delegates apply it), and
+  links; under the NCCL double the double holds a slow link's messages instead), the delay
+  schedule handed to the delegated path (its sender delegates apply it), and
   ``faults.DelegateKiller`` around the router;
 - engine hooks: ``compute.ComputeInjector`` (slowed stages, after each F, B and W),
   ``rank_links.SlowAllReduce`` (a slow data-parallel ring, after ``ReduceGrads``) and

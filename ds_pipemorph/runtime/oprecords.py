@@ -150,7 +150,6 @@ class OpRecorder:
             pair[1].record()
             self._events.append((name, *pair))
 
-
     def run_on_thread(self, name: str, fn: Callable[[], object]):
         """``fn()`` inside an NVTX range ``name`` on the calling thread (ready dispatch's receive
         threads), recorded as one OpRecord when it returns; its result."""

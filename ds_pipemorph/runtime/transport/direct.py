@@ -332,7 +332,7 @@ class DirectTransport:
                 f"rank {self.rank}: {self._describe(kind, mb, True)} changed its tensors from {_shapes(known)} to "
                 f"{_shapes(layout)}; build the PipelineModule with dynamic_shape=True or call "
                 f"engine.reset_activation_shape() on every rank")
-        try:
+        with self._failing(self._describe(kind, mb, True)):
             if known is None:
                 head = encode_header(tensors, bare).to(self.device)
                 sends.append(_Pending(self._isend(head, dst, tag(kind, mb, 0)), head, kind, mb))
@@ -340,8 +340,6 @@ class DirectTransport:
             for part, t in enumerate(tensors, start=1):
                 wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
                 sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, kind, mb))
-        except RuntimeError as e:
-            raise TransportError(f"rank {self.rank}: {self._describe(kind, mb, True)} failed: {first_line(e)}") from e
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
