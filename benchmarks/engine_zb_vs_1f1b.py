@@ -8,7 +8,12 @@ trains the same math: SGD without gradient clipping, so our engine runs with Dee
 every step):
 
 - ``bare_zb``: the same plan run by a plain torch.distributed loop, without DeepSpeed or our engine
-  (``_bare_runner.py``): this machine's floor for any runtime;
+  (``_bare_runner.py``): this machine's floor for any runtime. It posts every receive of the
+  iteration up front, and so does ours here (``recv_window`` = the micro-batch count): the two post
+  alike and the ratio is the runtime's own cost;
+- ``ours_window2``: our engine again with the default ``recv_window`` of 2, which bounds receive
+  memory and posts each next receive between two ops (on this machine every call between ops pays a
+  cold start: a ``torch.empty`` right after a 10 ms sleep takes 0.1 ms, not 1 us);
 - ``torch_zbv``, ``torch_interleaved_zb``, ``torch_1f1b``: torch.distributed.pipelining's
   ``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble`` (two virtual stages per rank, each
   half the work) and ``Schedule1F1B`` on the same emulated stage (``_torch_runner.py``).
@@ -31,7 +36,7 @@ Stock DeepSpeed is another engine class and cannot share a job with ours: ``pipe
 stock-1f1b`` alternates whole short jobs of the two.
 
     DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py [--pairs 12] [--warmup 4]
-        [--runners bare_zb,torch_zbv,torch_interleaved_zb,torch_1f1b] [--anchors instruction]
+        [--runners bare_zb,ours_window2,torch_zbv,torch_interleaved_zb,torch_1f1b] [--anchors instruction]
         [--no-block] [--out out/engine_zb_vs_1f1b.json]
 
 (re-launches itself with ``torchrun --standalone --nproc_per_node 4`` when not started by torchrun).
@@ -51,8 +56,9 @@ from _util import CACHING_MALLOC, print_table, relaunch, write_json
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 TARGET_OVER_PREDICTED = 1.05
-RUNNERS = ("bare_zb", "torch_zbv", "torch_interleaved_zb", "torch_1f1b")
-LABELS = {"bare_zb": "plain torch.distributed loop (zb)", "torch_zbv": "torch ScheduleZBVZeroBubble",
+RUNNERS = ("bare_zb", "ours_window2", "torch_zbv", "torch_interleaved_zb", "torch_1f1b")
+LABELS = {"bare_zb": "plain torch.distributed loop (zb)", "ours_window2": "ours with recv_window 2 (the default)",
+          "torch_zbv": "torch ScheduleZBVZeroBubble",
           "torch_interleaved_zb": "torch ScheduleInterleavedZeroBubble", "torch_1f1b": "torch Schedule1F1B"}
 # Where an emulated op's 10 ms start (inject/emulated.py): "instruction" = when the runner began
 # the instruction (its Python overlaps the op, as it overlaps launched kernels on a GPU; headline);
@@ -81,7 +87,7 @@ def parse_args():
 
 
 def build(kind: str):
-    """Our engine (``ours``) or the runner ``kind`` on this rank."""
+    """Our engine (``ours``, or ``ours_window2``) or the runner ``kind`` on this rank."""
     import torch
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -103,7 +109,8 @@ def build(kind: str):
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": MICROBATCHES,
            "train_batch_size": MICROBATCHES, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
            "steps_per_print": 10**9, "gradient_clipping": 0.0,  # the runners compared with do not clip
-           "pipemorph": {"schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False}, "nvtx": False}}
+           "pipemorph": {"schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False}, "nvtx": False,
+                         "recv_window": 2 if kind == "ours_window2" else MICROBATCHES}}
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -313,7 +320,9 @@ def main() -> int:
             dist.barrier()
     every_rank = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, parts)
-    engine.destroy()
+    for runner, _ in [ours, *others.values()]:
+        if hasattr(runner, "destroy"):
+            runner.destroy()
     dist.barrier()
     rank = dist.get_rank()
     dist.destroy_process_group()

@@ -155,6 +155,9 @@ class PipeMorphConfig(_Strict):
     # ordered: each stage runs its plan's order as written; ready: the order is a hint, each stage
     # runs the first ready op in it (RRFP), holding no more activations than the plan does.
     dispatch: Dispatch = "ordered"
+    # Receives of each kind posted ahead under ordered dispatch (plan.ir.lower); None: the default
+    # (RECV_WINDOW). A plan file names its own (refused here with schedule "plan").
+    recv_window: Optional[int] = Field(None, ge=1)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)
@@ -260,4 +263,7 @@ def pending_notes(cfg: PipeMorphConfig) -> list[str]:
     if cfg.profile_out and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
         notes.append(f"pipemorph.profile_out is written by the control loop, which runs with schedule 'adaptive' "
                      f"and adapt.enabled only: {cfg.profile_out} will not be written")
+    if cfg.recv_window is not None and cfg.dispatch == "ready":
+        notes.append("pipemorph.recv_window applies to dispatch 'ordered': dispatch 'ready' posts every receive "
+                     "of an iteration up front")
     return notes

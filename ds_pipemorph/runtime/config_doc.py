@@ -97,6 +97,11 @@ DESCRIPTIONS: dict[str, str] = {
     "orchestrate.noise": "a stage's all-reduce this fraction above what the best placement's ring would take ...",
     "orchestrate.patience": "... in this many iterations in a row is a data-parallel straggler",
     "orchestrate.min_gain": "re-map only if the predicted iteration time improves by at least this fraction",
+    "recv_window": "receives of each kind (activations, gradients) a stage keeps posted ahead of the ops that "
+                   "consume them under ordered dispatch (NCCL's lowering issues each receive where its rules need "
+                   "it); each holds its buffer, so the window bounds that memory; "
+                   "at least the micro-batch count posts every receive of an iteration up front, the fewest "
+                   "calls between ops; `null`: 2; a plan file names its own (refused with `schedule: plan`)",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
             "(`F3`, `SEND_F3`, `RECV_B3`, …; under ready dispatch each receive is a range on its receive thread); "
             "nothing is emitted while no profiler is attached",

@@ -16,8 +16,11 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   dry-run under those rules, with ordered dispatch only (docs/nccl.md);
   messages go through a transport (``runtime.transport``): non-blocking sends, a tag per (kind,
   micro-batch), a timeout on every wait;
-- every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
+- every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records`` (a first or
+  last stage's ``LOAD m`` runs inside ``F m``'s: loading the micro-batch prepares F's input);
   ``measured_peak_inflight`` is this stage's peak of in-flight activations in the last batch;
+- the iteration's loss is summed at the last forward and, where every rank can tell it may, its
+  broadcast starts there (``runtime.train_loss``);
 - forwards may run out of micro-batch order (the data of an iteration is read in order and kept
   until its F), and floating-point inputs of the first stage require grad so that B is the same
   backward-to-the-input on every stage (its input gradient is dropped).
@@ -63,6 +66,7 @@ from .ready_exec import ReadyProgram, run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
+from .train_loss import EarlyLoss, broadcasts_early, sum_in_order
 from .transfer import Transfer
 from .transport.router import build_transport
 
@@ -200,6 +204,8 @@ class PipeMorphEngine(PipelineEngine):
         # The loops in the order their decisions apply: a migration's plan is the last word.
         self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
                                  self.transfer.vote_group)
+        # The iteration's loss leaves the last stage at its last forward where it can (runtime.train_loss).
+        self.early_loss = EarlyLoss(self) if broadcasts_early(self) else None
         self._reset_iteration_state()
 
     def destroy(self):
@@ -350,8 +356,9 @@ class PipeMorphEngine(PipelineEngine):
             groups = nccl_groups([stream])[0] if self.nccl_rules else ()  # issued as batch_isend_irecv
             schedule = PipeMorphSchedule(stream, self.micro_batches, self.num_stages, self.stage_id, groups)
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
-            program = [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
-                       for step in schedule.steps() for cmd in step]
+            program = I.loads_in_forwards(
+                [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
+                 for step in schedule.steps() for cmd in step])
             tail = len(list(schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
             ready = ReadyProgram(schedule, handlers, self.lowering.fused, self.hooks) if dispatch == "ready" else None
             compiled = self._compiled[dispatch] = (schedule, handlers, program, tail, ready,
@@ -376,6 +383,8 @@ class PipeMorphEngine(PipelineEngine):
         self.fwd_outputs = []
         self._reset_iteration_state()
         self.recorder.reset()
+        if self.early_loss is not None and not self.is_last_stage():
+            self.early_loss.post(self.device)
         if self.hooks is not None:
             self.hooks.start_iteration(self)
         run = self.recorder.run
@@ -428,6 +437,16 @@ class PipeMorphEngine(PipelineEngine):
                 self.pending_remap = decision.ranks
         if plan is not None:
             self._set_plan(plan)
+
+    def _aggregate_total_loss(self):
+        """Stock DeepSpeed's result; collected from the broadcast the last forward started where it
+        could start early (``runtime.train_loss``)."""
+        if self.early_loss is None:
+            return super()._aggregate_total_loss()
+        self.dp_group_loss, agg_loss = self.early_loss.collect()
+        if self.is_last_stage():
+            self.agg_additional_losses = self.total_additional_losses
+        return agg_loss
 
     def clip_fp32_gradients(self):
         """DeepSpeed's clipping, its norm over the parameters it counted before anything moved
@@ -534,7 +553,10 @@ class PipeMorphEngine(PipelineEngine):
                     f"stage {self.stage_id}: F{micro_batch} must produce a scalar loss tensor for B")
             self._losses[buffer_id] = loss
             self.fwd_outputs.append(loss.detach())
-            self.total_loss = loss.detach().clone() if self.total_loss is None else self.total_loss + loss.detach()
+            if len(self.fwd_outputs) == self.micro_batches:  # the last forward: the iteration's loss
+                self.total_loss = sum_in_order(self.fwd_outputs)
+                if self.early_loss is not None:
+                    self.early_loss.send(self._scale_loss_by_gas(self.total_loss))
             extra = self.module.get_additional_losses()
             if extra is not None:
                 if self.total_additional_losses is None:

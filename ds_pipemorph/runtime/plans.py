@@ -93,14 +93,18 @@ NCCL_READY_REFUSED = ("dispatch 'ready' posts every receive of an iteration up f
 
 
 def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> Lowering:
-    """How the job's plans are lowered: a plan file's own ``recv_window`` and ``backward``, else
-    the defaults (the plans ``1f1b``, ``zb`` and ``adaptive`` build have a split backward).
+    """How the job's plans are lowered: a plan file's own ``recv_window`` and ``backward``, else the
+    config's ``recv_window`` (default ``RECV_WINDOW``) and a split backward (the plans ``1f1b``,
+    ``zb`` and ``adaptive`` build).
 
     ``nccl`` (NCCL's point-to-point rules on the direct path: the NCCL backend, or a plug-in's
     ``TransportHooks.p2p_rules``): ``NcclLowering`` with the plan file's ``backward``; a plan file's
     ``recv_window`` does not apply there (each receive is issued where the NCCL lowering puts it)."""
     if cfg.schedule != "plan":
-        policy = LoweringPolicy()
+        policy = LoweringPolicy() if cfg.recv_window is None else LoweringPolicy(recv_window=cfg.recv_window)
+    elif cfg.recv_window is not None:
+        raise PipeMorphConfigError("ds_config pipemorph.recv_window does not apply to a plan file, which names its "
+                                   "own: set recv_window in the plan file instead")
     else:
         try:
             policy = load_model(cfg.plan_file, PlanFile).lowering

@@ -86,6 +86,9 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
     run = launch(2, jobs, tmp_path, timeout=220)
     for name, stock, peak, *plan in checks:
         _assert_equal_to_stock(run, name, stock, 2, peak, *plan)
+        # One replica on gloo: the loss left the last stage at its last forward (runtime.train_loss),
+        # and every rank returned stock's loss all the same.
+        assert all(run.result(name, r)["early_loss"] for r in range(2)), name
 
 
 @pytest.mark.timeout(400)
@@ -150,3 +153,5 @@ def test_two_pipeline_by_two_data_parallel_zb_equals_stock(tmp_path):
     run = launch(4, jobs, tmp_path, timeout=180)
     for name, stock, peak, *plan in checks:
         _assert_equal_to_stock(run, name, stock, 4, peak, *plan)
+        # Two replicas: stock's own loss reduction (the mean over replicas, then the broadcast).
+        assert not any(run.result(name, r)["early_loss"] for r in range(4)), name

@@ -2,7 +2,8 @@
 
 One launch of 3 ranks (gloo, CPU) trains stock DeepSpeed and our engine on plan files: DeepSpeed's
 1F1B order, a zero-bubble order (ZB-H1), a zero-bubble order with ``backward: fused``, the 1F1B
-order fused with ``recv_window: 1``, and ready dispatch. Each rank's ``executed_stream`` of every
+order fused with ``recv_window: 1``, ready dispatch, and the built ``zb`` plan with the ds_config's
+``recv_window`` (the command's stream for that plan written to a file with the same window). Each rank's ``executed_stream`` of every
 step must equal its line of the real command's output (a subprocess), losses and parameters must
 equal stock DeepSpeed's within 1e-5. Ready dispatch reorders compute ops only: its stream holds
 the same ops, posts the command's receives first and sends each message right after its producer.
@@ -21,6 +22,8 @@ from ds_pipemorph.plan.ir.ops import format_stage, warmup_counts
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1
 from ds_pipemorph.plan.sched.listsched import list_schedule
+from ds_pipemorph.runtime.config import parse_config
+from ds_pipemorph.runtime.plans import build_plan
 
 from .launch import REPO, launch, max_param_diff
 
@@ -58,6 +61,10 @@ def test_the_engine_executes_the_stream_simulate_lowered_prints(tmp_path):
                                                  recv_window=1),
     }
     expected = {name: _lowered(path) for name, path in files.items()}
+    # The ds_config's recv_window lowers a built plan as a plan file's would: every receive up front here.
+    built = build_plan(parse_config({"schedule": "zb"}), S, N)
+    expected["zb_config_window"] = _lowered(_plan_file(tmp_path / "zb_built.yaml", built, recv_window=N))
+    assert expected["zb_config_window"] != _lowered(_plan_file(tmp_path / "zb_built_default.yaml", built))
     # The plan files' settings change the streams, so equal streams prove the engine honours them.
     assert expected["zb_fused"] != _lowered(_plan_file(tmp_path / "zb_split.yaml", zb_fused))
     assert expected["one_f_one_b_fused_window_1"] != expected["one_f_one_b"]
@@ -67,17 +74,20 @@ def test_the_engine_executes_the_stream_simulate_lowered_prints(tmp_path):
     jobs = [{"name": "stock", "stages": S, "micro_batches": N, "pipemorph": None}]
     jobs += [{"name": name, "stages": S, "micro_batches": N, "pipemorph": _section(path)} for name, path in files.items()]
     jobs.append({"name": "zb_ready", "stages": S, "micro_batches": N, "pipemorph": _section(files["zb"], "ready")})
+    jobs.append({"name": "zb_config_window", "stages": S, "micro_batches": N,
+                 "pipemorph": {"schedule": "zb", "recv_window": N, "delegation": {"mode": "off"},
+                               "adapt": {"enabled": False}}})
     run = launch(S, jobs, tmp_path, timeout=400)
 
     for r in range(S):
         ref = run.result("stock", r)
-        for name in [*files, "zb_ready"]:
+        for name in [*files, "zb_ready", "zb_config_window"]:
             ours = run.result(name, r)
             assert ours["losses"] == pytest.approx(ref["losses"], abs=TOL), f"{name} rank {r}: losses differ"
             assert max_param_diff(ours, ref) <= TOL, f"{name} rank {r}: parameters differ"
             assert len(ours["executed"]) == 3
         stage = run.result("stock", r)["stage"]
-        for name in files:
+        for name in [*files, "zb_config_window"]:
             for step, ran in enumerate(run.result(name, r)["executed"]):
                 assert ran == expected[name][stage], f"{name} rank {r} step {step}: ran {ran}"
         for step, ran in enumerate(run.result("zb_ready", r)["executed"]):

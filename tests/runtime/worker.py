@@ -182,7 +182,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
-                "reduce_ms": reduce_ms,
+                "reduce_ms": reduce_ms, "early_loss": getattr(engine, "early_loss", None) is not None,
                 "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None),
                 "reductions_skipped": getattr(engine, "reductions_skipped", None), "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional, Protocol, Sequence, Union
@@ -58,16 +57,25 @@ class P2P(Protocol):
 
 
 class TorchP2P:
-    """torch.distributed's ``isend``/``irecv`` on the default group; in order under NCCL."""
+    """torch.distributed's point-to-point operations on the default group; in order under NCCL.
+
+    ``isend``/``irecv`` call the default group's ``send``/``recv`` as ``dist.isend``/``dist.irecv``
+    end up doing, without their checks of arguments this class already knows (the group, global
+    ranks = its ranks, one dense tensor): on a busy host those checks cost more than the call."""
 
     def __init__(self):
         self.in_order = dist.is_initialized() and "nccl" in dist.get_backend()
+        self._group = dist.group.WORLD if dist.is_initialized() else None
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
-        return dist.isend(tensor, dst=dst, tag=tag)
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        return self._group.send([tensor], dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int):
-        return dist.irecv(tensor, src=src, tag=tag)
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        return self._group.recv([tensor], src, tag)
 
     def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> list:
         """One ``batch_isend_irecv`` (NCCL: one ncclGroupStart/End; the engine's collectives at start-up
@@ -115,6 +123,17 @@ class _Pending:
 def _shapes(layout: tuple) -> list:
     """A sent layout's tensors as [(dtype, [shape...]), ...] (for messages)."""
     return [(dtype, list(shape)) for dtype, shape in layout[1]]
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """What goes on the wire for ``t``: detached (the send must not hold its graph), contiguous."""
+    t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# Sends to one peer held before the completed ones at the front are forgotten: a few tensors kept a
+# little longer, for a check of their works at most every few sends rather than at each one.
+REAP_AFTER = 4
 
 
 def _reap(sends: deque) -> None:
@@ -174,13 +193,9 @@ class DirectTransport:
                 f"stage {self._peer(kind, sending)}")
         return name
 
-    @contextmanager
-    def _failing(self, what: str):
-        """Turn a broken link (peer crashed, connection closed) into one sentence naming the op."""
-        try:
-            yield
-        except RuntimeError as e:
-            raise TransportError(f"rank {self.rank}: {what} failed: {first_line(e)}") from e
+    def _broken(self, what: str, e: RuntimeError) -> TransportError:
+        """A broken link (peer crashed, connection closed) as one sentence naming the op."""
+        return TransportError(f"rank {self.rank}: {what} failed: {first_line(e)}")
 
     def _isend(self, tensor: torch.Tensor, dst: int, wire_tag: int):
         if self._group is None:
@@ -284,19 +299,22 @@ class DirectTransport:
         if key in self._posted:
             return
         src = self.stage_ranks[self._peer(kind, sending=False)]
-        what = self._describe(kind, mb, sending=False)
         layout = self._recv_layout.get(key) if self.static_shapes else None
         if layout is None:
             head = torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device)
-            with self._failing(what):
+            try:
                 work = self._irecv(head, src, tag(kind, mb, 0))
+            except RuntimeError as e:
+                raise self._broken(self._describe(kind, mb, sending=False), e) from e
             if not self.p2p.in_order:
                 self._posted[key] = ("header", work, head)
                 return
-            self._wait(work, what)
+            self._wait(work, self._describe(kind, mb, sending=False))
             layout = self._recv_layout[key] = decode_header(head)
-        with self._failing(what):
+        try:
             self._posted[key] = ("data", *self._post_tensors(kind, mb, src, layout))
+        except RuntimeError as e:
+            raise self._broken(self._describe(kind, mb, sending=False), e) from e
 
     def _post_tensors(self, kind: str, mb: int, src: int, layout) -> tuple[list, list]:
         _, metas = layout
@@ -322,9 +340,10 @@ class DirectTransport:
         sends = self._sends.get(dst)
         if sends is None:
             sends = self._sends[dst] = deque()
-        _reap(sends)
+        if len(sends) >= REAP_AFTER:
+            _reap(sends)
         bare = isinstance(payload, torch.Tensor)
-        tensors = [t.detach().contiguous() for t in ([payload] if bare else payload)]
+        tensors = [_dense(t) for t in ([payload] if bare else payload)]
         layout = (bare, [(t.dtype, t.shape) for t in tensors])
         known = self._sent_layout.get((kind, mb)) if self.static_shapes else None
         if known is not None and known != layout:
@@ -332,7 +351,7 @@ class DirectTransport:
                 f"rank {self.rank}: {self._describe(kind, mb, True)} changed its tensors from {_shapes(known)} to "
                 f"{_shapes(layout)}; build the PipelineModule with dynamic_shape=True or call "
                 f"engine.reset_activation_shape() on every rank")
-        with self._failing(self._describe(kind, mb, True)):
+        try:
             if known is None:
                 head = encode_header(tensors, bare).to(self.device)
                 sends.append(_Pending(self._isend(head, dst, tag(kind, mb, 0)), head, kind, mb))
@@ -340,6 +359,8 @@ class DirectTransport:
             for part, t in enumerate(tensors, start=1):
                 wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
                 sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, kind, mb))
+        except RuntimeError as e:
+            raise self._broken(self._describe(kind, mb, True), e) from e
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
@@ -352,8 +373,10 @@ class DirectTransport:
             self._wait(work, what)
             layout = decode_header(head)
             self._recv_layout[key] = layout
-            with self._failing(what):
+            try:
                 works, bufs = self._post_tensors(kind, mb, self.stage_ranks[self._peer(kind, sending=False)], layout)
+            except RuntimeError as e:
+                raise self._broken(what, e) from e
         else:
             _, works, bufs = posted
             layout = self._recv_layout[key]
