@@ -40,7 +40,7 @@ DESCRIPTIONS: dict[str, str] = {
     "dispatch": "`ordered`: each stage runs its plan's order as written; `ready`: the order is a hint (RRFP) and "
                 "each stage runs the first op in it that is ready (its activation or gradient arrived; F only "
                 "while it holds fewer activations than the plan's peak), every receive of the iteration posted "
-                "up front (`docs/ready_dispatch.md`)",
+                "at once before the first op that needs one (`docs/ready_dispatch.md`)",
     "memory": "how many activations a stage may hold",
     "memory.max_inflight": "cap on in-flight activations (F done, B not done): one value for every stage or one "
                            "per stage; `null`: the micro-batch count",

@@ -6,8 +6,10 @@ which compute op goes next. ``ReadyProgram`` cuts the stream's compiled steps
 (``runtime.schedule``) into the receives posted before the first compute op and one unit per
 compute op: its instructions and the sends that follow it in the stream (a fused B m takes its
 W m and the gradient's send along, as the lowering placed them). The receives are posted through
-the inbox (``runtime.inbox``: each completion is a readiness event) and the waits at F and B take
-from it. The rule (``plan.ir.ready_rule.ReadyRule``, with its patience) picks the next unit; the
+the inbox (``runtime.inbox``: each completion is a readiness event), all of them at the first
+moment the stage has no op to run (or would hold one for a message): a stage with ops that need no
+message, the first stage's warm-up forwards, runs them first, as every stage's first message is
+still on its way then. The waits at F and B take from the inbox. The rule (``plan.ir.ready_rule.ReadyRule``, with its patience) picks the next unit; the
 training thread runs it with the same handlers, op records and NVTX ranges as ordered dispatch.
 Pipe buffers follow ``schedule.Buffers`` in the order the ops run (F takes the lowest free one,
 B releases it), as many as the plan's peak of in-flight activations, which is also the rule's cap:
@@ -111,9 +113,16 @@ def run_ready(engine, program: ReadyProgram) -> int:
     s, S = engine.stage_id, engine.num_stages
     run, inbox = engine.recorder.run, engine.inbox
     executed = engine.executed_stream
-    for _, _, handler, kwargs, _ in program.posts:  # every receive of the iteration, in the producers' order
-        handler(engine, **kwargs)
-    executed.extend(program.post_texts)
+    to_post = list(program.posts)
+
+    def post_all() -> None:
+        """Every receive of the iteration, in the producers' order: once, when the stage first has no
+        op to run or would hold one for a message (a first stage runs its warm-up forwards first)."""
+        for _, _, handler, kwargs, _ in to_post:
+            handler(engine, **kwargs)
+        to_post.clear()
+        executed.extend(program.post_texts)
+
     t0 = time.monotonic_ns()
     arrived_at, op_ns = getattr(engine, "_ready_expect", None) or ({}, {})  # last iteration: arrival offsets, op ns per kind
 
@@ -130,6 +139,9 @@ def run_ready(engine, program: ReadyProgram) -> int:
             rule.arrive(kind, mb)
         op = rule.pick()
         choosing += time.perf_counter_ns() - t
+        if op is None and to_post:
+            post_all()
+            continue
         if op is None:
             if not inbox.wait_any(rule.waiting_for()) and rule.pick(inbox.arrived) is None:
                 raise RuntimeError(f"stage {s}: no op is ready and no message is on its way "
@@ -137,6 +149,9 @@ def run_ready(engine, program: ReadyProgram) -> int:
             continue
         now = time.monotonic_ns()
         hold = rule.hold(op, now, op_ns.get(op.kind), expected)
+        if hold is not None and to_post:  # the message held for cannot come before its receive is posted
+            post_all()
+            continue
         if hold is not None and inbox.wait_for(*hold[0], (hold[1] - now) / 1e9):
             continue  # the message the hint's first op waits for came: pick again
         rule.started(op)
