@@ -28,7 +28,7 @@ def simulate(
     plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file written by `pipemorph plan`, or a torch pipelining schedule CSV (.csv, one row per rank)."),
     links_ms: Optional[str] = typer.Option(None, "--links-ms", help="Delay per link in ms, e.g. 10,0,0."),
     compute_ms: Optional[str] = typer.Option(None, "--compute-ms", help="F/B/W ms for all stages (10/10/10) or per stage (10/10/10,12/12/8,...)."),
-    compare: str = typer.Option(",".join(BASELINES), "--compare", help="Baselines planned for the plan's profile, replayed the same way ('' for none)."),
+    compare: str = typer.Option(",".join(BASELINES), "--compare", help="Baselines planned for the plan's profile (a torch CSV: --compute-ms with free links), replayed the same way ('' for none)."),
     direct: bool = typer.Option(False, "--direct", help="Model slow links as direct ones: one message in flight, the sender blocks."),
     dispatch: str = typer.Option("ordered", "--dispatch", metavar="[ordered|ready]", help="ordered: each stage runs the plan's order as written; ready: the order is a hint, each stage runs the first ready op in it, holding no more activations than the plan does (docs/ready_dispatch.md). With ready, both times are printed."),
     vary: Optional[str] = typer.Option(None, "--vary", metavar="SPEC", help="Vary op times per micro-batch: jitter:SPREAD[,seed=K][,kinds=FB], heavy:frac=F,factor=X,stages=K[,seed=S] or table:FILE. Applies to every row."),
@@ -75,7 +75,9 @@ def simulate(
         if len(links) != S - 1:
             raise BadInput(f"--links-ms: expected {S - 1} values (one per link of {S} stages), got {len(links)}")
         costs = Costs(list(f), list(b), list(w), list(links))
-        plan_costs = planned or costs
+        # The baselines are planned for the plan's profile; a plan without one (a torch CSV) gets the
+        # op times given, with free links: what a static schedule knows before any link slows down.
+        plan_costs = planned or Costs(list(f), list(b), list(w), [0.0] * (S - 1))
         names = [x.strip() for x in compare.split(",") if x.strip()]
         model = DIRECT if direct else LATENCY
         op_times = parse_vary(vary, costs, N) if vary is not None else None

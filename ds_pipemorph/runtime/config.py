@@ -254,7 +254,8 @@ def resolve_paths(section, base: str | os.PathLike):
 def pending_notes(cfg: PipeMorphConfig) -> list[str]:
     """Settings accepted but without effect under the chosen schedule, one sentence each (logged at start-up)."""
     notes = []
-    if cfg.delegation.mode == "auto" and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
+    if ("mode" in cfg.delegation.model_fields_set and cfg.delegation.mode == "auto"
+            and not (cfg.schedule == "adaptive" and cfg.adapt.enabled)):
         notes.append("pipemorph.delegation 'auto' follows the straggler detector, which runs with schedule "
                      "'adaptive' and adapt.enabled only: every link stays direct")
     if "adapt" in cfg.model_fields_set and cfg.adapt.enabled and cfg.schedule != "adaptive":

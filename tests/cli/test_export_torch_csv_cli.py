@@ -135,6 +135,28 @@ def test_an_exported_plan_replays_as_the_plan_itself(tmp_path):
     assert lowered == run("simulate", plan, "--lowered").output.splitlines()
 
 
+def test_a_csv_and_its_plan_file_get_the_same_baselines_when_the_plans_profile_has_free_links(tmp_path):
+    """A torch CSV has no profile: its baselines are planned for --compute-ms with free links, what
+    a plan file made from a free-link profile has. ZB-H1 under 20 ms on link 0 then takes as long from
+    either, and longer than ZB-H1 planned knowing the delay (a profile with link 0 at 20 ms)."""
+    def profile(links):
+        return {"stages": 4, "microbatches": 12, "links_ms": links,
+                "compute_ms": {"forward": 10, "backward_input": 10, "backward_weight": 10}}
+
+    plans = {}
+    for name, links in (("free", [0, 0, 0]), ("slow", [20, 0, 0])):
+        plans[name] = tmp_path / f"{name}.yaml"
+        assert run("plan", write(tmp_path, f"{name}_prof.yaml", profile(links)), "-o", plans[name],
+                   "--budget", "0.3").exit_code == 0
+    out = tmp_path / "free.csv"
+    assert run("export", plans["free"], "-o", out).exit_code == 0
+    args = ("--links-ms", "20,0,0", "--compute-ms", "10/10/10", "--json")
+    compare = {name: json.loads(run("simulate", path, *args).output)["compare"]
+               for name, path in (("plan file", plans["free"]), ("csv", out), ("aware", plans["slow"]))}
+    assert compare["csv"] == compare["plan file"]
+    assert compare["csv"]["zb-h1"]["iteration_ms"] > compare["aware"]["zb-h1"]["iteration_ms"]
+
+
 @pytest.mark.parametrize("content,needle", [
     ("0F0,0X1\n1F0\n", "rank 0, column 2: '0X1' is not a torch pipelining action"),
     ("0F0,0F\n1F0\n", "rank 0, column 2: '0F' names no micro-batch"),

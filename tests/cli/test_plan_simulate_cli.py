@@ -119,6 +119,13 @@ def test_invalid_plan_names_the_first_offending_op(plan_file, tmp_path):
     assert not png.exists()
 
 
+def test_a_profile_given_where_a_plan_goes_is_named_as_such(tmp_path):
+    profile = write(tmp_path, "p.yaml", PROFILE)
+    r = run("simulate", profile)
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"{profile} is a profile, not a plan: make a plan from it first (pipemorph plan {profile}" in r.output
+
+
 def test_plan_with_wrong_warmup_is_refused(plan_file):
     edit(plan_file, lambda d: d.__setitem__("warmup", [4, 3, 2, 1]))
     r = run("simulate", plan_file)

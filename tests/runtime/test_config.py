@@ -192,6 +192,12 @@ def test_settings_the_chosen_schedule_ignores_are_named_at_start_up():
     off = {"schedule": "zb", "adapt": {"enabled": False}, "delegation": {"mode": "off"}}
     assert pending_notes(parse_config(off)) == []
     assert pending_notes(parse_config({"schedule": "zb", "delegation": {"mode": "off"}})) == []
+    # delegation 'auto' is named only when the config asks for it: left at its default it says nothing
+    assert pending_notes(parse_config({"schedule": "zb", "adapt": {"enabled": False}})) == []
+    assert pending_notes(parse_config({"schedule": "zb", "adapt": {"enabled": False},
+                                       "delegation": {"mode": "auto"}})) == [
+        "pipemorph.delegation 'auto' follows the straggler detector, which runs with schedule 'adaptive' and "
+        "adapt.enabled only: every link stays direct"]
     assert pending_notes(parse_config({"schedule": "adaptive", "adapt": {"every_iterations": 2}})) == []
 
 

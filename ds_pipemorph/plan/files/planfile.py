@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ...fileio import BadInput, describe, load_model
+from ...fileio import BadInput, describe, load_mapping
 from ..ir.lower import RECV_WINDOW, LoweringPolicy
 from ..ir.ops import Schedule, format_stage, warmup_counts
 from ..ir.profile import Costs, Profile
@@ -62,7 +62,16 @@ class PlanFile(BaseModel):
     @classmethod
     def read(cls, path) -> tuple["PlanFile", Schedule]:
         """The plan file at ``path`` and its validated orders; BadInput names the file and the op."""
-        pf = _read_json(path, cls) or load_model(path, cls)
+        pf = _read_json(path, cls)
+        if pf is None:
+            data = load_mapping(path)
+            if "compute_ms" in data and "schedule" not in data:  # the profile a plan is made from
+                raise BadInput(f"{path} is a profile, not a plan: make a plan from it first "
+                               f"(pipemorph plan {path} -o plan.yaml)")
+            try:
+                pf = cls.model_validate(data)
+            except ValidationError as e:
+                raise BadInput(f"{path}: {describe(e)}") from None
         try:
             return pf, pf.ops()
         except InvalidPlan as e:
@@ -100,7 +109,7 @@ class PlanFile(BaseModel):
 
 def _read_json(path, model) -> Optional["PlanFile"]:
     """A ``.json`` plan through the json module (a C parser: a 64 x 1024 plan in a tenth of the
-    time the YAML loader takes); None if the file is not such, and ``load_model`` then reads it
+    time the YAML loader takes); None if the file is not such, and ``PlanFile.read`` then reads it
     and says what is wrong."""
     p = Path(path)
     if p.suffix.lower() != ".json" or not p.is_file():
