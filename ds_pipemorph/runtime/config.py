@@ -196,6 +196,9 @@ class PipeMorphConfig(_Strict):
             raise ValueError("schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`")
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
+        if self.schedule == "plan" and self.recv_window is not None:
+            raise ValueError("recv_window does not apply to a plan file, which names its own: set recv_window in "
+                             "the plan file instead")
         for plugin, settings in hooks.active_plugins(self):
             plugin.check(settings, self)
         return self
@@ -266,5 +269,5 @@ def pending_notes(cfg: PipeMorphConfig) -> list[str]:
                      f"and adapt.enabled only: {cfg.profile_out} will not be written")
     if cfg.recv_window is not None and cfg.dispatch == "ready":
         notes.append("pipemorph.recv_window applies to dispatch 'ordered': dispatch 'ready' posts every receive "
-                     "of an iteration up front")
+                     "of an iteration before the first op that needs one")
     return notes

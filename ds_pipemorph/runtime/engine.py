@@ -16,8 +16,7 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   dry-run under those rules, with ordered dispatch only (docs/nccl.md);
   messages go through a transport (``runtime.transport``): non-blocking sends, a tag per (kind,
   micro-batch), a timeout on every wait;
-- every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records`` (a first or
-  last stage's ``LOAD m`` runs inside ``F m``'s: loading the micro-batch prepares F's input);
+- every instruction runs in an NVTX range and leaves an ``OpRecord`` in ``op_records``;
   ``measured_peak_inflight`` is this stage's peak of in-flight activations in the last batch;
 - the iteration's loss is summed at the last forward and, where every rank can tell it may, its
   broadcast starts there (``runtime.train_loss``);
@@ -356,9 +355,8 @@ class PipeMorphEngine(PipelineEngine):
             groups = nccl_groups([stream])[0] if self.nccl_rules else ()  # issued as batch_isend_irecv
             schedule = PipeMorphSchedule(stream, self.micro_batches, self.num_stages, self.stage_id, groups)
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
-            program = I.loads_in_forwards(
-                [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
-                 for step in schedule.steps() for cmd in step])
+            program = [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
+                       for step in schedule.steps() for cmd in step]
             tail = len(list(schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
             ready = ReadyProgram(schedule, handlers, self.lowering.fused, self.hooks) if dispatch == "ready" else None
             compiled = self._compiled[dispatch] = (schedule, handlers, program, tail, ready,

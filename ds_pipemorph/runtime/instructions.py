@@ -98,24 +98,3 @@ def op_text(cmd: ds.PipeInstruction) -> str:
         return cmd.name
     return f"{prefix}{cmd.kwargs['micro_batch']}"
 
-
-def loads_in_forwards(entries: list) -> list:
-    """Program entries ``(recorded?, op text, handler, kwargs, ...)`` with each ``LOAD m`` run inside
-    the ``F m`` right after it, as one entry (F's text, record and kwargs, which are LOAD's too:
-    the buffer and the micro-batch). Loading the micro-batch prepares F's input: on a GPU its host
-    work overlaps the kernels queued before F, as the rest of an instruction's does, and one call
-    between two ops fewer costs one cold start fewer on a busy host."""
-    out: list = []
-    for entry in entries:
-        if out and entry[1][:1] == "F" and out[-1][1] == "LOAD" + entry[1][1:]:
-            load = out.pop()[2]
-            entry = (entry[0], entry[1], _loaded(load, entry[2]), *entry[3:])
-        out.append(entry)
-    return out
-
-
-def _loaded(load, forward):
-    def run(engine, **kwargs):
-        load(engine, **kwargs)
-        forward(engine, **kwargs)
-    return run

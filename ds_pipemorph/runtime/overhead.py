@@ -10,8 +10,8 @@ collective.
 Which number is the cost: the ranks leave the boundary together (the all-gather), so per boundary
 the rank with the largest total counts; the others wait for it inside the all-gather, which is why
 ``exchange`` includes the slowest rank's part before it. The barrier before the exchange (``sync``) waits
-for the last rank to finish its iteration; DeepSpeed's loss broadcast at the end of ``train_batch``
-waits for that anyway, so it is reported but not counted.
+for the last rank to finish its iteration: that is the iteration's own time (the job's iteration
+ends when its last rank does), not the loops', so it is reported but not counted.
 """
 from __future__ import annotations
 

@@ -100,11 +100,8 @@ def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> Lowering:
     ``nccl`` (NCCL's point-to-point rules on the direct path: the NCCL backend, or a plug-in's
     ``TransportHooks.p2p_rules``): ``NcclLowering`` with the plan file's ``backward``; a plan file's
     ``recv_window`` does not apply there (each receive is issued where the NCCL lowering puts it)."""
-    if cfg.schedule != "plan":
+    if cfg.schedule != "plan":  # (the config refuses recv_window with schedule "plan")
         policy = LoweringPolicy() if cfg.recv_window is None else LoweringPolicy(recv_window=cfg.recv_window)
-    elif cfg.recv_window is not None:
-        raise PipeMorphConfigError("ds_config pipemorph.recv_window does not apply to a plan file, which names its "
-                                   "own: set recv_window in the plan file instead")
     else:
         try:
             policy = load_model(cfg.plan_file, PlanFile).lowering

@@ -74,8 +74,8 @@ class ReadyProgram:
         inbox = _INBOX if hooks is None else hooks.around(_INBOX)  # engine hooks follow these handlers too
 
         def entries(cmds):
-            return I.loads_in_forwards([(type(c) not in _INBOX, I.op_text(c), inbox.get(type(c)) or handlers[type(c)],
-                                         c.kwargs, "buffer_id" in c.kwargs) for c in cmds])
+            return [(type(c) not in _INBOX, I.op_text(c), inbox.get(type(c)) or handlers[type(c)], c.kwargs,
+                     "buffer_id" in c.kwargs) for c in cmds]
 
         self.posts: list = []
         self.post_texts: list[str] = []

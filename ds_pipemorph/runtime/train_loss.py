@@ -6,14 +6,16 @@ last instruction, broadcasts the mean from the last stage over the pipeline: eve
 that broadcast at the end of the iteration, behind the slowest. Here the last stage keeps each
 detached loss (``fwd_outputs``, as stock does) and, at its last forward, adds them up in the same
 order with the same operations (the same bits as stock's running sum), scales by the accumulation
-steps and, where it can, starts the broadcast right away; the other stages post their side of it
+steps and, where it can, starts the broadcast right away (a ``train_batch`` that failed before it
+collected its loss leaves the broadcast pending: the next one refuses to start); the other stages post their side of it
 when their iteration starts. ``train_batch`` then only collects a value that has long arrived.
 
 The broadcast starts early where every rank of the pipeline can tell so without talking: a gloo
 pipeline group (host tensors; an NCCL broadcast posted early would hold a kernel on the GPU for the
 whole iteration), one data-parallel replica (with several, stock averages over the replicas first)
-and a module class that does not add losses of its own (``get_additional_losses`` not overridden:
-their number sizes the message). Otherwise DeepSpeed's own ``_aggregate_total_loss`` runs, on the
+a module class that does not add losses of its own (``get_additional_losses`` not overridden:
+their number sizes the message), and no ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which makes every
+collective wait for its peers before it starts. Otherwise DeepSpeed's own ``_aggregate_total_loss`` runs, on the
 sum made here.
 """
 from __future__ import annotations
@@ -26,10 +28,10 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 
 def sum_in_order(losses: list) -> torch.Tensor:
-    """``losses[0] + losses[1] + ...`` as stock's running ``total_loss`` computes it."""
-    total = losses[0].clone()
-    for loss in losses[1:]:
-        total = total + loss
+    """The losses' sum as stock's running ``total_loss`` computes it: zeros, then each added in place."""
+    total = torch.zeros_like(losses[0])
+    for loss in losses:
+        total += loss
     return total
 
 
@@ -40,7 +42,10 @@ def broadcasts_early(engine) -> bool:
     group = engine.grid.get_pipe_parallel_group()
     return (engine.is_pipe_parallel and not engine.is_data_parallel
             and module_cls.get_additional_losses is PipelineModule.get_additional_losses
-            and dist.get_backend(group) == "gloo")
+            and dist.get_backend(group) == "gloo"
+            # TORCH_DISTRIBUTED_DEBUG=DETAIL checks each collective with its peers before it starts:
+            # a broadcast posted early would wait there for the last stage's, which waits for them
+            and dist.get_debug_level() != dist.DebugLevel.DETAIL)
 
 
 class EarlyLoss:
@@ -54,12 +59,19 @@ class EarlyLoss:
         self._losses: Optional[torch.Tensor] = None  # what travels: [pipeline loss, its data-parallel mean]
         self._own: Optional[torch.Tensor] = None  # the last stage's loss, in its own dtype
 
+    def _check_collected(self) -> None:
+        if self._work is not None:  # every stage would meet another iteration's loss from here on
+            raise RuntimeError("the previous train_batch failed before it collected its loss, which is still on "
+                               "its way between the stages: restart the job")
+
     def post(self, device) -> None:
+        self._check_collected()
         self._losses, self._own = torch.zeros(2, device=device), None
         self._work = dist.broadcast(self._losses, src=self._src, group=self._group, async_op=True)
 
     def send(self, scaled: torch.Tensor) -> None:
         """``scaled``: the iteration's loss, already divided by the accumulation steps."""
+        self._check_collected()
         self._own = scaled.clone().detach()
         self._losses = torch.stack([self._own, self._own]).float()
         self._work = dist.broadcast(self._losses, src=self._src, group=self._group, async_op=True)

@@ -13,7 +13,7 @@ of it in a nested range named like the op, all push/pop ranges in domain ``pipem
   Compute: ``F<m>``, ``B<m>``, ``W<m>``. Communication: ``SEND_F<m>`` / ``RECV_F<m>`` (activation
   of micro-batch m, stage i -> i+1) and ``SEND_B<m>`` / ``RECV_B<m>`` (its input gradient, stage
   i+1 -> i). A range covers the whole call (for a non-blocking send: issue to completion). Other
-  messages (``OptimizerStep``, ``WaitSends``, ...) are the engine's other instructions; ignored here.
+  messages (``LOAD3``, ``OptimizerStep``, ...) are the engine's other instructions; ignored here.
 - ``category``: ``"stage<S>"``, the pipeline stage of the process, on every range (the ``nvtx``
   package names it once with ``nvtxDomainNameCategoryA``; the ranges carry its id). Runtimes that
   cannot set a category may prefix the message instead: ``"stage2/F3"``.

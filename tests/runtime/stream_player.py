@@ -40,7 +40,9 @@ def payload(kind: str, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
 class InOrderTorchP2P(TorchP2P):
     """torch.distributed's point-to-point on gloo, treated as in order (the direct path issues as for NCCL)."""
 
-    in_order = True
+    def __init__(self):
+        super().__init__()
+        self.in_order = True  # over the backend's answer, which TorchP2P sets per instance
 
 
 def play(spec: dict, rank: int) -> dict:

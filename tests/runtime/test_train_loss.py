@@ -12,17 +12,27 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from ds_pipemorph.runtime.train_loss import broadcasts_early, sum_in_order
+from ds_pipemorph.runtime.train_loss import EarlyLoss, broadcasts_early, sum_in_order
+
+
+def _stock_total(losses):
+    """DeepSpeed 0.19.8's PipelineEngine._exec_forward_pass (add_to_total_loss), one loss per forward."""
+    total = None
+    for loss in losses:
+        if total is None:
+            total = torch.zeros_like(loss)
+        total += loss.detach()
+    return total
 
 
 def test_the_sum_has_the_bits_of_stocks_running_total():
     g = torch.Generator().manual_seed(3)
-    losses = [torch.rand((), generator=g) * 10 ** torch.randint(-3, 4, (), generator=g) for _ in range(16)]
-    running = None  # PipelineEngine._exec_forward_pass, per micro-batch
-    for loss in losses:
-        running = loss.detach().clone() if running is None else running + loss.detach()
-    assert torch.equal(sum_in_order(losses), running)
-    assert torch.equal(sum_in_order(losses[:1]), losses[0])
+    signs = torch.tensor([1.0, -1.0])
+    losses = [signs[torch.randint(0, 2, (), generator=g)] * torch.rand((), generator=g)
+              * 10.0 ** torch.randint(-3, 4, (), generator=g).item() for _ in range(16)]
+    for case in (losses, losses[:1], [torch.tensor(-0.0)] * 3, [torch.tensor(1e8), torch.tensor(1.0), torch.tensor(-1e8)]):
+        ours, stock = sum_in_order(case), _stock_total(case)
+        assert torch.equal(ours, stock) and torch.equal(ours.signbit(), stock.signbit()), (case, ours, stock)
 
 
 class _WithExtraLosses(PipelineModule):
@@ -53,3 +63,17 @@ def test_the_broadcast_starts_early_on_one_gloo_replica_whose_module_adds_no_los
     assert not broadcasts_early(_engine(data=True, group=gloo_group))  # stock averages over replicas first
     assert not broadcasts_early(_engine(pipe=False, group=gloo_group))  # nothing to broadcast
     assert not broadcasts_early(_engine(_WithExtraLosses, group=gloo_group))  # their number sizes the message
+
+
+@pytest.mark.timeout(60)
+def test_a_loss_broadcast_left_pending_by_a_failed_batch_stops_the_next_one(gloo_group):
+    engine = SimpleNamespace(grid=SimpleNamespace(get_pipe_parallel_group=lambda: gloo_group),
+                             _loss_stage_global_rank=lambda: 0)
+    loss = EarlyLoss(engine)
+    loss.send(torch.tensor(2.5))  # the one rank is the last stage: its loss goes out ...
+    assert [t.item() for t in loss.collect()] == [2.5, 2.5]  # ... and comes back as stock's two values
+    loss.send(torch.tensor(1.0))  # a batch that fails before collecting
+    with pytest.raises(RuntimeError, match="^the previous train_batch failed before it collected its loss"):
+        loss.send(torch.tensor(3.0))
+    with pytest.raises(RuntimeError, match="^the previous train_batch failed before it collected its loss"):
+        loss.post(torch.device("cpu"))

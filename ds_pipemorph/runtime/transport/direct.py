@@ -65,17 +65,21 @@ class TorchP2P:
 
     def __init__(self):
         self.in_order = dist.is_initialized() and "nccl" in dist.get_backend()
-        self._group = dist.group.WORLD if dist.is_initialized() else None
+        self._group = None  # the default group, looked up at the first message
+
+    def _world(self):
+        self._group = dist.group.WORLD
+        return self._group
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int):
         if tensor.is_complex():
             tensor = torch.view_as_real(tensor)
-        return self._group.send([tensor], dst, tag)
+        return (self._group or self._world()).send([tensor], dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int):
         if tensor.is_complex():
             tensor = torch.view_as_real(tensor)
-        return self._group.recv([tensor], src, tag)
+        return (self._group or self._world()).recv([tensor], src, tag)
 
     def batch(self, ops: Sequence[tuple[bool, torch.Tensor, int, int]]) -> list:
         """One ``batch_isend_irecv`` (NCCL: one ncclGroupStart/End; the engine's collectives at start-up
@@ -131,8 +135,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-# Sends to one peer held before the completed ones at the front are forgotten: a few tensors kept a
-# little longer, for a check of their works at most every few sends rather than at each one.
+# The pending sends to one peer are checked for completed works (whose tensors can then be freed)
+# once a few are queued, not at every send. (A gloo send's work reports completion only once waited
+# for, so on gloo the tensors are kept until ``wait_sends``; on NCCL they go as they complete.)
 REAP_AFTER = 4
 
 
