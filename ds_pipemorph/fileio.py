@@ -40,7 +40,11 @@ def load_mapping(path: str | os.PathLike) -> dict:
 
 
 def load_model(path: str | os.PathLike, model: type[M]) -> M:
-    data = load_mapping(path)
+    return validate_model(path, load_mapping(path), model)
+
+
+def validate_model(path: str | os.PathLike, data: dict, model: type[M]) -> M:
+    """``data`` (read from ``path``) as ``model``; BadInput naming the file and the first wrong key."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -97,4 +97,3 @@ def op_text(cmd: ds.PipeInstruction) -> str:
     if prefix is None or "micro_batch" not in cmd.kwargs:
         return cmd.name
     return f"{prefix}{cmd.kwargs['micro_batch']}"
-

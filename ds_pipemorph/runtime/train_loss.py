@@ -6,17 +6,18 @@ last instruction, broadcasts the mean from the last stage over the pipeline: eve
 that broadcast at the end of the iteration, behind the slowest. Here the last stage keeps each
 detached loss (``fwd_outputs``, as stock does) and, at its last forward, adds them up in the same
 order with the same operations (the same bits as stock's running sum), scales by the accumulation
-steps and, where it can, starts the broadcast right away (a ``train_batch`` that failed before it
-collected its loss leaves the broadcast pending: the next one refuses to start); the other stages post their side of it
-when their iteration starts. ``train_batch`` then only collects a value that has long arrived.
+steps and, where it can, starts the broadcast right away; the other stages post their side of it
+when their iteration starts. ``train_batch`` then only collects a value that has long arrived. (A
+``train_batch`` that failed before it collected its loss leaves the broadcast pending: the next one
+refuses to start.)
 
 The broadcast starts early where every rank of the pipeline can tell so without talking: a gloo
 pipeline group (host tensors; an NCCL broadcast posted early would hold a kernel on the GPU for the
-whole iteration), one data-parallel replica (with several, stock averages over the replicas first)
+whole iteration), one data-parallel replica (with several, stock averages over the replicas first),
 a module class that does not add losses of its own (``get_additional_losses`` not overridden:
 their number sizes the message), and no ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which makes every
-collective wait for its peers before it starts. Otherwise DeepSpeed's own ``_aggregate_total_loss`` runs, on the
-sum made here.
+collective wait for its peers before it starts. Otherwise DeepSpeed's own ``_aggregate_total_loss``
+runs, on the sum made here.
 """
 from __future__ import annotations
 
