@@ -39,10 +39,7 @@ from ..runtime import instructions as I
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks, follow
 from .config import check_factors, stage_keys
-
-# As in inject.emulated: a sleep wakes 0.1-0.5 ms late on a loaded two-core machine, so the wait
-# sleeps until SPIN_S before its end and spins for the rest.
-SPIN_S = 3e-4
+from .emulated import sleep_until
 
 
 class ComputePoint(BaseModel):
@@ -128,16 +125,6 @@ def compute_schedule(inject_cfg, stages: int) -> Optional[ComputeSchedule]:
     return schedule
 
 
-def wait_s(seconds: float) -> None:
-    """Hold this thread ``seconds`` (sleeping, then spinning the last SPIN_S for precision)."""
-    end = time.perf_counter() + seconds
-    left = seconds
-    if left > SPIN_S:
-        time.sleep(left - SPIN_S)
-    while time.perf_counter() < end:
-        pass
-
-
 class ComputeInjector(EngineHooks):
     """Slows one stage's F, B and W by its factor of the running iteration (see the module docstring).
 
@@ -168,7 +155,7 @@ class ComputeInjector(EngineHooks):
         if self.sync is not None:
             self.sync()
         extra = (factor - 1.0) * (time.perf_counter() - started)
-        wait_s(extra)
+        sleep_until(time.perf_counter(), extra * 1e3)
         self.injected_s += extra
 
     def wrap(self, handlers: dict, kinds: Iterable[type]) -> dict:

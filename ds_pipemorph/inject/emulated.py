@@ -50,7 +50,9 @@ def _op_start() -> float:
     return now
 
 
-def _sleep_until(start: float, ms: float) -> None:
+def sleep_until(start: float, ms: float) -> None:
+    """Hold this thread until ``ms`` after ``start`` (a ``perf_counter`` time): a sleep, then a spin
+    of at most SPIN_S. Every injected or emulated op time waits through here."""
     end = start + ms / 1000.0
     left = end - time.perf_counter()
     if left > SPIN_S:
@@ -73,7 +75,7 @@ class _InputPath(torch.autograd.Function):
         start = _op_start()
         (w,) = ctx.saved_tensors
         dx = dy @ w
-        _sleep_until(start, ctx.b_ms)
+        sleep_until(start, ctx.b_ms)
         return dx, None, None
 
 
@@ -91,7 +93,7 @@ class _WeightPath(torch.autograd.Function):
         start = _op_start()
         (x,) = ctx.saved_tensors
         dw = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        _sleep_until(start, ctx.w_ms)
+        sleep_until(start, ctx.w_ms)
         return None, dw, None
 
 
@@ -109,7 +111,7 @@ class EmulatedStage(torch.nn.Module):
         start = _op_start()
         y = _InputPath.apply(x, self.weight.detach(), self.b_ms)
         y = y + _WeightPath.apply(x.detach(), self.weight, self.w_ms) + self.bias
-        _sleep_until(start, self.f_ms)
+        sleep_until(start, self.f_ms)
         return y
 
 

@@ -15,7 +15,7 @@ from time import perf_counter
 from ..plan.sim.variation import OpTable
 from ..runtime import instructions as I
 from ..runtime.hooks import EngineHooks
-from .emulated import _sleep_until
+from .emulated import sleep_until
 
 _KINDS = {I.ForwardPass: "F", I.BackwardInputPass: "B", I.BackwardWeightPass: "W"}
 
@@ -33,7 +33,7 @@ class VaryInjector(EngineHooks):
         self._table = self.tables(self.iteration)
 
     def after_op(self, engine, instruction, kwargs, started) -> None:
-        _sleep_until(started, self._table(self.stage, _KINDS[instruction], kwargs["micro_batch"]))
+        sleep_until(started, self._table(self.stage, _KINDS[instruction], kwargs["micro_batch"]))
 
 
 def install(engine, tables: Callable[[int], OpTable]) -> VaryInjector:
@@ -68,7 +68,7 @@ def install_stock(engine, tables: Callable[[int], OpTable], microbatches: int) -
             handler(eng, **kwargs)
             table, mb = table_of(k // n), k % n
             ms = table(stage, "F", mb) if kind == "F" else table(stage, "B", mb) + table(stage, "W", mb)
-            _sleep_until(started, ms)
+            sleep_until(started, ms)
         return run
 
     handlers = dict(engine._INSTRUCTION_MAP)

@@ -12,6 +12,15 @@ from when the thread began waiting to when it had the message back, which can be
 interpreter's switch interval after the arrival), which is what the control loop's delay
 estimator reads; with NVTX on, the same span is a range on that thread
 (``OpRecorder.run_on_thread``).
+
+Messages of one kind come from one neighbour over one ordered channel, in the order the neighbour
+sends them: the order this stage posts their receives (the producer's order in the plan). Their
+threads, though, wake in any order, so the second of two messages that landed together can be
+announced first, and the stage would run its op ahead of the first one's, which the replay, seeing
+both in, never does. So ``drain``, seeing a message announced while a receive of its kind posted
+before it still runs, waits for that one up to ``settle_s`` (2 ms by default): microseconds when
+it is in and its thread only has to run; the whole ``settle_s`` when the producer really sent out of
+the plan's order.
 """
 from __future__ import annotations
 
@@ -23,15 +32,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from .transport.protocol import TransportTimeout
 
+SETTLE_S = 0.002
+
 
 class Inbox:
-    def __init__(self, transport, workers: int, timeout_s: float, rank: int):
-        self.transport, self.timeout_s, self.rank = transport, timeout_s, rank
+    def __init__(self, transport, workers: int, timeout_s: float, rank: int, settle_s: float = SETTLE_S):
+        self.transport, self.timeout_s, self.rank, self.settle_s = transport, timeout_s, rank, settle_s
         self._max_workers = max(1, workers)
         self._workers: list[threading.Thread] = []
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[tuple[str, int], Future] = {}
         self._completed: collections.deque = collections.deque()  # (kind, mb) as receives end, for ``drain``
+        self._unannounced: dict[str, list[int]] = {}  # kind -> micro-batches posted, not drained yet, in post order
 
     def post(self, kind: str, mb: int, recorder) -> None:
         """Start receiving message (kind, mb); ``recorder`` (an ``OpRecorder``) records it, and puts an
@@ -39,6 +51,7 @@ class Inbox:
         self.transport.post_recv(kind, mb)
         fut: Future = Future()
         self._futures[(kind, mb)] = fut
+        self._unannounced.setdefault(kind, []).append(mb)
         if len(self._workers) < min(self._max_workers, len(self._futures)):
             t = threading.Thread(target=self._work, name=f"pipemorph-recv-{len(self._workers)}", daemon=True)
             t.start()
@@ -65,11 +78,34 @@ class Inbox:
                 fut.set_result(payload)
 
     def drain(self) -> list[tuple[str, int]]:
-        """The receives that ended since the last call (a failed one too: ``take`` raises its error)."""
+        """The receives that ended since the last call (a failed one too: ``take`` raises its error),
+        with those of their kind posted before them that end within ``settle_s`` (see the module)."""
+        out = self._take_completed()
+        if out:
+            behind = self._posted_before(out)
+            if behind:
+                wait(behind, timeout=self.settle_s)
+                more = self._take_completed()
+                self._posted_before(more)  # forgets them too; the settling waits once per call
+                out += more
+        return out
+
+    def _take_completed(self) -> list[tuple[str, int]]:
         out = []
         while self._completed:
             out.append(self._completed.popleft())
         return out
+
+    def _posted_before(self, announced: list[tuple[str, int]]) -> list[Future]:
+        """Forget ``announced`` as unannounced; the running receives posted before one of them, of its kind."""
+        behind: list[Future] = []
+        for kind, mb in announced:
+            order = self._unannounced[kind]
+            i = order.index(mb)
+            if i:
+                behind += [f for m in order[:i] if not (f := self._futures[(kind, m)]).done()]
+            del order[i]
+        return behind
 
     def arrived(self, kind: str, mb: int) -> bool:
         return self._futures[(kind, mb)].done()
@@ -113,6 +149,7 @@ class Inbox:
             fut.cancel()
         self._futures.clear()
         self._completed.clear()
+        self._unannounced.clear()
         for _ in self._workers:
             self._jobs.put(None)
         self._workers = []

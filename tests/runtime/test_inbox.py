@@ -71,3 +71,48 @@ def test_a_message_that_never_comes_is_a_timeout_naming_it_not_a_hang():
         inbox.take("B", 7)  # raises rather than hangs: the module's 30 s timeout bounds the wait
     t.open("B", 7)  # lets the worker end
     inbox.close()
+
+
+def test_a_message_announced_before_one_posted_earlier_waits_for_it_to_be_announced_too():
+    # Two messages that landed together: the later one's thread happens to run first. The earlier
+    # one is announced in the same drain, so the stage sees both in, as the replay would.
+    t = GatedTransport()
+    inbox = Inbox(t, workers=4, timeout_s=5, rank=0, settle_s=5)
+    recorder = OpRecorder(nvtx_enabled=False)
+    for mb in range(3):
+        inbox.post("F", mb, recorder)
+    inbox.post("B", 0, recorder)
+    t.open("F", 1)
+    assert inbox.wait_any([])
+    threading.Timer(0.05, t.open, ("F", 0)).start()
+    started = time.monotonic()
+    assert inbox.drain() == [("F", 1), ("F", 0)]  # F2 (posted after) and B0 (another kind) not waited for
+    assert 0.04 < time.monotonic() - started < 4
+    assert not inbox.arrived("F", 2) and not inbox.arrived("B", 0)
+    t.open("F", 2)
+    assert _drained_until(inbox, 1) == [("F", 2)]
+    for key in (("F", 0), ("F", 1), ("F", 2)):
+        inbox.take(*key)
+    t.open("B", 0)
+    assert _drained_until(inbox, 1) == [("B", 0)]
+    inbox.take("B", 0)
+    inbox.close()
+
+
+def test_a_producer_out_of_the_posted_order_costs_at_most_the_settling_time():
+    t = GatedTransport()
+    inbox = Inbox(t, workers=2, timeout_s=5, rank=0, settle_s=0.05)
+    recorder = OpRecorder(nvtx_enabled=False)
+    inbox.post("F", 0, recorder)
+    inbox.post("F", 1, recorder)
+    t.open("F", 1)
+    assert inbox.wait_any([])
+    started = time.monotonic()
+    assert inbox.drain() == [("F", 1)]  # F0 was really sent later: the drain gives up after settle_s
+    assert 0.04 < time.monotonic() - started < 4
+    assert inbox.drain() == []  # and nothing else is in
+    t.open("F", 0)
+    assert _drained_until(inbox, 1) == [("F", 0)]
+    inbox.take("F", 0)
+    inbox.take("F", 1)
+    inbox.close()
