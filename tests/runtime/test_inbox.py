@@ -74,8 +74,9 @@ def test_a_message_that_never_comes_is_a_timeout_naming_it_not_a_hang():
 
 
 def test_a_message_announced_before_one_posted_earlier_waits_for_it_to_be_announced_too():
-    # Two messages that landed together: the later one's thread happens to run first. The earlier
-    # one is announced in the same drain, so the stage sees both in, as the replay would.
+    # F1 is announced while F0, posted before it, still runs (as when the later of two messages
+    # that landed together has its thread run first): the drain waits for F0, up to settle_s, and
+    # returns both, so the stage sees both in, as the replay would.
     t = GatedTransport()
     inbox = Inbox(t, workers=4, timeout_s=5, rank=0, settle_s=5)
     recorder = OpRecorder(nvtx_enabled=False)
@@ -84,10 +85,13 @@ def test_a_message_announced_before_one_posted_earlier_waits_for_it_to_be_announ
     inbox.post("B", 0, recorder)
     t.open("F", 1)
     assert inbox.wait_any([])
-    threading.Timer(0.05, t.open, ("F", 0)).start()
+    opener = threading.Timer(0.05, t.open, ("F", 0))
+    opener.start()
     started = time.monotonic()
     assert inbox.drain() == [("F", 1), ("F", 0)]  # F2 (posted after) and B0 (another kind) not waited for
     assert 0.04 < time.monotonic() - started < 4
+    assert 0.04e9 < inbox.settled_ns < 4e9
+    opener.join()
     assert not inbox.arrived("F", 2) and not inbox.arrived("B", 0)
     t.open("F", 2)
     assert _drained_until(inbox, 1) == [("F", 2)]
