@@ -112,6 +112,9 @@ def run_ready(engine, program: ReadyProgram) -> int:
     times as its expectations: the first iteration has none and never waits."""
     s, S = engine.stage_id, engine.num_stages
     run, inbox = engine.recorder.run, engine.inbox
+    if inbox.outstanding:  # an iteration that raised: its receives' messages belong to it
+        raise RuntimeError(f"stage {s}: the last iteration stopped with receives still posted "
+                           f"({inbox.outstanding}), so this engine cannot run another one; start the job again")
     executed = engine.executed_stream
     to_post = list(program.posts)
 
