@@ -3,14 +3,14 @@ plainest form, against which the event-driven versions (``plan.sim.listsched_py`
 and the compiled core (``plan.sim.native``) are checked.
 
 test_native.py asserts that every faster version gives the same schedules, the same timelines (times
-equal to 1e-9) and the same errors as these, on many random cases. Slow: the list scheduler scans
-every stage at every event time.
+equal to 1e-9) and the same errors as these, on many random cases. Slow, and written apart from
+the code it checks: the list scheduler scans every stage at every event time, the replay sweeps
+every stage until a sweep runs nothing, with its state in dictionaries keyed by op.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
-from collections import deque
 from typing import Optional, Sequence, Union
 
 from ds_pipemorph.plan.ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
@@ -163,120 +163,87 @@ def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward
 
 def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
          link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
-    """Event-driven core of ``replay``: (first start, last end, busy ms per stage).
+    """The replay in its plainest form: (first start, last end, busy ms per stage).
 
-    ``link_model`` (one, or one per link; ``plan.ir.links``): ``Direct()`` is one FIFO holding one
-    message in flight: a message departs when the previous one has arrived, and its sender is
-    blocked until then. ``Delegated(k)`` is k independent FIFOs (message n of a direction travels
-    in FIFO n % k, as the delegated transport sends them), and the sender never waits.
-    ``Latency()``: a message arrives c after it was sent.
+    Sweep the stages in turn, again and again: each runs the next ops of its order for as long as
+    their inputs are known, and the sweeps stop when one runs nothing. An op starts when its stage
+    is free and its inputs are in: ``F m`` the activation from the stage before (stage 0: at 0),
+    ``B m`` its own ``F m`` and the gradient from the stage after (the last stage: none), ``W m``
+    its own ``B m``. A message handed to a link (``plan.ir.links``) at ``t``:
+
+    - ``Latency()``, or any link of cost 0: arrives at ``t`` + cost; the sender goes on.
+    - ``Direct()``: the link carries one message at a time, in the order they are handed to it;
+      a message leaves when the link is free and the sender waits until it has left.
+    - ``Delegated(k)``: the n-th message of a direction takes lane n % k, each lane one message
+      at a time; the sender goes on.
+
+    A fused backward (``W m`` right after ``B m``) hands the gradient over when ``W m`` ends.
+    ``slots`` gets each op as it runs, stage by stage in each sweep.
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    model = per_link(link_model, S - 1)
-    fifo = [isinstance(h, Direct) for h in model]  # direct: one message in flight, the sender blocks
-    queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]  # delegated: k FIFOs
-    qfree = [[[0.0] * max(q, 1) for q in queues] for _ in range(2)]  # [direction][link][fifo]
-    qnext = [[0] * (S - 1) for _ in range(2)]  # [direction][link]: the next message's number
-    inf = float("inf")
-    first, last_end = inf, 0.0
-    end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
-    arr_f = [[inf] * N for _ in range(S)]  # arrival at stage s+1 of the activation of F m on s
-    arr_b = [[inf] * N for _ in range(S)]  # arrival at stage s-1 of the gradient of B m on s
-    link_free = [[0.0, 0.0] for _ in range(S)]  # per stage: [downstream, upstream] FIFO free at
-    hold = [None] * S  # fused backward: (m, departure) blocking the stage after its W m
-    times = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
-    links = costs.links
-    ptr = [0] * S
-    free = [0.0] * S
-    busy = [0.0] * S
-    queue = deque(range(S))
-    queued = [True] * S
-    last = S - 1
+    models = per_link(link_model, S - 1)
+    duration = {"F": costs.f, "B": costs.b, "W": costs.w}
+    end: dict = {}  # (stage, kind, mb) -> when the op ended
+    message: dict = {}  # (receiving stage, kind of the sending op, mb) -> when it arrives
+    lanes: dict = {}  # (link, direction) -> when each of its lanes is free
+    handed: dict = {}  # (link, direction) -> messages handed to it so far
+    nxt, free, busy = [0] * S, [0.0] * S, [0.0] * S
+    starts, ends = [], []
 
-    def send(s: int, d: int, t_send: float, c: float) -> tuple[float, float]:
-        """(arrival, departure) of a message stage s sends at t_send in direction d (0 down, 1 up)."""
-        link = s - d
-        if c > 0 and fifo[link]:
-            depart = t_send if t_send > link_free[s][d] else link_free[s][d]
-            link_free[s][d] = depart + c
-            return depart + c, depart
-        if c > 0 and queues[link]:
-            n = qnext[d][link]
-            qnext[d][link] = n + 1
-            lane = qfree[d][link]
-            i = n % queues[link]
-            depart = t_send if t_send > lane[i] else lane[i]
-            lane[i] = depart + c
-            return depart + c, t_send
-        return t_send + c, t_send
+    def hand_over(link: int, direction: int, t: float) -> tuple[float, float]:
+        """(arrival, until when the sender waits) of a message handed to ``link`` at ``t``."""
+        model, cost = models[link], costs.links[link]
+        if cost <= 0 or not isinstance(model, (Direct, Delegated)):
+            return t + cost, t
+        key = (link, direction)
+        lane_free = lanes.setdefault(key, [0.0] * (1 if isinstance(model, Direct) else model.queues))
+        n = handed.get(key, 0)
+        handed[key] = n + 1
+        lane = n % len(lane_free)
+        leaves = max(t, lane_free[lane])
+        lane_free[lane] = leaves + cost
+        return leaves + cost, (leaves if isinstance(model, Direct) else t)
 
-    while queue:
-        s = queue.popleft()
-        queued[s] = False
-        row = schedule[s]
-        es = end[s]
-        progressed = False
-        while ptr[s] < len(row):
-            op = row[ptr[s]]
-            k, m = op.kind, op.mb
-            if k == "F":
-                if s > 0:
-                    ready = arr_f[s - 1][m]
-                    if ready == inf:
-                        break
-                else:
-                    ready = 0.0
-            elif k == "B":
-                ready = es[0][m]
-                if ready == inf:
+    def inputs(s: int, kind: str, m: int) -> list:
+        if kind == "F":
+            return [] if s == 0 else [message.get((s, "F", m))]
+        if kind == "B":
+            return [end.get((s, "F", m))] + ([] if s == S - 1 else [message.get((s, "B", m))])
+        return [end.get((s, "B", m))]
+
+    ran = True
+    while ran:
+        ran = False
+        for s in range(S):
+            row = schedule[s]
+            while nxt[s] < len(row):
+                op = row[nxt[s]]
+                kind, m = str(op.kind), op.mb
+                need = inputs(s, kind, m)
+                if None in need:
                     break
-                if s < last:
-                    r = arr_b[s + 1][m]
-                    if r == inf:
-                        break
-                    if r > ready:
-                        ready = r
-            else:
-                ready = es[1][m]
-                if ready == inf:
-                    break
-            start = free[s] if free[s] > ready else ready
-            dur = times[s][_KIDX[k]]
-            fin = start + dur
-            es[_KIDX[k]][m] = fin
-            blocked_until = fin
-            if k == "F" and s < last:
-                arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
-            elif k == "B" and s > 0:
-                nxt = ptr[s] + 1
-                if fused_backward and nxt < len(row) and row[nxt] == Op("W", m):
-                    arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
-                    hold[s] = (m, depart)
-                else:
-                    arr_b[s][m], blocked_until = send(s, 1, fin, links[s - 1])
-            elif k == "W" and hold[s] is not None and hold[s][0] == m:
-                blocked_until = max(fin, hold[s][1])
-                hold[s] = None
-            free[s] = blocked_until if blocked_until > fin else fin
-            busy[s] += dur
-            if start < first:
-                first = start
-            if fin > last_end:
-                last_end = fin
-            if slots is not None:
-                slots.append(Slot(s, op, start, fin))
-            ptr[s] += 1
-            progressed = True
-        if progressed:
-            for nb in (s - 1, s + 1):
-                if 0 <= nb < S and not queued[nb] and ptr[nb] < len(schedule[nb]):
-                    queued[nb] = True
-                    queue.append(nb)
-    for s in range(S):
-        if ptr[s] < len(schedule[s]):
-            raise StuckSchedule(stuck_message(schedule, ptr, S))
-    return (0.0 if first == inf else first), last_end, busy
-
-
+                start = max([free[s]] + need)
+                fin = start + duration[kind][s]
+                end[(s, kind, m)] = fin
+                waits_until = fin
+                fused = (kind == "B" and fused_backward and nxt[s] + 1 < len(row)
+                         and row[nxt[s] + 1] == Op("W", m))
+                if kind == "F" and s < S - 1:
+                    message[(s + 1, "F", m)], waits_until = hand_over(s, 0, fin)
+                elif kind == "B" and s > 0 and not fused:
+                    message[(s - 1, "B", m)], waits_until = hand_over(s - 1, 1, fin)
+                elif kind == "W" and s > 0 and fused_backward and nxt[s] > 0 and row[nxt[s] - 1] == Op("B", m):
+                    message[(s - 1, "B", m)], waits_until = hand_over(s - 1, 1, fin)
+                free[s] = max(fin, waits_until)
+                busy[s] += duration[kind][s]
+                starts.append(start)
+                ends.append(fin)
+                if slots is not None:
+                    slots.append(Slot(s, op, start, fin))
+                nxt[s] += 1
+                ran = True
+    if any(nxt[s] < len(schedule[s]) for s in range(S)):
+        raise StuckSchedule(stuck_message(schedule, nxt, S))
+    return min(starts, default=0.0), max(ends, default=0.0), busy
