@@ -38,24 +38,14 @@ from ..fileio import BadInput, load_model
 from ..runtime import instructions as I
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks, follow
-from .config import check_factors, stage_keys
+from .config import StageFactors
 from .emulated import sleep_until
 
 
 class ComputePoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
     iteration: int = Field(ge=0, description="train_batch calls before this point takes effect (0: the first)")
-    factors: dict[str, float] = Field(default_factory=dict)
-
-    @field_validator("factors", mode="before")
-    @classmethod
-    def _keys_as_text(cls, v):
-        return stage_keys(v)
-
-    @field_validator("factors")
-    @classmethod
-    def _factors(cls, v):
-        return check_factors(v)
+    factors: StageFactors = Field(default_factory=dict)
 
 
 class ComputeTrace(BaseModel):

@@ -7,9 +7,9 @@ through the registered plug-in (``inject.plugin``). Torch-free: ``ds_pipemorph``
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -62,13 +62,17 @@ def check_factors(v: dict[str, float]) -> dict[str, float]:
     return v
 
 
+# Stage -> slow-down factor, as a config or a trace file writes it (see ``check_factors``).
+StageFactors = Annotated[dict[str, float], BeforeValidator(stage_keys), AfterValidator(check_factors)]
+
+
 class InjectConfig(_Strict):
     links: dict[str, LinkInject] = Field(default_factory=dict)
     trace: Optional[str] = None
     faults: Optional[FaultsInject] = None  # testing only: failover (PipeMorph §5.3)
     # Testing only: stage -> factor; each F, B and W of the stage waits (factor - 1) x its own measured
     # time after it ran (``inject.compute``), from the first iteration on.
-    compute: dict[str, float] = Field(default_factory=dict)
+    compute: StageFactors = Field(default_factory=dict)
     # Testing only: a file ``points: [{iteration: k, factors: {"2": 2.0}}, ...]``; from train_batch k on
     # (0 = the engine's first), the point's factors (stages it does not name: 1; before the first point: 1).
     compute_trace: Optional[str] = None
@@ -103,16 +107,6 @@ class InjectConfig(_Strict):
             if not 0.0 <= ms < math.inf:
                 raise ValueError(f"rank_links: the delay of '{k}' must be a finite number of ms >= 0, got {ms:g}")
         return v
-
-    @field_validator("compute", mode="before")
-    @classmethod
-    def _compute_keys_as_text(cls, v):
-        return stage_keys(v)
-
-    @field_validator("compute")
-    @classmethod
-    def _compute_factors(cls, v):
-        return check_factors(v)
 
     @field_validator("compute_trace")
     @classmethod
