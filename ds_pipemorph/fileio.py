@@ -64,6 +64,15 @@ def describe(e: ValidationError) -> str:
     return f"{loc}: {msg}" if loc else msg
 
 
+def check_ordered(values, what: str, *, strict: bool = False, unit: str = "") -> None:
+    """Raise ValueError (one sentence) at the first of ``values`` (times, iterations of a trace's
+    points) that comes down after the one before it, or equals it where ``strict``."""
+    for a, b in zip(values, values[1:]):
+        if b < a or (strict and b == a):
+            rule = "increase" if strict else "not decrease"
+            raise ValueError(f"{what} must {rule} ({b:g}{unit} comes after {a:g}{unit})")
+
+
 def check_writable(path: str | os.PathLike, what: str) -> None:
     """Refuse, before any work, an output path that cannot be written: one sentence naming it.
 

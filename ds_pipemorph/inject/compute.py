@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..fileio import BadInput, load_model
+from ..fileio import BadInput, check_ordered, load_model
 from ..runtime import instructions as I
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks, follow
@@ -57,9 +57,7 @@ class ComputeTrace(BaseModel):
     @field_validator("points")
     @classmethod
     def _increasing(cls, v):
-        for a, b in zip(v, v[1:]):
-            if b.iteration <= a.iteration:
-                raise ValueError(f"iterations must increase (iteration {b.iteration} comes after {a.iteration})")
+        check_ordered([p.iteration for p in v], "iterations", strict=True)
         return v
 
 

@@ -8,7 +8,7 @@ from typing import Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..fileio import first_line, load_model
+from ..fileio import check_ordered, first_line, load_model
 
 
 class RatePoint(BaseModel):
@@ -38,9 +38,7 @@ class RateTrace(BaseModel):
     @field_validator("points")
     @classmethod
     def _ordered(cls, pts):
-        for a, b in zip(pts, pts[1:]):
-            if b.t < a.t:
-                raise ValueError(f"point at t={b.t} comes after t={a.t}: order the points by time")
+        check_ordered([p.t for p in pts], "times", unit=" s")
         return pts
 
 

@@ -232,7 +232,7 @@ def _trace_cfg(tmp_path, text: str):
     ("points: [{iteration: 3, factors: {2: 0}}]",
      "ds_config pipemorph.inject.compute_trace {p}: points.0.factors: " + FACTOR.format(0)),
     ("points: [{iteration: 3, factors: {2: 2}}, {iteration: 3, factors: {}}]",
-     "ds_config pipemorph.inject.compute_trace {p}: points: iterations must increase (iteration 3 comes after 3)"),
+     "ds_config pipemorph.inject.compute_trace {p}: points: iterations must increase (3 comes after 3)"),
     ("points: [{t: 1.0, factors: {2: 2}}]",
      "ds_config pipemorph.inject.compute_trace {p}: missing key 'points.0.iteration'"),
     ("points: []",

@@ -32,7 +32,7 @@ def test_a_rate_trace_is_read_and_checked(tmp_path):
     good.write_text("points:\n  - {t: 0, rate: 1gbit}\n  - {t: 2.5, rate: 100mbit}\n")
     tr = load_rate_trace(str(good))
     assert [(p.t, p.bits) for p in tr.points] == [(0.0, 1_000_000_000), (2.5, 100_000_000)]
-    for text, words in (("points:\n  - {t: 3, rate: 1gbit}\n  - {t: 1, rate: 1gbit}\n", "order the points by time"),
+    for text, words in (("points:\n  - {t: 3, rate: 1gbit}\n  - {t: 1, rate: 1gbit}\n", r"points: times must not decrease \(1 s comes after 3 s\)"),
                         ("points:\n  - {t: 0, rate: quick}\n", "rate 'quick'"),
                         ("points:\n  - {t: 0, rate: 1gbit, delay: 3}\n", "unknown key 'points.0.delay'"),
                         ("points: []\n", "points")):

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from math import isfinite
 from typing import Callable, Optional, Sequence, Union
 
+from ...fileio import check_ordered
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
 from ..ir.lower import DISPATCHES
 from ..ir.ops import KINDS, Op, Schedule
@@ -142,9 +143,7 @@ def _curves(link_delays: Optional[LinkDelays], costs: Costs, S: int) -> list[Bre
         curve = [(0.0, float(d))] if isinstance(d, (int, float)) else [(float(t), float(c)) for t, c in d]
         if not curve:
             raise ValueError(f"link {i}: a delay trace needs at least one (time_ms, delay_ms) point")
-        for (t0, _), (t1, _) in zip(curve, curve[1:]):
-            if t1 < t0:
-                raise ValueError(f"link {i}: trace times must not decrease ({t1} ms comes after {t0} ms)")
+        check_ordered([t for t, _ in curve], f"link {i}: trace times", unit=" ms")
         for t, c in curve:
             if not (isfinite(c) and c >= 0) or not isfinite(t):
                 raise ValueError(f"link {i}: delay {c} ms at {t} ms; delays are finite and >= 0")

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ...fileio import BadInput, load_model
+from ...fileio import BadInput, check_ordered, load_model
 from ..ir.ops import KINDS
 from ..ir.profile import Costs
 
@@ -169,9 +169,7 @@ class LinkTraceFile(BaseModel):
     @field_validator("points")
     @classmethod
     def _sorted(cls, v):
-        for a, b in zip(v, v[1:]):
-            if b.t < a.t:
-                raise ValueError(f"times must not decrease (t={b.t:g} s comes after t={a.t:g} s)")
+        check_ordered([p.t for p in v], "times", unit=" s")
         return v
 
     def breakpoints(self, links: int, source: str) -> list[list[tuple[float, float]]]:
