@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,8 @@ def parse_floats(text: Optional[str], what: str) -> Optional[list[float]]:
     for v in vals:
         if v < 0:
             raise BadInput(f"{what}: {v} is negative; times and delays are >= 0 ms")
+        if not math.isfinite(v):
+            raise BadInput(f"{what}: {v} is not a number of ms; times and delays are finite")
     return vals
 
 
@@ -52,7 +55,7 @@ def parse_compute(text: Optional[str], stages: int) -> Optional[tuple[list[float
             t = [float(x) for x in part.split("/")]
         except ValueError:
             t = []
-        if len(t) != 3 or any(v < 0 for v in t):
+        if len(t) != 3 or not all(0 <= v < math.inf for v in t):
             raise BadInput(f"--compute-ms: '{part}' is not F/B/W in ms (three numbers >= 0, e.g. 10/10/10)")
         triples.append(t)
     if len(triples) == 1:

@@ -131,3 +131,13 @@ def test_a_records_text_names_its_plan_op(text, kind, mb):
                                   "2SEND_F5", "F3x", ""])
 def test_other_instructions_and_stage_qualified_texts_are_no_record_op(text):
     assert recorded_op(text) is None
+
+
+@pytest.mark.parametrize("field,needle", [("f", "stage 1's F takes nan ms"), ("w", "stage 1's W takes nan ms"),
+                                          ("links", "link 1 takes nan ms")])
+def test_costs_refuse_a_time_that_is_not_a_number(field, needle):
+    # NaN never compares as later than anything: a list scheduler waiting for it would not end.
+    parts = {"f": [10.0] * 3, "b": [10.0] * 3, "w": [10.0] * 3, "links": [0.0, 0.0]}
+    parts[field][1] = float("nan")
+    with pytest.raises(ValueError, match=needle):
+        Costs(parts["f"], parts["b"], parts["w"], parts["links"])

@@ -491,7 +491,7 @@ def test_link_trace_turns_seconds_into_breakpoints_in_ms(tmp_path):
 @pytest.mark.parametrize("data,needle", [
     ({"points": []}, "points"),
     ({"points": [{"t": 1, "links_ms": [0, 0]}, {"t": 0.5, "links_ms": [0, 0]}]}, "times must not decrease"),
-    ({"points": [{"t": 0, "links_ms": [0, -1]}]}, "link 1 has a negative delay (-1 ms)"),
+    ({"points": [{"t": 0, "links_ms": [0, -1]}]}, "link 1 has a delay of -1 ms; a delay is a finite number >= 0"),
     ({"points": [{"t": -1, "links_ms": [0, 0]}]}, "points.0.t"),
     ({"points": [{"t": 0, "links_ms": [0]}]}, "has 1 delays, the pipeline has 2 links"),
     ({"points": [{"t": 0, "links_ms": [0, 0], "delays": [0, 0]}]}, "unknown key 'points.0.delays'"),

@@ -5,6 +5,7 @@ plain cost model the scheduler and simulator consume.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -61,8 +62,8 @@ class Profile(BaseModel):
     def _links_nonneg(cls, v):
         if v is not None:
             for i, c in enumerate(v):
-                if c < 0:
-                    raise ValueError(f"link {i} has a negative delay ({c} ms)")
+                if not 0 <= c < math.inf:
+                    raise ValueError(f"link {i} has a delay of {c:g} ms; a delay is a finite number >= 0")
         return v
 
     @model_validator(mode="after")
@@ -71,8 +72,8 @@ class Profile(BaseModel):
         for key in ("forward", "backward_input", "backward_weight"):
             vals = _per_stage(getattr(self.compute_ms, key), s, f"compute_ms.{key}")
             for i, t in enumerate(vals):
-                if t < 0:
-                    raise ValueError(f"compute_ms.{key}: stage {i} has a negative time ({t} ms)")
+                if not 0 <= t < math.inf:
+                    raise ValueError(f"compute_ms.{key}: stage {i} takes {t:g} ms; a time is a finite number >= 0")
             setattr(self.compute_ms, key, vals)
         if self.links_ms is None:
             self.links_ms = [0.0] * (s - 1)
@@ -92,9 +93,9 @@ class Profile(BaseModel):
                 m.activation_mb = _per_stage(m.activation_mb, s, "memory.activation_mb")
                 m.capacity_mb = _per_stage(m.capacity_mb, s, "memory.capacity_mb")
                 for i, (a, c) in enumerate(zip(m.activation_mb, m.capacity_mb)):
-                    if a <= 0:
-                        raise ValueError(f"memory.activation_mb: stage {i} must be positive, got {a}")
-                    if c < a:
+                    if not 0 < a < math.inf:
+                        raise ValueError(f"memory.activation_mb: stage {i} must be a finite number > 0, got {a}")
+                    if not a <= c < math.inf:
                         raise ValueError(
                             f"memory.capacity_mb: stage {i} cannot hold one activation ({c} MB < {a} MB)"
                         )
@@ -131,6 +132,15 @@ class Costs:
     b: list[float]
     w: list[float]
     links: list[float]
+
+    def __post_init__(self):
+        # NaN compares false with every time, so a scheduler waiting for it would never end. (Files
+        # and options refuse negative and infinite times too; code may probe with them.)
+        for what, values in (("F", self.f), ("B", self.b), ("W", self.w), ("link", self.links)):
+            for i, v in enumerate(values):
+                if v != v:
+                    where = f"link {i}" if what == "link" else f"stage {i}'s {what}"
+                    raise ValueError(f"{where} takes nan ms; times and delays are numbers")
 
     @property
     def stages(self) -> int:

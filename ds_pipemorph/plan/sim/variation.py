@@ -152,10 +152,8 @@ class TracePoint(BaseModel):
     @classmethod
     def _nonneg(cls, v):
         for i, c in enumerate(v):
-            if c < 0:
-                raise ValueError(f"link {i} has a negative delay ({c:g} ms)")
-            if not math.isfinite(c):
-                raise ValueError(f"link {i} has a delay of {c} ms; delays are finite")
+            if not 0 <= c < math.inf:
+                raise ValueError(f"link {i} has a delay of {c:g} ms; a delay is a finite number >= 0")
         return v
 
 
