@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -20,7 +21,16 @@ from ds_pipemorph.procs import run_group
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
 GPU_CONFIG = ROOT / "recipes" / "gpu_cluster" / "ds_config.json"
-BIN = Path(sys.executable).parent
+
+
+def command(name: str) -> str:
+    """The console script ``name`` of this interpreter's environment (a venv made with
+    ``--system-site-packages`` has pipemorph in its own bin, deepspeed and torchrun in the base one)."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed next to {sys.executable} or on PATH")
+    return found
 
 
 def free_port() -> int:
@@ -69,7 +79,7 @@ def check_measured_profile(cwd: Path) -> None:
 @pytest.mark.timeout(900)
 def test_demo_prints_the_table_of_three_schedules_with_and_without_delay(tmp_path):
     out = tmp_path / "demo.json"
-    stdout = run([BIN / "pipemorph", "demo", "--iterations", "1", "--out", out], tmp_path, timeout=880)
+    stdout = run([command("pipemorph"), "demo", "--iterations", "1", "--out", out], tmp_path, timeout=880)
     assert "speedup vs stock" in stdout
     res = {(x["scenario"], x["schedule"]): x for x in json.loads(out.read_text())["results"]}
     assert set(res) == {(sc, s) for sc in ("no_delay", "20ms_link0") for s in ("stock-1f1b", "zb", "pipemorph")}
@@ -85,7 +95,7 @@ def test_demo_prints_the_table_of_three_schedules_with_and_without_delay(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks(tmp_path):
-    stdout = run([BIN / "deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), TRAIN, "--steps", "3"],
+    stdout = run([command("deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN, "--steps", "3"],
                  tmp_path, timeout=880)
     first, last = losses(stdout, 3)
     assert abs(first - untrained_loss()) < 1.0 and last < first
@@ -94,7 +104,7 @@ def test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu(tmp_path):
-    stdout = run([BIN / "deepspeed", "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
+    stdout = run([command("deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
                   "--config", gpu_config_copy(tmp_path), "--steps", "2"], tmp_path, timeout=880)
     losses(stdout, 2)
     check_measured_profile(tmp_path)
@@ -103,7 +113,7 @@ def test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu(tmp_path)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_cluster_config_trains_under_torchrun_c10d_rendezvous_on_cpu(tmp_path):
-    stdout = run([BIN / "torchrun", "--nnodes", "1", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
+    stdout = run([command("torchrun"), "--nnodes", "1", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
                   "--rdzv_endpoint", f"127.0.0.1:{free_port()}", TRAIN, "--config", gpu_config_copy(tmp_path),
                   "--steps", "2"],
                  tmp_path, timeout=880)
