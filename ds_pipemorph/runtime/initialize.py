@@ -62,6 +62,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
 
     from ..fileio import BadInput
     from .config import PipeMorphConfigError, parse_config, pending_notes, resolve_paths
+    from .cpu_shm import remove_allreduce_buffer_at_exit
     from .cpu_threads import apply_cpu_threads
     from .builder import EngineBuilder
     from .engine import PipeMorphEngine
@@ -90,6 +91,8 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
     if threads is not None and dist.get_rank() == 0:
         logger.warning(threads.describe())
+    if get_accelerator().device_name() == "cpu":
+        remove_allreduce_buffer_at_exit(dist.get_rank())
     ds_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)
     deepspeed.set_optimizer_flags(config_class, model)

@@ -95,10 +95,13 @@ def test_demo_prints_the_table_of_three_schedules_with_and_without_delay(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks(tmp_path):
-    stdout = run([command("deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN, "--steps", "3"],
+    port = free_port()
+    stdout = run([command("deepspeed"), "--num_gpus", "4", "--master_port", str(port), TRAIN, "--steps", "3"],
                  tmp_path, timeout=880)
     first, last = losses(stdout, 3)
     assert abs(first - untrained_loss()) < 1.0 and last < first
+    # DeepSpeed's CPU all-reduce made a shared-memory buffer per rank; each rank removed its own.
+    assert sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) == []
 
 
 @pytest.mark.slow

@@ -1,0 +1,32 @@
+"""DeepSpeed's CPU all-reduce leaves its shared memory in /dev/shm; each rank removes its own at exit.
+
+On the CPU accelerator, with every rank on one machine, DeepSpeed's collectives op
+(``deepspeed/ops/csrc/cpu/comm/shm.cpp``) creates one buffer per rank, named
+``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (about 66 MB), and never
+removes it: each job used to leave world size x 66 MB of RAM behind. Every rank opens every other
+rank's buffer while communication starts, before ``init_distributed`` returns, so removing the name
+at exit takes nothing from a rank still running: the memory itself goes when the last rank
+unmaps it. A name DeepSpeed did not create (another version's format, ranks on several machines)
+is simply not there.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from pathlib import Path
+
+
+def allreduce_buffer(rank: int) -> Path:
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def remove_allreduce_buffer_at_exit(rank: int) -> None:
+    atexit.register(_remove, allreduce_buffer(rank))
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:  # not created (no shared-memory all-reduce), or already gone
+        pass
