@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ds_pipemorph.fileio import BadInput, dump, load_model
+from ds_pipemorph.fileio import BadInput, dump
+from ds_pipemorph.plan.files.kinds import load_kind
 from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
 from ds_pipemorph.plan.ir.profile import Costs, Profile
 from ds_pipemorph.plan.place.predict import Job, PlaceResult, Prediction, place as place_ranks
@@ -42,7 +43,9 @@ def place(
     """Place ranks on the pipeline x data-parallel grid so that slow links carry pipeline traffic."""
     with user_errors():
         check_outputs({"--output": output})
-        matrix = load_model(matrix_path, LinkMatrix)
+        matrix = load_kind(matrix_path, LinkMatrix, "link matrix", instead={
+            "profile": "give it with --profile {path}, and as MATRIX the links between ranks "
+                       "(pipemorph profile-links --all-pairs measures them)"})
         job = _job(profile, compute_ms, microbatches, grad_mb, chunk_mb, activation_mb, direct, pp)
         res = place_ranks(matrix, pp, dp, job, budget_s=budget, max_evals=search_evals, exact=exact, seed=seed,
                           search_budget_s=search_budget)
@@ -75,7 +78,7 @@ def _job(profile, compute_ms, microbatches, grad_mb, chunk_mb, activation_mb, di
     if profile is not None:
         if compute_ms is not None:
             raise BadInput("give either --profile or --compute-ms, not both")
-        prof = load_model(profile, Profile)
+        prof = load_kind(profile, Profile, "profile")
         costs, n = prof.costs(), prof.microbatches
         if prof.memory is not None:
             caps = prof.caps()

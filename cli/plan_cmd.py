@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from ds_pipemorph.fileio import dump, load_model
+from ds_pipemorph.fileio import dump
+from ds_pipemorph.plan.files.kinds import load_kind
 from ds_pipemorph.plan.files.planfile import PlanFile
 from ds_pipemorph.plan.ir.profile import Profile
 from ds_pipemorph.plan.sched.listsched import list_schedule
@@ -37,7 +38,7 @@ def plan(
     """Plan a zero-bubble schedule that absorbs the profile's link delays within its memory caps."""
     with user_errors():
         check_outputs({"--output": output, "--chrome": chrome}, pictures={"--gantt": gantt})
-        prof = load_model(profile, Profile)
+        prof = load_kind(profile, Profile, "profile")
         costs, n, caps = prof.costs(), prof.microbatches, prof.caps()
         if greedy:
             sched, lb, note = list_schedule(costs, n, initial_warmup(caps)), None, "paper's greedy pass"

@@ -81,7 +81,7 @@ def test_a_baseline_that_does_not_fit_memory_is_shown_as_such(tmp_path):
     "data, needle",
     [
         ({"stages": 2, "microbatches": 4, "compute_ms": {"forward": 1, "backward_input": 1, "backward_weight": 1}},
-         "this is a stage profile"),
+         "is a profile, not a layer profile: partitioning needs per-layer times under 'layers'"),
         (dict(PROFILE, layers=dict(PROFILE["layers"], forward_ms=[2] * 11 + [-1])), "layers.forward_ms: layer 11 is negative"),
         (dict(PROFILE, links={"bandwidth_gbs": 0}), "links.bandwidth_gbs: link 0 must be positive"),
         (dict(PROFILE, memory={"capacity_mb": 300}), "no way to cut 12 layers into 4 stages fits memory.capacity_mb"),

@@ -233,7 +233,7 @@ def test_a_stage_profile_is_not_a_layer_profile(tmp_path):
     p = tmp_path / "profile.yaml"
     p.write_text(yaml.safe_dump({"stages": 2, "microbatches": 4,
                                  "compute_ms": {"forward": 1, "backward_input": 1, "backward_weight": 1}}))
-    msg = r"this is a stage profile \(compute_ms\); partitioning needs per-layer times under 'layers'"
+    msg = "is a profile, not a layer profile: partitioning needs per-layer times under 'layers'"
     with pytest.raises(BadInput, match=msg) as e:
         read_layer_profile(p)
     assert "\n" not in str(e.value)

@@ -13,6 +13,7 @@ from ..ir.ops import Schedule, format_stage, warmup_counts
 from ..ir.profile import Costs, Profile
 from ..sim.simulate import replay
 from ..sim.validate import InvalidPlan, parse_schedule, validate_schedule
+from .kinds import refuse_other_kind
 
 
 class Predicted(BaseModel):
@@ -62,9 +63,7 @@ class PlanFile(BaseModel):
         data = _read_json(path)
         if data is None:
             data = load_mapping(path)
-        if "compute_ms" in data and "schedule" not in data:  # the profile a plan is made from
-            raise BadInput(f"{path} is a profile, not a plan: make a plan from it first "
-                           f"(pipemorph plan {path} -o plan.yaml)")
+        refuse_other_kind(path, data, "plan")  # e.g. the profile a plan is made from
         pf = validate_model(path, data, cls)
         try:
             return pf, pf.ops()

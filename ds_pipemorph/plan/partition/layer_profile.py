@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from ...fileio import BadInput, describe, load_mapping
+from ..files.kinds import refuse_other_kind
 from ..ir.profile import ComputeMs, Costs, Memory, Profile
 from .parts import check_parts
 
@@ -207,6 +208,8 @@ def read_layer_profile(path, stages: Optional[int] = None, microbatches: Optiona
     """The layer profile at ``path`` (YAML or JSON), with ``stages`` / ``microbatches`` in place of
     the file's when given; BadInput naming the file and the first key at fault."""
     data = load_mapping(path)
+    refuse_other_kind(path, data, "layer profile",
+                      instead={"profile": "partitioning needs per-layer times under 'layers'"})
     if stages is not None:
         data["stages"] = stages
     if microbatches is not None:
