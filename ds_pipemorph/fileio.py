@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import TypeVar
@@ -51,10 +52,22 @@ def validate_model(path: str | os.PathLike, data: dict, model: type[M]) -> M:
         raise BadInput(f"{path}: {describe(e)}") from None
 
 
+# What pydantic puts in an error's location for the member of a Union it tried ("int",
+# "list[int]", "function-after[...]"): not a key of the file.
+_UNION_MEMBER = re.compile(r"^(int|float|str|bool|none|list|dict|tuple|[a-z-]+\[.*\])$")
+
+
+def _keys(err) -> tuple:
+    return tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and _UNION_MEMBER.match(x)))
+
+
 def describe(e: ValidationError) -> str:
-    """The first pydantic error as 'key.path: what is wrong'."""
-    err = e.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()))
+    """The first pydantic error as 'key.path: what is wrong' (the path of keys only; of a value
+    that may take several forms, the error deepest inside it: ``[1, "x"]`` is wrong at item 1)."""
+    errors = e.errors()
+    first = _keys(errors[0])
+    err = max((x for x in errors if _keys(x)[:len(first)] == first), key=lambda x: len(_keys(x)))
+    loc = ".".join(str(x) for x in _keys(err))
     msg = err.get("msg", "invalid")
     msg = msg.removeprefix("Value error, ")
     if err.get("type") == "missing":

@@ -25,6 +25,11 @@ from ds_pipemorph.runtime.transport.header import decode_header, encode_header
     ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
     ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
     ({"recv_window": 0}, "ds_config pipemorph: recv_window: Input should be greater than or equal to 1"),
+    # A key that takes a list or a number: the path names keys only, down to the item at fault.
+    ({"memory": {"max_inflight": "seven"}}, "ds_config pipemorph: memory.max_inflight: Input should be a valid "
+     "integer, unable to parse string as an integer"),
+    ({"memory": {"max_inflight": [1, "x"]}}, "ds_config pipemorph: memory.max_inflight.1: Input should be a valid "
+     "integer, unable to parse string as an integer"),
     ({"schedule": "plan", "plan_file": "p.yaml", "recv_window": 3}, "ds_config pipemorph: recv_window does not apply "
      "to a plan file, which names its own: set recv_window in the plan file instead"),
 ])
