@@ -41,7 +41,7 @@ def parse_floats(text: Optional[str], what: str) -> Optional[list[float]]:
         if v < 0:
             raise BadInput(f"{what}: {v} is negative; times and delays are >= 0 ms")
         if not math.isfinite(v):
-            raise BadInput(f"{what}: {v} is not a number of ms; times and delays are finite")
+            raise BadInput(f"{what}: {v} is not a finite number")
     return vals
 
 
@@ -56,7 +56,7 @@ def parse_compute(text: Optional[str], stages: int) -> Optional[tuple[list[float
         except ValueError:
             t = []
         if len(t) != 3 or not all(0 <= v < math.inf for v in t):
-            raise BadInput(f"--compute-ms: '{part}' is not F/B/W in ms (three numbers >= 0, e.g. 10/10/10)")
+            raise BadInput(f"--compute-ms: '{part}' is not F/B/W in ms (three finite numbers >= 0, e.g. 10/10/10)")
         triples.append(t)
     if len(triples) == 1:
         triples = triples * stages

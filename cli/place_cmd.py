@@ -2,6 +2,7 @@
 data-parallel rings, its predicted iteration time, and the topology file DeepSpeed takes."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -74,6 +75,9 @@ def place(
 
 
 def _job(profile, compute_ms, microbatches, grad_mb, chunk_mb, activation_mb, direct, pp) -> Job:
+    for what, v in (("--chunk-mb", chunk_mb), ("--activation-mb", activation_mb)):
+        if v is not None and not math.isfinite(v):
+            raise BadInput(f"{what}: {v} is not a finite number")
     caps = None
     if profile is not None:
         if compute_ms is not None:

@@ -17,7 +17,7 @@ class _Strict(BaseModel):
 
 
 class LinkInject(_Strict):
-    delay_ms: float = Field(0.0, ge=0)
+    delay_ms: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
 class KillDelegateInject(_Strict):

@@ -97,9 +97,9 @@ class OrchestrateConfig(_Strict):
     # The link matrix of `pipemorph profile-links --all-pairs` (null: off).
     matrix: Optional[str] = None
     # Gradient MB per stage the all-reduce moves (null: each stage's parameter bytes, measured).
-    grad_mb: Optional[float] = Field(None, ge=0)
+    grad_mb: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
     # The size of each all-reduce message in MB, as in `pipemorph place --chunk-mb` (null: one per part).
-    chunk_mb: Optional[float] = Field(None, gt=0)
+    chunk_mb: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
     # A stage's all-reduce this fraction above what the best placement's ring would take ...
     noise: float = Field(0.25, gt=0)
     # ... in each of this many iterations in a row is a data-parallel straggler.

@@ -4,10 +4,11 @@ On the CPU accelerator, with every rank on one machine, DeepSpeed's collectives 
 (``deepspeed/ops/csrc/cpu/comm/shm.cpp``) creates one buffer per rank, named
 ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` (about 66 MB), and never
 removes it: each job used to leave world size x 66 MB of RAM behind. Every rank opens every other
-rank's buffer while communication starts, before ``init_distributed`` returns, so removing the name
-at exit takes nothing from a rank still running: the memory itself goes when the last rank
-unmaps it. A name DeepSpeed did not create (another version's format, ranks on several machines)
-is simply not there.
+rank's buffer while communication starts, before its ``init_distributed`` returns; ``initialize``
+registers the removal after a barrier that follows it on every rank, so removing the name at a
+normal exit takes nothing from a rank still running: the memory itself goes when the last rank
+unmaps it. A killed rank runs no exit handler and still leaves its buffer. A name DeepSpeed did not
+create (another version's format, ranks on several machines) is simply not there.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
 from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
 from .plans import DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for
-from .ready_exec import ReadyProgram, run_ready
+from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
 from .timeline import TimelineWriter
@@ -377,6 +377,7 @@ class PipeMorphEngine(PipelineEngine):
                     f"stage {self.stage_id}: DeepSpeed handed the engine its own TrainSchedule instead of "
                     f"asking _train_schedule for the plan (ds_pipemorph needs DeepSpeed >= {REQUIRED_DEEPSPEED})")
             return self._exec_stock_schedule(pipe_schedule)
+        refuse_after_a_failed_iteration(self)
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
         self.fwd_outputs = []
         self._reset_iteration_state()

@@ -113,13 +113,17 @@ class Inbox:
     def _posted_before(self, announced: list[tuple[str, int]]) -> list[Future]:
         """Forget ``announced`` as unannounced; the receives posted before one of them, of its kind,
         not announced yet (done ones too: their announcement is in ``_completed`` already)."""
-        behind: list[Future] = []
+        last: dict[str, int] = {}  # kind -> the latest post position announced now
         for kind, mb in announced:
             order = self._unannounced[kind]
             i = order.index(mb)
-            if i:
-                behind += [self._futures[(kind, m)] for m in order[:i]]
-            del order[i]
+            last[kind] = max(last.get(kind, -1), i)
+            order[i] = None  # removed below: positions stay put meanwhile
+        behind: list[Future] = []
+        for kind, i in last.items():
+            order = self._unannounced[kind]
+            behind += [f for m in order[:i] if m is not None and (f := self._futures.get((kind, m))) is not None]
+            order[:] = [m for m in order if m is not None]
         return behind
 
     def arrived(self, kind: str, mb: int) -> bool:

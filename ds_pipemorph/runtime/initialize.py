@@ -92,6 +92,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     if threads is not None and dist.get_rank() == 0:
         logger.warning(threads.describe())
     if get_accelerator().device_name() == "cpu":
+        dist.barrier()  # every rank past DeepSpeed's start of communication: each opened every buffer
         remove_allreduce_buffer_at_exit(dist.get_rank())
     ds_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)

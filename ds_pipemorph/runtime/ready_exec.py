@@ -104,6 +104,15 @@ class ReadyProgram:
                     u.also.append(b)
 
 
+def refuse_after_a_failed_iteration(engine) -> None:
+    """Called before an iteration changes anything: an iteration that raised under ready dispatch
+    can leave receives posted, whose messages belong to it, not to the next one."""
+    inbox = engine.inbox
+    if inbox is not None and inbox.outstanding:
+        raise RuntimeError(f"stage {engine.stage_id}: the last iteration stopped with receives still posted "
+                           f"({inbox.outstanding}), so this engine cannot run another one; start the job again")
+
+
 def run_ready(engine, program: ReadyProgram) -> int:
     """Run this iteration's stream up to its end in readiness order; returns the nanoseconds spent
     choosing. ``engine.executed_stream`` gets the stream's ops in the order they ran.
@@ -112,9 +121,6 @@ def run_ready(engine, program: ReadyProgram) -> int:
     times as its expectations: the first iteration has none and never waits."""
     s, S = engine.stage_id, engine.num_stages
     run, inbox = engine.recorder.run, engine.inbox
-    if inbox.outstanding:  # an iteration that raised: its receives' messages belong to it
-        raise RuntimeError(f"stage {s}: the last iteration stopped with receives still posted "
-                           f"({inbox.outstanding}), so this engine cannot run another one; start the job again")
     executed = engine.executed_stream
     to_post = list(program.posts)
 

@@ -67,7 +67,7 @@ def test_bench_runs_stock_ordered_and_ready_dispatch_under_heavy_micro_batches(t
         (["--schedules", "zb", "--vary", "jitter"], "give the spread"),
         (["--stages", "4", "--link", "5"], "--link: 5 is not a link of 4 stages"),
         (["--delays-ms", "0,-3"], "--delays-ms: -3.0 is negative"),
-        (["--delays-ms", "nan"], "--delays-ms: nan is not a number of ms"),
+        (["--delays-ms", "nan"], "--delays-ms: nan is not a finite number"),
         (["--schedules", "zbb"], "unknown schedule 'zbb'"),
     ],
 )

@@ -72,6 +72,9 @@ BAD = [
     (SPLIT, ("--pp", 4, "--dp", 2, "--grad-mb", "1,2"), "gradient sizes: expected 4 values"),
     (SPLIT, ("--pp", 4, "--dp", 2, "--grad-mb", "x"), "--grad-mb: 'x' is not"),
     (SPLIT, ("--pp", 4, "--dp", 2, "--chunk-mb", 0), "message size positive"),
+    (SPLIT, ("--pp", 4, "--dp", 2, "--chunk-mb", "nan"), "--chunk-mb: nan is not a finite number"),
+    (SPLIT, ("--pp", 4, "--dp", 2, "--activation-mb", "inf"), "--activation-mb: inf is not a finite number"),
+    (SPLIT, ("--pp", 4, "--dp", 2, "--grad-mb", "inf"), "--grad-mb: inf is not a finite number"),
     (SPLIT, ("--pp", 4, "--dp", 2, "--compute-ms", "10/10"), "--compute-ms: '10/10' is not F/B/W"),
 ]
 

@@ -17,7 +17,9 @@ def files(tmp_path):
     assert run("plan", PROFILE, "-o", plan).exit_code == 0
     trace = tmp_path / "timeline.json"
     trace.write_text(json.dumps({"traceEvents": [{"name": "F0", "ph": "X", "ts": 0, "dur": 10, "pid": 0, "tid": 0}]}))
-    return {"plan": plan, "trace": trace, "profile": PROFILE}
+    parts = tmp_path / "parts.yaml"
+    parts.write_text("version: 1\nparts: [0, 2, 5, 9, 12]\nwarmup: [4, 3, 2, 1]\nschedule: [[F0]]\n")
+    return {"plan": plan, "trace": trace, "profile": PROFILE, "parts": parts}
 
 
 @pytest.mark.parametrize("command,given,needle", [
@@ -25,6 +27,9 @@ def files(tmp_path):
     (["simulate"], "trace", "{path} is a trace, not a plan: read it with pipemorph trace inspect {path}"),
     (["simulate"], "profile", "{path} is a profile, not a plan: make a plan from it first (pipemorph plan {path} -o plan.yaml)"),
     (["partition"], "plan", "{path} is a plan, not a layer profile: replay it with pipemorph simulate {path}"),
+    (["plan"], "parts", "{path} is a parts file, not a profile: it splits a model into stages"),
+    (["simulate"], "parts", "{path} is a parts file, not a plan: it splits a model into stages (docs/partition.md); "
+                            "its plan is what pipemorph partition --plan writes"),
     (["place", "--pp", "2", "--dp", "2"], "profile",
      "{path} is a profile, not a link matrix: give it with --profile {path}, and as MATRIX the links between ranks"),
 ])

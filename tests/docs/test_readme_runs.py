@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -23,14 +22,17 @@ TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
 GPU_CONFIG = ROOT / "recipes" / "gpu_cluster" / "ds_config.json"
 
 
-def command(name: str) -> str:
-    """The console script ``name`` of this interpreter's environment (a venv made with
-    ``--system-site-packages`` has pipemorph in its own bin, deepspeed and torchrun in the base one)."""
+# The module each console script runs, for an environment whose scripts live elsewhere (a venv
+# made with --system-site-packages has pipemorph in its own bin, deepspeed and torchrun in the base one).
+SCRIPT_MODULES = {"pipemorph": "ds_pipemorph_cli.app", "deepspeed": "deepspeed.launcher.runner",
+                  "torchrun": "torch.distributed.run"}
+
+
+def command(name: str) -> list[str]:
+    """The README's ``name`` command as this interpreter runs it: its console script, or the module
+    the script runs."""
     here = Path(sys.executable).parent / name
-    found = str(here) if here.exists() else shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is not installed next to {sys.executable} or on PATH")
-    return found
+    return [str(here)] if here.exists() else [sys.executable, "-m", SCRIPT_MODULES[name]]
 
 
 def free_port() -> int:
@@ -79,7 +81,7 @@ def check_measured_profile(cwd: Path) -> None:
 @pytest.mark.timeout(900)
 def test_demo_prints_the_table_of_three_schedules_with_and_without_delay(tmp_path):
     out = tmp_path / "demo.json"
-    stdout = run([command("pipemorph"), "demo", "--iterations", "1", "--out", out], tmp_path, timeout=880)
+    stdout = run([*command("pipemorph"), "demo", "--iterations", "1", "--out", out], tmp_path, timeout=880)
     assert "speedup vs stock" in stdout
     res = {(x["scenario"], x["schedule"]): x for x in json.loads(out.read_text())["results"]}
     assert set(res) == {(sc, s) for sc in ("no_delay", "20ms_link0") for s in ("stock-1f1b", "zb", "pipemorph")}
@@ -96,7 +98,7 @@ def test_demo_prints_the_table_of_three_schedules_with_and_without_delay(tmp_pat
 @pytest.mark.timeout(900)
 def test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks(tmp_path):
     port = free_port()
-    stdout = run([command("deepspeed"), "--num_gpus", "4", "--master_port", str(port), TRAIN, "--steps", "3"],
+    stdout = run([*command("deepspeed"), "--num_gpus", "4", "--master_port", str(port), TRAIN, "--steps", "3"],
                  tmp_path, timeout=880)
     first, last = losses(stdout, 3)
     assert abs(first - untrained_loss()) < 1.0 and last < first
@@ -107,7 +109,7 @@ def test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu(tmp_path):
-    stdout = run([command("deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
+    stdout = run([*command("deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()), TRAIN,
                   "--config", gpu_config_copy(tmp_path), "--steps", "2"], tmp_path, timeout=880)
     losses(stdout, 2)
     check_measured_profile(tmp_path)
@@ -116,7 +118,7 @@ def test_gpu_cluster_config_trains_under_the_deepspeed_launcher_on_cpu(tmp_path)
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_cluster_config_trains_under_torchrun_c10d_rendezvous_on_cpu(tmp_path):
-    stdout = run([command("torchrun"), "--nnodes", "1", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
+    stdout = run([*command("torchrun"), "--nnodes", "1", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
                   "--rdzv_endpoint", f"127.0.0.1:{free_port()}", TRAIN, "--config", gpu_config_copy(tmp_path),
                   "--steps", "2"],
                  tmp_path, timeout=880)

@@ -133,11 +133,6 @@ def _w_blocks(s, t, times, f_arr, b_arr, inflight, warmup) -> bool:
     return nxt < end - 1e-12
 
 
-
-
-_KIDX = {"F": 0, "B": 1, "W": 2}
-
-
 def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
            link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> Timeline:
     """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.

@@ -125,15 +125,18 @@ def test_a_producer_out_of_the_posted_order_costs_at_most_the_settling_time():
 def test_ready_dispatch_refuses_an_iteration_after_one_that_stopped_with_receives_posted():
     from types import SimpleNamespace
 
-    from ds_pipemorph.runtime.ready_exec import run_ready
+    from ds_pipemorph.runtime.ready_exec import refuse_after_a_failed_iteration
 
     t = GatedTransport()
     recorder = OpRecorder(nvtx_enabled=False)
     inbox = Inbox(t, workers=1, timeout_s=5, rank=0)
     inbox.post("F", 3, recorder)  # what an iteration that raised before its F3 leaves behind
-    engine = SimpleNamespace(stage_id=1, num_stages=2, recorder=recorder, inbox=inbox, executed_stream=[])
+    engine = SimpleNamespace(stage_id=1, inbox=inbox)
     with pytest.raises(RuntimeError, match=r"stage 1: the last iteration stopped with receives still posted \(1\), "
                                            "so this engine cannot run another one; start the job again"):
-        run_ready(engine, program=None)
+        refuse_after_a_failed_iteration(engine)
     t.open("F", 3)
+    assert _drained_until(inbox, 1) == [("F", 3)]
+    inbox.take("F", 3)
+    refuse_after_a_failed_iteration(engine)  # nothing posted: an iteration may start
     inbox.close()

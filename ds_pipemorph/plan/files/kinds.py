@@ -17,6 +17,8 @@ M = TypeVar("M", bound=BaseModel)
 # (kind, its keys, what to run on it); the first kind whose keys are all there is the file's.
 _KINDS = (
     ("trace", ("traceEvents",), "read it with pipemorph trace inspect {path}"),
+    ("parts file", ("parts",), "it splits a model into stages (docs/partition.md); its plan is what "
+                               "pipemorph partition --plan writes"),
     ("plan", ("schedule", "warmup"), "replay it with pipemorph simulate {path}"),
     ("layer profile", ("layers",), "partition it with pipemorph partition {path}"),
     ("profile", ("compute_ms",), "make a plan from it first (pipemorph plan {path} -o plan.yaml)"),

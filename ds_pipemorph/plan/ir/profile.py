@@ -95,7 +95,9 @@ class Profile(BaseModel):
                 for i, (a, c) in enumerate(zip(m.activation_mb, m.capacity_mb)):
                     if not 0 < a < math.inf:
                         raise ValueError(f"memory.activation_mb: stage {i} must be a finite number > 0, got {a}")
-                    if not a <= c < math.inf:
+                    if not math.isfinite(c):
+                        raise ValueError(f"memory.capacity_mb: stage {i} must be a finite number, got {c}")
+                    if c < a:
                         raise ValueError(
                             f"memory.capacity_mb: stage {i} cannot hold one activation ({c} MB < {a} MB)"
                         )
