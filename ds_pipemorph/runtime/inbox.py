@@ -49,6 +49,8 @@ class Inbox:
         self._futures: dict[tuple[str, int], Future] = {}
         self._completed: collections.deque = collections.deque()  # (kind, mb) as receives end, for ``drain``
         self._unannounced: dict[str, list[int]] = {}  # kind -> micro-batches posted, not drained yet, in post order
+        self._posted_at: dict[tuple[str, int], int] = {}  # (kind, mb) not drained yet -> when it was posted (a count)
+        self._posts = 0
         self.settled_ns = 0  # time ``drain`` spent waiting for earlier receives (see the module)
 
     def post(self, kind: str, mb: int, recorder) -> None:
@@ -58,6 +60,8 @@ class Inbox:
         fut: Future = Future()
         self._futures[(kind, mb)] = fut
         self._unannounced.setdefault(kind, []).append(mb)
+        self._posted_at[(kind, mb)] = self._posts
+        self._posts += 1
         if len(self._workers) < min(self._max_workers, len(self._futures)):
             t = threading.Thread(target=self._work, name=f"pipemorph-recv-{len(self._workers)}", daemon=True)
             t.start()
@@ -113,17 +117,20 @@ class Inbox:
     def _posted_before(self, announced: list[tuple[str, int]]) -> list[Future]:
         """Forget ``announced`` as unannounced; the receives posted before one of them, of its kind,
         not announced yet (done ones too: their announcement is in ``_completed`` already)."""
-        last: dict[str, int] = {}  # kind -> the latest post position announced now
+        latest: dict[str, int] = {}  # kind -> when the last-posted of ``announced`` was posted
         for kind, mb in announced:
-            order = self._unannounced[kind]
-            i = order.index(mb)
-            last[kind] = max(last.get(kind, -1), i)
-            order[i] = None  # removed below: positions stay put meanwhile
+            self._unannounced[kind].remove(mb)  # usually the first: announcements mostly come in order
+            at = self._posted_at.pop((kind, mb))
+            if at > latest.get(kind, -1):
+                latest[kind] = at
         behind: list[Future] = []
-        for kind, i in last.items():
-            order = self._unannounced[kind]
-            behind += [f for m in order[:i] if m is not None and (f := self._futures.get((kind, m))) is not None]
-            order[:] = [m for m in order if m is not None]
+        for kind, at in latest.items():
+            for m in self._unannounced[kind]:  # in post order: stops at the first posted after
+                if self._posted_at[(kind, m)] > at:
+                    break
+                f = self._futures.get((kind, m))  # None: taken already (only after an iteration failed)
+                if f is not None:
+                    behind.append(f)
         return behind
 
     def arrived(self, kind: str, mb: int) -> bool:
@@ -169,6 +176,7 @@ class Inbox:
         self._futures.clear()
         self._completed.clear()
         self._unannounced.clear()
+        self._posted_at.clear()
         for _ in self._workers:
             self._jobs.put(None)
         self._workers = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
-from ..plan.ir.lower import Lowering, LoweringPolicy
+from ..plan.ir.lower import RECV_WINDOW, Lowering, LoweringPolicy
 from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Schedule, warmup_counts
 from ..plan.ir.profile import Costs
@@ -101,7 +101,7 @@ def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> Lowering:
     ``TransportHooks.p2p_rules``): ``NcclLowering`` with the plan file's ``backward``; a plan file's
     ``recv_window`` does not apply there (each receive is issued where the NCCL lowering puts it)."""
     if cfg.schedule != "plan":  # (the config refuses recv_window with schedule "plan")
-        policy = LoweringPolicy() if cfg.recv_window is None else LoweringPolicy(recv_window=cfg.recv_window)
+        policy = LoweringPolicy(recv_window=cfg.recv_window or RECV_WINDOW)
     else:
         try:
             policy = load_model(cfg.plan_file, PlanFile).lowering

@@ -60,11 +60,7 @@ class Profile(BaseModel):
     @field_validator("links_ms")
     @classmethod
     def _links_nonneg(cls, v):
-        if v is not None:
-            for i, c in enumerate(v):
-                if not 0 <= c < math.inf:
-                    raise ValueError(f"link {i} has a delay of {c:g} ms; a delay is a finite number >= 0")
-        return v
+        return v if v is None else check_delays(v)
 
     @model_validator(mode="after")
     def _shapes(self) -> "Profile":
@@ -116,6 +112,14 @@ class Profile(BaseModel):
     def costs(self) -> "Costs":
         c = self.compute_ms
         return Costs(list(c.forward), list(c.backward_input), list(c.backward_weight), list(self.links_ms))
+
+
+def check_delays(delays: list[float]) -> list[float]:
+    """Per-link delays in ms, each a finite number >= 0 (ValueError naming the first that is not)."""
+    for i, c in enumerate(delays):
+        if not 0 <= c < math.inf:
+            raise ValueError(f"link {i} has a delay of {c:g} ms; a delay is a finite number >= 0")
+    return delays
 
 
 def _per_stage(v, s: int, key: str) -> list[float]:

@@ -239,5 +239,3 @@ def _non_negative(vals: list[float], key: str, what: str) -> None:
     for i, v in enumerate(vals):
         if v < 0:
             raise ValueError(f"{key}: {what} {i} is negative ({v})")
-        if not math.isfinite(v):
-            raise ValueError(f"{key}: {what} {i} is {v}; values are finite numbers")

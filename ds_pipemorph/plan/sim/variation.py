@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...fileio import BadInput, check_ordered, load_model
 from ..ir.ops import KINDS
-from ..ir.profile import Costs
+from ..ir.profile import Costs, check_delays
 
 Rows = tuple[tuple[float, ...], ...]  # rows[s][m]
 
@@ -151,10 +151,7 @@ class TracePoint(BaseModel):
     @field_validator("links_ms")
     @classmethod
     def _nonneg(cls, v):
-        for i, c in enumerate(v):
-            if not 0 <= c < math.inf:
-                raise ValueError(f"link {i} has a delay of {c:g} ms; a delay is a finite number >= 0")
-        return v
+        return check_delays(v)
 
 
 class LinkTraceFile(BaseModel):
