@@ -9,7 +9,7 @@ order with the same operations (the same bits as stock's running sum), scales by
 steps and, where it can, starts the broadcast right away; the other stages post their side of it
 when their iteration starts. ``train_batch`` then only collects a value that has long arrived. (A
 ``train_batch`` that failed before it collected its loss leaves the broadcast pending: the next one
-refuses to start.)
+refuses to start; collecting waits at most the engine's ``timeout_s``.)
 
 The broadcast starts early where every rank of the pipeline can tell so without talking: a gloo
 pipeline group (host tensors; an NCCL broadcast posted early would hold a kernel on the GPU for the
@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
+
+from .transport.direct import wait_work
 
 
 def sum_in_order(losses: list) -> torch.Tensor:
@@ -56,6 +58,7 @@ class EarlyLoss:
     def __init__(self, engine):
         self._group = engine.grid.get_pipe_parallel_group()
         self._src = engine._loss_stage_global_rank()
+        self._rank, self._timeout_s = engine.global_rank, engine.pipemorph.timeout_s
         self._work = None
         self._losses: Optional[torch.Tensor] = None  # what travels: [pipeline loss, its data-parallel mean]
         self._own: Optional[torch.Tensor] = None  # the last stage's loss, in its own dtype
@@ -83,7 +86,8 @@ class EarlyLoss:
         if self._work is None:
             raise RuntimeError("the iteration's loss broadcast was never started")
         work, self._work = self._work, None
-        work.wait()
+        # Bounded like every wait of the engine: a pipeline whose link went down ends in an error.
+        wait_work(work, self._timeout_s, self._rank, "the iteration's loss from the last stage")
         if self._own is not None:
             return self._own, self._own.clone().detach()
         return self._losses[0].clone().detach(), self._losses[1].clone().detach()

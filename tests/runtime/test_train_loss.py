@@ -5,6 +5,9 @@ broadcast only where every rank of a pipeline can tell without talking.
 the early broadcast on one replica and stock's reduction on two.)"""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from types import SimpleNamespace
 
 import pytest
@@ -68,7 +71,8 @@ def test_the_broadcast_starts_early_on_one_gloo_replica_whose_module_adds_no_los
 @pytest.mark.timeout(60)
 def test_a_loss_broadcast_left_pending_by_a_failed_batch_stops_the_next_one(gloo_group):
     engine = SimpleNamespace(grid=SimpleNamespace(get_pipe_parallel_group=lambda: gloo_group),
-                             _loss_stage_global_rank=lambda: 0)
+                             _loss_stage_global_rank=lambda: 0, global_rank=0,
+                             pipemorph=SimpleNamespace(timeout_s=30.0))
     loss = EarlyLoss(engine)
     loss.send(torch.tensor(2.5))  # the one rank is the last stage: its loss goes out ...
     assert [t.item() for t in loss.collect()] == [2.5, 2.5]  # ... and comes back as stock's two values
@@ -77,3 +81,35 @@ def test_a_loss_broadcast_left_pending_by_a_failed_batch_stops_the_next_one(gloo
         loss.send(torch.tensor(3.0))
     with pytest.raises(RuntimeError, match="^the previous train_batch failed before it collected its loss"):
         loss.post(torch.device("cpu"))
+
+
+def _wait_for_a_loss_never_sent(rank: int, store_path: str, out: str) -> None:
+    """Rank 1 of two waits for the last stage's loss; rank 0, the last stage, never sends it."""
+    import torch.distributed as dist
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    if rank == 1:
+        engine = SimpleNamespace(grid=SimpleNamespace(get_pipe_parallel_group=lambda: dist.group.WORLD),
+                                 _loss_stage_global_rank=lambda: 0, global_rank=1,
+                                 pipemorph=SimpleNamespace(timeout_s=1.0))
+        loss = EarlyLoss(engine)
+        loss.post(torch.device("cpu"))
+        try:
+            loss.collect()
+            result = "returned"
+        except Exception as e:  # noqa: BLE001 - the test reads its type and text
+            result = f"{type(e).__name__}: {e}"
+        Path(out).write_text(result)
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{1 - rank}"])
+    os._exit(0)  # the broadcast rank 1 gave up on is still posted: leave without tearing the group down
+
+
+@pytest.mark.timeout(120)
+def test_collecting_a_loss_that_never_comes_is_a_timeout_not_a_hang(tmp_path):
+    import torch.multiprocessing as mp
+    out = tmp_path / "result.txt"
+    mp.start_processes(_wait_for_a_loss_never_sent, args=(str(tmp_path / "store"), str(out)), nprocs=2,
+                       start_method="spawn")
+    assert out.read_text() == ("TransportTimeout: rank 1: timed out after 1 s waiting for the iteration's loss "
+                               "from the last stage")

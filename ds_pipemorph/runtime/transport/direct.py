@@ -129,6 +129,24 @@ def _shapes(layout: tuple) -> list:
     return [(dtype, list(shape)) for dtype, shape in layout[1]]
 
 
+def wait_work(work, timeout_s: float, rank: int, what: str) -> None:
+    """Wait at most ``timeout_s`` for a torch.distributed work; TransportTimeout or TransportError,
+    one sentence naming ``what``, instead of a wait that never ends."""
+    start = time.monotonic()
+    try:
+        ok = work.wait(timedelta(seconds=timeout_s))
+    except TransportError:  # a point-to-point layer's own sentence (test doubles)
+        raise
+    except RuntimeError as e:
+        # A backend's timeout is a plain RuntimeError (gloo) or one of torch's DistError types:
+        # what makes it a timeout is that the whole timeout went by, not the words of its text.
+        if time.monotonic() - start >= TIMEOUT_REACHED * timeout_s:
+            raise TransportTimeout(f"rank {rank}: timed out after {timeout_s:g} s waiting for {what}") from None
+        raise TransportError(f"rank {rank}: {what} failed: {first_line(e)}") from e
+    if ok is False:
+        raise TransportTimeout(f"rank {rank}: timed out after {timeout_s:g} s waiting for {what}")
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """What goes on the wire for ``t``: detached (the send must not hold its graph), contiguous."""
     t = t.detach()
@@ -163,7 +181,6 @@ class DirectTransport:
         self.p2p = p2p or TorchP2P()
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
-        self._timeout = timedelta(seconds=self.timeout_s)
         self.device = device or torch.device("cpu")
         self.static_shapes = static_shapes
         # Whether a send holds the training process while its message crosses a slow link, the link
@@ -265,20 +282,7 @@ class DirectTransport:
             if work.work is None:  # its group was dropped (``close``) before it was issued
                 raise TransportError(f"rank {self.rank}: {what} was never issued")
             work = work.work
-        start = time.monotonic()
-        try:
-            ok = work.wait(self._timeout)
-        except TransportError:  # a point-to-point layer's own sentence (test doubles)
-            raise
-        except RuntimeError as e:
-            # A backend's timeout is a plain RuntimeError (gloo) or one of torch's DistError types:
-            # what makes it a timeout is that the whole timeout went by, not the words of its text.
-            if time.monotonic() - start >= TIMEOUT_REACHED * self.timeout_s:
-                raise TransportTimeout(
-                    f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what}") from None
-            raise TransportError(f"rank {self.rank}: {what} failed: {first_line(e)}") from e
-        if ok is False:
-            raise TransportTimeout(f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what}")
+        wait_work(work, self.timeout_s, self.rank, what)
 
     # -- interface ----------------------------------------------------------------------------
     def post_recv(self, kind: str, mb: int) -> None:
