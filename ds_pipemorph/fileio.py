@@ -61,9 +61,40 @@ def _keys(err) -> tuple:
     return tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and _UNION_MEMBER.match(x)))
 
 
+# pydantic's error types for a value of the wrong type (strict models: no conversion was tried; the
+# others: it failed), and the type the key takes, in the words of a YAML or JSON file.
+_EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+             "float_type": "a number", "float_parsing": "a number",
+             "bool_type": "a boolean (true or false)", "bool_parsing": "a boolean (true or false)",
+             "string_type": "a string", "list_type": "a list", "dict_type": "a mapping",
+             "model_type": "a mapping of keys", "model_attributes_type": "a mapping of keys"}
+
+
+def given(value) -> str:
+    """A value as an error names it, in the words of YAML and JSON: ``the string '7'``,
+    ``the boolean true``, ``null``, ``a list`` (long strings shortened)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {'true' if value else 'false'}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {(value if len(value) <= 40 else value[:37] + '...')!r}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"a {type(value).__name__}"  # from Python callers: a tuple, a PosixPath, ...
+
+
 def describe(e: ValidationError) -> str:
     """The first pydantic error as 'key.path: what is wrong' (the path of keys only; of a value
-    that may take several forms, the error deepest inside it: ``[1, "x"]`` is wrong at item 1)."""
+    that may take several forms, the error deepest inside it: ``[1, "x"]`` is wrong at item 1).
+    A value of the wrong type is named with the type the key takes: ``memory.max_inflight: expected
+    an integer, got the string '7'``."""
     errors = e.errors()
     first = _keys(errors[0])
     err = max((x for x in errors if _keys(x)[:len(first)] == first), key=lambda x: len(_keys(x)))
@@ -74,6 +105,8 @@ def describe(e: ValidationError) -> str:
         return f"missing key '{loc}'"
     if err.get("type") == "extra_forbidden":
         return f"unknown key '{loc}'"
+    if err.get("type") in _EXPECTED and "input" in err:
+        msg = f"expected {_EXPECTED[err['type']]}, got {given(err['input'])}"
     return f"{loc}: {msg}" if loc else msg
 
 

@@ -1,32 +1,31 @@
 """The ``pipemorph.inject`` section of a ds_config: what the injection plug-in is asked to make.
 
-Validated as every other section is (strict: unknown keys refused, one sentence naming the key): the
-runtime's ``PipeMorphConfig`` keeps the ``inject`` key and hands its value to ``InjectConfig``
-through the registered plug-in (``inject.plugin``). Torch-free: ``ds_pipemorph`` imports it at start.
+Validated as every other section is (``runtime.config.SectionModel``: unknown keys refused, types
+checked, not converted, one sentence naming the key): the runtime's ``PipeMorphConfig`` keeps the
+``inject`` key and hands its value to ``InjectConfig`` through the registered plug-in
+(``inject.plugin``). Torch-free: ``ds_pipemorph`` imports it at start.
 """
 from __future__ import annotations
 
 import math
 from typing import Annotated, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+
+from ..runtime.config import SectionModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LinkInject(_Strict):
+class LinkInject(SectionModel):
     delay_ms: float = Field(0.0, ge=0, allow_inf_nan=False)
 
 
-class KillDelegateInject(_Strict):
+class KillDelegateInject(SectionModel):
     link: int = Field(ge=0)
     after: int = Field(ge=1)  # activation messages on the link before the kill
     side: Literal["send", "recv"] = "send"
 
 
-class FaultsInject(_Strict):
+class FaultsInject(SectionModel):
     # link -> K: each direction of the link's direct path carries K messages, then fails (``inject.faults``)
     link_fails_after: dict[str, int] = Field(default_factory=dict)
     kill_delegate: Optional[KillDelegateInject] = None
@@ -66,7 +65,7 @@ def check_factors(v: dict[str, float]) -> dict[str, float]:
 StageFactors = Annotated[dict[str, float], BeforeValidator(stage_keys), AfterValidator(check_factors)]
 
 
-class InjectConfig(_Strict):
+class InjectConfig(SectionModel):
     links: dict[str, LinkInject] = Field(default_factory=dict)
     trace: Optional[str] = None
     faults: Optional[FaultsInject] = None  # testing only: failover (PipeMorph §5.3)

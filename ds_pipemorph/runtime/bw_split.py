@@ -13,9 +13,10 @@ Parts of the graph that do not lead to any input (the whole graph of a first sta
 needs no gradient, or an output that does not depend on the input) are entered at their output
 edges with the output gradients themselves: B does nothing for them and W is their backward.
 
-W accumulates into ``param.grad`` like autograd's AccumulateGrad (the first gradient is taken over
-or copied into the parameter's layout, later ones are added in place), so gradient accumulation
-across micro-batches, tied weights and data-parallel reduction behave as with a fused backward.
+W accumulates into ``param.grad`` through autograd's own ``AccumulateGrad`` (``torch.autograd.backward``
+with the parameters as ``inputs``), so gradient accumulation across micro-batches, tied weights,
+data-parallel reduction and every hook registered on a parameter's accumulation (DeepSpeed's bf16
+and ZeRO gradient hooks: ``runtime.precision``) behave as with a fused backward, once per W.
 The stage outputs are never detached in place, so outputs that are views (``x.view(...)`` at the
 end of a stage) are fine.
 """
@@ -30,12 +31,11 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 @dataclass
 class _Group:
-    """One autograd.grad call of W: entry edges with their gradients, and the parameters they reach."""
+    """One autograd.backward call of W: entry edges with their gradients, and the parameters they reach."""
 
     edges: list = field(default_factory=list)  # GradientEdge into a frontier node or an output edge
     grads: list = field(default_factory=list)  # the gradient arriving at each edge
     params: list = field(default_factory=list)  # torch.nn.Parameter (or leaf tensor) reached
-    targets: list = field(default_factory=list)  # their GradientEdges (the AccumulateGrad nodes)
 
 
 @dataclass
@@ -65,25 +65,13 @@ class WeightGradWork:
         handles = [n.register_prehook(lambda _g, saved=g: saved) for n, g in self.clamp_nodes]
         try:
             for grp in self.groups:
-                dws = torch.autograd.grad(grp.edges, grp.targets, grad_outputs=grp.grads, allow_unused=True)
-                for p, dw in zip(grp.params, dws):
-                    if dw is not None:
-                        _accumulate(p, dw)
+                if grp.edges:
+                    torch.autograd.backward(grp.edges, grad_tensors=grp.grads, inputs=grp.params)
         finally:
             for h in handles:
                 h.remove()
         self.groups = []
         self.clamp_nodes = []
-
-
-def _accumulate(p: torch.Tensor, dw: torch.Tensor) -> None:
-    """``p.grad += dw`` as autograd's AccumulateGrad does it: the first gradient is taken over when
-    its strides match the parameter's and copied into the parameter's layout otherwise (a weight
-    gradient often arrives transposed), later ones are added in place."""
-    if p.grad is None:
-        p.grad = dw if dw.stride() == p.stride() else torch.empty_like(p).copy_(dw)
-    else:
-        p.grad += dw
 
 
 def backward_input(
@@ -189,7 +177,7 @@ def backward_input(
 
     def to_group(mask, ents) -> _Group:
         picked = [k for k in range(len(params)) if mask >> k & 1]
-        grp = _Group(params=[params[k] for k in picked], targets=[param_edges[k] for k in picked])
+        grp = _Group(params=[params[k] for k in picked])
         for ent, _, frontier in ents:
             if frontier:  # a node that got no gradient at all in B contributes nothing
                 for slot, g in enumerate(captured.get(ent, ())):

@@ -1,9 +1,10 @@
 """The ``"pipemorph"`` section of a ds_config (docs/design.md), validated with pydantic.
 
-Unknown keys and wrong types are refused naming the key. Settings accepted but without effect in
-the chosen schedule (``delegation: auto`` without the adaptive control loop) are named in a warning
-at start-up (``pending_notes``). The ``inject`` key belongs to a plug-in (``runtime.hooks``): its
-value is validated by the model the registered plug-in gives, with the same one-sentence errors.
+Unknown keys and wrong types are refused naming the key; types are checked, not converted
+(``SectionModel``). Settings accepted but without effect in the chosen schedule (``delegation: auto``
+without the adaptive control loop) are named in a warning at start-up (``pending_notes``). The
+``inject`` key belongs to a plug-in (``runtime.hooks``): its value is validated by the model the
+registered plug-in gives, with the same one-sentence errors.
 """
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ class PipeMorphConfigError(ValueError):
     """A ``pipemorph`` setting (or the plan it names) cannot be used; the message is one sentence."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class SectionModel(BaseModel):
+    """The base of every model of the section, a plug-in's included (``inject.config``): unknown keys
+    are refused, and types are checked, not converted. A JSON config's ``"7"`` is no integer, ``true``
+    no integer or number and ``"yes"`` no boolean; an integer stands for a number (``30`` for 30.0),
+    as JSON writes whole numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class MemoryConfig(_Strict):
+class MemoryConfig(SectionModel):
     # Cap on in-flight activations: one value for every stage or one per stage; None derives it
     # from the micro-batch count. Read through ``per_stage`` (the form a job uses: one per stage).
     max_inflight: Optional[Union[int, list[int]]] = None
@@ -58,7 +64,7 @@ def _as_list(v: Optional[Union[int, list[int]]], stages: int = 1) -> list[int]:
     return [v] * stages if isinstance(v, int) else list(v)
 
 
-class AdaptConfig(_Strict):
+class AdaptConfig(SectionModel):
     enabled: bool = True
     every_iterations: int = Field(1, ge=1)
     # background: a re-plan first adopts Alg. 2's closed-form warm-up, and rank 0's worker process
@@ -70,7 +76,7 @@ class AdaptConfig(_Strict):
     search_evals: int = Field(2000, ge=1)
 
 
-class RebalanceConfig(_Strict):
+class RebalanceConfig(SectionModel):
     """Compute stragglers (DynPipe): move layers away from a stage that runs slower than expected."""
 
     enabled: bool = False
@@ -91,7 +97,7 @@ class RebalanceConfig(_Strict):
     timeout_s: float = Field(60.0, gt=0)
 
 
-class OrchestrateConfig(_Strict):
+class OrchestrateConfig(SectionModel):
     """A slow data-parallel link moved into the pipeline while training runs (PipeMorph §6)."""
 
     # The link matrix of `pipemorph profile-links --all-pairs` (null: off).
@@ -108,7 +114,7 @@ class OrchestrateConfig(_Strict):
     min_gain: float = Field(0.05, ge=0, lt=1)
 
 
-class DelegationConfig(_Strict):
+class DelegationConfig(SectionModel):
     mode: DelegationMode = "auto"
     queues: int = Field(2, ge=1)  # delegate FIFOs per link direction at the start
     # The control loop gives a delegated link more queues, up to this many, when its delay needs them
@@ -146,7 +152,7 @@ class DelegationConfig(_Strict):
         return self.max_queues if self.max_queues is not None else max(self.queues, 4)
 
 
-class PipeMorphConfig(_Strict):
+class PipeMorphConfig(SectionModel):
     # 1f1b: DeepSpeed's 1F1B order, each backward run as B immediately followed by its W; zb: ZB-H1
     # warm-up (S - s) or memory.max_inflight; adaptive: Alg. 1 warm-up, re-planned from measurements;
     # plan: the plan in plan_file (runtime/plans.py builds each).

@@ -214,7 +214,15 @@ HEADER = """\
 
 `ds_pipemorph.initialize` reads this section of the ds_config (DeepSpeed ignores it). Every key is
 optional; unknown keys and wrong types are refused at start-up with one sentence naming the key,
-and settings without effect under the chosen schedule are named in a warning. A minimal section:
+and settings without effect under the chosen schedule are named in a warning.
+
+Types are checked, not converted: a value must have the type its key has in the tables below. `"7"`
+is not an integer, `true` is neither an integer nor a number, `"yes"` is not a boolean (write `true`
+or `false`) and `"30"` is not a number (`ds_config pipemorph: memory.max_inflight: expected an
+integer, got the string '7'`). The one exception is a whole number where a number is expected, as
+JSON writes it: `"timeout_s": 30` is 30.0.
+
+A minimal section:
 
 ```json
 "pipemorph": {"schedule": "adaptive", "memory": {"max_inflight": [7, 5, 3, 1]}}

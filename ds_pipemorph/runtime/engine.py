@@ -24,8 +24,13 @@ Differences from the stock engine, all needed for orders other than DeepSpeed's 
   until its F), and floating-point inputs of the first stage require grad so that B is the same
   backward-to-the-input on every stage (its input gradient is dropped).
 
-Refused at start-up, with one sentence: fp16/bf16, ZeRO, activation checkpointing, tensor
-parallelism inside a stage (``unsupported_reason``), and dispatch "ready" under NCCL's rules.
+bf16 and fp16 (DeepSpeed's ``BF16_Optimizer``, ``FP16_Optimizer``) and ZeRO stage 1 train through
+DeepSpeed's own gradient path: W fires the hooks on parameters and stock's calls around each
+micro-batch's backward are made around W (``runtime.precision``). Activation checkpointing
+recomputes once, in B (``runtime.recompute``). Refused at start-up, with one sentence: fp16 on a
+device without it, ZeRO above stage 1, tensor parallelism inside a stage (``unsupported_reason``),
+moving layers or ranks under a bf16/fp16/ZeRO optimizer (``moving_refusal``), and dispatch
+"ready" under NCCL's rules.
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
 from .builder import EngineBuilder
 from .bw_split import backward_input
+from .precision import GradPath
+from .recompute import Recompute, split_checkpoint
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
@@ -84,19 +91,29 @@ def nccl_rules(backend: str, delegation_mode: str, hooks: Sequence[TransportHook
 
 
 def unsupported_reason(config_class, model) -> Optional[str]:
-    """One sentence if this DeepSpeed setup cannot run split-backward plans yet, else None."""
-    if config_class.float16_config.enabled or config_class.bfloat16_config.enabled:
-        return ("pipemorph trains in fp32 only for now: its split backward does not drive DeepSpeed's "
-                "fp16/bf16 loss scaling and master weights yet (remove the 'fp16'/'bf16' sections)")
-    if config_class.zero_optimization_stage > 0:
-        return "pipemorph does not support ZeRO yet (zero_optimization.stage must be 0)"
-    interval = max(config_class.pipeline.get("activation_checkpoint_interval", 0) or 0,
-                   getattr(model, "activation_checkpoint_interval", 0) or 0)
-    if interval > 0:
-        return ("pipemorph cannot split the backward of checkpointed activations: set "
-                "pipeline.activation_checkpoint_interval (and the PipelineModule's) to 0")
+    """One sentence if this DeepSpeed setup cannot run split-backward plans, else None."""
+    from deepspeed.accelerator import get_accelerator
+
+    if config_class.float16_config.enabled and not get_accelerator().is_fp16_supported():
+        return (f"this device has no fp16 (DeepSpeed's {get_accelerator().device_name()} accelerator): use "
+                "\"bf16\": {\"enabled\": true} instead of the \"fp16\" section, or remove it")
+    if config_class.zero_optimization_stage > 1:
+        return ("pipeline parallelism runs with ZeRO stage 0 or 1 only (DeepSpeed's rule): set "
+                f"zero_optimization.stage to 1 (it is {config_class.zero_optimization_stage})")
     if model.mpu().get_slice_parallel_world_size() > 1:
         return "pipemorph does not support tensor (slice) parallelism inside a stage yet"
+    return None
+
+
+def moving_refusal(engine) -> Optional[str]:
+    """One sentence if layers or ranks cannot move under this engine's optimizer (migration and
+    re-mapping carry a plain optimizer's per-parameter state, not the flat fp32 partitions of
+    DeepSpeed's bf16 and ZeRO optimizers), else None."""
+    if engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled():
+        return ("moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) needs a "
+                "plain fp32 optimizer: its state is per parameter, while DeepSpeed's bf16/fp16 and ZeRO optimizers "
+                "keep flat fp32 partitions; turn pipemorph.rebalance and pipemorph.orchestrate off, or train in fp32 "
+                "with zero_optimization.stage 0")
     return None
 
 
@@ -123,6 +140,16 @@ class PipeMorphEngine(PipelineEngine):
         for plugin, settings in active_plugins(pipemorph):  # plug-ins refuse what this job cannot use
             plugin.check_job(settings, super_kwargs["model"].num_stages)
         super().__init__(*super_args, **super_kwargs)
+        if pipemorph.rebalance.enabled or pipemorph.orchestrate.matrix:
+            refusal = moving_refusal(self)
+            if refusal:
+                raise PipeMorphConfigError(refusal)
+        # Checkpointed chunks recompute once, in B, and leave their weight gradients for W (runtime.recompute).
+        self.checkpointing = self.module.activation_checkpoint_interval > 0
+        if self.checkpointing:
+            self.module.activation_checkpoint_func = split_checkpoint
+            self.module.is_checkpointable_results_interval = None  # DeepSpeed's choice of chunks depends on it
+            self.module._precompute_checkpointable_values()
         # Plug-ins' router hooks (testing only: injection); one may put the direct path under NCCL's rules.
         router_hooks = transport_hooks(pipemorph, self.num_stages, engine=self)
         self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
@@ -230,11 +257,12 @@ class PipeMorphEngine(PipelineEngine):
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> loss (last stage)
         self._output_grads: dict[int, object] = {}  # buffer -> received gradient(s) of the outputs
         self._input_grads: dict[int, object] = {}  # micro-batch -> gradient(s) to send upstream
-        self._weight_work: dict[int, object] = {}  # micro-batch -> WeightGradWork
+        self._weight_work: dict[int, list] = {}  # micro-batch -> WeightGradWorks: the stage's, then its checkpointed chunks'
         self._inflight = 0
         self.measured_peak_inflight = 0
         # The trainable parameters B differentiates (layers move only between iterations).
         self._trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.grad_path = GradPath(self)  # stock's calls around each micro-batch's backward (runtime.precision)
 
     def reset_activation_shape(self):
         """DeepSpeed's hook for a change of activation shapes (e.g. curriculum): re-send layouts."""
@@ -460,6 +488,9 @@ class PipeMorphEngine(PipelineEngine):
         and optimizer state (``runtime.migrate``). Every rank calls it with the same ``parts``,
         between two ``train_batch`` calls. If any rank's part fails, every rank keeps the partition
         it had (``report.ok`` is False) and training can go on."""
+        refusal = moving_refusal(self)
+        if refusal:
+            raise PipeMorphConfigError(refusal)
         report = self.migrator.migrate(self, list(parts))
         if report.ok and self.rebalance is not None:  # the loop predicts from the partition in force
             self.rebalance.rebalancer.moved(report.after)
@@ -475,6 +506,9 @@ class PipeMorphEngine(PipelineEngine):
         (this one, unchanged, if any rank's part failed) and what happened on this rank."""
         from .remap import remap
 
+        refusal = moving_refusal(self)
+        if refusal:
+            raise PipeMorphConfigError(refusal)
         fresh, report = remap(self, topology)
         if self.global_rank == 0:
             ranks = [[topology.get_rank(pipe=s, data=d) for d in range(topology.get_dim("data"))]
@@ -593,7 +627,7 @@ class PipeMorphEngine(PipelineEngine):
 
     def _exec_backward_input(self, buffer_id, micro_batch):
         if self.is_last_stage():
-            outs = [self._scale_loss_by_gas(self._losses.pop(buffer_id))]
+            outs = [self.grad_path.scale_loss(self._scale_loss_by_gas(self._losses.pop(buffer_id)))]
             grads = [None]
         else:
             outs = [t for t in _as_list(self.pipe_buffers["outputs"][buffer_id]) if t.is_floating_point()]
@@ -603,12 +637,13 @@ class PipeMorphEngine(PipelineEngine):
                                    f"for {len(outs)} floating-point outputs")
         inputs = self.pipe_buffers["inputs"][buffer_id]
         ins = _as_list(inputs)
-        _set(self, "_running_engine_backward", True)  # DeepSpeed's backward hooks check it
-        try:
+        if self.checkpointing:  # checkpointed chunks recompute here and leave their W work too
+            with Recompute(self._trainable) as chunks:
+                dins, work = backward_input(outs, grads, ins, self._trainable)
+            self._weight_work[micro_batch] = [work, *chunks.works]
+        else:
             dins, work = backward_input(outs, grads, ins, self._trainable)
-        finally:
-            _set(self, "_running_engine_backward", False)
-        self._weight_work[micro_batch] = work
+            self._weight_work[micro_batch] = [work]
         if not self.is_first_stage():
             sent = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, dins) if t.is_floating_point()]
             self._input_grads[micro_batch] = sent[0] if isinstance(inputs, torch.Tensor) else tuple(sent)
@@ -622,11 +657,16 @@ class PipeMorphEngine(PipelineEngine):
         self.transport.send("B", micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
-        _set(self, "_running_engine_backward", True)
-        try:
-            self._weight_work.pop(micro_batch).run()
-        finally:
-            _set(self, "_running_engine_backward", False)
+        works = self._weight_work.pop(micro_batch)
+        with self.grad_path.around_w():
+            if self.checkpointing:  # chunks whose recomputation waited for W (no input gradient) run here
+                with Recompute(self._trainable) as chunks:
+                    for work in works:
+                        work.run()
+                    chunks.drain()
+            else:
+                for work in works:
+                    work.run()
 
     def _exec_wait_sends(self):
         self.transport.wait_sends()

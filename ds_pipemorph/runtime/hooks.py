@@ -150,9 +150,10 @@ class Plugin:
     """A plug-in of the runtime: the ``pipemorph`` section it reads and the hooks it builds.
 
     ``key`` names a section ``PipeMorphConfig`` keeps for plug-ins (``PLUGIN_SECTIONS``);
-    ``model`` validates it (strict: unknown keys refused); ``path_keys`` are the routes inside it
-    that hold file paths (resolved as the section's other paths are); ``descriptions`` document its
-    keys in docs/config.md (by dotted path, the section's key first: ``inject.links``)."""
+    ``model`` validates it (a ``config.SectionModel``: unknown keys refused, types checked, not
+    converted); ``path_keys`` are the routes inside it that hold file paths (resolved as the
+    section's other paths are); ``descriptions`` document its keys in docs/config.md (by dotted
+    path, the section's key first: ``inject.links``)."""
 
     key: str = ""
     model: type[BaseModel] = BaseModel

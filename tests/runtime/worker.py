@@ -104,7 +104,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
             ids = [torch.randint(0, GPT_VOCAB, (2, t + 1), generator=g) for t in seqs]
             return [(w[:, :-1], w[:, 1:]) for w in ids]
-        return batches(N * steps, 2, seed=99 + replica)
+        data = batches(N * steps, 2, seed=99 + replica)
+        half = _half_dtype(cfg)  # a bf16/fp16 model takes inputs and labels of its dtype, as in stock
+        return data if half is None else [(x.to(half), y.to(half)) for x, y in data]
 
     switch_error = None
     if job.get("switch_dispatch"):
@@ -171,13 +173,15 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         reduce_ms.extend((r.end_ns - r.start_ns) / 1e6 for r in getattr(engine, "op_records", []) if r.op == "ReduceGrads")
     eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    master = _master_weights(engine.optimizer)
     transport = getattr(engine, "transport", None)
     events = [] if transport is None else list(transport.events) + list(transport.delegated.events)
     if getattr(engine, "inbox", None) is not None:
         engine.inbox.close()
     if transport is not None:
         transport.close()  # this job's delegate processes exit before the next job starts
-    torch.save({"losses": losses, "params": params, "peak": peaks, "ops": ops, "executed": executed,
+    torch.save({"losses": losses, "params": params, "master": master,
+                "loss_scale": getattr(engine.optimizer, "loss_scale", None), "skipped_steps": engine.skipped_steps, "peak": peaks, "ops": ops, "executed": executed,
                 "stage": engine.stage_id, "switch_error": switch_error,
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
@@ -191,6 +195,23 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
+
+
+def _half_dtype(cfg: dict):
+    if cfg.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if cfg.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return None
+
+
+def _master_weights(optimizer) -> list:
+    """The fp32 master weights of DeepSpeed's bf16/fp16/ZeRO optimizers (flat, per group); [] otherwise."""
+    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_groups_flat"):
+        flat = getattr(optimizer, attr, None)
+        if flat:
+            return [t.detach().clone().float() for t in flat]
+    return []
 
 
 def _innermost(transport):
