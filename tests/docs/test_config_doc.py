@@ -78,3 +78,44 @@ def test_the_generator_rewrites_the_file_and_check_reports_a_stale_one(tmp_path)
     assert out.read_text() == DOC.read_text()
     assert subprocess.run([*cmd, "--check"], capture_output=True, timeout=120).returncode == 0
     assert [p.name for p in tmp_path.iterdir()] == ["config.md"]  # no temporary file left behind
+
+
+WRONG = {"integer": ("an integer", ["7", True, 7.5]), "number": ("a number", ["30", True]),
+         "boolean": ("a boolean (true or false)", ["yes", 1, "true"]), "string": ("a string", [7, False])}
+
+
+def _section(key: str, value) -> dict:
+    """A section holding ``value`` at documented ``key`` (``*``: a link index; required neighbours filled)."""
+    *outer, last = key.replace("*", "1").split(".")
+    inner = {"link": 0, "after": 1} if outer[-1:] == ["kill_delegate"] else {}
+    section = inner
+    section[last] = value
+    for name in reversed(outer):
+        section = {name: section}
+    return section
+
+
+def test_the_documented_types_are_checked_not_converted():
+    """Every key documented as an integer, number, boolean or string refuses a value of another type,
+    naming the type the table gives; a whole number is accepted where a number is documented."""
+    from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
+
+    checked = 0
+    for key, (kind, _, _) in _rows().items():
+        first = kind.split(" ")[0]
+        if first not in WRONG:
+            continue
+        what, values = WRONG[first]
+        for value in values:
+            with pytest.raises(PipeMorphConfigError) as e:
+                parse_config(_section(key, value))
+            assert str(e.value).startswith(f"ds_config pipemorph: {key.replace('*', '1')}: expected {what}, got "), \
+                (key, value, str(e.value))
+        if first == "number":
+            whole = 0 if "< 1" in kind else 1
+            cfg = parse_config(_section(key, whole)).model_dump()
+            for part in key.replace("*", "1").split("."):
+                cfg = cfg[part]
+            assert cfg == whole and type(cfg) is float, key
+        checked += 1
+    assert checked >= 30

@@ -186,9 +186,10 @@ FACTOR = ("stage 2's factor must be a finite number >= 1 (1 = unchanged, 2.0 = i
     ({"compute": {"2": -2.0}}, "inject.compute: " + FACTOR.format(-2)),
     ({"compute": {"2": 0.5}}, "inject.compute: " + FACTOR.format(0.5)),
     ({"compute": {"2": float("inf")}}, "inject.compute: " + FACTOR.format("inf")),
-    ({"compute": {"2": "fast"}},
-     "inject.compute.2: Input should be a valid number, unable to parse string as a number"),
-    ({"compute": {"2": {"factor": 2}}}, "inject.compute.2: Input should be a valid number"),
+    ({"compute": {"2": "fast"}}, "inject.compute.2: expected a number, got the string 'fast'"),
+    ({"compute": {"2": "2.0"}}, "inject.compute.2: expected a number, got the string '2.0'"),  # not converted
+    ({"compute": {"2": True}}, "inject.compute.2: expected a number, got the boolean true"),
+    ({"compute": {"2": {"factor": 2}}}, "inject.compute.2: expected a number, got a mapping"),
     ({"compute_trace": " "}, "inject.compute_trace: compute_trace must be a file path (or null)"),
     ({"compute": {"2": 2.0}, "compute_trace": "t.yaml"},
      "inject: give inject.compute (factors from the first iteration) or inject.compute_trace (factors by "

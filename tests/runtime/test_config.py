@@ -14,22 +14,22 @@ from ds_pipemorph.runtime.transport.header import decode_header, encode_header
     ({"schedule": "zbb"}, "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan'"),
     ({"shedule": "zb"}, "ds_config pipemorph: unknown key 'shedule'"),
     ({"memory": {"max_inflight": 0}}, "ds_config pipemorph: memory.max_inflight: every stage must hold at least 1 activation, got 0"),
-    ({"adapt": {"every_iterations": "often"}}, "ds_config pipemorph: adapt.every_iterations: Input should be a valid integer, unable to parse string as an integer"),
+    ({"adapt": {"every_iterations": "often"}}, "ds_config pipemorph: adapt.every_iterations: expected an integer, got the string 'often'"),
     ({"delegation": {"mode": "sometimes"}}, "ds_config pipemorph: delegation.mode: Input should be 'off', 'auto' or 'always'"),
     ({"inject": {"links": {"2": {"delay": 30}}}}, "ds_config pipemorph: unknown key 'inject.links.2.delay'"),
     ({"delegation": {"queues": 4, "max_queues": 3}}, "ds_config pipemorph: delegation: delegation.max_queues (3) must be at least delegation.queues (4)"),
     ({"delegation": {"interfaces": []}}, 'ds_config pipemorph: delegation.interfaces: must be a non-empty list of network interface names, e.g. ["eth0", "eth1"]'),
-    ({"delegation": {"interfaces": "eth0"}}, "ds_config pipemorph: delegation.interfaces: Input should be a valid list"),
+    ({"delegation": {"interfaces": "eth0"}}, "ds_config pipemorph: delegation.interfaces: expected a list, got the string 'eth0'"),
     ({"delegation": {"slots": 1}}, "ds_config pipemorph: delegation.slots: Input should be greater than or equal to 2"),
     ({"delegation": {"slot_mb": 0}}, "ds_config pipemorph: delegation.slot_mb: Input should be greater than or equal to 1"),
     ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
     ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
     ({"recv_window": 0}, "ds_config pipemorph: recv_window: Input should be greater than or equal to 1"),
     # A key that takes a list or a number: the path names keys only, down to the item at fault.
-    ({"memory": {"max_inflight": "seven"}}, "ds_config pipemorph: memory.max_inflight: Input should be a valid "
-     "integer, unable to parse string as an integer"),
-    ({"memory": {"max_inflight": [1, "x"]}}, "ds_config pipemorph: memory.max_inflight.1: Input should be a valid "
-     "integer, unable to parse string as an integer"),
+    ({"memory": {"max_inflight": "seven"}}, "ds_config pipemorph: memory.max_inflight: expected an integer, got the "
+     "string 'seven'"),
+    ({"memory": {"max_inflight": [1, "x"]}}, "ds_config pipemorph: memory.max_inflight.1: expected an integer, got "
+     "the string 'x'"),
     ({"schedule": "plan", "plan_file": "p.yaml", "recv_window": 3}, "ds_config pipemorph: recv_window does not apply "
      "to a plan file, which names its own: set recv_window in the plan file instead"),
 ])
@@ -37,6 +37,48 @@ def test_bad_section_is_refused_naming_the_key(section, message):
     with pytest.raises(PipeMorphConfigError) as e:
         parse_config(section)
     assert str(e.value) == message
+
+
+# Types are checked, not converted: a value JSON or YAML reads as the wrong type is refused naming the type
+# the key takes and the value given; only a whole number stands for a number (JSON writes 30.0 as 30).
+@pytest.mark.parametrize("section,message", [
+    ({"memory": {"max_inflight": "7"}}, "memory.max_inflight: expected an integer, got the string '7'"),
+    ({"memory": {"max_inflight": True}}, "memory.max_inflight: expected an integer, got the boolean true"),
+    ({"memory": {"max_inflight": [4, True]}}, "memory.max_inflight.1: expected an integer, got the boolean true"),
+    ({"adapt": {"enabled": "yes"}}, "adapt.enabled: expected a boolean (true or false), got the string 'yes'"),
+    ({"adapt": {"enabled": 1}}, "adapt.enabled: expected a boolean (true or false), got the integer 1"),
+    ({"timeout_s": "30"}, "timeout_s: expected a number, got the string '30'"),
+    ({"timeout_s": True}, "timeout_s: expected a number, got the boolean true"),
+    ({"recv_window": 4.0}, "recv_window: expected an integer, got the number 4.0"),
+    ({"delegation": {"slot_mb": "64"}}, "delegation.slot_mb: expected an integer, got the string '64'"),
+    ({"memory": 4}, "memory: expected a mapping of keys, got the integer 4"),
+    ({"timeline": 3}, "timeline: expected a string, got the integer 3"),
+    ({"inject": {"links": {"2": {"delay_ms": "30"}}}},
+     "inject.links.2.delay_ms: expected a number, got the string '30'"),
+    ({"inject": {"nccl_rules": "true"}},
+     "inject.nccl_rules: expected a boolean (true or false), got the string 'true'"),
+    ({"inject": {"migration_drop": [False]}}, "inject.migration_drop.0: expected an integer, got the boolean false"),
+])
+def test_types_are_checked_not_converted(section, message):
+    with pytest.raises(PipeMorphConfigError) as e:
+        parse_config(section)
+    assert str(e.value) == f"ds_config pipemorph: {message}"
+
+
+def test_a_whole_number_is_accepted_where_a_number_is_expected_from_json_and_yaml():
+    import json
+
+    import yaml
+
+    text = ('{"timeout_s": 30, "rebalance": {"timeout_s": 5, "noise": 1}, "orchestrate": {"grad_mb": 0}, '
+            '"memory": {"max_inflight": [4, 3]}, "adapt": {"enabled": false}, '
+            '"inject": {"links": {"1": {"delay_ms": 30}}}}')
+    for section in (json.loads(text), yaml.safe_load(text)):
+        cfg = parse_config(section)
+        assert cfg.timeout_s == 30.0 and type(cfg.timeout_s) is float
+        assert (cfg.rebalance.timeout_s, cfg.rebalance.noise, cfg.orchestrate.grad_mb) == (5.0, 1.0, 0.0)
+        assert type(cfg.rebalance.noise) is float and type(cfg.inject.links["1"].delay_ms) is float
+        assert cfg.memory.max_inflight == [4, 3] and cfg.adapt.enabled is False
 
 
 def test_injection_naming_a_missing_link_a_negative_delay_or_an_unreadable_trace_is_refused(tmp_path):

@@ -37,7 +37,7 @@ def test_absolute_home_and_non_path_values_are_kept_for_validation(monkeypatch):
     assert resolve_paths(None, "/base") is None
     with pytest.raises(PipeMorphConfigError, match="profile_out must be a file path"):
         parse_config(resolve_paths({"profile_out": "  "}, "/base"))
-    with pytest.raises(PipeMorphConfigError, match="inject.trace: Input should be a valid string"):
+    with pytest.raises(PipeMorphConfigError, match="inject.trace: expected a string, got the integer 7"):
         parse_config(resolve_paths({"inject": {"trace": 7}}, "/base"))
 
 
