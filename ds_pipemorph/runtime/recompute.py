@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from .bw_split import WeightGradWork, backward_input
+from .config import PipeMorphConfigError
 
 
 class Recompute:
@@ -89,6 +90,11 @@ class _Chunk(torch.autograd.Function):
 def split_checkpoint(fn, *args):
     """``PipelineModule.activation_checkpoint_func`` for split backwards (signature of DeepSpeed's
     ``checkpointing.checkpoint``): ``fn(*args)``, recomputed once in B, its weights' gradients in W."""
+    if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        raise PipeMorphConfigError(
+            "activation checkpointing needs every checkpointed chunk's input to need a gradient, and one does not "
+            "(the first stage's token ids: the embedding cannot be checkpointed): name only the transformer blocks "
+            "in the PipelineModule's checkpointable_layers")
     return _Chunk.apply(fn, _rng_state(args), *args)
 
 

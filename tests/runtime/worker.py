@@ -55,6 +55,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         torch.manual_seed(1234)
         model = tiny_gpt(vocab=GPT_VOCAB, stages=S, d_model=32, heads=2, blocks=2 * S - 2, max_seq=GPT_SEQ)
         model.dynamic_shape = bool(job.get("dynamic"))  # DeepSpeed's flag: shapes vary between micro-batches
+        if job.get("ckpt_layers"):  # the layer classes activation checkpointing may take (GPT-NeoX's way)
+            model.checkpointable_layers = job["ckpt_layers"]
     elif job.get("model") == "emulated":  # "layers" emulated layers (inject.emulated) of "layer_ms" each
         from deepspeed.pipe import LayerSpec, PipelineModule
         from ds_pipemorph.inject.emulated import EmulatedStage
@@ -67,6 +69,10 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         model = build_model(S, seed=1234, tied=job.get("tied", False), dropout=job.get("dropout", 0.0),
                             idle=job.get("idle", False))
     cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
+    if job.get("fake_fp16"):  # DeepSpeed's CPU accelerator refuses fp16; the test tells it that it has fp16
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True
     if job.get("torch_adam"):  # torch.optim.Adam (per-parameter step counts) instead of DeepSpeed's FusedAdam
         cfg["optimizer"]["params"]["torch_adam"] = True
     if "gradient_clipping" in job:  # DeepSpeed's limit on the gradient norm (0: no clipping)
