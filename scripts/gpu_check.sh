@@ -11,7 +11,8 @@
 #   one_gpu_job     4 ranks on cuda:0 (gloo, point-to-point messages staged through host memory: gloo has
 #                   no CUDA point-to-point; scripts/gpu_check/on_gpu0.py), PipeMorphEngine with
 #                   delegation.mode "always" (CUDA staging rings, gloo delegates) against stock DeepSpeed:
-#                   losses and parameters within 1e-5;
+#                   losses and parameters within 1e-5; fp16 (ZeRO-1, overflowing first scale) and bf16 + ZeRO-1
+#                   on 2 stages x 2 replicas, bit-identical to stock;
 #   nccl_job        with 2 GPUs or more (otherwise recorded as skipped: NCCL wants one GPU per rank): one rank
 #                   per GPU on the NCCL backend (scripts/gpu_check/nccl_job.py), PipeMorphEngine with direct
 #                   links under NCCL's rules (delegation.mode "auto", the GPU recipe's, and "off") against

@@ -52,7 +52,8 @@ from . import instructions as I
 from .builder import EngineBuilder
 from .bw_split import backward_input
 from .precision import GradPath
-from .recompute import Recompute, split_checkpoint
+from .compat import EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, fp16_refused, zero_refused
+from .recompute import Recompute, embedding_refusal, split_checkpoint
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
@@ -91,17 +92,15 @@ def nccl_rules(backend: str, delegation_mode: str, hooks: Sequence[TransportHook
 
 
 def unsupported_reason(config_class, model) -> Optional[str]:
-    """One sentence if this DeepSpeed setup cannot run split-backward plans, else None."""
+    """One sentence if this DeepSpeed setup cannot run split-backward plans, else None (``runtime.compat``)."""
     from deepspeed.accelerator import get_accelerator
 
     if config_class.float16_config.enabled and not get_accelerator().is_fp16_supported():
-        return (f"this device has no fp16 (DeepSpeed's {get_accelerator().device_name()} accelerator): use "
-                "\"bf16\": {\"enabled\": true} instead of the \"fp16\" section, or remove it")
+        return fp16_refused(get_accelerator().device_name())
     if config_class.zero_optimization_stage > 1:
-        return ("pipeline parallelism runs with ZeRO stage 0 or 1 only (DeepSpeed's rule): set "
-                f"zero_optimization.stage to 1 (it is {config_class.zero_optimization_stage})")
+        return zero_refused(config_class.zero_optimization_stage)
     if model.mpu().get_slice_parallel_world_size() > 1:
-        return "pipemorph does not support tensor (slice) parallelism inside a stage yet"
+        return TENSOR_PARALLEL_REFUSED
     return None
 
 
@@ -110,10 +109,7 @@ def moving_refusal(engine) -> Optional[str]:
     re-mapping carry a plain optimizer's per-parameter state, not the flat fp32 partitions of
     DeepSpeed's bf16 and ZeRO optimizers), else None."""
     if engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled():
-        return ("moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) needs a "
-                "plain fp32 optimizer: its state is per parameter, while DeepSpeed's bf16/fp16 and ZeRO optimizers "
-                "keep flat fp32 partitions; turn pipemorph.rebalance and pipemorph.orchestrate off, or train in fp32 "
-                "with zero_optimization.stage 0")
+        return MOVING_REFUSED
     return None
 
 
@@ -150,6 +146,11 @@ class PipeMorphEngine(PipelineEngine):
             self.module.activation_checkpoint_func = split_checkpoint
             self.module.is_checkpointable_results_interval = None  # DeepSpeed's choice of chunks depends on it
             self.module._precompute_checkpointable_values()
+            refusal = embedding_refusal(self.module, self.is_first_stage())
+            flag = torch.tensor([int(refusal is not None)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # only the first stage can tell: every rank refuses
+            if flag.item():
+                raise PipeMorphConfigError(EMBEDDING_REFUSED)
         # Plug-ins' router hooks (testing only: injection); one may put the direct path under NCCL's rules.
         router_hooks = transport_hooks(pipemorph, self.num_stages, engine=self)
         self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)

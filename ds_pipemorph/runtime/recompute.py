@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from .bw_split import WeightGradWork, backward_input
+from .compat import EMBEDDING_REFUSED
 from .config import PipeMorphConfigError
 
 
@@ -91,11 +92,19 @@ def split_checkpoint(fn, *args):
     """``PipelineModule.activation_checkpoint_func`` for split backwards (signature of DeepSpeed's
     ``checkpointing.checkpoint``): ``fn(*args)``, recomputed once in B, its weights' gradients in W."""
     if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
-        raise PipeMorphConfigError(
-            "activation checkpointing needs every checkpointed chunk's input to need a gradient, and one does not "
-            "(the first stage's token ids: the embedding cannot be checkpointed): name only the transformer blocks "
-            "in the PipelineModule's checkpointable_layers")
+        raise PipeMorphConfigError(EMBEDDING_REFUSED)
     return _Chunk.apply(fn, _rng_state(args), *args)
+
+
+def embedding_refusal(module, first_stage: bool):
+    """The sentence refusing a ``PipelineModule`` whose first stage checkpoints a chunk holding an
+    ``nn.Embedding`` (its input, token ids, needs no gradient), else None. DeepSpeed decides the chunks
+    (``_precompute_checkpointable_values``); only the first stage's first chunk sees the job's input."""
+    if not first_stage or module.activation_checkpoint_interval <= 0 or not module.is_checkpointable_results:
+        return None
+    chunk = module.forward_funcs[:module.activation_checkpoint_interval]
+    embeds = any(isinstance(m, torch.nn.Embedding) for f in chunk if isinstance(f, torch.nn.Module) for m in f.modules())
+    return EMBEDDING_REFUSED if module.is_checkpointable_results[0] and embeds else None
 
 
 def _rng_state(args) -> tuple:

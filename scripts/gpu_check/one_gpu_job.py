@@ -28,10 +28,15 @@ sys.path.insert(0, str(REPO))
 
 from tests.runtime.launch import Launch, max_param_diff  # noqa: E402
 from tests.runtime.test_equivalence import TOL, _assert_equal_to_stock, _expected_peak  # noqa: E402
+from tests.runtime.test_precision import _assert_identical  # noqa: E402
 
 RANKS, N = 4, 4
 DELEGATED = {"schedule": "zb", "delegation": {"mode": "always"}, "adapt": {"enabled": False}}
 LAYOUTS = {"s4": (4, 1), "s2x2": (2, 2)}  # name -> (stages, data-parallel replicas)
+# Half precision on 2 stages x 2 replicas, delegated as above: fp16 with ZeRO-1 and a first loss scale
+# that overflows (steps skipped, the scale lowered), bf16 with ZeRO-1; bit-identical to stock.
+PRECISIONS = {"fp16": {"fp16": {"enabled": True, "initial_scale_power": 30}, "zero_optimization": {"stage": 1}},
+              "bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}}
 
 
 def jobs() -> list[dict]:
@@ -40,6 +45,10 @@ def jobs() -> list[dict]:
         for kind, section in (("stock", None), ("always", DELEGATED)):
             out.append({"name": f"{kind}_{name}", "stages": stages, "dp": dp, "micro_batches": N,
                         "torch_adam": True, "pipemorph": section})
+    for prec, ds in PRECISIONS.items():
+        for kind, section in (("stock", None), ("always", DELEGATED)):
+            out.append({"name": f"{kind}_{prec}", "stages": 2, "dp": 2, "micro_batches": N, "steps": 4, "ds": ds,
+                        "pipemorph": section})
     return out
 
 
@@ -67,6 +76,12 @@ def check(run: Launch, op_dir: Path) -> tuple[dict, list[str]]:
             "param_devices": devices, "tolerance": TOL,
             "delegated_iteration_s": round(sum(s for x in a for s in x["seconds"]) / sum(len(x["seconds"]) for x in a), 3),
             "stock_iteration_s": round(sum(s for x in b for s in x["seconds"]) / sum(len(x["seconds"]) for x in b), 3)}
+    for prec in PRECISIONS:
+        try:
+            _assert_identical(run, f"always_{prec}", f"stock_{prec}", RANKS)
+            keys[prec] = {"bit_identical": True, "skipped_steps": run.result(f"always_{prec}", 0)["skipped_steps"]}
+        except AssertionError as e:
+            failures.append(f"always_{prec}: {str(e).splitlines()[0]}")
     rows = []
     for r in range(RANKS):
         path = op_dir / f"rank{r}.json"

@@ -49,8 +49,17 @@ CASES = {
                              "stages"),
     "unknown_key": ({"schedule": "zb", "shedule_hint": 1}, None, "ds_config pipemorph: unknown key 'shedule_hint'"),
     "fp16": ({"schedule": "zb"}, {"fp16": {"enabled": True}},
-             "pipemorph trains in fp32 only for now: its split backward does not drive DeepSpeed's fp16/bf16 loss "
-             "scaling and master weights yet (remove the 'fp16'/'bf16' sections)"),
+             "this device has no fp16 (DeepSpeed's cpu accelerator): use \"bf16\": {\"enabled\": true} instead of "
+             "the \"fp16\" section, or remove it"),
+    "zero_stage_2": ({"schedule": "zb"}, {"zero_optimization": {"stage": 2}},
+                     "pipeline parallelism runs with ZeRO stage 0 or 1 only (DeepSpeed's rule): set "
+                     "zero_optimization.stage to 1 (it is 2)"),
+    # tiny_gpt names no checkpointable_layers: DeepSpeed then checkpoints every layer with parameters,
+    # the token embedding on the first stage included.
+    "checkpointed_embedding": ({"schedule": "zb"}, {"pipeline": {"activation_checkpoint_interval": 1}},
+                               "activation checkpointing needs every checkpointed chunk's input to need a gradient, "
+                               "and the first stage's token ids do not (the embedding cannot be checkpointed): name "
+                               "only the transformer blocks in the PipelineModule's checkpointable_layers"),
 }
 
 

@@ -1,0 +1,79 @@
+"""Which DeepSpeed training settings the engine runs, which it refuses (and the sentence a user
+sees), and what ran where: the one source of README's compatibility table.
+
+    python -m ds_pipemorph.runtime.compat            # print the table (Markdown)
+
+The refusal sentences are the ones the engine raises (``runtime.engine``, ``runtime.recompute``
+format them from here); tests/runtime/test_recipe_errors.py checks that a recipe run prints them,
+tests/docs/test_compat_table.py that README.md holds this table as rendered. Torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def fp16_refused(device: str) -> str:
+    return (f"this device has no fp16 (DeepSpeed's {device} accelerator): use \"bf16\": {{\"enabled\": true}} "
+            "instead of the \"fp16\" section, or remove it")
+
+
+def zero_refused(stage: int) -> str:
+    return ("pipeline parallelism runs with ZeRO stage 0 or 1 only (DeepSpeed's rule): set "
+            f"zero_optimization.stage to 1 (it is {stage})")
+
+
+TENSOR_PARALLEL_REFUSED = "pipemorph does not support tensor (slice) parallelism inside a stage yet"
+
+EMBEDDING_REFUSED = (
+    "activation checkpointing needs every checkpointed chunk's input to need a gradient, and the first stage's "
+    "token ids do not (the embedding cannot be checkpointed): name only the transformer blocks in the "
+    "PipelineModule's checkpointable_layers")
+
+MOVING_REFUSED = (
+    "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) needs a plain "
+    "fp32 optimizer: its state is per parameter, while DeepSpeed's bf16/fp16 and ZeRO optimizers keep flat "
+    "fp32 partitions; turn pipemorph.rebalance and pipemorph.orchestrate off, or train in fp32 with "
+    "zero_optimization.stage 0")
+
+
+@dataclass(frozen=True)
+class Feature:
+    setting: str  # the ds_config keys, as a user writes them
+    status: str  # "trains" or "refused"
+    detail: str  # how it trains, or the sentence a user sees
+    ran: str  # where it ran: this project's CPU tests, or only compiled for GPUs
+
+
+FEATURES = (
+    Feature('`"bf16": {"enabled": true}`', "trains",
+            "DeepSpeed's `BF16_Optimizer`; bit-identical to stock 1F1B under `1f1b`, `zb`, `adaptive`, plan files, "
+            "ready dispatch, tied layers, delegated links", "CPU, 2–4 ranks"),
+    Feature('bf16 + `"zero_optimization": {"stage": 1}`', "trains",
+            "`DeepSpeedZeroOptimizer`, fp32 masters partitioned over replicas; bit-identical to stock; checkpoints "
+            "resume across stock and ours", "CPU, 2–4 ranks"),
+    Feature('`"fp16": {"enabled": true}` (ZeRO 0 or 1)', "trains",
+            "dynamic loss scaling as stock: the scaled loss drives B and W, an overflow skips the step everywhere "
+            "and lowers the scale", "CPU with DeepSpeed told fp16 is supported (test only); GPU: `gpu_check.sh`"),
+    Feature("fp16 on a device without fp16", "refused", fp16_refused("cpu"), "CPU"),
+    Feature('`"pipeline": {"activation_checkpoint_interval": k}` with `checkpointable_layers`', "trains",
+            "recomputed once, in B; W reuses it; equal to the job without checkpointing", "CPU, 2 ranks"),
+    Feature("checkpointing a chunk that holds the token embedding", "refused", EMBEDDING_REFUSED, "CPU"),
+    Feature("`TiedLayerSpec` (embedding and head)", "trains", "tied gradients reduced after the last W", "CPU"),
+    Feature('`"zero_optimization": {"stage": 2}` or 3', "refused", zero_refused(2), "CPU"),
+    Feature("`pipemorph.rebalance` / `orchestrate` with bf16, fp16 or ZeRO", "refused", MOVING_REFUSED, "CPU"),
+    Feature("tensor parallelism inside a stage (`num_mp > 1`)", "refused", TENSOR_PARALLEL_REFUSED, "CPU"),
+)
+
+
+def render() -> str:
+    """README's compatibility table, in Markdown."""
+    rows = ["| setting | status | how it trains, or the sentence you see | ran where |",
+            "| --- | --- | --- | --- |"]
+    for f in FEATURES:
+        detail = f.detail if f.status == "trains" else f"“{f.detail}”"
+        rows.append(f"| {f.setting} | {f.status} | {detail} | {f.ran} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,160 @@
+"""bf16, bf16 + ZeRO-1, fp16 and activation checkpointing train exactly as stock DeepSpeed does.
+
+Every job trains the same seed and data for 3 optimizer steps (Adam, gradient clipping) and writes
+its losses, its stage's parameters (bf16 or fp16 where the model is) and the optimizer's fp32
+master weights. Ours is compared with stock DeepSpeed 1F1B under the same settings.
+
+Bit for bit, and why: each micro-batch's weight gradient is the same autograd kernel on the same
+tensors in B/W as in the fused backward, and DeepSpeed adds each micro-batch's bf16 gradient into
+its fp32 master gradient in the order the stage's backwards (here: W) run, which every plan below
+keeps in micro-batch order on each stage, and which ready dispatch keeps too on these
+stages (a stage's W run in the order of their B, and B in the order gradients arrive, which is
+micro-batch order with one upstream neighbour). Anything else (a different accumulation order)
+would show here as a difference.
+
+fp16: DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on your device"); these
+jobs tell it that it supports fp16 (``fake_fp16`` in the worker) so that DeepSpeed's own fp16
+optimizers and dynamic loss scaler run on CPU tensors. A scale of 2^30 overflows: the step is
+skipped on every stage and the scale lowered, as in stock.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .launch import launch, max_param_diff
+from .plans_io import write_plan
+
+BF16 = {"bf16": {"enabled": True}}
+Z1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+
+
+def _pm(schedule: str, **more) -> dict:
+    return {"schedule": schedule, "delegation": {"mode": "off"}, "adapt": {"enabled": False}, **more}
+
+
+def _assert_identical(run, name: str, ref: str, ranks: int, tol: float = 0.0) -> None:
+    for r in range(ranks):
+        ours, stock = run.result(name, r), run.result(ref, r)
+        assert len(ours["losses"]) == len(stock["losses"]) > 0, f"{name} rank {r}"
+        assert ours["losses"] == pytest.approx(stock["losses"], abs=tol, rel=0), \
+            f"{name} rank {r}: losses {ours['losses']} != {stock['losses']}"
+        assert max_param_diff(ours, stock) <= tol, f"{name} rank {r}: parameters differ from {ref}"
+        assert len(ours["master"]) == len(stock["master"]), f"{name} rank {r}: master weights"
+        for a, b in zip(ours["master"], stock["master"]):
+            assert (a - b).abs().max().item() <= tol, f"{name} rank {r}: fp32 master weights differ from {ref}"
+        assert ours["skipped_steps"] == stock["skipped_steps"], f"{name} rank {r}: skipped steps"
+        assert ours["loss_scale"] == stock["loss_scale"], f"{name} rank {r}: loss scale"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_schedule_and_dispatch(tmp_path):
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sched.listsched import list_schedule
+
+    plan = write_plan(tmp_path / "plan.yaml", list_schedule(Costs.uniform(4, 10.0), 8, [6, 4, 2, 1]), 8)
+    jobs, checks = [], []
+    for prec, ds in (("bf16", BF16), ("z1", Z1)):
+        jobs.append({"name": f"stock_{prec}", "stages": 4, "micro_batches": 8, "pipemorph": None, "ds": ds})
+        jobs.append({"name": f"stock_{prec}_tied", "stages": 4, "micro_batches": 8, "tied": True,
+                     "pipemorph": None, "ds": ds})
+        sections = {"1f1b": _pm("1f1b"), "zb": _pm("zb"), "ready": _pm("zb", dispatch="ready"),
+                    "adaptive": {"schedule": "adaptive", "delegation": {"mode": "off"}},
+                    "plan": {"schedule": "plan", "plan_file": str(plan), "delegation": {"mode": "off"}}}
+        for sched, section in sections.items():
+            jobs.append({"name": f"{sched}_{prec}", "stages": 4, "micro_batches": 8, "pipemorph": section, "ds": ds})
+            checks.append((f"{sched}_{prec}", f"stock_{prec}"))
+        jobs.append({"name": f"zb_{prec}_tied", "stages": 4, "micro_batches": 8, "tied": True,
+                     "pipemorph": _pm("zb"), "ds": ds})
+        checks.append((f"zb_{prec}_tied", f"stock_{prec}_tied"))
+    run = launch(4, jobs, tmp_path, timeout=560)
+    for name, ref in checks:
+        _assert_identical(run, name, ref, 4)
+    # The bf16 jobs really trained in bf16 with fp32 masters, and the tied jobs on tied weights.
+    r0 = run.result("zb_bf16", 0)
+    assert all(v.dtype == torch.bfloat16 for v in r0["params"].values() if v.is_floating_point())
+    assert r0["master"] and all(m.dtype == torch.float32 for m in r0["master"])
+    assert r0["losses"][-1] < r0["losses"][0]
+    first, last = run.result("zb_z1_tied", 0)["params"], run.result("zb_z1_tied", 3)["params"]
+    # TiedLayerSpec ties the weight (its tied_weight_attr); each end keeps its own bias.
+    assert torch.equal(first["tied_modules.ends.weight"], last["tied_modules.ends.weight"]), "tied weights differ"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resume_across_engines(tmp_path):
+    """2 stages x 2 replicas: ZeRO-1 and BF16_Optimizer partition the fp32 masters over the replicas.
+    A run saved by ours at step 2 resumes under stock DeepSpeed, and the reverse, to the parameters
+    and masters of the run that never stopped."""
+    jobs = [{"name": "stock_z1", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": Z1,
+             "save": {"2": "ck_stock"}},
+            {"name": "zb_z1", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": Z1,
+             "save": {"2": "ck_ours"}},
+            {"name": "delegated_z1", "stages": 2, "dp": 2, "micro_batches": 4, "ds": Z1,
+             "pipemorph": {**_pm("zb"), "delegation": {"mode": "always"}}},
+            {"name": "stock_from_ours", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": Z1,
+             "load": {"dir": "ck_ours", "step": 2}},
+            {"name": "ours_from_stock", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": Z1,
+             "load": {"dir": "ck_stock", "step": 2}},
+            {"name": "stock_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": BF16},
+            {"name": "zb_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": BF16}]
+    run = launch(4, jobs, tmp_path, timeout=560)
+    for name, ref in (("zb_z1", "stock_z1"), ("delegated_z1", "stock_z1"), ("zb_bf16", "stock_bf16")):
+        _assert_identical(run, name, ref, 4)
+    # Each replica holds its half of the fp32 masters (ZeRO-1's partition).
+    full = sum(p.numel() for p in run.result("stock_z1", 0)["params"].values())
+    assert 0 < sum(m.numel() for m in run.result("zb_z1", 0)["master"]) < full
+    for resumed in ("stock_from_ours", "ours_from_stock"):
+        for r in range(4):
+            a, b = run.result(resumed, r), run.result("stock_z1", r)
+            assert a["losses"] == b["losses"][2:], f"{resumed} rank {r}"
+            assert max_param_diff(a, b) == 0.0, f"{resumed} rank {r}: parameters differ"
+            assert all(torch.equal(x, y) for x, y in zip(a["master"], b["master"])), f"{resumed} rank {r}: masters"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fp16_loss_scaling_and_activation_checkpointing_equal_stock_and_moving_layers_is_refused(tmp_path):
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 30}}
+    ckpt = {"pipeline": {"activation_checkpoint_interval": 2}}
+    jobs = []
+    for zero in (0, 1):  # FP16_Optimizer, and ZeRO-1's optimizer with its own loss scaler
+        ds = {**fp16, "zero_optimization": {"stage": zero}}
+        for name, section in ((f"stock_fp16_z{zero}", None), (f"zb_fp16_z{zero}", _pm("zb"))):
+            jobs.append({"name": name, "stages": 2, "micro_batches": 4, "steps": 4, "fake_fp16": True,
+                         "pipemorph": section, "ds": ds})
+    jobs += [
+        {"name": "zb", "stages": 2, "micro_batches": 4, "pipemorph": _pm("zb")},
+        {"name": "zb_ckpt", "stages": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": ckpt},
+        {"name": "stock_ckpt", "stages": 2, "micro_batches": 4, "pipemorph": None, "ds": ckpt},
+        {"name": "gpt", "stages": 2, "micro_batches": 4, "model": "gpt", "pipemorph": _pm("zb")},
+        {"name": "gpt_ckpt", "stages": 2, "micro_batches": 4, "model": "gpt", "ckpt_layers": ["Block"],
+         "pipemorph": _pm("zb"), "ds": {"pipeline": {"activation_checkpoint_interval": 1}}},
+        {"name": "stock_bf16_ckpt", "stages": 2, "micro_batches": 4, "pipemorph": None, "ds": {**BF16, **ckpt}},
+        {"name": "adaptive_bf16_ckpt", "stages": 2, "micro_batches": 4, "ds": {**BF16, **ckpt},
+         "pipemorph": {"schedule": "adaptive", "delegation": {"mode": "off"}}},
+        {"name": "ready_bf16_ckpt", "stages": 2, "micro_batches": 4, "ds": {**BF16, **ckpt},
+         "pipemorph": _pm("zb", dispatch="ready")},
+        {"name": "migrate_bf16", "stages": 2, "micro_batches": 4, "steps": 2, "ds": BF16, "pipemorph": _pm("zb"),
+         "migrate": {"1": [0, 3, 8]}},
+    ]
+    run = launch(2, jobs, tmp_path, timeout=560)
+    for zero in (0, 1):
+        _assert_identical(run, f"zb_fp16_z{zero}", f"stock_fp16_z{zero}", 2)
+    # ZeRO-1's dynamic scaler skipped the overflowing steps and lowered its scale, on both stages alike.
+    z1 = run.result("zb_fp16_z1", 0)
+    assert 0 < z1["skipped_steps"] and z1["loss_scale"] < 2.0 ** 30
+    # Checkpointing changes memory, not numbers: fp32 to 1e-6 of the same job without it (here: equal).
+    for name, ref in (("zb_ckpt", "zb"), ("stock_ckpt", "zb"), ("gpt_ckpt", "gpt")):
+        for r in range(2):
+            a, b = run.result(name, r), run.result(ref, r)
+            assert a["losses"] == pytest.approx(b["losses"], abs=1e-6) and max_param_diff(a, b) <= 1e-6, name
+    for name in ("adaptive_bf16_ckpt", "ready_bf16_ckpt"):
+        _assert_identical(run, name, "stock_bf16_ckpt", 2)
+    for r in range(2):
+        assert run.result("migrate_bf16", r)["migrations"] == [{"step": 1, "error": (
+            "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) needs a plain "
+            "fp32 optimizer: its state is per parameter, while DeepSpeed's bf16/fp16 and ZeRO optimizers keep flat "
+            "fp32 partitions; turn pipemorph.rebalance and pipemorph.orchestrate off, or train in fp32 with "
+            "zero_optimization.stage 0")}]
