@@ -30,10 +30,10 @@ EMBEDDING_REFUSED = (
     "PipelineModule's checkpointable_layers")
 
 MOVING_REFUSED = (
-    "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) needs a plain "
-    "fp32 optimizer: its state is per parameter, while DeepSpeed's bf16/fp16 and ZeRO optimizers keep flat "
-    "fp32 partitions; turn pipemorph.rebalance and pipemorph.orchestrate off, or train in fp32 with "
-    "zero_optimization.stage 0")
+    "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) under a bf16, fp16 or "
+    "ZeRO optimizer needs DeepSpeed's per-parameter mapping into its flat fp32 partitions, which fp16 without ZeRO "
+    "and an optimizer given to initialize do not have: set zero_optimization.stage to 1, or name the optimizer in "
+    "the ds_config, or turn pipemorph.rebalance and pipemorph.orchestrate off")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,12 @@ FEATURES = (
     Feature("checkpointing a chunk that holds the token embedding", "refused", EMBEDDING_REFUSED, "CPU"),
     Feature("`TiedLayerSpec` (embedding and head)", "trains", "tied gradients reduced after the last W", "CPU"),
     Feature('`"zero_optimization": {"stage": 2}` or 3', "refused", zero_refused(2), "CPU"),
-    Feature("`pipemorph.rebalance` / `orchestrate` with bf16, fp16 or ZeRO", "refused", MOVING_REFUSED, "CPU"),
+    Feature("layer migration (`pipemorph.rebalance`, `repartition`) and re-mapping (`orchestrate`, `remap`) in bf16 "
+            "and bf16 + ZeRO-1", "trains",
+            "fp32 masters and Adam moments move per parameter; the optimizer is configured again around the stage's "
+            "new layers; equal to the job that never moved; checkpoints resume after a migration", "CPU, 2–4 ranks"),
+    Feature("moving layers or ranks with fp16 without ZeRO, or with an optimizer object given to `initialize` "
+            "under bf16/ZeRO", "refused", MOVING_REFUSED, "CPU"),
     Feature("tensor parallelism inside a stage (`num_mp > 1`)", "refused", TENSOR_PARALLEL_REFUSED, "CPU"),
 )
 

@@ -51,6 +51,7 @@ from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
 from .builder import EngineBuilder
 from .bw_split import backward_input
+from .flat_optimizer import is_flat
 from .precision import GradPath
 from .compat import EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, fp16_refused, zero_refused
 from .recompute import Recompute, embedding_refusal, split_checkpoint
@@ -105,10 +106,12 @@ def unsupported_reason(config_class, model) -> Optional[str]:
 
 
 def moving_refusal(engine) -> Optional[str]:
-    """One sentence if layers or ranks cannot move under this engine's optimizer (migration and
-    re-mapping carry a plain optimizer's per-parameter state, not the flat fp32 partitions of
-    DeepSpeed's bf16 and ZeRO optimizers), else None."""
-    if engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled():
+    """One sentence if layers or ranks cannot move under this engine's optimizer, else None: a
+    bf16/fp16/ZeRO optimizer moves through DeepSpeed's per-parameter mapping into its flat
+    partitions (``runtime.flat_optimizer``), which ``FP16_Optimizer`` does not keep, and is
+    configured again from the ds_config, which an optimizer given to ``initialize`` is not."""
+    wrapped = engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled()
+    if wrapped and (not is_flat(engine.optimizer) or engine.client_optimizer is not None):
         return MOVING_REFUSED
     return None
 

@@ -42,6 +42,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..fileio import BadInput
 from ..plan.partition.parts import check_parts, layer_moves
+from . import flat_optimizer
 from .clip import freeze_clip_set
 from .transfer import (Purpose, Transfer, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept,
                        send_blob, to_blob, unpacked_state)
@@ -99,6 +100,7 @@ class LayerMigrator:
     def __init__(self, transfer: Transfer):
         self.transfer = transfer
         self.reports: list[MigrationReport] = []
+        self._flat = None  # (snapshot, step counts) of a flat optimizer during an attempt
 
     def vote_group(self):
         """The gloo group every rank votes in (formed here if no transfer formed it yet; every
@@ -127,7 +129,7 @@ class LayerMigrator:
             report.reason = first_line(e)
             ok = 0
         if transfer.vote(ok):
-            _commit(engine, new, moves, incoming)
+            _commit(engine, new, moves, incoming, self._flat)
             report.ok, report.after = True, new
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
@@ -136,13 +138,16 @@ class LayerMigrator:
     # -- transfer -------------------------------------------------------------------------------
     def _exchange(self, engine, group, moves, attempt: int, report: MigrationReport) -> list[_Incoming]:
         stage, grid, timeout = engine.stage_id, engine.grid, self.transfer.timeout
+        self._flat = None  # bf16/ZeRO: the stage's masters and states, read before anything moves
+        if flat_optimizer.is_flat(engine.optimizer) and any(stage in ab for ab in moves.values()):
+            self._flat = (flat_optimizer.snapshot(engine), flat_optimizer.steps(engine.optimizer))
         forward, backward = blob_tags(Purpose.MIGRATION, attempt)  # to the next stage, to the previous one
         drop = self.transfer.drops(attempt)
         sends = []
         for peer_stage, tag in ((stage + 1, forward), (stage - 1, backward)):
             layers = sorted(l for l, (a, b) in moves.items() if a == stage and b == peer_stage)
             if layers:
-                blob = _pack(engine, layers)
+                blob = _pack(engine, layers, self._flat[0] if self._flat else None)
                 report.bytes_sent += blob.numel()
                 sends += send_blob(blob, grid.stage_to_global(peer_stage), group, tag, drop)
         incoming = []
@@ -157,17 +162,21 @@ class LayerMigrator:
         return incoming
 
 
-def _pack(engine, layers: list[int]) -> torch.Tensor:
-    """The state of ``layers`` (held by this rank) as one byte tensor."""
+def _pack(engine, layers: list[int], flat: Optional[dict] = None) -> torch.Tensor:
+    """The state of ``layers`` (held by this rank) as one byte tensor; ``flat``: a flat optimizer's
+    per-parameter snapshot (``flat_optimizer.snapshot``), sent as the parameters' state."""
     pm, opt = engine.module, engine.optimizer
-    group_of = {p: g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+    if flat is not None:
+        group_of = {p: st["group"] for p, st in flat.items()}
+    else:
+        group_of = {p: g for g, group in enumerate(opt.param_groups) for p in group["params"]}
     out = []
     for layer in layers:
         module = pm._modules.get(str(layer))
         entry = {"layer": layer, "params": {}, "buffers": {}}
         if module is not None:
             for name, p in module.named_parameters():
-                state = packed_state(opt.state.get(p, {}))
+                state = packed_state(flat[p] if flat is not None and p in flat else opt.state.get(p, {}))
                 entry["params"][name] = {
                     "data": p.detach().cpu(), "requires_grad": p.requires_grad, "group": group_of.get(p),
                     "grad": None if p.grad is None else p.grad.detach().cpu(), "state": state}
@@ -183,7 +192,8 @@ def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
     if got != layers:
         raise MigrationFailed(f"stage {engine.stage_id}: expected layers {layers} from the neighbour, got {got} "
                               f"(the ranks were given different partitions)")
-    groups = len(engine.optimizer.param_groups)
+    groups = len(flat_optimizer._groups(engine.optimizer) if flat_optimizer.is_flat(engine.optimizer)
+                 else engine.optimizer.param_groups)
     built = []
     for entry in entries:
         spec = engine.module._layer_specs[entry["layer"]]
@@ -196,6 +206,10 @@ def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
             built.append(_Incoming(entry["layer"], spec, None))
             continue
         module = module.to(engine.device)
+        if engine.bfloat16_enabled():  # as DeepSpeed cast the stage's modules at start-up
+            module = module.bfloat16()
+        elif engine.fp16_enabled():
+            module = module.half()
         inc = _Incoming(entry["layer"], module, module)
         params = dict(module.named_parameters())
         if sorted(params) != sorted(entry["params"]):
@@ -221,9 +235,9 @@ def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
 
 
 # -- commit ---------------------------------------------------------------------------------------
-def _commit(engine, new: list[int], moves, incoming: list[_Incoming]) -> None:
-    """Install the new partition on this rank (cannot fail: everything was built and loaded before
-    the vote)."""
+def _commit(engine, new: list[int], moves, incoming: list[_Incoming], flat=None) -> None:
+    """Install the new partition on this rank (everything was built and loaded before the vote;
+    a flat optimizer is configured again around the stage's new parameters, ``flat_optimizer``)."""
     pm, opt, stage = engine.module, engine.optimizer, engine.stage_id
     old_funcs = dict(zip(range(pm._local_start, pm._local_stop), pm.forward_funcs))
     leaving = {p for layer, (a, _) in moves.items() if a == stage and str(layer) in pm._modules
@@ -248,9 +262,18 @@ def _commit(engine, new: list[int], moves, incoming: list[_Incoming]) -> None:
     pm.fwd_map = {str(i): n for n, i in enumerate(range(start, stop)) if str(i) in pm._modules}
     pm.parts = list(new)
     pm._set_bounds(start=start, stop=stop)
-    _regroup(opt, pm, leaving, incoming)
-    if hasattr(engine, "param_names"):
+    if hasattr(engine, "param_names"):  # DeepSpeed's optimizers name parameters from it
         engine.param_names = {p: name for name, p in pm.named_parameters()}
+    if flat is not None:
+        snap, step_counts = flat
+        groups = {p: st["group"] for p, st in snap.items() if p not in leaving}
+        states = {p: st for p, st in snap.items() if p not in leaving}
+        for inc in incoming:
+            groups.update(inc.groups)
+            states.update(inc.states)
+        flat_optimizer.rebuild(engine, groups, states, step_counts)
+    else:
+        _regroup(opt, pm, leaving, incoming)
     engine.reset_activation_shape()  # DeepSpeed's evaluation buffers and the transport's layouts
 
 

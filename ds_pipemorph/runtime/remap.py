@@ -39,6 +39,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from ..fileio import BadInput
+from . import flat_optimizer
 from .clip import freeze_clip_set
 from .parts_module import PartsPipelineModule
 from .transfer import (Purpose, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob,
@@ -89,11 +90,13 @@ def remap(engine, topology):
     (tag,) = blob_tags(Purpose.REMAP, attempt)
     state = None
     try:
+        # bf16/ZeRO: every rank reads its stage's masters and states once, together with its replicas.
+        flat = _flat_snapshot(engine) if flat_optimizer.is_flat(engine.optimizer) else None
         sends = []
         # The rank that takes my old coordinate, if it comes from another stage, gets my state.
         taker = topology.get_rank(pipe=old.pipe, data=old.data)
         if old_topo.get_coord(taker).pipe != old.pipe:
-            blob = to_blob(_stage_state(engine))
+            blob = to_blob(_stage_state(engine, flat))
             report.bytes_sent = blob.numel()
             sends += send_blob(blob, taker, group, tag, drop=transfer.drops(attempt))
         if new.pipe != old.pipe:  # my new coordinate's state comes from its old holder
@@ -101,7 +104,7 @@ def remap(engine, topology):
             report.bytes_received = blob.numel()
             state = from_blob(blob)
         else:
-            state = _stage_state(engine)
+            state = _stage_state(engine, flat)
         for w in sends:
             w.wait(transfer.timeout)
         ok = 1
@@ -192,10 +195,24 @@ def _set_rng(state: dict, device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _stage_state(engine) -> dict:
-    """This rank's stage: module state_dict, optimizer state and groups by parameter name, grads."""
+def _flat_snapshot(engine) -> dict:
+    """A flat optimizer's state by parameter (``flat_optimizer.snapshot``), its state keys and counts."""
+    return {"params": flat_optimizer.snapshot(engine), "keys": flat_optimizer.state_keys(engine.optimizer),
+            "steps": flat_optimizer.steps(engine.optimizer)}
+
+
+def _stage_state(engine, flat=None) -> dict:
+    """This rank's stage: module state_dict, optimizer state and groups by parameter name, grads;
+    with a flat optimizer (``flat``: ``_flat_snapshot``), each parameter's fp32 master and state."""
     module, opt = engine.module, engine.optimizer
     name_of = {p: n for n, p in module.named_parameters()}
+    if flat is not None:
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.basic_optimizer.param_groups]
+        per_param = {name_of[p]: {"group": st["group"], "grad": None, "state": packed_state(st)}
+                     for p, st in flat["params"].items()}
+        return {"module": {k: v.detach().cpu() for k, v in module.state_dict().items()}, "groups": hyper,
+                "params": per_param, "rng": _rng_state(engine.device), "flat": {"keys": flat["keys"],
+                                                                                 "steps": flat["steps"]}}
     groups, per_param = [], {}
     for g, group in enumerate(opt.param_groups):
         groups.append({k: v for k, v in group.items() if k != "params"})
@@ -234,6 +251,10 @@ def _load_stage(engine, state: dict) -> None:
     for g, settings in enumerate(state["groups"]):
         opt.param_groups[g].update(settings)
     device = engine.device
+    if "flat" in state:  # bf16/ZeRO: masters and states into the new engine's flat partitions
+        states = {params[name]: unpacked_state(sent["state"], device) for name, sent in state["params"].items()}
+        flat_optimizer.load(engine, states, state["flat"]["keys"], state["flat"]["steps"])
+        return
     for name, sent in state["params"].items():
         p = params[name]
         if sent["grad"] is not None:

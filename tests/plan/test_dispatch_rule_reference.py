@@ -27,7 +27,8 @@ class ScanRule:
             return self.inflight < self.cap and (not self.needs_input or arrived("F", op.mb))
         if op.kind == "B":  # its own forward is done, its gradient is in (last stage: none needed)
             return op.mb in self.forwarded and (not self.needs_grad or arrived("B", op.mb))
-        return op.mb in self.backwarded  # W: its own backward is done
+        # W: its own backward is done, and it is the first W still to run (Ws run in hint order)
+        return op.mb in self.backwarded and next(o for o in self.pending if o.kind == "W") == op
 
     def pick(self, arrived):
         return next((op for op in self.pending if self.ready(op, arrived)), None)

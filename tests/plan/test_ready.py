@@ -304,8 +304,10 @@ def test_ready_dispatch_follows_its_rule(case):
                 return 0.0
             e = got[(s - 1, "F", m)][1]
             return e + delay_at(curves[s - 1], e)
-        if k == "W":
-            return got[(s, "B", m)][1]
+        if k == "W":  # its B is done and the W before it in the hint has run (Ws run in hint order)
+            ws = [op.mb for op in hint[s] if op.kind == "W"]
+            i = ws.index(m)
+            return max(got[(s, "B", m)][1], got[(s, "W", ws[i - 1])][1] if i else 0.0)
         r = got[(s, "F", m)][1]
         if s < S - 1:
             e = got[(s + 1, "B", m)][1]

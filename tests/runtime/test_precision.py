@@ -60,7 +60,9 @@ def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_
         jobs.append({"name": f"stock_{prec}_tied", "stages": 4, "micro_batches": 8, "tied": True,
                      "pipemorph": None, "ds": ds})
         sections = {"1f1b": _pm("1f1b"), "zb": _pm("zb"), "ready": _pm("zb", dispatch="ready"),
-                    "adaptive": {"schedule": "adaptive", "delegation": {"mode": "off"}},
+                    # 30 ms slept before each send on link 0: the control loop re-plans for it.
+                    "adaptive": {"schedule": "adaptive", "delegation": {"mode": "off"}, "timeout_s": 60,
+                                 "adapt": {"replan": "inline"}, "inject": {"links": {"0": {"delay_ms": 30}}}},
                     "plan": {"schedule": "plan", "plan_file": str(plan), "delegation": {"mode": "off"}}}
         for sched, section in sections.items():
             jobs.append({"name": f"{sched}_{prec}", "stages": 4, "micro_batches": 8, "pipemorph": section, "ds": ds})
@@ -68,9 +70,14 @@ def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_
         jobs.append({"name": f"zb_{prec}_tied", "stages": 4, "micro_batches": 8, "tied": True,
                      "pipemorph": _pm("zb"), "ds": ds})
         checks.append((f"zb_{prec}_tied", f"stock_{prec}_tied"))
+    for job in jobs:
+        job["steps"] = 4
     run = launch(4, jobs, tmp_path, timeout=560)
     for name, ref in checks:
         _assert_identical(run, name, ref, 4)
+    for prec in ("bf16", "z1"):  # the slow link was re-planned for, mid-run, on every rank alike
+        replans = run.result(f"adaptive_{prec}", 0)["replans"]
+        assert replans and all(run.result(f"adaptive_{prec}", r)["replans"] == replans for r in range(4))
     # The bf16 jobs really trained in bf16 with fp32 masters, and the tied jobs on tied weights.
     r0 = run.result("zb_bf16", 0)
     assert all(v.dtype == torch.bfloat16 for v in r0["params"].values() if v.is_floating_point())
@@ -85,6 +92,8 @@ def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_
 @pytest.mark.timeout(600)
 def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resume_across_engines(tmp_path):
     """2 stages x 2 replicas: ZeRO-1 and BF16_Optimizer partition the fp32 masters over the replicas.
+    Links delegated from the start, and a direct link that fails mid-run and fails over, change
+    nothing.
     A run saved by ours at step 2 resumes under stock DeepSpeed, and the reverse, to the parameters
     and masters of the run that never stopped."""
     jobs = [{"name": "stock_z1", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": Z1,
@@ -93,6 +102,10 @@ def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resu
              "save": {"2": "ck_ours"}},
             {"name": "delegated_z1", "stages": 2, "dp": 2, "micro_batches": 4, "ds": Z1,
              "pipemorph": {**_pm("zb"), "delegation": {"mode": "always"}}},
+            # The direct path of link 0 fails from its 6th message each way: both ends fail over to the delegates.
+            {"name": "failover_z1", "stages": 2, "dp": 2, "micro_batches": 4, "ds": Z1,
+             "pipemorph": {"schedule": "zb", "delegation": {"mode": "auto", "queues": 1}, "adapt": {"enabled": False},
+                           "inject": {"faults": {"link_fails_after": {"0": 5}}}}},
             {"name": "stock_from_ours", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": Z1,
              "load": {"dir": "ck_ours", "step": 2}},
             {"name": "ours_from_stock", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": Z1,
@@ -100,8 +113,10 @@ def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resu
             {"name": "stock_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": BF16},
             {"name": "zb_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": BF16}]
     run = launch(4, jobs, tmp_path, timeout=560)
-    for name, ref in (("zb_z1", "stock_z1"), ("delegated_z1", "stock_z1"), ("zb_bf16", "stock_bf16")):
+    for name, ref in (("zb_z1", "stock_z1"), ("delegated_z1", "stock_z1"), ("failover_z1", "stock_z1"),
+                      ("zb_bf16", "stock_bf16")):
         _assert_identical(run, name, ref, 4)
+    assert any("direct path failed at SEND" in e for r in range(4) for e in run.result("failover_z1", r)["events"])
     # Each replica holds its half of the fp32 masters (ZeRO-1's partition).
     full = sum(p.numel() for p in run.result("stock_z1", 0)["params"].values())
     assert 0 < sum(m.numel() for m in run.result("zb_z1", 0)["master"]) < full
@@ -158,3 +173,62 @@ def test_fp16_loss_scaling_and_activation_checkpointing_equal_stock_and_moving_l
             "fp32 optimizer: its state is per parameter, while DeepSpeed's bf16/fp16 and ZeRO optimizers keep flat "
             "fp32 partitions; turn pipemorph.rebalance and pipemorph.orchestrate off, or train in fp32 with "
             "zero_optimization.stage 0")}]
+
+
+def _replica(run, name: str, ranks, key: str = "params") -> dict:
+    out = {}
+    for r in ranks:
+        out.update(run.result(name, r)[key])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(720)
+def test_layers_and_ranks_move_in_bf16_and_zero1_and_train_as_if_they_had_not(tmp_path):
+    """2 stages x 2 replicas, 10 layers with tied ends (uniform [0, 5, 10]). Layers move both ways
+    (live migration) and ranks take new stages (re-mapping); each parameter, its fp32 master (by
+    name: the flat partitions are laid out anew) and every loss are compared with the run that never
+    moved. A ZeRO-1 checkpoint saved after a migration resumes on the partition it was saved on.
+
+    Not bit for bit, and by how much: gradient clipping's norm is a sum of squares added per stage,
+    then over the stages; a layer that moved is added on another stage, so the norm, and the clip
+    coefficient every gradient is multiplied by, can differ in their last bit (a relative 2^-24 per
+    addition, a few additions). Adam divides the scaled gradient by the root of its scaled square,
+    so the coefficient cancels but for ``eps``: a master moves by a few fp32 ulps at most per step
+    (we allow 8 ulps of its magnitude over the 4 steps), a bf16 weight, the master rounded, by at
+    most one bf16 ulp (2^-8 relative), and a loss computed from such weights by a few bf16 ulps of
+    the loss (2^-6 relative allowed)."""
+    base = {"stages": 2, "dp": 2, "micro_batches": 4, "steps": 4, "tied": True,
+            "pipemorph": {"schedule": "zb", "timeout_s": 60, "delegation": {"mode": "off"}}}
+    new = [[0, 2], [1, 3]]  # ranks[stage][replica]: ranks 1 and 2 swap stages
+    jobs = []
+    for prec, ds in (("bf16", BF16), ("z1", Z1)):
+        jobs += [{**base, "ds": ds, "name": f"still_{prec}"},
+                 {**base, "ds": ds, "name": f"moved_{prec}", "migrate": {"1": [0, 3, 10], "2": [0, 7, 10]}},
+                 {**base, "ds": ds, "name": f"remapped_{prec}", "migrate": {"1": [0, 3, 10]}, "remap": {"2": new}}]
+    jobs += [{**base, "ds": Z1, "name": "saved_z1", "migrate": {"1": [0, 3, 10]}, "save": {"2": "ck_moved"}},
+             {**base, "ds": Z1, "name": "resumed_z1", "load": {"dir": "ck_moved", "step": 2}}]
+    run = launch(4, jobs, tmp_path, timeout=700)
+    for prec in ("bf16", "z1"):
+        still = f"still_{prec}"
+        for name, replicas in ((f"moved_{prec}", ([0, 2], [1, 3])), (f"remapped_{prec}", ([0, 1], [2, 3]))):
+            for r in range(4):
+                a, b = run.result(still, r), run.result(name, r)
+                assert b["losses"] == pytest.approx(a["losses"], rel=2 ** -6), f"{name} rank {r}: losses differ"
+            assert run.result(name, 0)["parts"] == ([0, 7, 10] if name.startswith("moved") else [0, 3, 10])
+            for key, rel in (("params", 2 ** -8), ("master_by_name", 8 * 2 ** -24)):
+                ref = _replica(run, still, [0, 2], key)  # replica 0 of the run that never moved
+                for ranks in replicas:
+                    got = _replica(run, name, ranks, key)
+                    assert got.keys() == ref.keys() and ref, f"{name} {key}"
+                    for k in got:
+                        x, y = got[k].float(), ref[k].float()
+                        assert ((x - y).abs() <= rel * y.abs() + 1e-12).all(), \
+                            f"{name} replica {ranks}: {key} {k} differs by {(x - y).abs().max().item():g}"
+        assert all(m["ok"] for m in run.result(f"moved_{prec}", 0)["migrations"])
+        assert all(r["ok"] for r in run.result(f"remapped_{prec}", 1)["remaps"])
+    for r in range(4):
+        a, b = run.result("saved_z1", r), run.result("resumed_z1", r)
+        assert b["parts"] == [0, 3, 10] and b["losses"] == a["losses"][2:], f"resumed rank {r}"
+        assert max_param_diff(a, b) == 0.0 and a["master_by_name"].keys() == b["master_by_name"].keys()
+        assert all(torch.equal(a["master_by_name"][k], b["master_by_name"][k]) for k in a["master_by_name"])

@@ -180,13 +180,14 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     master = _master_weights(engine.optimizer)
+    master_by_name = _master_by_name(engine)
     transport = getattr(engine, "transport", None)
     events = [] if transport is None else list(transport.events) + list(transport.delegated.events)
     if getattr(engine, "inbox", None) is not None:
         engine.inbox.close()
     if transport is not None:
         transport.close()  # this job's delegate processes exit before the next job starts
-    torch.save({"losses": losses, "params": params, "master": master,
+    torch.save({"losses": losses, "params": params, "master": master, "master_by_name": master_by_name,
                 "loss_scale": getattr(engine.optimizer, "loss_scale", None), "skipped_steps": engine.skipped_steps, "peak": peaks, "ops": ops, "executed": executed,
                 "stage": engine.stage_id, "switch_error": switch_error,
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
@@ -218,6 +219,29 @@ def _master_weights(optimizer) -> list:
         if flat:
             return [t.detach().clone().float() for t in flat]
     return []
+
+
+def _master_by_name(engine) -> dict:
+    """Each parameter's full fp32 master (and Adam's moments, ``name:exp_avg``) by name under
+    DeepSpeed's bf16/ZeRO optimizers (a collective over the stage's replicas, in the same order on
+    each), {} otherwise."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if not any(hasattr(engine.optimizer, a) for a in ("bf16_groups", "bit16_groups")):
+        return {}
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    out = {}
+    stepped = bool(engine.optimizer.optimizer.state)
+    if stepped:  # a checkpoint loaded since the last step leaves the moments' fragments unlinked
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            out[n] = safe_get_full_fp32_param(p).detach().clone()
+            for key in ("exp_avg", "exp_avg_sq") if stepped else ():  # Adam's moments, by name too
+                out[f"{n}:{key}"] = safe_get_full_optimizer_state(p, key).detach().clone()
+    return out
 
 
 def _innermost(transport):

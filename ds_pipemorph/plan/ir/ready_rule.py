@@ -6,7 +6,11 @@ has not run, the first one in the hint that is ready now:
 - ``F m``: its activation has arrived (the first stage: always) and fewer than ``cap``
   activations are held (F done, B not done);
 - ``B m``: ``F m`` is done and its output gradient has arrived (the last stage: none needed);
-- ``W m``: ``B m`` is done.
+- ``W m``: ``B m`` is done and every W before it in the hint has run: weight gradients are
+  accumulated in the hint's order whatever the order of the backwards, so a stage adds its
+  micro-batches' gradients in the same order as under ordered dispatch (bf16/fp16 training then
+  gives the same bits under both dispatches). A W fused with its B (``fused_backward``) runs with
+  it, ahead of that order if its B does.
 
 Patience (``hold``): a ready op does not jump ahead of the hint's first op when that op waits
 only for its message and the message is expected before the jumping op would end; the stage waits
@@ -74,12 +78,16 @@ class ReadyRule:
         self._in: set[tuple[str, int]] = set()  # messages pushed in by ``arrive``
         self._f_pos: list[int] = []
         self._f_lo = 0  # every forward of _f_pos before this index has run
+        self._w_pos: list[int] = []  # the W ops in hint order: they run in this order
+        self._w_next = 0  # index in _w_pos of the next W to run
         for i, op in enumerate(self._ops):
             self._at.setdefault(op, []).insert(0, i)
             if op.kind == "F":
                 self._f_pos.append(i)
             elif op.kind == "B":
                 self._after_f.setdefault(op.mb, []).append(i)
+            elif op.kind == "W":
+                self._w_pos.append(i)
             else:
                 self._after_b.setdefault(op.mb, []).append(i)
         self._ready: list[int] = []
@@ -100,6 +108,9 @@ class ReadyRule:
             return self.inflight < self.cap and (not self.needs_input or arrived("F", op.mb))
         if op.kind == "B":
             return op.mb in self.forwarded and (not self.needs_grad or arrived("B", op.mb))
+        if op.kind == "W":
+            nxt = self._w_pos[self._w_next] if self._w_next < len(self._w_pos) else None
+            return nxt is not None and self._ops[nxt] == op and op.mb in self.backwarded
         return op.mb in self.backwarded
 
     def arrive(self, kind: str, mb: int) -> None:
@@ -193,7 +204,20 @@ class ReadyRule:
                 for j in self._after_b.get(mb, ()):
                     if not done[j]:
                         heapq.heappush(self._ready, j)
+                self._push_next_w()
             self.inflight -= 1
+        elif kind == "W":  # a W fused with its B may start before the Ws ahead of it: skip it then
+            self._push_next_w()
+
+    def _push_next_w(self) -> None:
+        """The next W in hint order not run yet is ready once its B ran."""
+        w, done = self._w_pos, self._done
+        while self._w_next < len(w) and done[w[self._w_next]]:
+            self._w_next += 1
+        if self._w_next < len(w):
+            j = self._w_pos[self._w_next]
+            if not self._done[j] and self._ops[j].mb in self.backwarded:
+                heapq.heappush(self._ready, j)
 
     def hold(self, op: Op, now: float, op_time: Optional[float],
              expected: Callable[[tuple[str, int]], Optional[float]]) -> Optional[tuple[tuple[str, int], float]]:
