@@ -11,7 +11,7 @@ One process, one intra-op thread. Per dtype (fp32, bf16) and model width d (4 he
   (``WeightGradWork.run``), in alternating order; the row is the median of the per-pair ratios with
   its 95 % bootstrap interval (``bench.paired``).
 - **activation bytes per micro-batch**, measured: the bytes of the distinct tensor storages autograd
-  keeps for one micro-batch (a ``saved_tensors_hooks`` pack hook sees each saved tensor; a storage
+  keeps for one micro-batch (the stage's input and parameters not counted: every schedule holds them) (a ``saved_tensors_hooks`` pack hook sees each saved tensor; a storage
   counts while a tensor saved from it is alive): after F (what F leaves for B), after B (what B
   leaves for W). ``ckpt``: every block checkpointed as the engine does (``runtime.recompute``);
   ``stock ckpt``: DeepSpeed's reentrant ``checkpointing.checkpoint``, whose backward is fused (it keeps
@@ -125,7 +125,7 @@ def bytes_held(stage, d, dtype) -> tuple[int, int]:
         if stage.ckpt == "stock":  # fused backward: nothing is left between B and W
             # DeepSpeed's checkpoint keeps each chunk's input on its ctx, out of the hook's sight:
             # the same tensors as ours keeps, counted here from the chunks' inputs.
-            return len(stage.blocks) * x.numel() * x.element_size(), 0
+            return (len(stage.blocks) - 1) * x.numel() * x.element_size(), 0  # the first one is the stage input
         with Recompute(params) as chunks:
             _, work = backward_input([out], [torch.ones_like(out)], [x], params)
         works = [work, *chunks.works]

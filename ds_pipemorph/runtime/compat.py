@@ -46,24 +46,27 @@ class Feature:
 
 FEATURES = (
     Feature('`"bf16": {"enabled": true}`', "trains",
-            "DeepSpeed's `BF16_Optimizer`; bit-identical to stock 1F1B under `1f1b`, `zb`, `adaptive`, plan files, "
-            "ready dispatch, tied layers, delegated links", "CPU, 2–4 ranks"),
+            "DeepSpeed's `BF16_Optimizer`; bit-identical to stock 1F1B under `1f1b`, `zb`, `adaptive` (re-planning "
+            "included), plan files, both dispatches, tied layers, two replicas", "CPU, 2–4 ranks"),
     Feature('bf16 + `"zero_optimization": {"stage": 1}`', "trains",
-            "`DeepSpeedZeroOptimizer`, fp32 masters partitioned over replicas; bit-identical to stock; checkpoints "
-            "resume across stock and ours", "CPU, 2–4 ranks"),
+            "`DeepSpeedZeroOptimizer`, fp32 masters partitioned over replicas; bit-identical to stock, delegated links "
+            "and a link that fails over included; checkpoints resume across stock and ours", "CPU, 2–4 ranks"),
     Feature('`"fp16": {"enabled": true}` (ZeRO 0 or 1)', "trains",
             "dynamic loss scaling as stock: the scaled loss drives B and W, an overflow skips the step everywhere "
-            "and lowers the scale", "CPU with DeepSpeed told fp16 is supported (test only); GPU: `gpu_check.sh`"),
+            "and lowers the scale; bit-identical to stock",
+            "CPU, with DeepSpeed told fp16 is supported (test only); `gpu_check.sh` on a GPU: written, not run here"),
     Feature("fp16 on a device without fp16", "refused", fp16_refused("cpu"), "CPU"),
     Feature('`"pipeline": {"activation_checkpoint_interval": k}` with `checkpointable_layers`', "trains",
-            "recomputed once, in B; W reuses it; equal to the job without checkpointing", "CPU, 2 ranks"),
+            "recomputed once, in B; W reuses it; equal to the job without checkpointing; with `adaptive` and ready "
+            "dispatch in bf16 bit-identical to stock's checkpointing", "CPU, 2 ranks"),
     Feature("checkpointing a chunk that holds the token embedding", "refused", EMBEDDING_REFUSED, "CPU"),
     Feature("`TiedLayerSpec` (embedding and head)", "trains", "tied gradients reduced after the last W", "CPU"),
     Feature('`"zero_optimization": {"stage": 2}` or 3', "refused", zero_refused(2), "CPU"),
     Feature("layer migration (`pipemorph.rebalance`, `repartition`) and re-mapping (`orchestrate`, `remap`) in bf16 "
             "and bf16 + ZeRO-1", "trains",
             "fp32 masters and Adam moments move per parameter; the optimizer is configured again around the stage's "
-            "new layers; equal to the job that never moved; checkpoints resume after a migration", "CPU, 2–4 ranks"),
+            "new layers; equal to the job that never moved within a few ulps (the clip norm adds in another order); "
+            "checkpoints resume after a migration", "CPU, 4 ranks"),
     Feature("moving layers or ranks with fp16 without ZeRO, or with an optimizer object given to `initialize` "
             "under bf16/ZeRO", "refused", MOVING_REFUSED, "CPU"),
     Feature("tensor parallelism inside a stage (`num_mp > 1`)", "refused", TENSOR_PARALLEL_REFUSED, "CPU"),

@@ -59,8 +59,8 @@ REGISTRY: dict[str, Here | Node | Options] = {
                            "the same demo with one measured iteration per schedule"),
     "python -m pytest": Node(("tests/docs/test_readme_commands.py::test_every_readme_command_is_in_the_registry",),
                              "the suite itself, of which this file is part"),
-    "DS_ACCELERATOR=cpu deepspeed --num_gpus 4 recipes/tiny_gpt/train.py --steps 40": Node(
-        (f"{RUNS}::test_tiny_gpt_trains_under_the_deepspeed_launcher_on_four_cpu_ranks",), "3 steps instead of 40"),
+    "DS_ACCELERATOR=cpu deepspeed --num_gpus 4 recipes/gpt/train.py --steps 300": Node(
+        (f"{RUNS}::test_gpt_recipe_trains_under_the_deepspeed_launcher_on_four_cpu_ranks",), "20 steps instead of 300"),
     "pipemorph plan recipes/profiles/paper_fig4.yaml -o plan.yaml": Here("writes a plan"),
     "pipemorph simulate plan.yaml --links-ms 20,0,0": Here("replays that plan under 20 ms on link 0"),
     "deepspeed --hostfile hostfile recipes/tiny_gpt/train.py --config recipes/gpu_cluster/ds_config.json": Node(
@@ -81,6 +81,8 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
     "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py --workloads heavy,none": Options(
         "one job switching dispatch every iteration per workload"),
+    "DS_ACCELERATOR=cpu python benchmarks/split_backward.py": Options(
+        "15 pairs per row; tests/runtime/test_recompute.py runs its recomputation and split in small"),
     "DS_ACCELERATOR=cpu python benchmarks/ready_vs_stock.py": Options(
         "four sittings, each one `pipemorph bench` job of both engines (its stock rows under --vary are "
         "tests/bench/test_bench_cli.py's)"),

@@ -1,4 +1,4 @@
-"""recipes/gpu_cluster, recipes/stragglers and recipes/tiny_gpt: configs the engine accepts with no
+"""recipes/gpt, recipes/gpu_cluster, recipes/stragglers and recipes/tiny_gpt: configs the engine accepts with no
 setting it would ignore, docs in sync with them, traces that load."""
 import json
 import re
@@ -84,7 +84,7 @@ def test_shipped_traces_load_for_four_stages():
 def test_every_shipped_ds_config_is_read_by_deepspeed_and_sets_nothing_the_engine_ignores():
     from ds_pipemorph.runtime.initialize import load_config
 
-    assert {p.parent.name for p in SHIPPED} == {"gpu_cluster", "stragglers", "tiny_gpt"}
+    assert {p.parent.name for p in SHIPPED} == {"gpt", "gpu_cluster", "stragglers", "tiny_gpt"}
     for path in SHIPPED:  # DeepSpeed reads files as HJSON: the commented copy is a valid config too
         cfg = load_config(str(path))
         pm = parse_config(cfg["pipemorph"])
