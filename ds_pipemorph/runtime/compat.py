@@ -52,8 +52,9 @@ FEATURES = (
             "`DeepSpeedZeroOptimizer`, fp32 masters partitioned over replicas; bit-identical to stock, delegated links "
             "and a link that fails over included; checkpoints resume across stock and ours", "CPU, 2–4 ranks"),
     Feature('`"fp16": {"enabled": true}` (ZeRO 0 or 1)', "trains",
-            "dynamic loss scaling as stock: the scaled loss drives B and W, an overflow skips the step everywhere "
-            "and lowers the scale; bit-identical to stock",
+            "as stock, bit-identical: with ZeRO-1 the dynamically scaled loss drives B and W, an overflow skips the "
+            "step everywhere and lowers the scale; without ZeRO, DeepSpeed 0.19.8's engine does not scale the loss "
+            "for `FP16_Optimizer`, and neither do we",
             "CPU, with DeepSpeed told fp16 is supported (test only); `gpu_check.sh` on a GPU: written, not run here"),
     Feature("fp16 on a device without fp16", "refused", fp16_refused("cpu"), "CPU"),
     Feature('`"pipeline": {"activation_checkpoint_interval": k}` with `checkpointable_layers`', "trains",

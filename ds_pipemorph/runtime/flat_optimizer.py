@@ -15,7 +15,8 @@ that leaves or joins a stage changes that layout, so:
   basic optimizer from the config, its groups with the hyperparameters they had, lr included; the
   same wrapper), gives the new flat partitions their optimizer state (zeros, the old step count)
   and writes every parameter's master and state back through ``safe_set_full_*``. The lr
-  scheduler, the engine's post-backward hook and the fp16 loss scaler follow to the new optimizer.
+  scheduler (it holds the basic optimizer), the engine's post-backward hook and the fp16 loss
+  scaler follow to the new optimizer.
 
 Exactness: the fp32 masters and moments move as fp32; the bf16/fp16 weights as they were. Adam's
 update is element-wise, so the trained numbers are those of the job that never moved (the tests
@@ -96,8 +97,10 @@ def rebuild(engine, groups: dict[torch.nn.Parameter, int], states: dict[torch.nn
         new.loss_scaler = scaler
     if getattr(engine, "_support_torch_style_backward", False):
         new.register_grad_acc_post_hook(engine._backward_post_hook)
-    scheduler = getattr(engine, "lr_scheduler", None)
-    if scheduler is not None and getattr(scheduler, "optimizer", None) is old:
+    scheduler = getattr(engine, "lr_scheduler", None)  # DeepSpeed's and torch's hold the basic optimizer
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is basic:
+        scheduler.optimizer = engine.basic_optimizer
+    elif scheduler is not None and getattr(scheduler, "optimizer", None) is old:
         scheduler.optimizer = new
     load(engine, {p: st for p, st in states.items() if p in groups}, keys, step_counts)
 

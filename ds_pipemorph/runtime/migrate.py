@@ -128,9 +128,12 @@ class LayerMigrator:
         except Exception as e:  # noqa: BLE001 - any failure here is a no vote, never a rank missing from the vote
             report.reason = first_line(e)
             ok = 0
-        if transfer.vote(ok):
-            _commit(engine, new, moves, incoming, self._flat)
-            report.ok, report.after = True, new
+        try:
+            if transfer.vote(ok):
+                _commit(engine, new, moves, incoming, self._flat)
+                report.ok, report.after = True, new
+        finally:
+            self._flat = None  # the snapshot holds the stage's masters and the layers that left
         report.seconds = time.perf_counter() - t0
         self.reports.append(report)
         return report
@@ -264,16 +267,20 @@ def _commit(engine, new: list[int], moves, incoming: list[_Incoming], flat=None)
     pm._set_bounds(start=start, stop=stop)
     if hasattr(engine, "param_names"):  # DeepSpeed's optimizers name parameters from it
         engine.param_names = {p: name for name, p in pm.named_parameters()}
-    if flat is not None:
-        snap, step_counts = flat
-        groups = {p: st["group"] for p, st in snap.items() if p not in leaving}
-        states = {p: st for p, st in snap.items() if p not in leaving}
-        for inc in incoming:
-            groups.update(inc.groups)
-            states.update(inc.states)
-        flat_optimizer.rebuild(engine, groups, states, step_counts)
+    if flat_optimizer.is_flat(opt):
+        if flat is not None:  # this stage gave or took layers: its optimizer is configured again
+            snap, step_counts = flat
+            groups = {p: st["group"] for p, st in snap.items() if p not in leaving}
+            states = {p: st for p, st in snap.items() if p not in leaving}
+            for inc in incoming:
+                groups.update(inc.groups)
+                states.update(inc.states)
+            flat_optimizer.rebuild(engine, groups, states, step_counts)
     else:
         _regroup(opt, pm, leaving, incoming)
+    if pm.activation_checkpoint_interval > 0:  # DeepSpeed caches which chunks it checkpoints per interval
+        pm.is_checkpointable_results_interval = None
+        pm._precompute_checkpointable_values()
     engine.reset_activation_shape()  # DeepSpeed's evaluation buffers and the transport's layouts
 
 

@@ -18,7 +18,9 @@ an uncheckpointed stage's graph lives from F to W: what checkpointing saves is t
 between F and B.
 
 A stage whose inputs need no gradient (token ids on the first stage) runs its whole backward in W;
-there the chunks recompute in W, once, and their work runs right after (``Recompute.drain``).
+there the chunks recompute in W, once, and their work runs right after (``Recompute.drain``). A
+chunk's node that W enters again (one of its inputs comes from parameters, so it is a frontier node
+of the stage's graph) returns the gradients B computed for all its inputs: it never recomputes twice.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ class Recompute:
 class _Chunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, rng, *args):
-        ctx.fn, ctx.rng = fn, rng
+        ctx.fn, ctx.rng, ctx.done = fn, rng, None
         ctx.tensor_at = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_at))
@@ -70,6 +72,8 @@ class _Chunk(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.done is not None:  # W re-entering this node (a parameter-side input): B's gradients
+            return ctx.done
         collector = Recompute.active
         if collector is None:
             raise RuntimeError("a chunk checkpointed by ds_pipemorph was differentiated outside the engine's B or W")
@@ -85,7 +89,8 @@ class _Chunk(torch.autograd.Function):
         result = [None] * len(args)
         for i, g in zip(ctx.tensor_at, dins):
             result[i] = g
-        return (None, None, *result)
+        ctx.done = (None, None, *result)  # every input's gradient, parameter-side ones included
+        return ctx.done
 
 
 def split_checkpoint(fn, *args):

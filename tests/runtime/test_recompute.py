@@ -76,3 +76,45 @@ def test_a_checkpointed_chunk_differentiated_outside_b_or_w_says_so():
     out = split_checkpoint(m, torch.randn(2, 8, requires_grad=True))
     with pytest.raises(RuntimeError, match="outside the engine's B or W"):
         out.sum().backward()
+
+
+class TwoInputs(torch.nn.Module):
+    """f(h, b) = h + Linear(h) * b: b comes from a parameter, h from the stage input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, h, b):
+        self.calls += 1
+        return h + self.lin(h) * b
+
+
+def test_a_chunk_with_an_input_from_parameters_is_entered_again_by_w_without_recomputing():
+    """The chunk's node is then a frontier node of the stage's graph: W enters it again for the
+    parameter-side input's gradient, and gets B's, with no second recomputation or weight work."""
+    torch.manual_seed(3)
+    ref, ck = TwoInputs(), TwoInputs()
+    ck.load_state_dict(ref.state_dict())
+    scale_r, scale_c = (torch.nn.Parameter(torch.randn(8)) for _ in range(2))
+    with torch.no_grad():
+        scale_c.copy_(scale_r)
+    x, g = torch.randn(4, 8), torch.randn(4, 8)
+
+    xr = x.clone().requires_grad_()
+    torch.autograd.backward(ref(xr, scale_r * 2), g)
+
+    xc = x.clone().requires_grad_()
+    out = split_checkpoint(ck, xc, scale_c * 2)
+    params = [*ck.parameters(), scale_c]
+    with Recompute(params) as chunks:
+        (dx,), work = backward_input([out], [g], [xc], params)
+    with Recompute(params) as more:
+        for w in [work, *chunks.works]:
+            w.run()
+        more.drain()
+    assert ck.calls == 2  # F, and once in B
+    torch.testing.assert_close(dx, xr.grad, rtol=0, atol=1e-6)
+    for p, q in ((ck.lin.weight, ref.lin.weight), (ck.lin.bias, ref.lin.bias), (scale_c, scale_r)):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
