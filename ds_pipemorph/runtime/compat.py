@@ -22,6 +22,10 @@ def zero_refused(stage: int) -> str:
             f"zero_optimization.stage to 1 (it is {stage})")
 
 
+TORCH_AUTOCAST_REFUSED = (
+    "pipemorph runs each stage's forward itself, without DeepSpeed's torch_autocast: remove the \"torch_autocast\" "
+    "section and train in \"bf16\" or \"fp16\" instead")
+
 TENSOR_PARALLEL_REFUSED = "pipemorph does not support tensor (slice) parallelism inside a stage yet"
 
 EMBEDDING_REFUSED = (
@@ -70,6 +74,7 @@ FEATURES = (
             "checkpoints resume after a migration", "CPU, 4 ranks"),
     Feature("moving layers or ranks with fp16 without ZeRO, or with an optimizer object given to `initialize` "
             "under bf16/ZeRO", "refused", MOVING_REFUSED, "CPU"),
+    Feature('`"torch_autocast": {"enabled": true}`', "refused", TORCH_AUTOCAST_REFUSED, "CPU"),
     Feature("tensor parallelism inside a stage (`num_mp > 1`)", "refused", TENSOR_PARALLEL_REFUSED, "CPU"),
 )
 

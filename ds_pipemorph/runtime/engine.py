@@ -53,7 +53,8 @@ from .builder import EngineBuilder
 from .bw_split import backward_input
 from .flat_optimizer import is_flat
 from .precision import GradPath
-from .compat import EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, fp16_refused, zero_refused
+from .compat import (EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused,
+                     zero_refused)
 from .recompute import Recompute, embedding_refusal, split_checkpoint
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
@@ -100,6 +101,8 @@ def unsupported_reason(config_class, model) -> Optional[str]:
         return fp16_refused(get_accelerator().device_name())
     if config_class.zero_optimization_stage > 1:
         return zero_refused(config_class.zero_optimization_stage)
+    if getattr(config_class, "torch_autocast_enabled", False):
+        return TORCH_AUTOCAST_REFUSED
     if model.mpu().get_slice_parallel_world_size() > 1:
         return TENSOR_PARALLEL_REFUSED
     return None

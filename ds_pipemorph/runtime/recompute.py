@@ -113,24 +113,41 @@ def embedding_refusal(module, first_stage: bool):
 
 
 def _rng_state(args) -> tuple:
-    cuda = next((a.device for a in args if torch.is_tensor(a) and a.is_cuda), None)
-    return torch.get_rng_state(), cuda, (torch.cuda.get_rng_state(cuda) if cuda is not None else None)
+    """The random-number state the chunk's forward sees: the host generator's, the accelerator's for
+    the device the chunk runs on, and the model-parallel tracker's (Megatron-style dropout), as
+    DeepSpeed's own checkpoint keeps them."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+    device = next((a.device for a in args if torch.is_tensor(a) and a.device.type != "cpu"), None)
+    on_device = get_accelerator().get_rng_state(device.index) if device is not None else None
+    return torch.get_rng_state(), device, on_device, get_cuda_rng_tracker().get_states()
 
 
 class _rng_restored:
     """Run the recomputation on the random-number state the forward saw; the caller's state after."""
 
     def __init__(self, rng: tuple):
-        self.cpu, self.cuda, self.cuda_state = rng
+        self.cpu, self.device, self.on_device, self.tracker = rng
 
     def __enter__(self):
-        self.saved = (torch.get_rng_state(),
-                      torch.cuda.get_rng_state(self.cuda) if self.cuda is not None else None)
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+        acc, tracker = get_accelerator(), get_cuda_rng_tracker()
+        index = self.device.index if self.device is not None else None
+        self.saved = (torch.get_rng_state(), acc.get_rng_state(index) if self.device is not None else None,
+                      tracker.get_states())
         torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda_state, self.cuda)
+        if self.device is not None:
+            acc.set_rng_state(self.on_device, index)
+        tracker.set_states(self.tracker)
 
     def __exit__(self, *exc):
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
         torch.set_rng_state(self.saved[0])
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.saved[1], self.cuda)
+        if self.device is not None:
+            get_accelerator().set_rng_state(self.saved[1], self.device.index)
+        get_cuda_rng_tracker().set_states(self.saved[2])

@@ -118,3 +118,4 @@ def test_a_chunk_with_an_input_from_parameters_is_entered_again_by_w_without_rec
     torch.testing.assert_close(dx, xr.grad, rtol=0, atol=1e-6)
     for p, q in ((ck.lin.weight, ref.lin.weight), (ck.lin.bias, ref.lin.bias), (scale_c, scale_r)):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
+
