@@ -1,6 +1,10 @@
-"""Stable CLI output for tests (Typer reads these at import), a version-keyed extension cache, and no
-shared memory left behind by the session's jobs."""
+"""Stable CLI output for tests (Typer reads these at import), a version-keyed extension cache, no
+shared memory left behind by the session's jobs, and CPU burners: ``cpu_burners`` for the tests that
+must hold on a busy host, and ``PIPEMORPH_TEST_BURNERS=N`` to run the whole session beside N of them
+(``PIPEMORPH_TEST_BURNERS=2 python -m pytest``: a 2-core host with two CPU-bound processes beside)."""
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,3 +52,37 @@ def _remove_shared_memory_left_behind():
                     f.unlink()
             except OSError:
                 continue
+
+
+# A CPU-bound loop that ends by itself once the process that started it is gone (pytest killed).
+_BURN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(200000): pass\n"
+_session_burners: list = []
+
+
+def _start_burners(n: int) -> list:
+    return [subprocess.Popen([sys.executable, "-c", _BURN], stdin=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(n)]
+
+
+def _stop_burners(procs: list) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _burners_beside_the_session():
+    """``PIPEMORPH_TEST_BURNERS=N``: N CPU-bound processes run beside the whole session."""
+    n = int(os.environ.get("PIPEMORPH_TEST_BURNERS", "0") or 0)
+    _session_burners[:] = _start_burners(n)
+    yield
+    _stop_burners(_session_burners)
+
+
+@pytest.fixture
+def cpu_burners():
+    """Two CPU-bound processes beside the test (fewer if the session already runs some): on 2 cores,
+    every process of the test then waits for a CPU about half the time, in slices of the scheduler's."""
+    own = _start_burners(max(0, 2 - len(_session_burners)))
+    yield len(own) + len(_session_burners)
+    _stop_burners(own)

@@ -24,7 +24,7 @@ class DelegateQueue:
     gen: Any  # mp.Value: generation of the pair's rendezvous (the delegate sets the next one when its peer goes)
     stop: Any
     acked: Any  # mp.Value: send: last message seq the peer holds; recv: last seq published into a ring of this queue
-    ready: Any
+    ready: Any  # mp.Value: 0 until the pair met, 1 met, delegate_proc.PEER_CLOSED / PEER_GONE (``peer_end``)
     born: int = 0  # the generation this delegate was started for
     old_rings: list = field(default_factory=list)  # receive side: rings of a dead delegate, drained first
     unacked: deque = field(default_factory=deque)  # send side: framing.Message kept until acknowledged
@@ -52,3 +52,10 @@ class Direction:
 
     def queue_for(self, seq: int):
         return self.queues[(seq - self.base_seq) % self.active]
+
+    def peer_end(self, q: DelegateQueue) -> str | None:
+        """How the peer rank's delegate of ``q`` ended: "closed" (its training process closed the
+        transport), "gone" (its training process died), or None (it did not)."""
+        from .delegate_proc import PEER_CLOSED, PEER_GONE
+
+        return {PEER_CLOSED: "closed", PEER_GONE: "gone"}.get(q.ready.value)

@@ -115,6 +115,9 @@ class Receiving:
                     done = self._piece(d, view, tag, what, spans)
             except TimeoutError:
                 self._health(f"{what} waited for a message")
+                end = d.peer_end(q)
+                if end is not None and q.ring.occupancy() == 0:
+                    raise TransportError(f"rank {self.rank}: {what} cannot arrive: {self._peer_ended(d, end)}") from None
                 return False
             self._stash(d, done)
             return True

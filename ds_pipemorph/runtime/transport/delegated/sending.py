@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..header import encode_header
-from ..protocol import TransportError, TransportTimeout
+from ..protocol import TransportError, TransportTimeout, peer_of
 from . import framing
 from .delegate_proc import MAX_PIECES, SLICE_S, make_tag
 from .directions import DelegateQueue, Direction
@@ -73,10 +73,23 @@ class Sending:
                 except TimeoutError:
                     if self._check_alive(d, q, f"{msg.what} waited for a free staging slot"):
                         return  # the restart pushed every unacknowledged message, this one included
+                    self._refuse_if_peer_closed(d, q, msg.what)
                     if time.monotonic() > deadline:
                         raise TransportTimeout(
                             f"rank {self.rank}: {msg.what} timed out after {self.timeout_s:g} s waiting for a free "
                             f"staging slot (the sender delegate is not draining ring {ring.name})") from None
+
+    def _refuse_if_peer_closed(self, d: Direction, q: DelegateQueue, what: str, n: int = 1) -> None:
+        end = d.peer_end(q)
+        if end is not None:
+            raise TransportError(f"rank {self.rank}: {what} cannot be delivered: {self._peer_ended(d, end)} "
+                                 f"({n} messages unacknowledged)")
+
+    def _peer_ended(self, d: Direction, end: str) -> str:
+        stage = peer_of(self.stage_id, d.kind, d.sending)
+        if end == "gone":
+            return f"rank {self.stage_ranks[stage]} (stage {stage}) died"
+        return f"stage {stage} closed its end of link {d.link} first"
 
     def _prune(self, q: DelegateQueue) -> None:
         done = q.acked.value
@@ -101,6 +114,9 @@ class Sending:
                     if now - last > SLICE_S:
                         last = now
                         self._health(f"{q.unacked[0].what} waited to be delivered")
+                        with self._lock:
+                            if q.unacked:
+                                self._refuse_if_peer_closed(d, q, q.unacked[0].what, len(q.unacked))
                     if now > deadline:
                         raise TransportTimeout(
                             f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for "

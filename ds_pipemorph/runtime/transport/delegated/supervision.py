@@ -7,9 +7,10 @@ started on first use or by ``start_link`` and can grow more queues. Every wait o
 ``_health``: a delegate that exited (its peer died, or it was killed) is restarted as the next
 generation of its pair (both ends meet again under that generation, on the next network interface of
 ``delegation.interfaces`` if several are given), and a sender's unacknowledged messages are pushed again.
-A pair whose connection goes silent (a downed interface) is lost within ``liveness_s`` by its heartbeat
-(``delegate_proc``), so the restart and the re-sent messages land well within the training process's
-``timeout_s``, which is the one deadline of its waits.
+A pair whose connection goes silent (a downed interface) is lost within about ``liveness_s`` by its
+heartbeat connection (``delegate_proc``: judged by the kernels, so a slow peer is never lost), so the
+restart and the re-sent messages land well within the training process's ``timeout_s``, which is the
+one deadline of its waits.
 """
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ class Supervision:
         from multiprocessing import forkserver
 
         from ....staging.ring import op_builder
+        from ... import reaper
+
+        reaper.watch()  # this process's rings are removed however it ends
+        reaper.reclaim_orphans()  # and those of processes that ended before there was a reaper
 
         builder = op_builder(cuda=self.staging_path.cuda)
         local = os.environ.get("LOCAL_RANK")
@@ -98,7 +103,9 @@ class Supervision:
 
     def _spawn(self, link: int, kind: str, sending: bool, q: int, gen_value: int, stop=None, acked_from: int = -1):
         from ....staging.ring import StagingRing
+        from ... import reaper
 
+        reaper.watch()  # started by ``prepare`` already, unless this transport was not prepared
         op = self._load_op()
         try:
             ring = StagingRing.create(self._ring_name(link, kind, sending, q, gen_value),
@@ -120,7 +127,7 @@ class Supervision:
             prefix=self._rendezvous_prefix(link, kind, q),
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
             delays_trace=self.delays.trace if (sending and self.delays is not None) else None,
-            interfaces=self.interfaces, liveness_s=self.liveness_s)
+            interfaces=self.interfaces, liveness_s=self.liveness_s, fault_at=self.fault_at.get("send" if sending else "recv"))
         delays = self._delay_state() if sending else None
         proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready, delays), daemon=True,
                                  name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")
@@ -216,8 +223,9 @@ class Supervision:
                     self._check_alive(d, q, what)
 
     def _check_alive(self, d: Direction, q: DelegateQueue, what: str) -> bool:
-        """Restart the delegate of ``q`` if it died; True if it did."""
-        if q.proc.is_alive():
+        """Restart the delegate of ``q`` if it died; True if it did. Never once the transport is
+        closed or killed (``kill``: the process is being stopped, its delegates with it)."""
+        if self._closed or q.proc.is_alive():
             return False
         self._restart(d, q, what)
         return True

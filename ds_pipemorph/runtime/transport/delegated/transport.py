@@ -21,9 +21,12 @@ Who owns what:
 
 Every wait is cut into short slices that check the delegates are alive and ends with a
 ``TransportTimeout`` naming rank, op, link and queue after ``timeout_s``. A delegate pair whose
-connection breaks, loudly or in silence (a downed interface: its heartbeat stops), is replaced within
-``liveness_s`` (a quarter of ``timeout_s``, at most 5 s) on the next interface, and the unacknowledged
-messages are re-sent, so a wait does not expire for a connection that could be re-made.
+connection breaks, loudly or in silence (a downed interface: the peer's kernel stops acknowledging),
+is replaced within about ``liveness_s`` (a quarter of ``timeout_s``, at most 5 s) on the next
+interface, and the unacknowledged messages are re-sent, so a wait does not expire for a connection
+that could be re-made. A peer that is alive but slow (a busy host) is never taken for a lost one:
+the kernels judge the connection, not the peer's speed (``delegate_proc``, Liveness). A peer rank
+that closed its transport while this one still waits for it ends that wait at once with a sentence.
 ``wait_sends`` returns once every message sent so far is held by the peer rank's receive ring.
 Threads: ``send`` may run in another thread than ``recv`` (the failover of a delayed link re-sends
 from its delivery thread); one lock covers sending, starting directions and restarting delegates.
@@ -34,6 +37,8 @@ import itertools
 import os
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +55,13 @@ from .sending import Sending
 from .supervision import Supervision, delegate_context
 
 _instances = itertools.count()
+_live: weakref.WeakSet = weakref.WeakSet()  # this process's transports not closed yet (``kill_all``)
+
+
+def kill_all() -> None:
+    """Stop every delegated transport of this process without its locks (``DelegatedTransport.kill``)."""
+    for t in list(_live):
+        t.kill()
 
 
 class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
@@ -64,7 +76,8 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
                  device: torch.device | None = None, queues: int = 2, max_queues: int | None = None, delays=None,
                  slot_bytes: int | None = None, num_slots: int | None = None, session: str | None = None,
                  store_addr: str | None = None, store_port: int | None = None,
-                 interfaces: Sequence[str] | None = None, liveness_s: float | None = None):
+                 interfaces: Sequence[str] | None = None, liveness_s: float | None = None,
+                 fault_at: dict | None = None):
         if queues < 1:
             raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
         if slot_bytes is None or num_slots is None:  # the ds_config's defaults (delegation.slot_mb, slots)
@@ -90,12 +103,15 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
                              f"delegates meet through a TCPStore client on MASTER_ADDR:MASTER_PORT)")
         self.store_port = int(port)
         self.interfaces = tuple(interfaces or ())
-        # A delegate pair that hears nothing from each other this long is lost (delegate_proc's heartbeat).
+        # A delegate pair whose peer host acknowledges nothing this long is lost (delegate_proc's heartbeat).
         self.liveness_s = liveness_for(self.timeout_s) if liveness_s is None else float(liveness_s)
         if not 0 < self.liveness_s < self.timeout_s:
             raise ValueError(f"rank {rank}: liveness_s ({self.liveness_s:g}) must be above 0 and below timeout_s "
                              f"({self.timeout_s:g}): a silent pair must be replaced before the training "
                              f"process gives up on its message")
+        # Testing: role ("send" | "recv") -> (point, message[, stall s]) where its delegates of
+        # generation 0 die or stall (delegate_proc.fault_point).
+        self.fault_at = dict(fault_at or {})
         self.events: list[str] = []  # one line per delegate restart (also logged)
         self.sent: dict[int, int] = {}
         self._dirs: dict[tuple[int, str, bool], Direction] = {}
@@ -106,6 +122,7 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         self._lock = threading.RLock()
         self._copier = Copier(self._push_locked, f"rank {rank} staging copies")
         self._shared_delays = None  # (origin mp.Value, static mp.Array): what sender delegates read per message
+        _live.add(self)
 
     def _describe(self, kind: str, mb: int, sending: bool, queue: int | None = None) -> str:
         verb, prep = ("SEND", "to") if sending else ("RECV", "from")
@@ -138,6 +155,7 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         themselves once this process is gone."""
         if sys.is_finalizing():
             return
+        _live.discard(self)
         with self._lock:
             self._closed = True
         self._copier.stop()
@@ -159,3 +177,24 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
                 for r in [q.ring, *q.old_rings]:
                     r.close()
         self._dirs.clear()
+
+    def kill(self, grace_s: float = 0.5) -> None:
+        """Stop every delegate and unlink every ring now, taking no lock: for a process that is being
+        stopped (``runtime.lifeline``) while its training thread may hold this transport's lock. The
+        delegates get ``grace_s`` to stop in order (their peers then do not restart them), then SIGKILL."""
+        _live.discard(self)
+        self._closed = True
+        queues = [q for d in list(self._dirs.values()) for q in d.queues]
+        for q in queues:
+            q.stop.value = 1
+        deadline = time.monotonic() + grace_s
+        for q in queues:
+            q.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if q.proc.is_alive():
+                q.proc.kill()
+        for q in queues:  # the names only: another thread may be inside a ring (the memory goes at exit)
+            for r in [q.ring, *q.old_rings]:
+                try:
+                    self._op.unlink(r.name)
+                except Exception:  # noqa: BLE001  (gone already)
+                    pass
