@@ -7,8 +7,8 @@ removes it: each job used to leave world size x 66 MB of RAM behind. Every rank 
 rank's buffer while communication starts, before its ``init_distributed`` returns; ``initialize``
 registers the removal after a barrier that follows it on every rank, so removing the name at a
 normal exit takes nothing from a rank still running: the memory itself goes when the last rank
-unmaps it. A killed rank runs no exit handler and still leaves its buffer. A name DeepSpeed did not
-create (another version's format, ranks on several machines) is simply not there.
+unmaps it. A killed rank runs no exit handler: its reaper (``runtime.reaper``) removes its buffer. A
+name DeepSpeed did not create (another version's format, ranks on several machines) is simply not there.
 """
 from __future__ import annotations
 
@@ -22,8 +22,19 @@ def allreduce_buffer(rank: int) -> Path:
     return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
+_registered: list[Path] = []
+
+
 def remove_allreduce_buffer_at_exit(rank: int) -> None:
-    atexit.register(_remove, allreduce_buffer(rank))
+    _registered.append(allreduce_buffer(rank))
+    atexit.register(_remove, _registered[-1])
+
+
+def remove_allreduce_buffer_now() -> None:
+    """For a process being stopped (``runtime.lifeline``): its buffer goes now (a killed process's
+    goes with its reaper, ``runtime.reaper``)."""
+    for p in _registered:
+        _remove(p)
 
 
 def _remove(path: Path) -> None:

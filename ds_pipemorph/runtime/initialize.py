@@ -38,6 +38,9 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
                dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
                config_params=None):
+    from .errors import install
+
+    install()  # an error of ours that the script does not catch: one sentence, no traceback (runtime.errors)
     return build_engine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                         training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
                         mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
@@ -92,8 +95,13 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     if threads is not None and dist.get_rank() == 0:
         logger.warning(threads.describe())
     if get_accelerator().device_name() == "cpu":
+        from . import reaper
+        from .cpu_shm import allreduce_buffer
+
         dist.barrier()  # every rank past DeepSpeed's start of communication: each opened every buffer
         remove_allreduce_buffer_at_exit(dist.get_rank())
+        reaper.watch(allreduce_buffer(dist.get_rank()))  # removed too if this process is killed
+    check_outputs(pm, dist)
     ds_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)
     deepspeed.set_optimizer_flags(config_class, model)
@@ -114,6 +122,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
                              config_class=config_class, pipemorph=pm, plan=plan, builder=builder)
     deepspeed.zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
+    _start_lifeline(engine)
     if announce and dist.get_rank() == 0:
         logger.warning(describe_start(pm, plan, model.num_stages, config_class.gradient_accumulation_steps))
     if pm.orchestrate.matrix:  # re-mapping replaces the engine: the training loop holds a handle to it
@@ -127,6 +136,51 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
 
         return EngineHandle(engine), engine.optimizer, engine.training_dataloader, engine.lr_scheduler
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def check_outputs(pm, dist) -> None:
+    """The section's output files (``timeline``, ``profile_out``: rank 0 writes them) can be written:
+    checked on rank 0 now, before any rank trains, and refused on every rank in one sentence."""
+    from ..fileio import BadInput, check_writable
+    from .config import PipeMorphConfigError
+
+    problem = [None]
+    if dist.get_rank() == 0:
+        for key in ("timeline", "profile_out"):
+            path = getattr(pm, key)
+            if path:
+                try:
+                    check_writable(path, f"pipemorph.{key}")
+                except BadInput as e:
+                    problem[0] = str(e)
+                    break
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise PipeMorphConfigError(problem[0])
+
+
+def _start_lifeline(engine) -> None:
+    """This process's lifeline (``runtime.lifeline``): its pipeline neighbours watched, SIGINT/SIGTERM
+    caught, the delegates stopped and their rings unlinked when it stops the process. Needs the job's
+    store (MASTER_ADDR, MASTER_PORT), as the delegated transport does."""
+    from . import lifeline
+    from .cpu_shm import remove_allreduce_buffer_now
+    from .transport.delegated.transport import kill_all
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return
+    ranks = [engine.grid.stage_to_global(s) for s in range(engine.num_stages)]
+    stage_of = {r: s for s, r in enumerate(ranks)}
+    fresh = lifeline.current() is None
+    life = lifeline.start(engine.global_rank, addr, int(port), stage_of)
+    s = engine.stage_id
+    life.watch_neighbours([ranks[i] for i in (s - 1, s + 1) if 0 <= i < len(ranks)], stage_of)
+    if fresh:
+        life.on_stop(kill_all)
+        life.on_stop(remove_allreduce_buffer_now)
+        life.catch_signals()
 
 
 def _config_source(args, config, config_params):

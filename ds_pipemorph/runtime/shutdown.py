@@ -58,13 +58,18 @@ def exit_process(code: int = 0, engine=None) -> NoReturn:
     release_process_groups()
     atexit._run_exitfuncs()  # what a normal exit runs first: the control loop's profile, logging's flush
     logging.shutdown()
+    flush_all()
+    os._exit(code)
+
+
+def flush_all() -> None:
+    """Flush Python's standard streams and the C library's buffers (before an ``os._exit``)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # closed or gone: nothing left to say
             pass
     _flush_c_stdio()
-    os._exit(code)
 
 
 def _flush_c_stdio() -> None:

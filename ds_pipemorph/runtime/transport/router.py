@@ -10,7 +10,10 @@ direction; ``set_link_mode`` moves both directions of a link at an iteration bou
 Failover (PipeMorph §5.3): a ``TransportError`` from the direct path of a direction that is not a
 timeout moves that direction to the delegated path for the failed message and every later one, on
 both ends (each end sees its own error for the same message: the fault is a property of the link),
-and logs one line naming the link. A failed direction stays delegated (``set_link_mode`` does not
+and logs one line naming the link. A direct path fails too when the peer rank's process is gone:
+before failing over, the router asks this process's lifeline (``runtime.lifeline.peer_gone``) for a
+second opinion, and a peer that died ends the job with a sentence naming it instead (moving the link
+to delegates would only wait for a peer that is not there). A failed direction stays delegated (``set_link_mode`` does not
 move it back). On a delayed link the real send happens later, in the delay's delivery thread: a
 failure there (``protocol.DeliveryError``) is failed over from that thread at once, re-sending the
 undelivered message through the delegates before any later one (the peer may be blocked on it while
@@ -32,7 +35,8 @@ import torch
 from .. import hooks as plugins
 from .delegated.transport import DelegatedTransport
 from .direct import DirectTransport
-from .protocol import DeferredSends, DeliveryError, TransportError, TransportTimeout, directions_on, link_of
+from .protocol import (DeferredSends, DeliveryError, TransportError, TransportTimeout, directions_on, link_of,
+                       peer_of)
 
 log = logging.getLogger("ds_pipemorph.transports")
 
@@ -122,14 +126,31 @@ class LinkRouter:
         with self._lock:
             if err.recovered:
                 return
+            self._refuse_for_dead_peer(kind, True, err)
             # Sent before the direction moves: if this send fails, later messages still meet this error
             # on the direct path and retry it first, so the order holds.
             self.delegated.send(kind, mb, payload)
             self._fail_over(kind, True, mb, err)
             err.recovered = True
 
-    def _failing_over(self, err: TransportError) -> bool:
-        return self.failover and not isinstance(err, TransportTimeout)
+    def _failing_over(self, err: TransportError, kind: str, sending: bool) -> bool:
+        if not self.failover or isinstance(err, TransportTimeout):
+            return False
+        self._refuse_for_dead_peer(kind, sending, err)
+        return True
+
+    def _refuse_for_dead_peer(self, kind: str, sending: bool, err: TransportError) -> None:
+        """A direct path that failed because the peer rank died is no link to fail over."""
+        from .. import lifeline
+
+        life = lifeline.current()
+        ranks = getattr(self.delegated, "stage_ranks", None)
+        if life is None or not ranks:
+            return
+        stage = peer_of(self.stage_id, kind, sending)
+        if life.peer_gone(ranks[stage]):
+            raise TransportError(f"rank {self.rank}: rank {ranks[stage]} (stage {stage}) died: its process is gone "
+                                 f"({err})") from err
 
     def post_recv(self, kind: str, mb: int) -> None:
         self._path(kind, False).post_recv(kind, mb)
@@ -141,7 +162,7 @@ class LinkRouter:
         try:
             path.send(kind, mb, payload)
         except TransportError as e:
-            if not self._failing_over(e):
+            if not self._failing_over(e, kind, True):
                 raise
             if isinstance(e, DeliveryError):  # an earlier message of this direction: it goes first
                 self._recover(e)
@@ -156,7 +177,7 @@ class LinkRouter:
         try:
             return path.recv(kind, mb)
         except TransportError as e:
-            if not self._failing_over(e):
+            if not self._failing_over(e, kind, False):
                 raise
             self._fail_over(kind, False, mb, e)
             return self.delegated.recv(kind, mb)

@@ -1,0 +1,48 @@
+"""A training script as the README writes one, no helper calls: the jobs of test_stopping.py.
+
+    torchrun --standalone --nproc_per_node 4 tests/runtime/life_job.py OUT_DIR MODE STEPS [KEY=VALUE ...]
+
+Each rank writes OUT_DIR/rank<r>.pid (its pid, and its delegates' pids once they run) and touches
+OUT_DIR/step<k>.rank<r> after step k. MODE: "direct" (every link direct) or "delegated" (every link
+through delegates: staging rings in /dev/shm). KEY=VALUE pairs go into the pipemorph section (a
+number, or text): e.g. timeline=/proc/no/t.json.
+"""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import deepspeed  # noqa: E402
+
+import ds_pipemorph  # noqa: E402
+from models import batches, build_model, ds_config  # noqa: E402
+
+out_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+extra = {}
+for kv in sys.argv[4:]:
+    k, v = kv.split("=", 1)
+    extra[k] = json.loads(v) if v[:1].isdigit() or v[:1] in "[{" else v
+rank = int(os.environ["RANK"])
+stages = int(os.environ["WORLD_SIZE"])
+N = 4
+pm = {"schedule": "zb", "timeout_s": 60, "delegation": {"mode": "always" if mode == "delegated" else "off"}, **extra}
+deepspeed.init_distributed(dist_backend="gloo")
+model = build_model(stages, seed=1)
+engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(N, pipemorph=pm))
+data = batches(N, 2, seed=2)
+
+
+def pids():
+    d = engine.transport.delegated
+    return [os.getpid()] + [q.proc.pid for x in list(d._dirs.values()) for q in x.queues]
+
+
+for step in range(steps):
+    engine.train_batch(iter(data))
+    if step < 3 or step % 10 == 0:
+        with open(os.path.join(out_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(" ".join(map(str, pids())))
+    open(os.path.join(out_dir, f"step{step}.rank{rank}"), "w").close()

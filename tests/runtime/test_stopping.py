@@ -1,0 +1,206 @@
+"""A job stops in seconds, says why in one line per rank at most, and leaves no process and no shared
+memory behind, however it is stopped: SIGINT or SIGTERM to torchrun or to one rank, SIGKILL of one rank
+(the others name it) or of torchrun (the ranks see their launcher gone). A plain training script
+(tests/runtime/life_job.py, no helper calls) gets one sentence for a setting refused at start-up.
+
+Each launch is a 3-stage job under torchrun whose links all go through delegates (staging rings in
+/dev/shm, delegate processes); what each rank maps from /dev/shm while it trains is what must be gone.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_pipemorph.procs import kill_group
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WORLD = 3
+STOP_S = 10.0  # every rank and delegate gone this long after the signal
+
+
+class Job:
+    def __init__(self, tmp: Path, mode: str = "delegated", steps: int = 100000, extra=(), monitor_s: float | None = None):
+        self.dir = tmp
+        self.log = open(tmp / "log.txt", "w+")
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+        if monitor_s is not None:
+            cmd.append(f"--monitor-interval={monitor_s}")
+        cmd += [str(HERE / "life_job.py"), str(tmp), mode, str(steps), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                     start_new_session=True)
+
+    def training(self, timeout: float = 400.0) -> None:
+        """Wait until every rank finished 2 steps; note its pids (rank + delegates) and its shared memory."""
+        deadline = time.monotonic() + timeout
+        while not all((self.dir / f"step1.rank{r}").exists() for r in range(WORLD)):
+            assert self.proc.poll() is None, f"the job ended before training:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"no training within {timeout} s:\n{self.output()[-4000:]}"
+            time.sleep(0.5)
+        self.pids = {r: [int(p) for p in (self.dir / f"rank{r}.pid").read_text().split()] for r in range(WORLD)}
+        self.shm = set()
+        for r in range(WORLD):
+            for line in Path(f"/proc/{self.pids[r][0]}/maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    self.shm.add(line.rsplit(None, 1)[-1])
+        assert any("/pm_" in f for f in self.shm), self.shm  # staging rings exist
+        self.torchrun_children = _children(self.proc.pid)
+
+    def ended_within(self, seconds: float) -> float:
+        t0 = time.monotonic()
+        try:
+            self.proc.wait(timeout=seconds + 30)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            pytest.fail(f"torchrun still ran {seconds + 30:g} s after the signal:\n{self.output()[-4000:]}")
+        return time.monotonic() - t0
+
+    def wait_gone(self, seconds: float) -> list[int]:
+        """The ranks' and delegates' pids still running ``seconds`` from now (polled)."""
+        every = [p for ps in self.pids.values() for p in ps]
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            alive = [p for p in every if _running(p)]
+            if not alive:
+                return []
+            time.sleep(0.1)
+        return [p for p in every if _running(p)]
+
+    def left_in_shm(self) -> list[str]:
+        time.sleep(0.5)  # a reaper removes its process's names a moment after the process ended
+        return sorted(f for f in self.shm if os.path.exists(f))
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.dir / "log.txt").read_text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            kill_group(self.proc)
+        for ps in getattr(self, "pids", {}).values():
+            for p in ps:
+                if _running(p):
+                    os.kill(p, signal.SIGKILL)
+        self.log.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _rank_tracebacks(text: str) -> list[str]:
+    """The exception lines of the tracebacks in ``text`` but torchrun's own (it raises one when a rank
+    exits non-zero: ChildFailedError, or SignalException when it got the signal)."""
+    lines, found = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.endswith("Traceback (most recent call last):"):
+            j = i + 1
+            while j < len(lines) and (lines[j].startswith(" ") or lines[j].endswith("Traceback (most recent call last):")
+                                      or not lines[j].strip()):
+                j += 1
+            last = lines[j] if j < len(lines) else ""
+            if "torch.distributed.elastic" not in last:
+                found.append(last)
+    return found
+
+
+def _our_lines(text: str) -> list[str]:
+    """The lines the ranks printed about stopping (torchrun's own log lines excluded)."""
+    return [line for line in text.splitlines() if re.match(r"^(\[default\d\]:)?(rank \d+: |error: )", line)]
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs = []
+
+    def make(*a, **kw):
+        d = tmp_path / f"job{len(jobs)}"
+        d.mkdir()
+        jobs.append(Job(d, *a, **kw))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_torchrun_or_to_one_rank_stops_every_rank_and_delegate_in_seconds_leaving_nothing(job, sig):
+    signum = getattr(signal, sig)
+    for target in ("torchrun", "rank 1"):
+        j = job()
+        j.training()
+        os.kill(j.proc.pid if target == "torchrun" else j.pids[1][0], signum)
+        took = j.ended_within(STOP_S)
+        out = j.output()
+        assert j.wait_gone(2.0) == [], (target, out[-3000:])
+        assert took < STOP_S, (target, took, out[-3000:])
+        assert j.proc.returncode != 0, (target, out[-3000:])
+        assert _rank_tracebacks(out) == [] and "forcefully" not in out.lower(), (target, out[-5000:])
+        lines = _our_lines(out)
+        assert 1 <= len(lines) <= WORLD, (target, lines)
+        assert any(f"stopped by {sig}" in line for line in lines), (target, lines)
+        assert j.left_in_shm() == [], (target, out[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_of_a_rank_is_named_by_the_others_and_sigkill_of_torchrun_stops_the_ranks_leaving_nothing(job):
+    # torchrun looks at its workers every 60 s here: the ranks, not the launcher, must notice the death.
+    j = job(monitor_s=60)
+    j.training()
+    dead = j.pids[1][0]
+    os.kill(dead, signal.SIGKILL)
+    assert j.wait_gone(STOP_S) == [], j.output()[-3000:]
+    j.proc.send_signal(signal.SIGTERM)  # torchrun itself would notice only at its next look
+    j.ended_within(STOP_S)
+    lines = _our_lines(j.output())
+    died = [line for line in lines if "died" in line]
+    assert len(died) == 1 and f"rank 1 (stage 1, pid {dead} on " in died[0], lines
+    assert _rank_tracebacks(j.output()) == [], j.output()[-5000:]
+    assert j.left_in_shm() == [], j.output()[-3000:]
+    # Nothing failed over: no link was taken for a broken one.
+    assert "direct path failed" not in j.output() and "restarted it as generation" not in j.output()
+
+    j = job()
+    j.training()
+    os.kill(j.proc.pid, signal.SIGKILL)
+    assert j.wait_gone(STOP_S) == [], j.output()[-3000:]
+    lines = _our_lines(j.output())
+    assert any("its launcher" in line and "is gone" in line for line in lines), lines
+    assert len(lines) <= WORLD, lines
+    assert j.left_in_shm() == [], j.output()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_an_output_path_that_cannot_be_written_is_one_sentence_at_start_up_before_any_rank_trains(job):
+    j = job(mode="direct", steps=3, extra=["timeline=/proc/no_such_dir/timeline.json"])
+    j.proc.wait(timeout=500)
+    out = j.output()
+    assert j.proc.returncode != 0
+    assert _rank_tracebacks(out) == [], out[-5000:]
+    errors = [line for line in _our_lines(out) if "error:" in line]
+    assert len(errors) == 1 and "pipemorph.timeline: cannot write '/proc/no_such_dir/timeline.json'" in errors[0], out[-3000:]
+    assert not list(j.dir.glob("step*")), "a rank trained"
