@@ -51,7 +51,9 @@ class Feature:
 FEATURES = (
     Feature('`"bf16": {"enabled": true}`', "trains",
             "DeepSpeed's `BF16_Optimizer`; bit-identical to stock 1F1B under `1f1b`, `zb`, `adaptive` (re-planning "
-            "included), plan files, both dispatches, tied layers, two replicas", "CPU, 2–4 ranks"),
+            "included), plan files, both dispatches, tied layers, two replicas, delegated links, failover; its "
+            "checkpoints do not load (DeepSpeed 0.19.8 cannot load its own either): resume with ZeRO-1",
+            "CPU, 2–4 ranks"),
     Feature('bf16 + `"zero_optimization": {"stage": 1}`', "trains",
             "`DeepSpeedZeroOptimizer`, fp32 masters partitioned over replicas; bit-identical to stock, delegated links "
             "and a link that fails over included; checkpoints resume across stock and ours", "CPU, 2–4 ranks"),

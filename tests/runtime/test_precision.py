@@ -112,18 +112,26 @@ def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resu
             {"name": "ours_from_stock", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": Z1,
              "load": {"dir": "ck_stock", "step": 2}},
             {"name": "stock_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": BF16},
-            {"name": "zb_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": BF16}]
+            {"name": "zb_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": BF16},
+            {"name": "delegated_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "ds": BF16,
+             "pipemorph": {**_pm("zb"), "delegation": {"mode": "always"}}},
+            {"name": "failover_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "ds": BF16,
+             "pipemorph": {"schedule": "zb", "delegation": {"mode": "auto", "queues": 1}, "adapt": {"enabled": False},
+                           "inject": {"faults": {"link_fails_after": {"0": 5}}}}}]
     run = launch(4, jobs, tmp_path, timeout=560)
     for name, ref in (("zb_z1", "stock_z1"), ("delegated_z1", "stock_z1"), ("failover_z1", "stock_z1"),
-                      ("zb_bf16", "stock_bf16")):
+                      ("zb_bf16", "stock_bf16"), ("delegated_bf16", "stock_bf16"), ("failover_bf16", "stock_bf16")):
         _assert_identical(run, name, ref, 4)
-    assert any("direct path failed at SEND" in e for r in range(4) for e in run.result("failover_z1", r)["events"])
+    for name in ("failover_z1", "failover_bf16"):
+        assert any("direct path failed at SEND" in e for r in range(4) for e in run.result(name, r)["events"]), name
     # Each replica holds its half of the fp32 masters (ZeRO-1's partition).
     full = sum(p.numel() for p in run.result("stock_z1", 0)["params"].values())
     assert 0 < sum(m.numel() for m in run.result("zb_z1", 0)["master"]) < full
-    for resumed in ("stock_from_ours", "ours_from_stock"):
+    # (bf16 without ZeRO: DeepSpeed 0.19.8 cannot load its own pipeline checkpoint, KeyError in
+    # BF16_Optimizer._load_legacy_checkpoint, so no resume is compared there.)
+    for resumed, ref in (("stock_from_ours", "stock_z1"), ("ours_from_stock", "stock_z1")):
         for r in range(4):
-            a, b = run.result(resumed, r), run.result("stock_z1", r)
+            a, b = run.result(resumed, r), run.result(ref, r)
             assert a["losses"] == b["losses"][2:], f"{resumed} rank {r}"
             assert max_param_diff(a, b) == 0.0, f"{resumed} rank {r}: parameters differ"
             assert all(torch.equal(x, y) for x, y in zip(a["master"], b["master"])), f"{resumed} rank {r}: masters"
