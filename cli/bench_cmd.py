@@ -25,7 +25,7 @@ from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sim.variation import vary_tables
 
 from .bench_table import print_results
-from .common import announce, check_outputs, console, err_console, parse_floats, user_errors
+from .common import announce, check_outputs, console, err_console, parse_floats, stopped_by_signal, user_errors
 from .progress import bar
 
 
@@ -48,6 +48,7 @@ class BenchArgs:
     vary: Optional[str] = None
     out: Path = Path("out/bench.json")
     timeout_s: float = 1800.0
+    command: str = "pipemorph bench"  # what a stopped run names
 
 
 D = BenchArgs()
@@ -105,7 +106,8 @@ def run_bench(args: BenchArgs) -> None:
     spec_path = work / "spec.json"
     spec_path.write_text(spec.model_dump_json())
     try:
-        result = _run_with_progress(spec, spec_path, work, args.timeout_s)
+        with stopped_by_signal(args.command, work):
+            result = _run_with_progress(spec, spec_path, work, args.timeout_s)
     except JobFailed as e:  # the ranks' log stays for the message to point at
         err_console.print(f"error: {e}", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None

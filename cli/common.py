@@ -1,12 +1,16 @@
 """What every command shares: one-sentence errors with exit code 2, list options, outputs checked
-before work starts and written atomically, each announced as ``wrote PATH``."""
+before work starts and written atomically, each announced as ``wrote PATH``, and one line and exit
+code 130 (143 for SIGTERM) for a command that runs ranks and is stopped (``stopped_by_signal``)."""
 from __future__ import annotations
 
 import contextlib
 import json
 import math
 import os
+import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -28,6 +32,34 @@ def user_errors() -> Iterator[None]:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         err_console.print(f"error: {msg}", markup=False, soft_wrap=True)  # one line, however long
         raise typer.Exit(2) from None
+
+
+@contextlib.contextmanager
+def stopped_by_signal(command: str, *temporary: Path,
+                      done: str = "its ranks were stopped and its temporary files removed") -> Iterator[None]:
+    """Ctrl-C or SIGTERM while ``command`` runs its ranks: the launcher code stops them on the way out
+    (``procs.stop_group``), then ``temporary`` folders are removed, one line says so, and the command
+    exits 128 + the signal's number (130 for Ctrl-C)."""
+    got: list[int] = []
+
+    def on_term(signum, frame):
+        got.append(signum)
+        raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up below is not cut short by a second one
+        for d in temporary:
+            shutil.rmtree(d, ignore_errors=True)
+        num = got[0] if got else signal.SIGINT
+        err_console.print(f"{command}: stopped by {signal.Signals(num).name}; {done}", markup=False, soft_wrap=True)
+        raise typer.Exit(128 + num) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
 
 
 def parse_floats(text: Optional[str], what: str) -> Optional[list[float]]:

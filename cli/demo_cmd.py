@@ -23,4 +23,5 @@ def demo(
 def demo_args(delay_ms: float, iterations: int, warmup: int, out: Path) -> BenchArgs:
     """The demonstration as a benchmark run."""
     return BenchArgs(stages=4, microbatches=12, op_ms=10.0, delays_ms=f"0,{delay_ms:g}", link=(0,),
-                     iterations=iterations, warmup=warmup, schedules="stock-1f1b,zb,pipemorph", out=out)
+                     iterations=iterations, warmup=warmup, schedules="stock-1f1b,zb,pipemorph", out=out,
+                     command="pipemorph demo")

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ds_pipemorph.fileio import BadInput, check_writable_dir
 
-from .common import console, err_console, user_errors
+from .common import console, err_console, stopped_by_signal, user_errors
 
 app = typer.Typer(
     help="A network lab on one machine: nodes are network namespaces, slow links are kernel rate limits (root only).",
@@ -217,27 +217,29 @@ def launch(
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # leave through the clean-up below
         lab.up()
     files = []
-    try:
-        with user_errors():
-            for a, b, both, r in shapes:
-                lab.shape(a, b, r, both=both)
-            for a, b, both, tr in traces:
-                lab.play(a, b, tr, both=both)
-            if logs is not None:
-                try:
-                    logs.mkdir(parents=True, exist_ok=True)
-                    files = [open(logs / f"node{k}.log", "w") for k in range(nodes)]
-                except OSError as e:
-                    raise BadInput(f"--logs: cannot write the node logs in '{logs}' ({e.strerror})") from None
-        procs = [lab.popen(k, _fill(cmd, lab, k), env={**os.environ, **lab.node_env(k)},
-                           stdout=files[k] if files else None, stderr=subprocess.STDOUT if files else None)
-                 for k in range(nodes)]
-        failed = _wait_all(procs, timeout)
-    finally:
-        for f in files:
-            f.close()
-        with _trace_errors():
-            lab.down()
+    # The lab is down (below) before a Ctrl-C is reported.
+    with stopped_by_signal("pipemorph lab launch", done="every node's command was stopped and the lab removed"):
+        try:
+            with user_errors():
+                for a, b, both, r in shapes:
+                    lab.shape(a, b, r, both=both)
+                for a, b, both, tr in traces:
+                    lab.play(a, b, tr, both=both)
+                if logs is not None:
+                    try:
+                        logs.mkdir(parents=True, exist_ok=True)
+                        files = [open(logs / f"node{k}.log", "w") for k in range(nodes)]
+                    except OSError as e:
+                        raise BadInput(f"--logs: cannot write the node logs in '{logs}' ({e.strerror})") from None
+            procs = [lab.popen(k, _fill(cmd, lab, k), env={**os.environ, **lab.node_env(k)},
+                               stdout=files[k] if files else None, stderr=subprocess.STDOUT if files else None)
+                     for k in range(nodes)]
+            failed = _wait_all(procs, timeout)
+        finally:
+            for f in files:
+                f.close()
+            with _trace_errors():
+                lab.down()
     code, message = _verdict(failed, timeout)
     if message:
         err_console.print(message, markup=False, soft_wrap=True)

@@ -20,7 +20,7 @@ from ds_pipemorph.bench.paired import cycles_for
 from ds_pipemorph.bench.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
 from ds_pipemorph.fileio import BadInput, describe, write_atomic
 
-from .common import announce, check_outputs, console, err_console, parse_floats, user_errors
+from .common import announce, check_outputs, console, err_console, parse_floats, stopped_by_signal, user_errors
 
 
 def paired(
@@ -64,11 +64,18 @@ def paired(
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting ranks", total=spec.iterations)
 
+        printed = [0]
+
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
+            # Not a terminal (a log, CI): no bar is drawn; a line per pair instead (A and B, one each).
+            if not console.is_terminal and done >= printed[0] + 2 and done > 0:
+                printed[0] = done - done % 2
+                print(f"pair {done // 2} of {total // 2} done ({what})", flush=True)
 
         try:
-            result = run(spec, work, timeout_s, progress)
+            with stopped_by_signal("pipemorph paired", work):
+                result = run(spec, work, timeout_s, progress)
         except PairedRunError as e:
             err_console.print(f"error: {e}", markup=False)
             raise typer.Exit(1) from None

@@ -4,15 +4,65 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+
+
+def _descendants(pid: int) -> list:
+    """Every process below ``pid`` (torchrun starts each rank in a session of its own: the group of
+    ``pid`` does not hold them)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:  # noqa: BLE001  (gone already, or no psutil)
+        return []
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group ``proc`` leads (it was started with ``start_new_session=True``)."""
+    """SIGKILL the process group ``proc`` leads (it was started with ``start_new_session=True``) and
+    every process below it, in its group or not."""
+    below = _descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for p in below:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001  (gone already)
+            pass
     proc.wait()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop ``proc`` (a launcher) as Ctrl-C would: SIGTERM to it, which passes it on to its ranks; what
+    still runs after ``grace_s`` (the launcher or any process that was below it) is killed."""
+    below = _descendants(proc.pid) if proc.poll() is None else []
+    try:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=grace_s)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        deadline = time.monotonic() + 2.0  # the ranks' exits may trail the launcher's a moment
+        while any(_alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:  # a second Ctrl-C meanwhile: kill at once
+        for p in below:
+            if _alive(p):
+                try:
+                    p.kill()
+                except Exception:  # noqa: BLE001  (gone meanwhile)
+                    pass
+        kill_group(proc)
+
+
+def _alive(p) -> bool:
+    try:
+        return p.is_running() and p.status() != "zombie"
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def run_group(cmd: list[str], timeout: float, **popen_kw) -> subprocess.CompletedProcess:
@@ -25,8 +75,8 @@ def run_group(cmd: list[str], timeout: float, **popen_kw) -> subprocess.Complete
     except subprocess.TimeoutExpired:
         kill_group(proc)
         raise
-    except BaseException:
-        kill_group(proc)
+    except BaseException:  # Ctrl-C: the launcher and its ranks stop in order, then whatever is left is killed
+        stop_group(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..procs import kill_group, versioned_extensions_dir
+from ..procs import kill_group, stop_group, versioned_extensions_dir
 from .spec import BenchSpec
 
 POLL_S = 0.5
@@ -64,9 +64,8 @@ def run_job(spec: BenchSpec, spec_path: Path, work: Path, timeout_s: float,
                     raise JobFailed(f"the benchmark did not finish within {timeout_s:g} s; see {log_path}")
                 on_progress(read_progress(progress_file))
                 time.sleep(POLL_S)
-        except BaseException:
-            if proc.poll() is None:
-                kill_group(proc)
+        except BaseException:  # Ctrl-C or SIGTERM: the ranks stop in order, then whatever is left is killed
+            stop_group(proc)
             raise
     if _stamp(out) in (None, before):
         raise JobFailed(f"the ranks exited with code {proc.returncode} before writing results; see {log_path}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import median
 from typing import Callable, Optional
 
-from ..procs import kill_group, versioned_extensions_dir
+from ..procs import stop_group, versioned_extensions_dir
 from .launch import complete_lines
 from .paired import A_SIDE, compare, sequence
 from .paired_spec import PairedSpec
@@ -54,7 +54,7 @@ def _wait(proc: subprocess.Popen, deadline: float, log: Path, poll: Optional[Cal
                 poll()
             time.sleep(0.5)
     except BaseException:
-        kill_group(proc)
+        stop_group(proc)
         raise
 
 
