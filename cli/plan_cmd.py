@@ -34,12 +34,18 @@ def plan(
     greedy: bool = typer.Option(False, "--greedy", help="Only the paper's single greedy pass (Alg. 1 + Alg. 3/4)."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the planned timeline (format from the suffix: .png, .pdf, .svg, ...)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the planned timeline as a Chrome/Perfetto trace."),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches", min=1, help="Micro-batches per iteration to plan for (default: the profile's, as profile-stages measured them)."),
 ) -> None:
     """Plan a zero-bubble schedule that absorbs the profile's link delays within its memory caps."""
     with user_errors():
         check_outputs({"--output": output, "--chrome": chrome}, pictures={"--gantt": gantt})
         prof = load_kind(profile, Profile, "profile")
+        measured = prof.microbatches
+        if microbatches is not None and microbatches != measured:
+            prof = Profile.model_validate({**prof.model_dump(mode="json"), "microbatches": microbatches})
         costs, n, caps = prof.costs(), prof.microbatches, prof.caps()
+        count = (f"--microbatches; the profile has {measured}" if microbatches is not None and microbatches != measured
+                 else "the profile's count")
         if greedy:
             sched, lb, note = list_schedule(costs, n, initial_warmup(caps)), None, "paper's greedy pass"
         else:
@@ -62,7 +68,7 @@ def plan(
         announce(outputs, to_stderr=True)
         return
     p = pf.predicted
-    console.print(f"[bold]Plan[/bold] for {prof.stages} stages x {n} micro-batches ({note})")
+    console.print(f"[bold]Plan[/bold] for {prof.stages} stages x {n} micro-batches ({count}; {note})")
     console.print(f"warm-up x_s: {pf.warmup}   peak in-flight: {p.peak_inflight}   caps: {caps}")
     bound = f"; lower bound {lb:.1f} ms" if lb is not None else ""
     console.print(

@@ -307,8 +307,11 @@ def profile_stages(
         dest = out or merge
         outputs = {str(dest): render(data, str(dest))} if dest else {}
         write_outputs(outputs)
+    whence = "--microbatches" if microbatches else ("the merged profile's" if (base or {}).get("microbatches")
+                                                    else f"4 x {stages} stages, the default")
     console.print(f"{stages} stages on {dev}, {torch.get_num_threads()} thread(s), median of {reps} rounds, "
-                  f"B/W split: {used}")
+                  f"B/W split: {used}; {n} micro-batches per iteration in the profile ({whence}: "
+                  f"`pipemorph plan` plans for this count unless given --microbatches)")
     t = Table()
     for col in ("stage", "layers", "params", "F ms", "B ms", "W ms"):
         t.add_column(col, justify="right")

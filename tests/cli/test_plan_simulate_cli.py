@@ -30,6 +30,20 @@ def test_plan_prints_warmup_tolerance_and_prediction_and_writes_the_plan(tmp_pat
     assert plan["profile"]["stages"] == 4
 
 
+def test_plan_says_which_micro_batch_count_it_planned_for_and_takes_another(tmp_path):
+    prof = write(tmp_path, "p.yaml", PROFILE)
+    r = run("plan", prof, "--greedy")
+    assert r.exit_code == 0, r.output
+    assert "Plan for 4 stages x 12 micro-batches (the profile's count; " in r.output
+    out = tmp_path / "plan8.yaml"
+    r = run("plan", prof, "--greedy", "--microbatches", "8", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert "Plan for 4 stages x 8 micro-batches (--microbatches; the profile has 12; " in r.output
+    plan = yaml.safe_load(out.read_text())
+    assert plan["profile"]["microbatches"] == 8
+    assert sum(op.startswith("F") for op in plan["schedule"][0]) == 8
+
+
 def test_plan_json_prints_the_plan_object(tmp_path):
     r = run("plan", write(tmp_path, "p.yaml", PROFILE), "--json")
     assert r.exit_code == 0, r.output

@@ -1,5 +1,6 @@
 """The staging op is built (or loaded from the cache) when the engine starts if delegation can happen, not when
-the first link goes delegated; one line per node says so. With delegation off it is never loaded."""
+the first link goes delegated; one line says so when it really compiles, none when the cache holds it. With
+delegation off it is never loaded."""
 import json
 import os
 import sys
@@ -16,6 +17,9 @@ REPO = HERE.parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_auto_mode_loads_the_staging_op_at_engine_start(tmp_path):
+    from ds_pipemorph.staging.builder import StagingRingBuilder, needs_build
+
+    builds = needs_build(StagingRingBuilder())  # a fresh machine's first job compiles it; later ones load it
     env = {**os.environ, "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -31,6 +35,7 @@ def test_auto_mode_loads_the_staging_op_at_engine_start(tmp_path):
             assert res[(m, r)]["delegated_sent"] == {}  # no link was slow: nothing went through delegates
     # Both modes trained the same model on the same data over direct links: same losses (stage 1 has them).
     assert res[("auto", 1)]["losses"] == res[("off", 1)]["losses"]
-    lines = [ln for ln in output.splitlines() if "building the staging op" in ln]
-    assert len(lines) == 1, lines  # local rank 0 only, and only where delegation can happen
-    assert "pipemorph_staging_cpu_" in lines[0] and "(once, cached" in lines[0]  # the CPU variant only
+    lines = [ln for ln in output.splitlines() if "building the staging ring op" in ln]
+    assert len(lines) == (1 if builds else 0), lines  # rank 0 only, only where delegation can happen
+    if builds:
+        assert "pipemorph_staging_cpu_" in lines[0] and "first start only" in lines[0]  # the CPU variant only

@@ -74,11 +74,10 @@ class Supervision:
         reaper.watch()  # this process's rings are removed however it ends
         reaper.reclaim_orphans()  # and those of processes that ended before there was a reaper
 
+        from ....staging.builder import announce_build
+
         builder = op_builder(cuda=self.staging_path.cuda)
-        local = os.environ.get("LOCAL_RANK")
-        if (int(local) == 0) if local is not None else self.rank == 0:  # once per node
-            log.warning("building the staging op %s for delegated links (once, cached under "
-                        "$TORCH_EXTENSIONS_DIR)", builder.name)
+        announce_build(builder, "the staging ring op for delegated links")  # only when it really compiles
         try:
             self._load_op()
         except Exception as e:  # noqa: BLE001  (raised again by _load_op at the first delegated link)
