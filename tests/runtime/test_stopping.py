@@ -28,7 +28,7 @@ STOP_S = 10.0  # every rank and delegate gone this long after the signal
 
 class Job:
     def __init__(self, tmp: Path, mode: str = "delegated", steps: int = 100000, extra=(), monitor_s: float | None = None):
-        self.dir = tmp
+        self.dir, self.mode = tmp, mode
         self.log = open(tmp / "log.txt", "w+")
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -52,7 +52,8 @@ class Job:
             for line in Path(f"/proc/{self.pids[r][0]}/maps").read_text().splitlines():
                 if "/dev/shm/" in line:
                     self.shm.add(line.rsplit(None, 1)[-1])
-        assert any("/pm_" in f for f in self.shm), self.shm  # staging rings exist
+        if self.mode == "delegated":
+            assert any("/pm_" in f for f in self.shm), self.shm  # staging rings exist
         self.torchrun_children = _children(self.proc.pid)
 
     def ended_within(self, seconds: float) -> float:
@@ -195,12 +196,47 @@ def test_sigkill_of_a_rank_is_named_by_the_others_and_sigkill_of_torchrun_stops_
 
 
 @pytest.mark.timeout(600)
-def test_an_output_path_that_cannot_be_written_is_one_sentence_at_start_up_before_any_rank_trains(job):
-    j = job(mode="direct", steps=3, extra=["timeline=/proc/no_such_dir/timeline.json"])
-    j.proc.wait(timeout=500)
+def test_a_refused_setting_is_one_sentence_at_start_up_before_any_rank_trains(job):
+    cases = {"timeline=/proc/no_such_dir/timeline.json":
+             "error: pipemorph.timeline: cannot write '/proc/no_such_dir/timeline.json': no file can be created in",
+             "no_such_key=1": "error: ds_config pipemorph: unknown key 'no_such_key'"}
+    for extra, sentence in cases.items():
+        j = job(mode="direct", steps=3, extra=[extra])
+        j.proc.wait(timeout=500)
+        out = j.output()
+        assert j.proc.returncode != 0
+        assert _rank_tracebacks(out) == [], out[-5000:]
+        errors = [line for line in _our_lines(out) if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith(sentence), out[-3000:]
+        assert "exitcode  : 2" in out  # every rank exited 2
+        assert not list(j.dir.glob("step*")), "a rank trained"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stopped_rank_is_not_taken_for_a_dead_one_and_the_timeout_it_causes_is_one_sentence(job):
+    """SIGSTOP: the rank is alive (its kernel answers) but makes no progress, as on a host starved of
+    CPU for good. Nobody calls it dead; its neighbour times out after timeout_s (5 s) with one
+    sentence, the job stops, and the stopped rank, once continued, stops too without a line."""
+    j = job(mode="direct", extra=["timeout_s=5"])
+    j.training()
+    stopped = j.pids[1][0]
+    os.kill(stopped, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        others = [j.pids[r][0] for r in (0, 2)]
+        deadline = time.monotonic() + 60
+        while any(_running(p) for p in others) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert not any(_running(p) for p in others), j.output()[-3000:]
+    assert took < 5 + STOP_S, took
+    assert j.wait_gone(STOP_S) == [], j.output()[-3000:]
+    j.ended_within(STOP_S)
     out = j.output()
-    assert j.proc.returncode != 0
+    lines = _our_lines(out)
+    assert len(lines) == 1 and lines[0].startswith("error: rank ") and "timed out after 5 s" in lines[0], lines
+    assert "died" not in out
     assert _rank_tracebacks(out) == [], out[-5000:]
-    errors = [line for line in _our_lines(out) if "error:" in line]
-    assert len(errors) == 1 and "pipemorph.timeline: cannot write '/proc/no_such_dir/timeline.json'" in errors[0], out[-3000:]
-    assert not list(j.dir.glob("step*")), "a rank trained"
