@@ -19,9 +19,10 @@ import deepspeed  # noqa: E402
 import ds_pipemorph  # noqa: E402
 from models import batches, build_model, ds_config  # noqa: E402
 
-out_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+out_dir, mode, steps = args[0], args[1], int(args[2])
 extra = {}
-for kv in sys.argv[4:]:
+for kv in args[3:]:
     k, v = kv.split("=", 1)
     extra[k] = json.loads(v) if v[:1].isdigit() or v[:1] in "[{" else v
 rank = int(os.environ["RANK"])

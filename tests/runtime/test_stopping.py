@@ -27,12 +27,17 @@ STOP_S = 10.0  # every rank and delegate gone this long after the signal
 
 
 class Job:
-    def __init__(self, tmp: Path, mode: str = "delegated", steps: int = 100000, extra=(), monitor_s: float | None = None):
+    def __init__(self, tmp: Path, mode: str = "delegated", steps: int = 100000, extra=(), monitor_s: float | None = None,
+                 launcher: str = "torchrun"):
         self.dir, self.mode = tmp, mode
         self.log = open(tmp / "log.txt", "w+")
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+        if launcher == "deepspeed":
+            cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD), "--master_port",
+                   str(_free_port())]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
         if monitor_s is not None:
             cmd.append(f"--monitor-interval={monitor_s}")
         cmd += [str(HERE / "life_job.py"), str(tmp), mode, str(steps), *extra]
@@ -94,6 +99,14 @@ class Job:
         self.log.close()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -110,8 +123,8 @@ def _children(pid: int) -> list[int]:
 
 
 def _rank_tracebacks(text: str) -> list[str]:
-    """The exception lines of the tracebacks in ``text`` but torchrun's own (it raises one when a rank
-    exits non-zero: ChildFailedError, or SignalException when it got the signal)."""
+    """The exception lines of the tracebacks in ``text`` but the launchers' own (torchrun raises one
+    when a rank exits non-zero or it got a signal; DeepSpeed's runner shows its KeyboardInterrupt)."""
     lines, found = text.splitlines(), []
     for i, line in enumerate(lines):
         if line.endswith("Traceback (most recent call last):"):
@@ -119,9 +132,11 @@ def _rank_tracebacks(text: str) -> list[str]:
             while j < len(lines) and (lines[j].startswith(" ") or lines[j].endswith("Traceback (most recent call last):")
                                       or not lines[j].strip()):
                 j += 1
-            last = lines[j] if j < len(lines) else ""
-            if "torch.distributed.elastic" not in last:
-                found.append(last)
+            block = "\n".join(lines[i:j + 1])
+            launcher = ("torch.distributed.elastic" in block or "torch/distributed/run.py" in block
+                        or "deepspeed/launcher/" in block)
+            if not launcher:
+                found.append(lines[j] if j < len(lines) else "")
     return found
 
 
@@ -164,6 +179,26 @@ def test_a_signal_to_torchrun_or_to_one_rank_stops_every_rank_and_delegate_in_se
         assert 1 <= len(lines) <= WORLD, (target, lines)
         assert any(f"stopped by {sig}" in line for line in lines), (target, lines)
         assert j.left_in_shm() == [], (target, out[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_under_the_deepspeed_launcher_stops_every_rank_without_tracebacks_or_leftovers(job):
+    """A Ctrl-C in the terminal: SIGINT to the whole foreground process group (launcher, ranks, their
+    fork servers and delegates); the launcher then sends SIGTERM to each rank's process tree and
+    SIGKILL a few seconds later. DeepSpeed's all-reduce buffers (66 MB each) must go with the rings."""
+    j = job(launcher="deepspeed")
+    j.training()
+    assert any("deepspeed_allreduce_buffer" in f for f in j.shm), j.shm
+    os.killpg(j.proc.pid, signal.SIGINT)
+    j.ended_within(STOP_S)
+    out = j.output()
+    assert j.wait_gone(2.0) == [], out[-3000:]
+    assert j.proc.returncode != 0
+    assert _rank_tracebacks(out) == [], out[-5000:]
+    lines = _our_lines(out)
+    assert 1 <= len(lines) <= WORLD and all("stopped by SIG" in line for line in lines), lines
+    assert j.left_in_shm() == [], out[-3000:]
 
 
 @pytest.mark.slow
