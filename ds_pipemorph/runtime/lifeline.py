@@ -196,7 +196,9 @@ class Lifeline:
     fail = claim_end
 
     def close(self) -> None:
-        """An orderly end: BYE (or FAIL after ``fail``) to the neighbours; the thread ends."""
+        """An orderly end: BYE (or FAIL after ``fail``) to the neighbours; the thread ends and is joined,
+        and the store client goes, before the interpreter's teardown (a thread still inside the
+        store's C++ then would end the process with "terminate called without an active exception")."""
         with self._guard:
             if self._closed or self._stopping:
                 return
@@ -216,6 +218,11 @@ class Lifeline:
         except (ValueError, TypeError):  # not the main thread at exit
             pass
         os.write(self._wake_w, b"\0")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+        for c in [*conns, self.listener]:
+            c.close()
+        self.store = None  # the store client goes now, not in the interpreter's teardown
 
     # -- the thread -----------------------------------------------------------------------------------
     def _watch(self) -> None:
