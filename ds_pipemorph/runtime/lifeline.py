@@ -18,6 +18,9 @@ thread (``_watch``) waits on all of them, on the signal pipe and, once a second,
 - the job's end written by another rank: stop without a line (that rank printed it);
 - this process's parent gone (its launcher killed with SIGKILL: the process was handed to another
   parent): stop, ``rank 1: stopping: its launcher (pid 4242) is gone``;
+- this rank cut off: every neighbour unreachable and the store not answering for ``USER_TIMEOUT_S``
+  (this host's network is down): stop with a sentence, instead of waiting in a collective whose
+  deadline is DeepSpeed's (30 min); the other ranks meet their own timeouts, naming their links;
 - a failure of this process (``fail``: an uncaught error, ``runtime.errors``): ``FAIL`` to the
   neighbours and the job's end in the store, so that every other rank stops within a second or two
   instead of at its own timeout.
@@ -88,7 +91,8 @@ class Lifeline:
         self.rank, self.stage_of = rank, dict(stage_of or {})
         self.prefix = f"pipemorph/life/{_attempt()}"
         self.ended_key = f"{self.prefix}/ended"
-        self.store = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timedelta(seconds=30))
+        self.store = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timedelta(seconds=60))
+        self.store.set_timeout(timedelta(seconds=5))  # later calls: the thread must stay free to stop the process
         addr = _local_address(store_addr, store_port)
         self.listener = socket.create_server((addr, 0), backlog=64)
         self.store.set(f"{self.prefix}/{rank}", f"{addr} {self.listener.getsockname()[1]} {os.getpid()} "
@@ -103,6 +107,7 @@ class Lifeline:
         self._stopping = False
         self._closed = False
         self.ppid = os.getppid()
+        self._store_lost_at: float | None = None  # the store stopped answering then
         self._guard = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -274,16 +279,30 @@ class Lifeline:
 
     def _poll_store(self) -> None:
         try:
-            if self.failure is None and self.store.check([self.ended_key]):
-                self._stop(1, None)
+            self._poll_store_once()
+            self._store_lost_at = None
+        except Exception:  # noqa: BLE001  (the store's host is gone, or this host's network)
+            now = time.monotonic()
+            self._store_lost_at = self._store_lost_at or now
             with self._guard:
-                pending = sorted(self.pending)
-            for r in pending:
-                key = f"{self.prefix}/{r}"
-                if self.store.check([key]):
-                    self._connect(r, self.store.get(key).decode())
-        except Exception:  # noqa: BLE001  (the store's host is gone: the job is ending; neighbours decide)
-            pass
+                cut_off = bool(self.unreachable) and not self.conns
+            if cut_off and now - self._store_lost_at >= USER_TIMEOUT_S:
+                self._stop(1, f"rank {self.rank}: stopping: cut off from the job (neither the job's store nor any "
+                              f"neighbour has answered for {USER_TIMEOUT_S:g} s: this host's network is down)",
+                           own=True)
+
+    def _poll_store_once(self) -> None:
+        store = self.store
+        if store is None:  # closed meanwhile
+            return
+        if self.failure is None and store.check([self.ended_key]):
+            self._stop(1, None)
+        with self._guard:
+            pending = sorted(self.pending)
+        for r in pending:
+            key = f"{self.prefix}/{r}"
+            if store.check([key]):
+                self._connect(r, store.get(key).decode())
 
     def _signals(self) -> None:
         data = os.read(self._wake_r, 64)
