@@ -104,7 +104,9 @@ def test_two_pipelines_by_two_data_parallel_ready_dispatch_equals_stock(tmp_path
 @pytest.mark.timeout(240)
 def test_the_timeline_shows_the_order_run_and_trace_compare_names_where_it_left_the_hint(tmp_path):
     # Stage 1's hint starts with F1, but stage 0 sends F0 first over a link that holds each message
-    # 30 ms (one in flight): F0 is in 30 ms before F1, so ready dispatch runs F0, B0 and W0 first.
+    # 30 ms (one in flight): F0 is in 30 ms before F1, so ready dispatch runs F0 and B0 first; W0
+    # waits for W1, the W before it in the hint (Ws accumulate in the hint's order), so F1 and B1 come
+    # between.
     hint = [parse_stage("F0 F1 B0 W0 B1 W1".split()), parse_stage("F1 B1 W1 F0 B0 W0".split())]
     profile = Profile(stages=2, microbatches=2, compute_ms={"forward": 1.0, "backward_input": 1.0,
                                                              "backward_weight": 1.0})
@@ -118,7 +120,7 @@ def test_the_timeline_shows_the_order_run_and_trace_compare_names_where_it_left_
     run = launch(2, jobs, tmp_path, timeout=220)
     _assert_ready_run_equals_stock(run, "departs", "stock", 2, peak_inflight(hint))
     ran = [op for op in run.result("departs", 1)["ops"][-1] if op[0] in "FBW" and op[1:].isdigit()]
-    assert ran == ["F0", "B0", "W0", "F1", "B1", "W1"], ran
+    assert ran == ["F0", "B0", "F1", "B1", "W1", "W0"], ran
     p = subprocess.run([sys.executable, "-m", "ds_pipemorph_cli.app", "trace", "compare", str(plan_path),
                         str(timeline), "--json"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

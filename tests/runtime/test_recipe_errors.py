@@ -49,8 +49,8 @@ CASES = {
                              "stages"),
     "unknown_key": ({"schedule": "zb", "shedule_hint": 1}, None, "ds_config pipemorph: unknown key 'shedule_hint'"),
     "fp16": ({"schedule": "zb"}, {"fp16": {"enabled": True}},
-             "this device has no fp16 (DeepSpeed's cpu accelerator): use \"bf16\": {\"enabled\": true} instead of "
-             "the \"fp16\" section, or remove it"),
+             "this device has no fp16 (DeepSpeed's cpu accelerator): use \"bf16\": {{\"enabled\": true}} instead "
+             "of the \"fp16\" section, or remove it"),  # braces doubled: the sentences go through str.format
     "zero_stage_2": ({"schedule": "zb"}, {"zero_optimization": {"stage": 2}},
                      "pipeline parallelism runs with ZeRO stage 0 or 1 only (DeepSpeed's rule): set "
                      "zero_optimization.stage to 1 (it is 2)"),
