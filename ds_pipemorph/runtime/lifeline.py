@@ -181,13 +181,18 @@ class Lifeline:
             time.sleep(0.02)
 
     def settle(self, within_s: float) -> bool:
-        """Wait up to ``within_s`` for the lifeline to conclude (a transport failure may be the first
-        sign of a neighbour's death, whose connection's end is being read now); True if stopping."""
+        """Wait up to ``within_s`` for the lifeline to read what its neighbours said or how their
+        connections ended (an error of the training thread may be the first sign of a neighbour's death
+        or stop, whose word is being read now); True if the lifeline is stopping the process."""
         deadline = time.monotonic() + within_s
         while not self._stopping and time.monotonic() < deadline:
             with self._guard:
-                pending = any(_peek_closed(c) for c in self.conns)
-            if not pending and not self.dead:
+                conns = list(self.conns)
+            try:
+                unread = select.select(conns, [], [], 0)[0] if conns else []
+            except (OSError, ValueError):  # a connection closed meanwhile: look again
+                unread = [None]
+            if not unread and not self.dead:
                 break
             time.sleep(0.02)
         return self._stopping
