@@ -175,6 +175,7 @@ def _start_lifeline(engine) -> None:
     stage_of = {r: s for s, r in enumerate(ranks)}
     fresh = lifeline.current() is None
     life = lifeline.start(engine.global_rank, addr, int(port), stage_of)
+    life.set_timeout(engine.pipemorph.timeout_s)
     s = engine.stage_id
     life.watch_neighbours([ranks[i] for i in (s - 1, s + 1) if 0 <= i < len(ranks)], stage_of)
     if fresh:

@@ -11,7 +11,9 @@ thread (``_watch``) waits on all of them, on the signal pipe and, once a second,
   node2) died``, writes it as the job's end in the store, and stops; a neighbour's kernel that stops
   acknowledging (its host or the network to it down) ends only the connection after
   ``USER_TIMEOUT_S`` and is told apart (``unreachable``): a link down between two live ranks still
-  fails over (``runtime.transport.router`` asks ``peer_gone`` before it fails over);
+  fails over (``runtime.transport.router`` asks ``peer_gone`` before it fails over), and the job
+  stops only once the neighbour stayed unreachable ``timeout_s`` + ``USER_TIMEOUT_S`` (by then the
+  transport's own waits have timed out naming their links, unless this rank waits in a collective);
 - SIGINT or SIGTERM to this process (a Ctrl-C, a launcher passing its signal on): the first rank to
   get one prints ``rank 1: stopped by SIGINT``, writes the job's end and stops with 128 + the
   signal's number, without waiting for the training thread (it may wait inside a collective);
@@ -101,7 +103,8 @@ class Lifeline:
         self.conns: dict[socket.socket, dict] = {}  # connection -> {rank, buf, bye}
         self.pending: set[int] = set()  # neighbours to connect to, once they published their port
         self.peers: dict[int, str] = {}  # rank -> "pid P on HOST" once known
-        self.unreachable: set[int] = set()
+        self.unreachable: dict[int, float] = {}  # rank -> when its kernel last answered
+        self.unreachable_s = 300.0 + USER_TIMEOUT_S  # ``set_timeout``
         self.dead: set[int] = set()
         self.failure: str | None = None  # set by ``fail``: what the neighbours hear at exit
         self._stopping = False
@@ -153,6 +156,10 @@ class Lifeline:
         for s in mine:
             self._old_handlers[s] = signal.signal(s, _noted)
         return True
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """The engine's ``timeout_s``: a neighbour unreachable this long (plus ``USER_TIMEOUT_S``) ends the job."""
+        self.unreachable_s = float(timeout_s) + USER_TIMEOUT_S
 
     def on_stop(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when this process stops by the lifeline (lock-free work: the training thread may hold any)."""
@@ -258,6 +265,7 @@ class Lifeline:
                     line = f"rank {self.rank}: stopping: its launcher (pid {self.ppid}) is gone"
                     self._stop(1, line if first else None, own=True)
                 self._poll_store()
+                self._judge_unreachable()
 
     def _accept(self) -> None:
         try:
@@ -309,6 +317,19 @@ class Lifeline:
             if store.check([key]):
                 self._connect(r, store.get(key).decode())
 
+    def _judge_unreachable(self) -> None:
+        for rank, since in list(self.unreachable.items()):
+            if time.monotonic() - since >= self.unreachable_s:
+                sentence = (f"{self._who(rank)} has been unreachable for {self.unreachable_s:g} s: its host or "
+                            f"the network to it is down; the job stops")
+                first = self._announce(sentence)
+                self._stop(1, f"error: {sentence}" if first else None, own=True)
+
+    def _who(self, rank: int) -> str:
+        stage = self.stage_of.get(rank)
+        inner = ", ".join(x for x in (f"stage {stage}" if stage is not None else "", self.peers.get(rank, "")) if x)
+        return f"rank {rank}" + (f" ({inner})" if inner else "")
+
     def _signals(self) -> None:
         data = os.read(self._wake_r, 64)
         for b in data:
@@ -349,13 +370,10 @@ class Lifeline:
         if state["bye"] or rank is None:
             return
         if data is None:
-            self.unreachable.add(rank)
+            self.unreachable[rank] = time.monotonic() - USER_TIMEOUT_S
             return
         self.dead.add(rank)
-        stage = self.stage_of.get(rank)
-        who = f"rank {rank}" + (f" (stage {stage}, {self.peers[rank]})" if rank in self.peers and stage is not None
-                                else f" ({self.peers[rank]})" if rank in self.peers else "")
-        sentence = f"{who} died: its process is gone; the job stops"
+        sentence = f"{self._who(rank)} died: its process is gone; the job stops"
         first = self._announce(sentence)
         self._stop(1, f"error: {sentence}" if first else None)
 
