@@ -4,7 +4,9 @@
 ours that no one catches ends the process without a traceback:
 
 - a setting refused at start-up (``PipeMorphConfigError``, ``UnsupportedDeepSpeedError``): every rank
-  raises the same, rank 0 prints ``error: <sentence>``, every rank exits 2;
+  raises the same, rank 0 prints ``error: <sentence>`` and exits 2 at once; the other ranks exit 2
+  ``CONFIG_GRACE_S`` later, when the launcher has not stopped them by then, saying it too (an error
+  only they met);
 - a failure detected while training (``TransportError``: a timeout, a rank that died, a link that
   cannot be failed over; ``PipeMorphConfigError`` raised later, e.g. by a re-plan): the first rank to
   fail prints ``error: <sentence>``, its lifeline tells the job (``runtime.lifeline``: the others stop
@@ -23,6 +25,7 @@ import os
 import sys
 
 CONFIG_EXIT, FAILURE_EXIT = 2, 1
+CONFIG_GRACE_S = 10.0  # ranks but 0 wait this long before they say a start-up error themselves
 _installed = False
 
 
@@ -91,8 +94,14 @@ def _handle(e: BaseException) -> bool:
             print(f"rank {_rank()}: stopped by SIGINT", file=sys.stderr, flush=True)
         _end(130)
     if isinstance(e, (PipeMorphConfigError, UnsupportedDeepSpeedError)) and life is None:
-        if _rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        # Every rank raises the same at start-up: rank 0 says it. The others wait for a moment first:
+        # a launcher stops the whole job when one rank exits, rank 0 maybe before it printed. One that
+        # is still there later (an error of its own, or no launcher stopping it) says it too.
+        if _rank() != 0:
+            import time
+
+            time.sleep(CONFIG_GRACE_S)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         from .shutdown import exit_process
 
         exit_process(CONFIG_EXIT)

@@ -5,10 +5,12 @@
 Each rank writes OUT_DIR/rank<r>.pid (its pid, and its delegates' pids once they run) and touches
 OUT_DIR/step<k>.rank<r> after step k. MODE: "direct" (every link direct) or "delegated" (every link
 through delegates: staging rings in /dev/shm). KEY=VALUE pairs go into the pipemorph section (a
-number, or text): e.g. timeline=/proc/no/t.json.
+number, or text): e.g. timeline=/proc/no/t.json; job.sigstop_rank=R job.sigstop_step=K: rank R stops
+itself with SIGSTOP after step K (between two steps: every rank's next wait is then on a link).
 """
 import json
 import os
+import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,6 +30,7 @@ for kv in args[3:]:
 rank = int(os.environ["RANK"])
 stages = int(os.environ["WORLD_SIZE"])
 N = 4
+job = {k[4:]: extra.pop(k) for k in list(extra) if k.startswith("job.")}  # the script's own options
 pm = {"schedule": "zb", "timeout_s": 60, "delegation": {"mode": "always" if mode == "delegated" else "off"}, **extra}
 deepspeed.init_distributed(dist_backend="gloo")
 model = build_model(stages, seed=1)
@@ -46,7 +49,11 @@ def pids():
 
 for step in range(steps):
     engine.train_batch(iter(data))
-    if step < 3 or step % 10 == 0:
-        with open(os.path.join(out_dir, f"rank{rank}.pid"), "w") as f:
+    if step < 3 or step % 10 == 0:  # written whole (the test reads it at any moment)
+        tmp = os.path.join(out_dir, f".rank{rank}.pid")
+        with open(tmp, "w") as f:
             f.write(" ".join(map(str, pids())))
+        os.replace(tmp, os.path.join(out_dir, f"rank{rank}.pid"))
     open(os.path.join(out_dir, f"step{step}.rank{rank}"), "w").close()
+    if job.get("sigstop_rank") == rank and job.get("sigstop_step") == step:  # stopped between two steps
+        os.kill(os.getpid(), signal.SIGSTOP)

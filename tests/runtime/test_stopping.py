@@ -250,13 +250,17 @@ def test_a_refused_setting_is_one_sentence_at_start_up_before_any_rank_trains(jo
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_stopped_rank_is_not_taken_for_a_dead_one_and_the_timeout_it_causes_is_one_sentence(job):
-    """SIGSTOP: the rank is alive (its kernel answers) but makes no progress, as on a host starved of
-    CPU for good. Nobody calls it dead; its neighbour times out after timeout_s (5 s) with one
-    sentence, the job stops, and the stopped rank, once continued, stops too without a line."""
-    j = job(mode="direct", extra=["timeout_s=5"])
+    """SIGSTOP (rank 1 stops itself between two steps): the rank is alive (its kernel answers) but makes
+    no progress, as on a host starved of CPU for good. Nobody calls it dead; a neighbour times out after
+    timeout_s (5 s) with one sentence, the job stops, and the stopped rank, once continued, stops too
+    without a line."""
+    j = job(mode="direct", extra=["timeout_s=5", "job.sigstop_rank=1", "job.sigstop_step=3"])
     j.training()
     stopped = j.pids[1][0]
-    os.kill(stopped, signal.SIGSTOP)
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{stopped}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "rank 1 never stopped itself"
+        time.sleep(0.05)
     t0 = time.monotonic()
     try:
         others = [j.pids[r][0] for r in (0, 2)]
