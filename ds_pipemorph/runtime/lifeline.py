@@ -125,18 +125,21 @@ class Lifeline:
         """Keep a connection to each of ``ranks`` (this rank connects to the higher ones, now: each
         publishes its port as its engine is built, at about the same time as this one; one not there
         within ``wait_s`` is connected to later, by the lifeline's thread)."""
-        from datetime import timedelta
-
         with self._guard:
             self.stage_of.update(stage_of or {})
             known = {c["rank"] for c in self.conns.values()}
             new = [r for r in ranks if r > self.rank and r not in known]
             self.pending.update(new)
+        deadline = time.monotonic() + wait_s
         for r in new:
             key = f"{self.prefix}/{r}"
+            # Short checks, not one long wait: the store client serves one call at a time, and the
+            # lifeline's thread shares it.
             try:
-                self.store.wait([key], timedelta(seconds=wait_s))
-                self._connect(r, self.store.get(key).decode())
+                while not self.store.check([key]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self.store.check([key]):
+                    self._connect(r, self.store.get(key).decode())
             except Exception:  # noqa: BLE001  (not there yet: the thread tries again every POLL_S)
                 pass
 
