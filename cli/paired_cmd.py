@@ -64,18 +64,23 @@ def paired(
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting ranks", total=spec.iterations)
 
-        printed = [0]
+        printed, seen_total = [0], [0]
 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
-            # Not a terminal (a log, CI): no bar is drawn; a line per pair instead (A and B, one each).
-            if not console.is_terminal and done >= printed[0] + 2 and done > 0:
-                printed[0] = done - done % 2
-                print(f"pair {done // 2} of {total // 2} done ({what})", flush=True)
+            seen_total[0] = total
+            # Not a terminal (a log, CI): no bar is drawn; a line per pair instead (A and B, one each),
+            # those the last look skipped included.
+            if not console.is_terminal:
+                for k in range(printed[0] + 1, done // 2 + 1):
+                    print(f"pair {k} of {total // 2} done ({what})", flush=True)
+                printed[0] = max(printed[0], done // 2)
 
         try:
             with stopped_by_signal("pipemorph paired", work):
                 result = run(spec, work, timeout_s, progress)
+            if seen_total[0]:  # the last pairs may have ended between two looks
+                progress(seen_total[0], seen_total[0], "done")
         except PairedRunError as e:
             err_console.print(f"error: {e}", markup=False)
             raise typer.Exit(1) from None

@@ -34,6 +34,9 @@ def _run(tmp_path, name: str, *args: str) -> dict:
     r = runner.invoke(app, ["paired", *args, *COMMON, "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "B/A" in r.output and "A'/A" in r.output and "verdict:" in r.output
+    # Not a terminal here: a line per pair instead of a bar, each pair once, in order.
+    pairs = [ln.split(" done")[0] for ln in r.output.splitlines() if ln.startswith("pair ")]
+    assert pairs and pairs == [f"pair {k} of {len(pairs)}" for k in range(1, len(pairs) + 1)], r.output
     return json.loads(out.read_text())
 
 
