@@ -44,6 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from .transport.delegated.delegate_proc import address_toward
+
 POLL_S = 1.0  # the store's ``ended`` key and the neighbours not yet connected are looked at this often
 USER_TIMEOUT_S = 10.0  # a neighbour's kernel silent this long: its host or the network to it is down
 STORE_S = 3.0  # a store call on the way out waits at most this long (its host may be gone)
@@ -60,19 +62,6 @@ def current() -> Lifeline | None:
 def _attempt() -> str:
     """Keys of one launch attempt: torchrun restarts a failed job with the same store."""
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def _local_address(store_addr: str, store_port: int) -> str:
-    name = (os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
-    if name:
-        import psutil
-
-        for a in psutil.net_if_addrs().get(name, []):
-            if a.family == socket.AF_INET:
-                return a.address
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((store_addr, store_port))  # UDP: no packet is sent
-        return s.getsockname()[0]
 
 
 def _judged_by_kernel(sock: socket.socket) -> None:
@@ -95,7 +84,7 @@ class Lifeline:
         self.ended_key = f"{self.prefix}/ended"
         self.store = dist.TCPStore(store_addr, store_port, is_master=False, timeout=timedelta(seconds=60))
         self.store.set_timeout(timedelta(seconds=5))  # later calls: the thread must stay free to stop the process
-        addr = _local_address(store_addr, store_port)
+        addr = address_toward(store_addr, store_port)
         self.listener = socket.create_server((addr, 0), backlog=64)
         self.store.set(f"{self.prefix}/{rank}", f"{addr} {self.listener.getsockname()[1]} {os.getpid()} "
                                                 f"{socket.gethostname()}")

@@ -298,9 +298,13 @@ def _recv(t, peer: int) -> None:
 
 
 def local_address(spec: DelegateSpec) -> str:
-    """The address this delegate's Gloo connections leave from: the first IPv4 address of the
-    interface Gloo was given (``GLOO_SOCKET_IFNAME``: the generation's interface, or the job's), else
-    the address this host reaches the job's store from."""
+    """The address this delegate's Gloo connections leave from (``address_toward`` the job's store)."""
+    return address_toward(spec.store_addr, spec.store_port)
+
+
+def address_toward(store_addr: str, store_port: int) -> str:
+    """The first IPv4 address of the interface Gloo was given (``GLOO_SOCKET_IFNAME``: the
+    generation's interface, or the job's), else the address this host reaches the store from."""
     name = (os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0].strip()
     if name:
         import psutil
@@ -309,7 +313,7 @@ def local_address(spec: DelegateSpec) -> str:
             if a.family == socket.AF_INET:
                 return a.address
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((spec.store_addr, spec.store_port))  # UDP: no packet is sent
+        s.connect((store_addr, store_port))  # UDP: no packet is sent
         return s.getsockname()[0]
 
 
