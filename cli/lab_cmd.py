@@ -192,6 +192,9 @@ def _fill(cmd: List[str], lab, node: int) -> list[str]:
     return out
 
 
+STOP_GRACE_S = 10.0  # a stopped job's nodes get this long to end in order before they are killed
+
+
 @app.command("launch", context_settings=_PASS)
 def launch(
     nodes: int = typer.Option(..., "--nodes", min=1, help="How many nodes."),
@@ -236,10 +239,11 @@ def launch(
                      for k in range(nodes)]
             failed = _wait_all(procs, timeout)
         finally:
+            stopped = sys.exc_info()[0] is KeyboardInterrupt  # a Ctrl-C or SIGTERM: the ranks stop in order
+            with _trace_errors():
+                lab.down(grace_s=STOP_GRACE_S if stopped else 0.0)
             for f in files:
                 f.close()
-            with _trace_errors():
-                lab.down()
     code, message = _verdict(failed, timeout)
     if message:
         err_console.print(message, markup=False, soft_wrap=True)

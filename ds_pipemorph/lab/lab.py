@@ -14,7 +14,9 @@ lab up`` command): ``Lab.attach(id)`` reaches it again and ``down()`` removes it
 from __future__ import annotations
 
 import functools
+import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -67,13 +69,17 @@ class Lab:
             raise
         return self
 
-    def down(self) -> list[str]:
+    def down(self, grace_s: float = 0.0) -> list[str]:
         """Stop rate traces, kill the processes started in the nodes, remove every namespace;
-        returns the namespaces removed. The namespaces are removed whatever fails before; the
-        watchdog is let go only once none is left (else it retries when this process ends). The
-        first error of a rate trace or of stopping a process is raised afterwards."""
+        returns the namespaces removed. With ``grace_s``, the processes started in the nodes are
+        first sent SIGTERM (a launcher passes it on to its ranks, which stop in order) and given that
+        long to end. The namespaces are removed whatever fails before; the watchdog is let go only
+        once none is left (else it retries when this process ends). The first error of a rate trace
+        or of stopping a process is raised afterwards."""
         errors: list[Exception] = []
         try:
+            if grace_s > 0:
+                self._terminate(grace_s)
             for step in [p.stop for p in self._players] + \
                         [functools.partial(kill_group, c) for c in self._procs if c.poll() is None]:
                 try:
@@ -87,6 +93,19 @@ class Lab:
         if errors:
             raise errors[0]
         return gone
+
+    def _terminate(self, grace_s: float) -> None:
+        """SIGTERM to every live process started in the nodes, then wait until they ended or
+        ``grace_s`` passed."""
+        live = [c for c in self._procs if c.poll() is None]
+        for c in live:
+            try:
+                c.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and any(c.poll() is None for c in live):
+            time.sleep(0.1)
 
     def _release_watchdog(self) -> None:
         if self._watchdog is None:

@@ -52,21 +52,54 @@ def lab_namespaces(prefix: str) -> list[str]:
 
 def teardown(prefix: str) -> list[str]:
     """Kill every process inside the namespaces whose name starts with ``prefix`` and delete those
-    namespaces (their veth ends, bridges and qdiscs go with them). Returns the names removed."""
+    namespaces (their veth ends, bridges and qdiscs go with them). Returns the names removed.
+
+    Shared-memory reapers (``runtime.reaper``) started by the nodes' training processes live in the
+    nodes' namespaces too: they are killed last, once the processes they watch are gone and they had
+    ``REAPER_GRACE_S`` to remove those processes' staging rings."""
     gone = []
-    for ns in lab_namespaces(prefix):
-        for pid in ns_pids(ns):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for _ in range(50):  # a killed process leaves the namespace at once; a D-state one may lag
-            if not ns_pids(ns):
-                break
-            time.sleep(0.1)
+    spaces = lab_namespaces(prefix)
+    for ns in spaces:
+        _kill(p for p in ns_pids(ns) if not _is_reaper(p))
+    for ns in spaces:
+        _wait_empty(ns, keep=_is_reaper, seconds=5.0)
+    for ns in spaces:
+        _wait_empty(ns, seconds=REAPER_GRACE_S)  # each reaper exits once its owner is gone
+    for ns in spaces:
+        _kill(ns_pids(ns))
+        _wait_empty(ns, seconds=5.0)  # a killed process leaves the namespace at once; a D-state one may lag
         if run(["ip", "netns", "del", ns], check=False).returncode == 0:
             gone.append(ns)
     return gone
+
+
+REAPER_GRACE_S = 3.0
+_REAPER = os.path.join("ds_pipemorph", "runtime", "reaper.py")
+
+
+def _is_reaper(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return any(a.decode(errors="replace").endswith(_REAPER) for a in f.read().split(b"\0"))
+    except OSError:
+        return False
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_empty(ns: str, keep=None, seconds: float = 5.0) -> None:
+    """Until no process but those ``keep`` accepts is left in ``ns``, at most ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not [p for p in ns_pids(ns) if keep is None or not keep(p)]:
+            return
+        time.sleep(0.1)
 
 
 def lab_ids() -> dict[str, list[str]]:

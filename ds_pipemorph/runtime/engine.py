@@ -74,6 +74,7 @@ from .plans import DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_f
 from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
 from .oprecords import OpRecorder
 from .schedule import PipeMorphSchedule
+from .shutdown import release_at_exit
 from .timeline import TimelineWriter
 from .train_loss import EarlyLoss, broadcasts_early, sum_in_order
 from .transfer import Transfer
@@ -240,9 +241,14 @@ class PipeMorphEngine(PipelineEngine):
         # The iteration's loss leaves the last stage at its last forward where it can (runtime.train_loss).
         self.early_loss = EarlyLoss(self) if broadcasts_early(self) else None
         self._reset_iteration_state()
+        self._destroyed = False
+        release_at_exit(self)  # a script that just returns exits in order too (runtime.shutdown)
 
     def destroy(self):
-        """Stop this rank's delegate processes (they also exit when the training process dies)."""
+        """Stop this rank's delegate processes (they also exit when the training process dies). Once."""
+        if getattr(self, "_destroyed", False):
+            return
+        self._destroyed = True
         if self.adapter is not None:  # rank 0: the final profile_out and the profiler's overhead line
             self.adapter.close()
         for inbox in (self.inbox, getattr(self, "_idle_inbox", None)):

@@ -16,7 +16,7 @@ ours that no one catches ends the process without a traceback:
 
 Anything else keeps its traceback (it is a bug, or the script's own); the lifeline still tells the
 job, so the other ranks stop instead of waiting for their timeouts. Code that catches these errors
-itself (``exit_on_config_error``, a test) is unaffected: the hook sees only what nobody caught.
+itself (a test, a script's own ``except``) is unaffected: the hook sees only what nobody caught.
 """
 from __future__ import annotations
 

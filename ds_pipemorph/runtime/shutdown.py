@@ -19,6 +19,10 @@ every rank, after the last step::
 
     code = main()          # returns once training is done (engine.destroy() at its end, or pass engine=)
     exit_process(code)
+
+A script that simply returns needs none of it: ``ds_pipemorph.initialize`` registers
+``release_at_exit``, so a normal interpreter exit stops the engines' workers and releases the
+groups (joining their threads) before Python finalizes.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import gc
 import logging
 import os
 import sys
+import weakref
 from typing import NoReturn
 
 
@@ -47,6 +52,30 @@ def release_process_groups() -> None:
         p2p._groups, p2p._grid, p2p._async = None, None, []
         groups.mpu = None
     gc.collect()
+
+
+_engines: "weakref.WeakSet" = None
+
+
+def release_at_exit(engine) -> None:
+    """At a normal interpreter exit, before finalization: stop ``engine``'s workers (if nobody did)
+    and release the process groups. Registered once per process; every engine built is remembered
+    weakly."""
+    global _engines
+    if _engines is None:
+        _engines = weakref.WeakSet()
+        atexit.register(_release_all)
+    _engines.add(engine)
+
+
+def _release_all() -> None:
+    for engine in list(_engines or ()):
+        try:
+            engine.destroy()
+        except Exception as e:  # noqa: BLE001  (at exit: say it, release the groups anyway)
+            print(f"ds_pipemorph: stopping the engine at exit failed: {e}", file=sys.stderr, flush=True)
+    _engines.clear()
+    release_process_groups()
 
 
 def exit_process(code: int = 0, engine=None) -> NoReturn:

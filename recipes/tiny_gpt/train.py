@@ -24,8 +24,6 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
-from ds_pipemorph.runtime.exit_on_error import exit_on_config_error  # noqa: E402
-from ds_pipemorph.runtime.shutdown import exit_process  # noqa: E402
 from ds_pipemorph.staging.builder import announce_comm_build  # noqa: E402
 from model import tiny_gpt  # noqa: E402
 
@@ -65,14 +63,13 @@ def main() -> int:
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     args = ap.parse_args()
 
-    with exit_on_config_error():
-        announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op: say so
-        deepspeed.init_distributed()
-        torch.manual_seed(0)
-        data = CharWindows(args.seq, size=100_000)
-        model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
-        engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
-                                                  config=args.config)
+    announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op: say so
+    deepspeed.init_distributed()
+    torch.manual_seed(0)
+    data = CharWindows(args.seq, size=100_000)
+    model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
+    engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
+                                              config=args.config)
     loader = RepeatingLoader(torch.utils.data.DataLoader(
         data, batch_size=engine.train_micro_batch_size_per_gpu(),
         sampler=torch.utils.data.DistributedSampler(data, num_replicas=engine.dp_world_size,
@@ -93,7 +90,7 @@ def main() -> int:
               f"(peak in-flight activations on stage 0: {engine.measured_peak_inflight})", flush=True)
     if args.save_params:
         save_stage(args.save_params, engine, losses)
-    engine.destroy()  # its workers stop; exit_process (below) releases the process groups
+    engine.destroy()  # its workers stop now (an exit would stop them too)
     return 0
 
 
@@ -109,4 +106,4 @@ def save_stage(out_dir: str, engine, losses: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    exit_process(main())  # groups destroyed and their threads joined, no interpreter teardown to race with
+    sys.exit(main())

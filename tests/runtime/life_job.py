@@ -7,7 +7,10 @@ OUT_DIR/step<k>.rank<r> after step k. MODE: "direct" (every link direct) or "del
 through delegates: staging rings in /dev/shm). KEY=VALUE pairs go into the pipemorph section (a
 number, or text): e.g. timeline=/proc/no/t.json; job.sigstop_rank=R job.sigstop_step=K: rank R stops
 itself with SIGSTOP after step K (between two steps: every rank's next wait is then on a link).
+A rank that returns writes OUT_DIR/exit.rank<r>: whether its process groups were released before
+the exit handlers registered ahead of ``initialize`` ran (they run after the package's own).
 """
+import atexit
 import json
 import os
 import signal
@@ -33,6 +36,16 @@ N = 4
 job = {k[4:]: extra.pop(k) for k in list(extra) if k.startswith("job.")}  # the script's own options
 pm = {"schedule": "zb", "timeout_s": 60, "delegation": {"mode": "always" if mode == "delegated" else "off"}, **extra}
 deepspeed.init_distributed(dist_backend="gloo")
+
+
+@atexit.register
+def _note_exit():
+    import torch.distributed as dist
+
+    with open(os.path.join(out_dir, f"exit.rank{rank}"), "w") as f:
+        f.write("released" if not dist.is_initialized() else "groups still there")
+
+
 model = build_model(stages, seed=1)
 config = ds_config(N, pipemorph=pm)
 # No gradient clipping: its norm is an all-reduce over the stages that waits DeepSpeed's timeout

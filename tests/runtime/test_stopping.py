@@ -231,6 +231,22 @@ def test_sigkill_of_a_rank_is_named_by_the_others_and_sigkill_of_torchrun_stops_
 
 
 @pytest.mark.timeout(600)
+def test_a_plain_script_that_returns_exits_in_order_leaving_nothing(job):
+    """No helper call at the end: the package stops its workers and releases the process groups at
+    exit, before Python tears down (a gloo thread alive then can abort the process)."""
+    j = job(steps=3)
+    j.proc.wait(timeout=500)
+    out = j.output()
+    assert j.proc.returncode == 0, out[-3000:]
+    assert [(j.dir / f"exit.rank{r}").read_text() for r in range(WORLD)] == ["released"] * WORLD
+    assert "terminate called" not in out and _rank_tracebacks(out) == [], out[-3000:]
+    j.pids = {r: [int(p) for p in (j.dir / f"rank{r}.pid").read_text().split()] for r in range(WORLD)}
+    assert all(len(ps) > 1 for ps in j.pids.values()), j.pids  # delegates ran
+    assert j.wait_gone(STOP_S) == [], out[-3000:]
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(tuple(f"pm_{ps[0]}_" for ps in j.pids.values()))]
+
+
+@pytest.mark.timeout(600)
 def test_a_refused_setting_is_one_sentence_at_start_up_before_any_rank_trains(job):
     cases = {"timeline=/proc/no_such_dir/timeline.json":
              "error: pipemorph.timeline: cannot write '/proc/no_such_dir/timeline.json': no file can be created in",
