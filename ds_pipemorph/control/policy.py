@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
+from ..plan.ir.memory import fit_budget
 from ..plan.ir.ops import Schedule
 from ..plan.ir.profile import Costs
 from ..plan.sched.bounds import lower_bound_ms
@@ -44,6 +45,7 @@ from ..plan.sched.queues import MAX_QUEUES, MIN_QUEUES, queues_needed
 from ..plan.sched.search import search
 from ..plan.sched.tolerance import link_tolerances
 from ..plan.sched.warmup import adapted_warmup
+from ..plan.sim.listsched_py import Policy as ListPolicy
 from ..plan.sim.simulate import replay
 from .detector import DetectorConfig, LinkDetector
 from .modes import DELEGATION_MODES, DelegationMode
@@ -101,7 +103,7 @@ class Policy:
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: DelegationMode = "off", detector: DetectorConfig = DetectorConfig(),
                  queues: QueueSettings = QueueSettings(), search_evals: int = REPLAN_EVALS,
-                 direct: LinkModel = DIRECT):
+                 direct: LinkModel = DIRECT, units: Optional[Sequence[float]] = None, w_share: float = 1.0):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
         self.direct_model = _direct_model(direct)
@@ -109,6 +111,9 @@ class Policy:
             raise ValueError(f"every must be >= 1, not {every}")
         self.S, self.N = len(plan), microbatches
         self.caps = None if caps is None else list(caps)
+        # Activation memory per stage (``plan.ir.memory``): every plan proposed keeps within it.
+        self.units = None if units is None else tuple(units)
+        self.w_share = w_share
         self.every = every
         self.search_evals = search_evals
         self.delegation = delegation
@@ -163,7 +168,8 @@ class Policy:
         if isinstance(kept, Decision):
             return kept
         warmup = adapted_warmup(costs, self.N, self._caps_for(list(costs.links)))
-        return self._replan(costs, list_schedule(costs, self.N, warmup), f"closed-form warm-up: {kept}")
+        plan = list_schedule(costs, self.N, warmup, ListPolicy(units=self.units, w_share=self.w_share))
+        return self._replan(costs, plan, f"closed-form warm-up: {kept}")
 
     def refine(self, costs: Costs) -> Decision:
         """After ``react``'s plan was adopted for ``costs``: the search's plan when it is faster than
@@ -205,11 +211,13 @@ class Policy:
         target = list(costs.links)
         return search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
                       max_evals=self.search_evals,
-                      link_model=[self.direct_model if d else LATENCY for d in self._direct(target)]
-                      ).schedule
+                      link_model=[self.direct_model if d else LATENCY for d in self._direct(target)],
+                      units=self.units, w_share=self.w_share).schedule
 
     def _replan(self, costs: Costs, plan: Schedule, reason: str) -> Decision:
         """The decision that adopts ``plan`` for ``costs``: its queues, tolerances and replayed time."""
+        if self.units is not None:
+            plan = fit_budget(plan, self.units, self.w_share)
         target = list(costs.links)
         queues = self._size_queues(plan, costs, self._direct(target))
         model = self._model(target, queues)

@@ -80,12 +80,12 @@ class Adapter:
                  profile_out: Optional[str] = None, neighbours: Neighbours = Neighbours(None, None),
                  queues: QueueSettings = QueueSettings(2, 2), replan: ReplanMode = "background",
                  search_evals: int = REPLAN_EVALS,
-                 direct: LinkModel = DIRECT):
+                 direct: LinkModel = DIRECT, units: Optional[list[float]] = None, w_share: float = 1.0):
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
         self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline
         self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals,
-                             direct)
+                             direct, units, w_share)
         self.background = replan == "background"
         self._pending: Optional[Costs] = None  # every rank: the costs a search beside training plans for
         self._landed: Optional[tuple] = None  # rank 0: the search's answer, announced in this boundary's row

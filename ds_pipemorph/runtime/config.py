@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..control.modes import DelegationMode, ReplanMode
 from ..fileio import describe
 from ..plan.ir.lower import Dispatch
+from ..plan.ir.memory import budget_units
 from . import hooks
 
 
@@ -36,6 +37,10 @@ class MemoryConfig(SectionModel):
     # Cap on in-flight activations: one value for every stage or one per stage; None derives it
     # from the micro-batch count. Read through ``per_stage`` (the form a job uses: one per stage).
     max_inflight: Optional[Union[int, list[int]]] = None
+    # Activation memory a stage may hold, as a multiple of what stock DeepSpeed 1F1B holds on it
+    # (S - s micro-batches' activations): 1.0 by default, None for no limit but ``max_inflight``.
+    # A ``max_inflight`` given without ``budget`` is the user's grant: the default budget is then off.
+    budget: Optional[float] = 1.0
 
     @field_validator("max_inflight")
     @classmethod
@@ -43,6 +48,14 @@ class MemoryConfig(SectionModel):
         for c in _as_list(v):
             if c < 1:
                 raise ValueError(f"every stage must hold at least 1 activation, got {c}")
+        return v
+
+    @field_validator("budget")
+    @classmethod
+    def _one_micro_batch(cls, v):
+        if v is not None and v < 1.0:
+            raise ValueError(f"{v:g} leaves the last stage less than one micro-batch's activations (stock 1F1B "
+                             f"holds one there): use at least 1.0, or null for no limit")
         return v
 
     def per_stage(self, stages: int) -> Optional[list[int]]:
@@ -55,6 +68,19 @@ class MemoryConfig(SectionModel):
             raise PipeMorphConfigError(
                 f"ds_config pipemorph.memory.max_inflight has {len(caps)} values but the job has {stages} stages")
         return caps
+
+    @property
+    def budget_in_force(self) -> Optional[float]:
+        """The budget factor that applies: ``budget`` as given, or None when ``max_inflight`` was
+        given without it (the count is then the grant)."""
+        if "budget" not in self.model_fields_set and self.max_inflight is not None:
+            return None
+        return self.budget
+
+    def units(self, stages: int) -> Optional[list[float]]:
+        """The per-stage budget in micro-batches' activations (``plan.ir.memory``); None: no limit."""
+        factor = self.budget_in_force
+        return None if factor is None else budget_units(stages, factor)
 
 
 def _as_list(v: Optional[Union[int, list[int]]], stages: int = 1) -> list[int]:

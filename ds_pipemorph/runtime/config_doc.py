@@ -41,9 +41,13 @@ DESCRIPTIONS: dict[str, str] = {
                 "each stage runs the first op in it that is ready (its activation or gradient arrived; F only "
                 "while it holds fewer activations than the plan's peak), every receive of the iteration posted "
                 "at once before the first op that needs one (`docs/ready_dispatch.md`)",
-    "memory": "how many activations a stage may hold",
+    "memory": "how much activation memory a stage may hold (`docs/memory.md`)",
     "memory.max_inflight": "cap on in-flight activations (F done, B not done): one value for every stage or one "
-                           "per stage; `null`: the micro-batch count",
+                           "per stage; `null`: the micro-batch count. Given without `budget`, it is the grant "
+                           "and the default budget is off",
+    "memory.budget": "activation memory per stage as a multiple of stock DeepSpeed 1F1B's on it (S − s "
+                     "micro-batches' activations); counts what F keeps for B and what B keeps for W, in every "
+                     "schedule, re-plan and dispatch; at least 1.0; `null`: no limit but `max_inflight`",
     "adapt": "PipeMorph's control loop, with `schedule: adaptive`",
     "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "
                      "link slower than the plan absorbs; all ranks adopt the same plan at the next iteration",

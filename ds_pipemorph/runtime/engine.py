@@ -70,9 +70,11 @@ from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
 from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
-from .plans import DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for
+from .plans import DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for, w_share, within_budget
 from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
 from .oprecords import OpRecorder
+from .act_meter import SavedBytes, tensor_bytes
+from .act_bytes import ActivationBytes, describe_activation_bytes, gather_activation_bytes
 from .schedule import PipeMorphSchedule
 from .shutdown import release_at_exit
 from .timeline import TimelineWriter
@@ -169,6 +171,7 @@ class PipeMorphEngine(PipelineEngine):
         if len(plan) != self.num_stages:
             raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
         self.pipemorph = pipemorph
+        self.w_share = w_share(self.checkpointing)  # what B leaves for W against what F left (plans.w_share)
         self.builder = builder  # how to build this engine again (re-mapping); None: not made by initialize
         self._schedule: Optional[PipeMorphSchedule] = None
         self._program: list = []
@@ -202,7 +205,8 @@ class PipeMorphEngine(PipelineEngine):
                                                          else None),
                                    queues=QueueSettings(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
                                    replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals,
-                                   direct=self._direct_link_model())
+                                   direct=self._direct_link_model(), units=pipemorph.memory.units(self.num_stages),
+                                   w_share=self.w_share)
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
@@ -241,6 +245,10 @@ class PipeMorphEngine(PipelineEngine):
         # The iteration's loss leaves the last stage at its last forward where it can (runtime.train_loss).
         self.early_loss = EarlyLoss(self) if broadcasts_early(self) else None
         self._reset_iteration_state()
+        # Activation memory, measured in the first train_batch (runtime.act_meter): per stage.
+        self._meter: Optional[SavedBytes] = None
+        self._mem_ops: dict[str, dict[int, int]] = {}  # "F"/"G"/"W" -> micro-batch -> bytes
+        self.activation_bytes: Optional[list[ActivationBytes]] = None
         self._destroyed = False
         release_at_exit(self)  # a script that just returns exits in order too (runtime.shutdown)
 
@@ -301,6 +309,7 @@ class PipeMorphEngine(PipelineEngine):
         rank's streams before this rank uses them (the same plan gives the same result on every rank,
         so all adopt it or all refuse it)."""
         lowering = lowering or self.lowering
+        plan = within_budget(self.pipemorph, plan, share=self.w_share)  # any plan, from any loop
         if self.nccl_rules:  # a plan file's receive window does not apply under NCCL's rules
             lowering = for_nccl(lowering)
         dispatch = dispatch or self.dispatch
@@ -407,9 +416,21 @@ class PipeMorphEngine(PipelineEngine):
 
     # -- execution ------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
-        """DeepSpeed's train_batch inside one NVTX range ``ITER<k>`` (k: this engine's batches so far)."""
-        with self.recorder.iteration():
-            return super().train_batch(data_iter)
+        """DeepSpeed's train_batch inside one NVTX range ``ITER<k>`` (k: this engine's batches so far).
+        The first one also measures the activation memory (``runtime.act_meter``)."""
+        if self.activation_bytes is not None:
+            with self.recorder.iteration():
+                return super().train_batch(data_iter)
+        with self.recorder.iteration(), SavedBytes(self.module.parameters()) as meter:
+            _set(self, "_meter", meter)
+            try:
+                loss = super().train_batch(data_iter)
+            finally:
+                _set(self, "_meter", None)
+        _set(self, "activation_bytes", gather_activation_bytes(self, meter.peak))
+        if self.global_rank == 0:
+            logger.warning(describe_activation_bytes(self.activation_bytes, self.w_share))
+        return loss
 
     def _exec_schedule(self, pipe_schedule):
         if not isinstance(pipe_schedule, PipeMorphSchedule):  # evaluation: DeepSpeed's own path
@@ -583,7 +604,10 @@ class PipeMorphEngine(PipelineEngine):
         # Called on the module, not through DeepSpeedEngine.forward: that one hooks the outputs for
         # torch-style ``out.backward()`` (timers, 1/GAS scaling on the last stage), which B and W
         # do explicitly here. The module's own forward pre/post hooks still run.
+        held = None if self._meter is None else self._meter.live
         outputs = self.module(inputs)
+        if held is not None:
+            self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
         inflight = self._inflight + 1
         _set(self, "_inflight", inflight)
         if inflight > self.measured_peak_inflight:
@@ -657,6 +681,9 @@ class PipeMorphEngine(PipelineEngine):
         else:
             dins, work = backward_input(outs, grads, ins, self._trainable)
             self._weight_work[micro_batch] = [work]
+        if self._meter is not None:  # the output gradients W needs, beside the graph it keeps
+            self._mem_ops.setdefault("G", {})[micro_batch] = tensor_bytes(
+                g for w in self._weight_work[micro_batch] for grp in getattr(w, "groups", ()) for g in grp.grads)
         if not self.is_first_stage():
             sent = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, dins) if t.is_floating_point()]
             self._input_grads[micro_batch] = sent[0] if isinstance(inputs, torch.Tensor) else tuple(sent)
@@ -670,7 +697,12 @@ class PipeMorphEngine(PipelineEngine):
         self.transport.send("B", micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
-        works = self._weight_work.pop(micro_batch)
+        held = None if self._meter is None else self._meter.live
+        self._run_w(self._weight_work.pop(micro_batch))
+        if held is not None:  # W freed what B left for it (the works dropped with it)
+            self._mem_ops.setdefault("W", {})[micro_batch] = held - self._meter.live
+
+    def _run_w(self, works: list) -> None:
         with self.grad_path.around_w():
             if self.checkpointing:  # chunks whose recomputation waited for W (no input gradient) run here
                 with Recompute(self._trainable) as chunks:

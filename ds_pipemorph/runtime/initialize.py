@@ -69,7 +69,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     from .cpu_threads import apply_cpu_threads
     from .builder import EngineBuilder
     from .engine import PipeMorphEngine
-    from .plans import build_plan, describe_start
+    from .plans import build_plan, describe_start, w_share
     from ..staging.builder import announce_adam_build, announce_comm_build
 
     config = _config_source(args, config, config_params)
@@ -105,7 +105,8 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     ds_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)
     deepspeed.set_optimizer_flags(config_class, model)
-    plan = build_plan(pm, model.num_stages, config_class.gradient_accumulation_steps)
+    share = w_share(getattr(model, "activation_checkpoint_interval", 0) > 0)
+    plan = build_plan(pm, model.num_stages, config_class.gradient_accumulation_steps, share)
     if pm.delegation.mode != "off" and pm.delegation.interfaces:
         from .transport.delegated.delegate_proc import missing_interfaces
 
@@ -124,7 +125,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     engine._configure_python_gc()
     _start_lifeline(engine)
     if announce and dist.get_rank() == 0:
-        logger.warning(describe_start(pm, plan, model.num_stages, config_class.gradient_accumulation_steps))
+        logger.warning(describe_start(pm, plan, model.num_stages, config_class.gradient_accumulation_steps, share))
     if pm.orchestrate.matrix:  # re-mapping replaces the engine: the training loop holds a handle to it
         from .engine_handle import EngineHandle
         from .remap import check_remappable

@@ -18,11 +18,13 @@ from __future__ import annotations
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
 from ..plan.ir.lower import RECV_WINDOW, Lowering, LoweringPolicy
+from ..plan.ir.memory import caps_within, fit_budget, peak_units, stock_units
 from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Schedule, warmup_counts
 from ..plan.ir.profile import Costs
 from ..plan.sched.baselines import deepspeed_1f1b, zb_h1_warmup
 from ..plan.sched.listsched import list_schedule
+from ..plan.sim.listsched_py import Policy
 from ..plan.sched.warmup import check_lemma1, initial_warmup
 from ..plan.sim.simulate import makespan
 from ..plan.sim.validate import InvalidPlan, validate_schedule
@@ -33,26 +35,61 @@ HOP_LATENCY_MS = 0.5  # the per-message latency a plan should not be fragile to 
 
 
 def caps(cfg: PipeMorphConfig, stages: int, microbatches: int) -> list[int]:
-    """Per-stage cap on in-flight activations from memory.max_inflight (default: N)."""
+    """Per-stage cap on in-flight activations (F done, B not done): ``memory.max_inflight`` (default:
+    N), within ``memory.budget`` (default: stock 1F1B's S − s)."""
     per_stage = cfg.memory.per_stage(stages)
-    if per_stage is None:
-        return [microbatches] * stages
-    return [min(c, microbatches) for c in per_stage]
+    out = [microbatches] * stages if per_stage is None else [min(c, microbatches) for c in per_stage]
+    units = cfg.memory.units(stages)
+    if units is not None:
+        out = [min(c, u) for c, u in zip(out, caps_within(units))]
+    return out
 
 
-def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int) -> Schedule:
+# What B leaves for W of a micro-batch's saved activations, as a share of what F left for B
+# (``plan.ir.memory``). The generic graph split (``runtime.bw_split``) keeps F's retained graph until
+# W and saves nothing new: at most all of it, 1. A checkpointed chunk saves only its inputs in F and
+# recomputes its graph in B, which W then needs: far more than F left, so no W of a checkpointed
+# job waits behind another F or B while the budget binds (the share stands for "more than any budget").
+W_SHARE = 1.0
+CHECKPOINTED_W_SHARE = 1e6
+
+
+def w_share(checkpointing: bool) -> float:
+    return CHECKPOINTED_W_SHARE if checkpointing else W_SHARE
+
+
+def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", share: float = W_SHARE) -> Schedule:
+    """``plan`` with its weight-gradient ops moved where the memory budget needs them
+    (``plan.ir.memory.fit_budget``); unchanged without a budget or when it fits."""
+    units = cfg.memory.units(len(plan))
+    if units is None:
+        return plan
+    try:
+        return fit_budget(plan, units, share)
+    except ValueError as e:
+        raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget "
+                                   f"({cfg.memory.budget_in_force:g}x stock 1F1B) allows: {e}; raise memory.budget "
+                                   f"or set it to null") from None
+
+
+def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int, share: float = W_SHARE) -> Schedule:
+    """The plan ``cfg`` asks for; ``share``: see ``w_share``."""
     S, N = stages, microbatches
+    units = cfg.memory.units(S)
+    policy = Policy(units=None if units is None else tuple(units), w_share=share)
     if cfg.schedule == "1f1b":
         plan = deepspeed_1f1b(S, N)
     elif cfg.schedule == "zb":
         warmup = zb_h1_warmup(S, N) if cfg.memory.max_inflight is None else caps(cfg, S, N)
         _check_warmup(warmup)
-        plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup)
+        plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup, policy=policy)
     elif cfg.schedule == "adaptive":
         warmup = initial_warmup(caps(cfg, S, N))
-        plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup)
+        plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup, policy=policy)
     else:
         plan = load_plan_file(cfg.plan_file, S, N)
+    plan = within_budget(cfg, plan, f"the '{cfg.schedule}' plan" if cfg.schedule != "plan" else
+                         f"plan file {cfg.plan_file}", share)
     try:
         validate_schedule(plan, S, N)
     except InvalidPlan as e:  # a planner bug, not a user error, but still one sentence
@@ -61,12 +98,12 @@ def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int) -> Schedule
 
 
 def latency_robust_schedule(costs: Costs, microbatches: int, warmup: list[int],
-                            latency_ms: float = HOP_LATENCY_MS) -> Schedule:
+                            latency_ms: float = HOP_LATENCY_MS, policy: Policy = Policy()) -> Schedule:
     """The list scheduler's order for ``costs``, or for ``costs`` with at least ``latency_ms`` on every
     link: whichever is faster under ``costs``, then under the latency (deterministic)."""
     N = microbatches
     slow = costs.with_links([max(c, latency_ms) for c in costs.links])
-    candidates = [list_schedule(costs, N, warmup), list_schedule(slow, N, warmup)]
+    candidates = [list_schedule(costs, N, warmup, policy), list_schedule(slow, N, warmup, policy)]
     return min(candidates, key=lambda p: (makespan(p, costs, N), makespan(p, slow, N)))
 
 
@@ -122,7 +159,8 @@ def _check_warmup(warmup: list[int]) -> None:
         raise PipeMorphConfigError(f"ds_config pipemorph.memory.max_inflight cannot be a zb warm-up: {e}") from None
 
 
-def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatches: int) -> str:
+def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatches: int,
+                   share: float = W_SHARE) -> str:
     """The start-up log line: schedule, dispatch, the plan (its warm-up) and its predicted iteration time.
 
     A plan file's own prediction (from the profile it was made for) when it has one; otherwise the
@@ -146,4 +184,15 @@ def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatch
     if cfg.schedule == "adaptive" and cfg.adapt.enabled:
         adapt = f"; re-planned from measurements ({cfg.adapt.replan}, every {cfg.adapt.every_iterations} iteration(s))"
     return (f"pipemorph: schedule '{cfg.schedule}' ({what}), dispatch '{cfg.dispatch}', plan for {S} stages x "
-            f"{N} micro-batches with warm-up {warmup_counts(plan)}, {when}{adapt}")
+            f"{N} micro-batches with warm-up {warmup_counts(plan)}, {when}{adapt}; {describe_memory(cfg, plan, share)}")
+
+
+def describe_memory(cfg: PipeMorphConfig, plan: Schedule, share: float = W_SHARE) -> str:
+    """The plan's peak activations per stage in micro-batches (the F-to-B ones and, at ``share``, the
+    B-to-W ones, a single B's own transient aside), against stock 1F1B's and the budget."""
+    S = len(plan)
+    peak = [f"{u:g}" for u in peak_units(plan, min(share, 1.0))]
+    factor = cfg.memory.budget_in_force
+    grant = f"memory.budget {factor:g}x" if factor is not None else "no memory.budget"
+    return (f"activations held at most [{', '.join(peak)}] micro-batches per stage (stock 1F1B: "
+            f"{stock_units(S)}; {grant})")

@@ -112,9 +112,40 @@ def test_zb_uses_zb_h1_warmup_or_max_inflight():
 
 
 def test_adaptive_uses_alg1_warmup_under_the_caps():
-    assert warmup_counts(build_plan(parse_config({"schedule": "adaptive"}), 4, 8)) == [8, 5, 3, 1]
+    # Default: stock 1F1B's memory, S - s micro-batches' activations; Alg. 1 under those caps.
+    assert warmup_counts(build_plan(parse_config({"schedule": "adaptive"}), 4, 8)) == [4, 3, 2, 1]
+    unlimited = build_plan(parse_config({"schedule": "adaptive", "memory": {"budget": None}}), 4, 8)
+    assert warmup_counts(unlimited) == [8, 5, 3, 1]  # Alg. 1: x_0 = N, slackness (8-1)//3 = 2, one more on link 0
     capped = build_plan(parse_config({"schedule": "adaptive", "memory": {"max_inflight": 4}}), 4, 8)
     assert max(peak_inflight(capped)) <= 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "adaptive"])
+@pytest.mark.parametrize("budget", [1.0, 1.5, 2.0, 3.0])
+def test_every_built_in_plan_keeps_within_the_memory_budget(schedule, budget):
+    """What F keeps for B and what B keeps for W (all of it, the generic split) stay within budget x
+    stock 1F1B's S - s micro-batches on every stage; a larger budget never plans a slower order."""
+    from ds_pipemorph.plan.ir.memory import peak_units
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sim.simulate import makespan
+
+    S, N = 4, 12
+    plan = build_plan(parse_config({"schedule": schedule, "memory": {"budget": budget}}), S, N)
+    assert all(p <= budget * (S - s) + 1e-9 for s, p in enumerate(peak_units(plan, 1.0))), peak_units(plan, 1.0)
+    costs = Costs.uniform(S, 10.0)
+    tighter = build_plan(parse_config({"schedule": schedule, "memory": {"budget": 1.0}}), S, N)
+    assert makespan(plan, costs, N) <= makespan(tighter, costs, N) + 1e-9
+
+
+def test_the_memory_budget_forms():
+    mem = parse_config({"memory": {"max_inflight": [6, 4, 2, 1]}}).memory
+    assert mem.budget_in_force is None and mem.units(4) is None  # a count alone is the grant
+    both = parse_config({"memory": {"max_inflight": 5, "budget": 1.5}}).memory
+    assert both.units(4) == [6.0, 4.5, 3.0, 1.5]
+    assert parse_config({}).memory.units(3) == [3.0, 2.0, 1.0]
+    with pytest.raises(PipeMorphConfigError, match="memory.budget.*0.5 leaves the last stage less than one "
+                                                   "micro-batch's activations"):
+        parse_config({"memory": {"budget": 0.5}})
 
 
 def test_max_inflight_per_stage_must_match_the_stage_count():

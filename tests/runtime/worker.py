@@ -29,6 +29,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -127,6 +128,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     data = data_of(engine.grid.data_parallel_id)
     it = iter(data[start * N:])
     losses, peaks, ops, reduce_ms, seconds = [], [], [], [], []
+    saved_peaks = []  # per step from the second: the most bytes autograd held saved for backward at once
     executed = []  # per step: the lowered stream the engine ran (``executed_stream``)
     stall = job.get("stall", {})  # {"rank": r, "seconds": t}: that rank starts late
     if stall.get("rank") == rank:
@@ -164,7 +166,12 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             engine.save_checkpoint(os.path.join(out_dir, job["save"][str(step)]))
         try:
             t0 = time.perf_counter()
-            losses.append(float(engine.train_batch(it)))
+            if job.get("meter") and step > 0:  # the engine measures its own first iteration with hooks of its own
+                with SavedPeak(engine.module.parameters()) as meter:
+                    losses.append(float(engine.train_batch(it)))
+                saved_peaks.append(meter.peak)
+            else:
+                losses.append(float(engine.train_batch(it)))
             seconds.append(time.perf_counter() - t0)
         except TransportError as e:
             if not stall:
@@ -198,10 +205,54 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "reductions_skipped": getattr(engine, "reductions_skipped", None), "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
-                "parts": list(getattr(engine.module, "parts", [])),
+                "parts": list(getattr(engine.module, "parts", [])), "saved_peaks": saved_peaks,
+                "activation_bytes": [a.as_dict() for a in getattr(engine, "activation_bytes", None) or []],
                 "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
+
+
+class _Box:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t
+
+
+class SavedPeak:
+    """The test's own count of what autograd holds saved for backward: each storage once, from its
+    first save until the last graph node holding it lets go; parameters left out."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.holders, self.live, self.peak = {}, 0, 0
+
+    def __enter__(self):
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda box: box.t)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.skip:
+            return _Box(t)
+        if ptr not in self.holders:
+            self.holders[ptr] = 0
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.holders[ptr] += 1
+        box = _Box(t)
+        weakref.finalize(box, self.unpin, ptr, t.untyped_storage().nbytes())
+        return box
+
+    def unpin(self, ptr, nbytes):
+        self.holders[ptr] -= 1
+        if not self.holders[ptr]:
+            del self.holders[ptr]
+            self.live -= nbytes
 
 
 def _half_dtype(cfg: dict):

@@ -3,14 +3,19 @@
 The stage's order in the plan is a hint. Whenever the stage is idle it starts, among the ops it
 has not run, the first one in the hint that is ready now:
 
-- ``F m``: its activation has arrived (the first stage: always) and fewer than ``cap``
-  activations are held (F done, B not done);
+- ``F m``: its activation has arrived (the first stage: always), fewer than ``cap``
+  activations are held (F done, B not done) and, with a memory budget ``units``
+  (``plan.ir.memory``), one more fits: held activations plus ``w_share`` for each micro-batch
+  between its B and its W stay within ``units``;
 - ``B m``: ``F m`` is done and its output gradient has arrived (the last stage: none needed);
 - ``W m``: ``B m`` is done and every W before it in the hint has run: weight gradients are
   accumulated in the hint's order whatever the order of the backwards, so a stage adds its
   micro-batches' gradients in the same order as under ordered dispatch (bf16/fp16 training then
   gives the same bits under both dispatches). A W fused with its B (``fused_backward``) runs with
-  it, ahead of that order if its B does.
+  it, ahead of that order if its B does. When the memory budget holds a forward back and the next
+  W in the hint's order waits for its B, the W of the earliest backward already run is ready too
+  (the memory frees; the order of accumulation then differs from the hint's); when a B would exceed
+  the budget (``w_share`` above 1: B leaves more for W than F left for B), that W runs first.
 
 Patience (``hold``): a ready op does not jump ahead of the hint's first op when that op waits
 only for its message and the message is expected before the jumping op would end; the stage waits
@@ -58,9 +63,15 @@ class ReadyRule:
     that one starts. A heap keeps an op that started until it reaches the top (``_done``).
     """
 
-    def __init__(self, hint: Sequence[Op], cap: int, needs_input: bool, needs_grad: bool):
+    def __init__(self, hint: Sequence[Op], cap: int, needs_input: bool, needs_grad: bool,
+                 units: Optional[float] = None, w_share: float = 1.0):
         if cap < 1:
             raise ValueError(f"cap must be at least 1, not {cap}")
+        if units is not None and units < 1:
+            raise ValueError(f"units must be at least 1 (one micro-batch's activations), not {units}")
+        self.units, self.w_share = units, w_share
+        self.pend_w = 0  # micro-batches between their B and their W
+        self._w_open: list[int] = []  # positions of the Ws whose B ran, not run yet (sorted)
         self._ops: list[Op] = [op.local() for op in hint]
         self.cap, self.needs_input, self.needs_grad = cap, needs_input, needs_grad
         self.forwarded: set[int] = set()
@@ -103,9 +114,14 @@ class ReadyRule:
     def finished(self) -> bool:
         return not self._left
 
+    def _f_ok(self) -> bool:
+        """One more forward fits: under the cap and within the memory budget."""
+        return self.inflight < self.cap and (
+            self.units is None or self.inflight + 1 + self.w_share * self.pend_w <= self.units + 1e-9)
+
     def is_ready(self, op: Op, arrived: Arrived) -> bool:
         if op.kind == "F":
-            return self.inflight < self.cap and (not self.needs_input or arrived("F", op.mb))
+            return self._f_ok() and (not self.needs_input or arrived("F", op.mb))
         if op.kind == "B":
             return op.mb in self.forwarded and (not self.needs_grad or arrived("B", op.mb))
         if op.kind == "W":
@@ -134,13 +150,18 @@ class ReadyRule:
         in hint order, about the ops before the first one known ready that wait for a message,
         until one is in (each pick asks anew: messages may come between picks)."""
         done = self._done
+        if self.units is not None and self.pend_w and \
+                self.inflight - 1 + self.w_share * (self.pend_w + 1) > self.units + 1e-9:
+            return self._ops[self._w_open[0]]  # a B would exceed the memory: the earliest W first
         best = self._end
         h = self._ready
         while h and done[h[0]]:
             heapq.heappop(h)
         if h:
             best = h[0]
-        f_ok = self.inflight < self.cap
+        f_ok = self._f_ok()
+        if not f_ok and self.inflight < self.cap and self._w_open and self._w_open[0] < best:
+            best = self._w_open[0]  # the memory holds forwards back: free it with the earliest W ready
         if f_ok:
             h = self._f_ready
             while h and done[h[0]]:
@@ -204,9 +225,17 @@ class ReadyRule:
                 for j in self._after_b.get(mb, ()):
                     if not done[j]:
                         heapq.heappush(self._ready, j)
+                for j in self._at.get(Op("W", mb), ()):
+                    if not done[j]:
+                        insort(self._w_open, j)
                 self._push_next_w()
+                self.pend_w += 1
             self.inflight -= 1
         elif kind == "W":  # a W fused with its B may start before the Ws ahead of it: skip it then
+            k = bisect_left(self._w_open, i)
+            if k < len(self._w_open) and self._w_open[k] == i:
+                del self._w_open[k]
+            self.pend_w -= 1
             self._push_next_w()
 
     def _push_next_w(self) -> None:

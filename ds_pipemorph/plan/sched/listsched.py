@@ -34,7 +34,8 @@ def list_schedule_encoded(costs: Costs, microbatches: int, warmup: list[int], po
             out = [list(r) for r in sched]
             native.remember(out, microbatches, enc)
             return out, enc
-    out = native.list_schedule(costs, microbatches, warmup, policy.priority, policy.w_fits_gap, policy.late_w)
+    out = native.list_schedule(costs, microbatches, warmup, policy.priority, policy.w_fits_gap, policy.late_w,
+                               policy.units, policy.w_share)
     if out is None:
         return list_schedule_py(costs, microbatches, warmup, policy), None
     _LAST.insert(0, (key, [list(r) for r in out[0]], out[1]))

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 from ..ir.links import LATENCY, Latency, LinkModel, per_link
+from ..ir.memory import caps_within, fit_budget, peak_units
 from ..ir.ops import Schedule, peak_inflight, warmup_counts
 from ..ir.profile import Costs
 from ..sim import native
@@ -165,6 +166,8 @@ def search(
     exact: Optional[bool] = None,
     max_evals: Optional[int] = None,
     link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
+    units: Optional[Sequence[float]] = None,
+    w_share: float = 1.0,
 ) -> SearchResult:
     """The best schedule found within ``budget_s`` seconds and ``max_evals`` replays.
 
@@ -178,6 +181,10 @@ def search(
     ``link_model`` (``plan.ir.links``): score plans with slow links queueing as that model says
     (e.g. ``Direct()``: one message in flight, the sender blocks); the MILP models pure latency
     only, so it is skipped when a link with a delay queues.
+
+    ``units`` (``plan.ir.memory``): each stage's activation memory in micro-batches, what B leaves
+    for W counting ``w_share``; the list scheduler keeps within it, and an order found otherwise (the
+    local search, justification, the MILP) is scored after ``fit_budget`` made it keep within it.
     """
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
@@ -193,8 +200,20 @@ def search(
     score = ev.time
     trace: list[tuple[float, float]] = []
 
+    memory = None if units is None else (tuple(units), w_share)
+    if memory is not None:
+        caps = [min(c, k) for c, k in zip(caps, caps_within(units))]
+
+    def fitted(sched, enc):
+        """``sched`` kept within the memory (re-encoded if it moved); (sched, enc)."""
+        if memory is None or all(p <= u + 1e-9 for p, u in zip(peak_units(sched, w_share), units)):
+            return sched, enc
+        sched = fit_budget(sched, units, w_share)
+        return sched, (ev.encode(sched) if ev.native else None)
+
     # The paper's single greedy pass first: it is the floor every later step must beat.
-    best, enc = list_schedule_encoded(costs, N, initial_warmup(caps))
+    base = Policy() if memory is None else Policy(units=memory[0], w_share=w_share)
+    best, enc = list_schedule_encoded(costs, N, initial_warmup(caps), base)
     best_t = score(best, enc)
     best_key = _key(best, best_t, enc, N)
     step_s = time.perf_counter() - t0  # one candidate's cost: stop early enough to keep the budget
@@ -216,6 +235,7 @@ def search(
     def consider(sched, enc, found_by: str) -> bool:
         """Score ``sched``, keep it in the pool and make it the best if its key is; whether it was."""
         nonlocal best, best_t, best_key, source
+        sched, enc = fitted(sched, enc)
         t = score(sched, enc)
         k = _key(sched, t, enc, N)
         pool.setdefault(_pool_key(sched, enc), (k, sched))
@@ -226,7 +246,8 @@ def search(
         best, best_t, best_key, source = sched, t, k, found_by
         return True
 
-    pols = policies(costs)
+    pols = policies(costs) if memory is None else [replace(p, units=memory[0], w_share=w_share)
+                                                   for p in policies(costs)]
     frontier = warmup_candidates(costs, N, caps)
     while frontier and not out_of_time():
         improved = False
@@ -260,6 +281,10 @@ def search(
             break
         share = (deadline - step_s / 2 - time.perf_counter()) / (len(starts) - i)
         sched, t, _ = improve(start, caps, time.perf_counter() + share, seed + i, out_of_time, ev, lb)
+        if memory is not None:
+            moved, menc = fitted(sched, None)
+            if moved is not sched:
+                sched, t = moved, score(moved, menc)
         if t < best_t - 1e-9:
             best, best_t, source = sched, t, "local"
             trace.append((time.perf_counter() - t0, best_t))
@@ -270,8 +295,13 @@ def search(
         # The solver overruns its limit by its model build and read-out (~10 % of a 1 s budget).
         limit = max(0.05, end - time.perf_counter() - 0.1 * budget_s)
         res = solve_exact(costs, N, caps, time_limit_s=limit, warm_start=best)
-        if res.iteration_ms < best_t - 1e-9:
-            best, best_t, source = res.schedule, res.iteration_ms, "milp"
+        exact_plan, exact_t = res.schedule, res.iteration_ms
+        if memory is not None:
+            moved, menc = fitted(exact_plan, None)
+            if moved is not exact_plan:
+                exact_plan, exact_t = moved, score(moved, menc)
+        if exact_t < best_t - 1e-9:
+            best, best_t, source = exact_plan, exact_t, "milp"
             trace.append((time.perf_counter() - t0, best_t))
         lb = max(lb, res.lower_bound_ms)
     return SearchResult(best, best_t, lb, ev.evals, time.perf_counter() - t0, source, trace)

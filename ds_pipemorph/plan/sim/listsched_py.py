@@ -13,9 +13,13 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
+from typing import Optional
 
 from ..ir.ops import Schedule, op_table
 from ..ir.profile import Costs
+
+
+MEM_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,12 @@ class Policy:
     w_fits_gap: bool = False
     # Stages that keep their W for when they have no forward left (the rest fill gaps with W).
     late_w: frozenset = frozenset()
+    # Activation memory per stage (``plan.ir.memory``), in micro-batches' activations: an F or a B
+    # starts only if the micro-batches held between F and B, plus ``w_share`` for each held between
+    # B and W, stay within it after it; else a pending W runs first (a B with no W pending always
+    # may). None: no limit but the warm-up caps.
+    units: Optional[tuple] = None
+    w_share: float = 1.0
 
 
 def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
@@ -57,6 +67,15 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
         qt[0][0], qm[0][0] = [0.0] * N, list(range(N))
     free = [0.0] * S
     inflight = [0] * S
+    pend_w = [0] * S  # B done, W not yet
+    units = policy.units
+    if units is not None:
+        if len(units) != S:
+            raise ValueError(f"policy.units has {len(units)} values, expected {S}")
+        for s in range(S):
+            if warmup[s] > units[s] + MEM_EPS:
+                raise ValueError(f"stage {s}: warm-up {warmup[s]} exceeds its memory of {units[s]:g} micro-batches")
+    share = policy.w_share
     f_done = [0] * S
     started = [0] * S
     out: Schedule = [[] for _ in range(S)]
@@ -109,9 +128,16 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
                 q = ts[1]
                 can_b = h < len(q) and q[h] <= now
                 can_f = ready_f and inflight[s] < warmup[s]
+                mem_full = False
+                if units is not None:  # what F and B would hold: room for it, or a W first
+                    held = inflight[s] + share * pend_w[s]
+                    if can_f and held + 1 > units[s] + MEM_EPS:
+                        can_f, mem_full = False, True
+                    if can_b and pend_w[s] and held - 1 + share > units[s] + MEM_EPS:
+                        can_b, mem_full = False, True
                 h = hs[2]
                 q = ts[2]
-                can_w = h < len(q) and q[h] <= now and not (late[s] and f_done[s] < N)
+                can_w = h < len(q) and q[h] <= now and (mem_full or not (late[s] and f_done[s] < N))
                 if default:
                     choice = 1 if can_b else 0 if can_f else 2 if can_w else -1
                 else:
@@ -124,7 +150,8 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
                             if can_f:
                                 choice = 0
                                 break
-                        elif can_w and not (w_fits_gap and _w_blocks_q(s, t, dur, qt, qh, inflight, warmup)):
+                        elif can_w and not (w_fits_gap and not mem_full
+                                            and _w_blocks_q(s, t, dur, qt, qh, inflight, warmup)):
                             choice = 2
                             break
                     if choice < 0 and can_w:
@@ -160,6 +187,7 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
                     insert(s, 1, end, m)
             elif choice == 1:
                 inflight[s] -= 1
+                pend_w[s] += 1
                 insert(s, 2, end, m)
                 if s > 0:
                     r = end + links[s - 1]
@@ -168,6 +196,8 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
                         nxt.add(s - 1)
                     else:
                         push(heap, (r, s - 1))
+            else:
+                pend_w[s] -= 1
         if not remaining:
             return out
         if not heap:

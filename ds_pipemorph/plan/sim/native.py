@@ -195,9 +195,14 @@ def disagreement(L: ctypes.CDLL) -> Optional[str]:
     costs = Costs([3.0, 2.5, 4.25], [4.0, 5.5, 3.5], [2.0, 1.5, 3.0], [1.0, 7.5])
     pol = Policy()
     want = list_schedule_py(costs, N, x, pol)
-    got = list_schedule(costs, N, x, pol.priority, pol.w_fits_gap, pol.late_w, L)
+    got = list_schedule(costs, N, x, pol.priority, pol.w_fits_gap, pol.late_w, L=L)
     if got is None or got[0] != want:
         return "the list scheduler's order"
+    tight = Policy(w_fits_gap=True, late_w=frozenset({0}), units=(3.5, 2.0, 1.0), w_share=0.5)
+    held = list_schedule(costs, N, [3, 2, 1], tight.priority, tight.w_fits_gap, tight.late_w, tight.units,
+                         tight.w_share, L=L)
+    if held is None or held[0] != list_schedule_py(costs, N, [3, 2, 1], tight):
+        return "the list scheduler's order within a memory budget"
     enc = _encode(want, N)
     if peaks_and_warmups(enc, N, L) != (peak_inflight(want), warmup_counts(want)):
         return "the in-flight peaks"
@@ -289,7 +294,7 @@ def peaks_and_warmups(enc: tuple[array, array], n: int, L=None) -> Optional[tupl
 
 
 def list_schedule(costs, n: int, warmup: list[int], priority: str, w_fits_gap: bool, late_w,
-                  L=None) -> Optional[tuple]:
+                  units=None, w_share: float = 1.0, L=None) -> Optional[tuple]:
     """``listsched_py.list_schedule_py`` in C: (schedule, its encoding), or None if it stalled (the
     caller re-runs the Python code for its error) or the library is missing."""
     L = L or lib()
@@ -300,10 +305,12 @@ def list_schedule(costs, n: int, warmup: list[int], priority: str, w_fits_gap: b
     stall = ctypes.c_double(0.0)
     pri = array("i", [0 if k == "F" else 1 if k == "B" else 2 for k in priority])
     late = (ctypes.c_ubyte * S)(*[1 if s in late_w else 0 for s in range(S)])
-    keep = (dbl(costs.f), dbl(costs.b), dbl(costs.w), dbl(list(costs.links) + [0.0]), array("i", warmup))
+    keep = (dbl(costs.f), dbl(costs.b), dbl(costs.w), dbl(list(costs.links) + [0.0]), array("i", warmup),
+            None if units is None else dbl(units))
     rc = L.pm_list_schedule(
         S, n, *(_d(a) for a in keep[:4]), _i(keep[4]), _i(pri) if len(pri) else None, len(pri),
-        int(bool(w_fits_gap)), late, _i(out), ctypes.byref(stall),
+        int(bool(w_fits_gap)), late, None if keep[5] is None else _d(keep[5]), ctypes.c_double(w_share),
+        _i(out), ctypes.byref(stall),
     )
     if rc != 0:
         return None

@@ -92,7 +92,7 @@ static Event h_pop(Heap *h) {
    Returns 0, 1 if stalled (t in *stall_t), -1 if out of memory. out: S rows of 3N codes. */
 int pm_list_schedule(int S, int N, const double *f, const double *b, const double *w, const double *links,
                      const int *warmup, const int *pri, int npri, int w_fits_gap, const unsigned char *late_w,
-                     int *out, double *stall_t) {
+                     const double *units, double w_share, int *out, double *stall_t) {
     const double eps = 1e-12;
     long total = 3L * N;
     long remaining = total * S;
@@ -104,6 +104,7 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
     int *qm = malloc(sizeof(int) * 3 * (size_t)S * nn);
     double *fr = malloc(sizeof(double) * (size_t)S);
     int *inflight = calloc((size_t)S, sizeof(int));
+    int *pend_w = calloc((size_t)S, sizeof(int)); /* B done, W not yet */
     int *f_done = calloc((size_t)S, sizeof(int));
     long *started = calloc((size_t)S, sizeof(long));
     unsigned char *mark = calloc((size_t)S, 1); /* in nxt */
@@ -112,7 +113,7 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
     Heap h;
     h.v = malloc(sizeof(Event) * (size_t)(2 * total * S + 2));
     h.n = 0;
-    if (!times || !qs || !qt || !qm || !fr || !inflight || !f_done || !started || !mark || !nxt || !order || !h.v)
+    if (!times || !qs || !qt || !qm || !fr || !inflight || !pend_w || !f_done || !started || !mark || !nxt || !order || !h.v)
         goto done;
     for (int s = 0; s < S; s++) {
         times[3 * s] = f[s];
@@ -171,7 +172,13 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
             } else {
                 int can_b = ba->tail > ba->head && ba->t[ba->head] <= now;
                 int can_f = ready_f && inflight[s] < warmup[s];
-                int can_w = wa->tail > wa->head && wa->t[wa->head] <= now && !(late_w[s] && f_done[s] < N);
+                int mem_full = 0;
+                if (units) { /* listsched_py: room for the F or the B, or a W first */
+                    double held = inflight[s] + w_share * pend_w[s];
+                    if (can_f && held + 1 > units[s] + 1e-9) { can_f = 0; mem_full = 1; }
+                    if (can_b && pend_w[s] && held - 1 + w_share > units[s] + 1e-9) { can_b = 0; mem_full = 1; }
+                }
+                int can_w = wa->tail > wa->head && wa->t[wa->head] <= now && (mem_full || !(late_w[s] && f_done[s] < N));
                 for (int p = 0; p < npri; p++) {
                     int k = pri[p];
                     if (k == 1) {
@@ -180,7 +187,7 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
                         if (can_f) { choice = 0; break; }
                     } else if (can_w) {
                         int blocks = 0;
-                        if (w_fits_gap) { /* listsched._w_blocks_q */
+                        if (w_fits_gap && !mem_full) { /* listsched._w_blocks_q */
                             double end = t + times[3 * s + 2];
                             double nx = 1.0 / 0.0;
                             if (ba->tail > ba->head && ba->t[ba->head] < nx) nx = ba->t[ba->head];
@@ -224,12 +231,15 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
                 }
             } else if (choice == 1) {
                 inflight[s]--;
+                pend_w[s]++;
                 q_insert(&qs[3 * s + 2], end, m);
                 if (s > 0) {
                     double r = end + links[s - 1];
                     q_insert(&qs[3 * (s - 1) + 1], r, m);
                     if (r <= now) ADD_NEXT(s - 1); else h_push(&h, r, s - 1);
                 }
+            } else {
+                pend_w[s]--;
             }
         }
         if (!remaining) { ok = 0; break; }
@@ -243,7 +253,7 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
     }
 #undef ADD_NEXT
 done:
-    free(times); free(qs); free(qt); free(qm); free(fr); free(inflight); free(f_done); free(started);
+    free(times); free(qs); free(qt); free(qm); free(fr); free(inflight); free(pend_w); free(f_done); free(started);
     free(mark); free(nxt); free(order); free(h.v);
     return ok;
 }

@@ -47,16 +47,18 @@ _INF = float("inf")
 def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  op_times: Union[OpTimes, Mapping, None] = None, link_delays: Optional[LinkDelays] = None,
                  fused_backward: bool = False,
-                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True) -> Timeline:
+                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
+                 units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
     """Ready dispatch with ``hint`` ranking the ready ops; ``caps`` per stage (default: no cap)."""
     return replay_varying(hint, costs, microbatches, "ready", caps, op_times, link_delays, fused_backward,
-                          link_model, patience)
+                          link_model, patience, units, w_share)
 
 
 def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: str = "ordered",
                    caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
                    link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
-                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True) -> Timeline:
+                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
+                   units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
     """Replay ``schedule`` under ``dispatch`` ("ordered" or "ready"); raise StuckSchedule if it cannot run.
 
     ``op_times``: a callable ``(stage, kind, mb) -> ms`` or a mapping ``{(stage, kind, mb): ms}``
@@ -66,6 +68,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     sets its own peak). ``fused_backward`` and ``link_model`` are as in ``simulate.replay``; under
     ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it. ``patience``:
     ready dispatch's patience (``ReadyRule.hold``), on as in the engine; off, the bare rule.
+    ``units`` and ``w_share``: the memory budget per stage under ready dispatch (``plan.ir.memory``).
     """
     S, N = len(schedule), microbatches
     if dispatch not in DISPATCHES:
@@ -79,7 +82,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
             else [sum(map(sum, dur[s])) for s in range(S)])
     return _Run(schedule, N, dispatch == "ready", cap, dur, _curves(link_delays, costs, S),
-                per_link(link_model, S - 1), fused_backward, work, patience).run()
+                per_link(link_model, S - 1), fused_backward, work, patience, units, w_share).run()
 
 
 def _check_rows(schedule: Schedule, N: int) -> None:
@@ -160,7 +163,8 @@ class _Run:
     next free time are known when it starts, and are pushed as wake-ups.
     """
 
-    def __init__(self, schedule, N, ready, cap, dur, curves, model, fused, work, patience=True):
+    def __init__(self, schedule, N, ready, cap, dur, curves, model, fused, work, patience=True, units=None,
+                 w_share=1.0):
         S = len(schedule)
         self.rows, self.S, self.N, self.is_ready, self.cap, self.dur = schedule, S, N, ready, cap, dur
         self.curves = curves
@@ -193,7 +197,8 @@ class _Run:
         self.wake: list[tuple[float, int]] = []
         # ready dispatch: per stage the engine's rule, a heap of (arrival, kind, mb) of the
         # messages on their way to it and their arrival times by (kind, mb)
-        self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1) for s, row in enumerate(schedule)] if ready else []
+        self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1, None if units is None else units[s], w_share)
+                      for s, row in enumerate(schedule)] if ready else []
         self.patience = patience
         self.on_way = [[] for _ in range(S)]
         self.lands = [{} for _ in range(S)]

@@ -1,0 +1,114 @@
+"""Activation memory of a plan, against stock 1F1B's, and plans kept within a budget.
+
+A micro-batch's activations are held on a stage from its ``F`` to its ``B`` (what ``F`` saved for the
+backward) and then, in part, from its ``B`` to its ``W`` (what the weight gradients still need). With
+one micro-batch's ``F``-to-``B`` activations as the unit, a stage holding ``h`` micro-batches between
+``F`` and ``B`` and ``w`` between ``B`` and ``W`` holds ``h + ratio * w`` units, where ``ratio`` is
+the share of the activations that ``B`` leaves for ``W`` (1 for the generic graph split, whose ``W``
+keeps ``B``'s whole retained graph; the engine measures it). Stock DeepSpeed 1F1B (fused backward)
+holds at most ``S - s`` units on stage ``s``: that is the reference a ``budget`` factor multiplies.
+
+``fit_budget`` makes any plan keep within a per-stage budget by moving ``W`` ops earlier in their
+stage's order, in front of the ``F`` or ``B`` that would exceed it. A ``W`` depends only on its own ``B``
+(earlier in the row) and sends nothing, so the plan stays valid and deadlock-free; only the order of
+one stage's own compute changes. Forwards held between ``F`` and ``B`` are bounded by the warm-up
+caps (``caps_within``), which the planners already respect.
+
+Pure Python: no torch, no deepspeed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .ops import Kind, Op, Schedule
+
+EPS = 1e-9
+
+
+def stock_units(stages: int) -> list[int]:
+    """Stock 1F1B's peak activations per stage, in micro-batches: ``S - s``."""
+    return [stages - s for s in range(stages)]
+
+
+def budget_units(stages: int, factor: float) -> list[float]:
+    """The per-stage budget ``factor`` times stock 1F1B's, in units of one micro-batch's activations."""
+    return [factor * u for u in stock_units(stages)]
+
+
+def caps_within(units: Sequence[float]) -> list[int]:
+    """The most micro-batches each stage may hold between ``F`` and ``B`` within ``units``."""
+    return [max(0, math.floor(u + EPS)) for u in units]
+
+
+def peak_units(schedule: Schedule, ratio: float = 1.0) -> list[float]:
+    """Per stage, the most activation units held at once (``F``-to-``B`` ones count 1, ``B``-to-``W``
+    ones ``ratio``), read off the order. A ``W`` that follows its ``B`` directly, as a fused backward
+    runs, frees at once."""
+    out = []
+    for row in schedule:
+        h = w = 0
+        peak = 0.0
+        for op in row:
+            k = op.kind
+            if k == Kind.F:
+                h += 1
+            elif k == Kind.B:
+                h -= 1
+                w += 1
+            elif k == Kind.W:
+                w -= 1
+                continue
+            peak = max(peak, h + ratio * w)
+        out.append(peak)
+    return out
+
+
+def fit_budget(schedule: Schedule, units: Sequence[float], ratio: float = 1.0) -> Schedule:
+    """``schedule`` with, on each stage, the pending ``W`` ops (oldest ``B`` first) moved in front of an
+    ``F`` or a ``B`` that would otherwise exceed ``units[s]``; rows that fit are returned as they are.
+    (A ``B`` with no ``W`` pending is left where it is: its own ``W`` can only follow it.)
+
+    Raises ValueError when a stage holds more forwards between ``F`` and ``B`` than its budget allows
+    even with no ``W`` pending (its warm-up is deeper than the budget: a planner bug or a plan file
+    for a larger budget)."""
+    out: Schedule = []
+    for s, row in enumerate(schedule):
+        limit = units[s] + EPS
+        if peak_units([row], ratio)[0] <= limit:
+            out.append(list(row))
+            continue
+        new: list[Op] = []
+        pending: list[Op] = []  # W ops whose B ran, in B order, not placed yet
+        placed = set()
+
+        def flush(after) -> None:
+            while pending and after(len(pending)) > limit:
+                w = pending.pop(0)
+                new.append(w)
+                placed.add(w)
+
+        h = 0
+        for op in row:
+            k = op.kind
+            if k == Kind.F:
+                flush(lambda n: h + 1 + ratio * n)
+                if h + 1 > limit:
+                    raise ValueError(f"stage {s} holds {h + 1} micro-batches between F and B, more than its "
+                                     f"budget of {units[s]:g}")
+                h += 1
+                new.append(op)
+            elif k == Kind.B:
+                flush(lambda n: h - 1 + ratio * (n + 1))
+                h -= 1
+                new.append(op)
+                pending.append(Op(Kind.W, op.mb))
+            elif k == Kind.W:
+                if op in placed:
+                    continue
+                pending.remove(op)
+                new.append(op)
+            else:
+                new.append(op)
+        out.append(new)
+    return out
