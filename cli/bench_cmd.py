@@ -46,12 +46,28 @@ class BenchArgs:
     schedules: str = ",".join(SCHEDULES)
     dispatch: str = "ordered"
     vary: Optional[str] = None
+    budget: str = "1"  # our rows' memory.budget: a factor over stock 1F1B's activation memory, or "none"
     out: Path = Path("out/bench.json")
     timeout_s: float = 1800.0
     command: str = "pipemorph bench"  # what a stopped run names
 
 
 D = BenchArgs()
+BUDGET_HELP = ("Our engine's activation memory per stage as a multiple of stock 1F1B's (memory.budget): 1 (the "
+               "default, what stock holds), 2, ..., or none (no limit).")
+
+
+def parse_budget(text: str) -> Optional[float]:
+    """``--budget``: a number of at least 1, or ``none``."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadInput(f"--budget: expected a number such as 1.5, or none, not '{text}'") from None
+    if value < 1.0:
+        raise BadInput(f"--budget {text} leaves the last stage less than one micro-batch's activations: use at least 1")
+    return value
 
 
 def bench(
@@ -81,6 +97,7 @@ def bench(
         "--vary", help="Per-op time variation, as in simulate --vary: jitter:0.5 (each F and B scaled by a "
                        "factor with mean 1), heavy:frac=0.25,factor=3,stages=2 (heavy micro-batches on the "
                        "first stages), table:FILE; seeded variations are drawn anew each iteration.")] = None,
+    budget: str = typer.Option(D.budget, "--budget", help=BUDGET_HELP),
     out: Path = typer.Option(D.out, "--out", help="Results as JSON."),
     timeout_s: float = typer.Option(D.timeout_s, help="Give up on the run after this many seconds."),
 ) -> None:
@@ -88,7 +105,7 @@ def bench(
     run_bench(BenchArgs(stages=stages, microbatches=microbatches, op_ms=op_ms, delays_ms=delays_ms,
                         link=tuple(link or ()), links=tuple(links or ()), trace=tuple(trace or ()), dynamic=dynamic,
                         iterations=iterations, warmup=warmup, schedules=schedules, dispatch=dispatch, vary=vary,
-                        out=out, timeout_s=timeout_s))
+                        budget=budget, out=out, timeout_s=timeout_s))
 
 
 def run_bench(args: BenchArgs) -> None:
@@ -142,7 +159,8 @@ def _checked(args: BenchArgs) -> dict:
     if args.vary is not None:
         vary_tables(args.vary, Costs.uniform(args.stages, args.op_ms), args.microbatches)  # a spec that does not parse
     fields = dict(stages=args.stages, microbatches=args.microbatches, op_ms=args.op_ms, schedules=names,
-                  dispatches=dispatches or ["ordered"], vary=args.vary, iterations=args.iterations, warmup=args.warmup)
+                  dispatches=dispatches or ["ordered"], vary=args.vary, iterations=args.iterations, warmup=args.warmup,
+                  budget=parse_budget(args.budget))
     try:  # the spec's own checks, on a stand-in for the trace scenarios --dynamic adds later
         stand_in = [Scenario(name="-", links_ms=[0.0] * (args.stages - 1))]
         BenchSpec(scenarios=scenarios or stand_in, progress_file="-", out=str(args.out), **fields)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from ds_pipemorph.bench.spec import LABELS, NOTES, BenchSpec
+from ds_pipemorph.bench.spec import LABELS, NOTES, BenchSpec, budget_text
 
 from .common import console
 
@@ -36,14 +36,14 @@ def _print_static(spec: BenchSpec, result: dict) -> None:
     rows = result["results"]
     t = Table(title=f"{spec.stages} stages x {spec.microbatches} micro-batches, F=B=W={spec.op_ms:g} ms (emulated), "
                     f"median of {spec.iterations} iterations", title_justify="left")
-    for col in ("scenario", "schedule", "measured ms", "predicted ms", "speedup vs stock"):
+    for col in ("scenario", "schedule", "measured ms", "predicted ms", "speedup vs stock", "memory"):
         t.add_column(col, justify="right")
     for sc in spec.scenarios:
         mine = [r for r in rows if r["scenario"] == sc.name]
         stock = next((r["median_ms"] for r in mine if r["schedule"] == "stock-1f1b"), None)
         for r in mine:
             ratio = f"{stock / r['median_ms']:.2f}x" if stock else "-"
-            t.add_row(sc.name, _label(r), f"{r['median_ms']:.0f}", f"{r['predicted_ms']:.0f}", ratio)
+            t.add_row(sc.name, _label(r), f"{r['median_ms']:.0f}", f"{r['predicted_ms']:.0f}", ratio, _memory(r))
     console.print(t)
     _print_notes(spec, rows)
     console.print("predicted: the replay simulator's time for that schedule's plan under the injected delays "
@@ -57,7 +57,7 @@ def _print_traces(spec: BenchSpec, result: dict) -> None:
     rows = result["results"]
     t = Table(title=f"{spec.stages} stages x {spec.microbatches} micro-batches, F=B=W={spec.op_ms:g} ms (emulated), "
                     f"delay traces, mean of {spec.iterations} iterations", title_justify="left")
-    for col in ("scenario", "schedule", "mean ms", "predicted ms", "x / PipeMorph"):
+    for col in ("scenario", "schedule", "mean ms", "predicted ms", "x / PipeMorph", "memory"):
         t.add_column(col, justify="right")
     for sc in spec.scenarios:
         mine = [r for r in rows if r["scenario"] == sc.name]
@@ -65,7 +65,7 @@ def _print_traces(spec: BenchSpec, result: dict) -> None:
         for r in mine:
             ratio = ratios.get(r["schedule"]) if r.get("dispatch", "ordered") == "ordered" else None
             t.add_row(sc.name, _label(r), f"{r['mean_ms']:.0f}", f"{r['predicted_ms']:.0f}",
-                      "-" if ratio is None else f"{ratio:.2f}x")
+                      "-" if ratio is None else f"{ratio:.2f}x", _memory(r))
     console.print(t)
     for sc in spec.scenarios:
         ratios = result.get("ratios", {}).get(sc.name, {})
@@ -75,6 +75,13 @@ def _print_traces(spec: BenchSpec, result: dict) -> None:
     _print_notes(spec, rows)
     console.print("predicted: the replay simulator's time for that schedule's plan under the trace's mean delays; "
                   "every row replays the trace from its first iteration")
+
+
+def _memory(r: dict) -> str:
+    """The activation memory a row was allowed: stock's own (S - s micro-batches), or the budget."""
+    if r["schedule"] == "stock-1f1b":
+        return "stock"
+    return budget_text(r.get("budget", 1.0))
 
 
 def _label(r: dict) -> str:

@@ -10,15 +10,32 @@ from rich.table import Table
 from ds_pipemorph.fileio import dump
 from ds_pipemorph.plan.files.kinds import load_kind
 from ds_pipemorph.plan.files.planfile import PlanFile
+from ds_pipemorph.plan.ir.memory import peak_units, stock_units
 from ds_pipemorph.plan.ir.profile import Profile
 from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.plan.sched.search import search
 from ds_pipemorph.plan.sched.tolerance import link_tolerances
 from ds_pipemorph.plan.sched.warmup import initial_warmup
+from ds_pipemorph.plan.sim.listsched_py import Policy
 from ds_pipemorph.plan.sim.simulate import replay
 
 from .common import announce, check_outputs, console, print_json, timeline_outputs, user_errors, write_outputs
 from .progress import budget_bar
+
+
+def memory_line(prof: Profile, sched) -> str:
+    """The plan's predicted peak activation memory per stage: in MB when the profile has the bytes
+    (``memory.activation_mb``, ``weight_mb``), else in micro-batches; against stock 1F1B's."""
+    share = prof.w_share()
+    units = peak_units(sched, share)
+    stock = stock_units(prof.stages)
+    m = prof.memory
+    if m is not None and m.activation_mb is not None:
+        mb = lambda xs: "[" + ", ".join(f"{x:.1f}" for x in xs) + "]"  # noqa: E731
+        return (f"activation memory: peak {mb(u * a for u, a in zip(units, m.activation_mb))} MB per stage "
+                f"(capacity {mb(m.capacity_mb)}; stock 1F1B {mb(k * a for k, a in zip(stock, m.activation_mb))})")
+    return (f"activation memory: peak {[round(u, 2) for u in units]} micro-batches' activations per stage "
+            f"(stock 1F1B {stock}; W counted as keeping all of F's graph)")
 
 
 def plan(
@@ -46,11 +63,13 @@ def plan(
         costs, n, caps = prof.costs(), prof.microbatches, prof.caps()
         count = (f"--microbatches; the profile has {measured}" if microbatches is not None and microbatches != measured
                  else "the profile's count")
+        units, share = prof.units(), prof.w_share()
         if greedy:
-            sched, lb, note = list_schedule(costs, n, initial_warmup(caps)), None, "paper's greedy pass"
+            within = Policy() if units is None else Policy(units=tuple(units), w_share=share)
+            sched, lb, note = list_schedule(costs, n, initial_warmup(caps), within), None, "paper's greedy pass"
         else:
             with budget_bar(f"searching plans for {prof.stages} stages x {n} micro-batches", budget):
-                res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact)
+                res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact, units=units, w_share=share)
             sched, lb = res.schedule, res.lower_bound_ms
             note = f"searched {res.seconds:.2f} s, {res.evaluated} candidates, best from {res.source}"
         pf = PlanFile.build(sched, prof)
@@ -70,6 +89,7 @@ def plan(
     p = pf.predicted
     console.print(f"[bold]Plan[/bold] for {prof.stages} stages x {n} micro-batches ({count}; {note})")
     console.print(f"warm-up x_s: {pf.warmup}   peak in-flight: {p.peak_inflight}   caps: {caps}")
+    console.print(memory_line(prof, sched))
     bound = f"; lower bound {lb:.1f} ms" if lb is not None else ""
     console.print(
         f"predicted iteration {p.iteration_ms:.1f} ms, bubble rate {p.bubble_rate:.1%}"

@@ -15,6 +15,14 @@ from ds_pipemorph.fileio import BadInput
 
 from .common import announce, check_outputs, console, err_console, parse_floats, user_errors, write_outputs
 
+MIB = 1024 * 1024
+
+
+def _mb(x: float) -> float:
+    """Nine significant digits: small activations (a few KB) stay above zero, and a capacity of k
+    activations divides back to k."""
+    return float(f"{x:.9g}")
+
 
 def _progress() -> Progress:
     """Redrawn only when a step ends: no refresh thread competes for the GIL while a link is timed."""
@@ -302,8 +310,14 @@ def profile_stages(
             "backward_input": [round(t.backward_input_ms, 4) for t in times],
             "backward_weight": [round(t.backward_weight_ms, 4) for t in times],
         }
+        extra = {}
+        if not (base and "memory" in base) and all(t.activation_bytes > 0 for t in times):
+            mib = [t.activation_bytes / MIB for t in times]  # capacity: what stock 1F1B holds
+            extra["memory"] = {"activation_mb": [_mb(a) for a in mib],
+                               "capacity_mb": [_mb((stages - s) * a) for s, a in enumerate(mib)],
+                               "weight_mb": [_mb(t.weight_bytes / MIB) for t in times]}
         data = merged(base, stages, microbatches=n, compute_ms=compute,
-                      links_ms=None if base and "links_ms" in base else [0.0] * (stages - 1))
+                      links_ms=None if base and "links_ms" in base else [0.0] * (stages - 1), **extra)
         dest = out or merge
         outputs = {str(dest): render(data, str(dest))} if dest else {}
         write_outputs(outputs)
@@ -313,13 +327,16 @@ def profile_stages(
                   f"B/W split: {used}; {n} micro-batches per iteration in the profile ({whence}: "
                   f"`pipemorph plan` plans for this count unless given --microbatches)")
     t = Table()
-    for col in ("stage", "layers", "params", "F ms", "B ms", "W ms"):
+    for col in ("stage", "layers", "params", "F ms", "B ms", "W ms", "F keeps MB", "B keeps MB"):
         t.add_column(col, justify="right")
     for s, x in enumerate(times):
         layers = f"{parts[s]}-{parts[s + 1] - 1}" if parts else "-"
         t.add_row(str(s), layers, f"{x.params:,}", f"{x.forward_ms:.3f}", f"{x.backward_input_ms:.3f}",
-                  f"{x.backward_weight_ms:.3f}")
+                  f"{x.backward_weight_ms:.3f}", f"{x.activation_bytes / MIB:.2f}", f"{x.weight_bytes / MIB:.2f}")
     console.print(t)
+    console.print("F keeps: the activations one micro-batch's F saves for B; B keeps: what B leaves for W of them "
+                  "(the profile's memory.activation_mb and weight_mb, with capacity_mb what stock 1F1B holds)",
+                  soft_wrap=True)
     announce(outputs)
 
 

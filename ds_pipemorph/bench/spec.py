@@ -16,9 +16,10 @@ LABELS = {  # short: the table must fit an 80-column terminal
 }
 NOTES = {
     "stock-1f1b": "DeepSpeed's own PipelineEngine and TrainSchedule, fused backward",
-    "zb": "PipeMorphEngine, ZB-H1 warm-up S-s (1F1B's memory), planned for no delay",
+    "zb": "PipeMorphEngine, ZB-H1 warm-up S-s, planned for no delay, within the memory budget",
     "zb-delegated": "static zb with every link delegated (staging rings + delegate processes), no re-plan",
-    "pipemorph": "adaptive: Alg. 1 warm-up, measures links in-run, re-plans, slow links go delegated",
+    "pipemorph": "adaptive: Alg. 1 warm-up within the memory budget, measures links in-run, re-plans, slow links "
+                 "go delegated",
 }
 
 
@@ -30,6 +31,11 @@ class Scenario(BaseModel):
     name: str
     links_ms: list[float]
     trace: Optional[str] = None
+
+
+def budget_text(budget: Optional[float]) -> str:
+    """How a table names a row's memory: ``1x stock`` (the default), ``2x stock``, ``no limit``."""
+    return "no limit" if budget is None else f"{budget:g}x stock"
 
 
 class BenchSpec(BaseModel):
@@ -47,6 +53,8 @@ class BenchSpec(BaseModel):
     dispatches: list[str] = Field(default_factory=lambda: ["ordered"], min_length=1)
     # Per-op time variation (``plan.sim.variation``: jitter:S, heavy:..., table:FILE), drawn anew each iteration.
     vary: Optional[str] = None
+    # Our engine's ``memory.budget`` (a multiple of stock 1F1B's activation memory); None: no limit.
+    budget: Optional[float] = 1.0
 
     @model_validator(mode="after")
     def _shapes(self) -> "BenchSpec":

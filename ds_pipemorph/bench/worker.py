@@ -72,7 +72,8 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "
         inject = {"links": {str(i): {"delay_ms": c} for i, c in enumerate(sc.links_ms) if c > 0}}
     delegation = {"zb": "off", "zb-delegated": "always", "pipemorph": "auto"}[schedule]
     section = {"schedule": "adaptive" if schedule == "pipemorph" else "zb", "delegation": {"mode": delegation},
-               "adapt": {"enabled": schedule == "pipemorph"}, "inject": inject, "nvtx": False, "dispatch": dispatch}
+               "adapt": {"enabled": schedule == "pipemorph"}, "inject": inject, "nvtx": False, "dispatch": dispatch,
+               "memory": {"budget": spec.budget}}
     cfg["pipemorph"] = section
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if spec.vary:
@@ -230,7 +231,7 @@ def main(spec_path: str) -> None:
             step += 1
             if rank == 0:
                 row = {"scenario": sc.name, "links_ms": sc.links_ms, "trace": sc.trace, "schedule": schedule,
-                       "dispatch": dispatch,
+                       "dispatch": dispatch, "budget": None if schedule == "stock-1f1b" else spec.budget,
                        **summarize(times), "predicted_ms": predicted, "replans": replans}
                 if adapter is not None:
                     row["plans_kept"] = kept  # re-plan decisions that kept the plan in force (near the bound)

@@ -38,6 +38,10 @@ class StageTimes:
     backward_input_ms: float
     backward_weight_ms: float
     params: int
+    # Saved activations of one micro-batch (``runtime.act_meter``): what F leaves for B and what B
+    # leaves for W (freed by W), in bytes; 0 under the autograd split (not measured).
+    activation_bytes: int = 0
+    weight_bytes: int = 0
 
 
 def _sync(device: torch.device) -> None:
@@ -129,8 +133,32 @@ def time_stage(module: torch.nn.Module, inputs, *, first: bool, loss: Optional[C
             b_ms.append((t2 - tb) * 1e3)
             w_ms.append((t3 - t2) * 1e3)
         del out, outs, x, xin
+    f_bytes, w_bytes = _saved_bytes(module, inputs, first, loss, params, grads) if split == "runtime" else (0, 0)
     return StageTimes(statistics.median(f_ms), statistics.median(b_ms), statistics.median(w_ms),
-                      sum(p.numel() for p in params))
+                      sum(p.numel() for p in params), f_bytes, w_bytes)
+
+
+def _saved_bytes(module, inputs, first: bool, loss, params, grads) -> tuple[int, int]:
+    """One more untimed round under ``SavedBytes``: what F saved, and what W freed of it once B ran
+    and released its outputs (as the engine does)."""
+    from ..runtime.act_meter import SavedBytes
+    from ..runtime.bw_split import backward_input
+
+    for p in params:
+        p.grad = None
+    with SavedBytes(params) as meter:
+        x = _stage_input(inputs, needs_grad=not first)
+        out = module(x)
+        if loss is not None:
+            out = loss(out)
+        f = meter.live
+        outs = [o for o in _tensors(out) if o.requires_grad]
+        _, work = backward_input(outs, grads, [t for t in _tensors(x) if t.requires_grad], params)
+        del out, outs, x
+        held = meter.live
+        work.run()
+        del work
+        return f, held - meter.live
 
 
 def profile_stages(modules: Sequence[torch.nn.Module], inputs, labels=None, loss_fn: Optional[Callable] = None,

@@ -428,6 +428,9 @@ class PipeMorphEngine(PipelineEngine):
             finally:
                 _set(self, "_meter", None)
         _set(self, "activation_bytes", gather_activation_bytes(self, meter.peak))
+        if self.adapter is not None:  # profile_out gets the bytes form of memory
+            self.adapter.export.set_memory([a.f for a in self.activation_bytes], [a.w for a in self.activation_bytes],
+                                           self.pipemorph.memory.units(self.num_stages))
         if self.global_rank == 0:
             logger.warning(describe_activation_bytes(self.activation_bytes, self.w_share))
         return loss

@@ -20,6 +20,15 @@ OP_WINDOW = 5
 LINK_WINDOW = 3
 
 
+MIB = 1024 * 1024
+
+
+def _mb(x: float) -> float:
+    """Nine significant digits: small activations (a few KB) stay above zero, and a capacity of k
+    activations divides back to k."""
+    return float(f"{x:.9g}")
+
+
 class ProfileExport:
     """Running medians of per-stage op times and per-link delays; ``profile()`` / ``write(path)``."""
 
@@ -29,6 +38,17 @@ class ProfileExport:
         self._ops = {k: [deque(maxlen=OP_WINDOW) for _ in range(stages)] for k in "FBW"}
         self._links = [deque(maxlen=LINK_WINDOW) for _ in range(stages - 1)]
         self.iterations = 0
+        self._memory: Optional[dict] = None  # the bytes form of ``memory``, once measured
+
+    def set_memory(self, f_bytes: Sequence[int], w_bytes: Sequence[int], units: Optional[Sequence[float]]) -> None:
+        """What the first iteration measured (per stage: F's and W's saved bytes per micro-batch) and
+        the budget in micro-batches (None: the caps): the profile's ``memory`` in MB from now on."""
+        if not all(f > 0 for f in f_bytes):
+            return  # a stage that saves nothing for B has no bytes form
+        mib = [f / MIB for f in f_bytes]
+        room = units if units is not None else self.caps or [self.N] * self.S
+        self._memory = {"activation_mb": [_mb(a) for a in mib], "capacity_mb": [_mb(a * u) for a, u in zip(mib, room)],
+                        "weight_mb": [_mb(w / MIB) for w in w_bytes]}
 
     def add(self, f: Sequence[float], b: Sequence[float], w: Sequence[float],
             links: Sequence[Optional[float]]) -> None:
@@ -62,7 +82,9 @@ class ProfileExport:
                            "backward_weight": [med(q) for q in self._ops["W"]]},
             "links_ms": [med(q) if q else 0.0 for q in self._links],
         }
-        if self.caps is not None:
+        if self._memory is not None:
+            data["memory"] = dict(self._memory)
+        elif self.caps is not None:
             data["memory"] = {"max_inflight": list(self.caps)}
         return Profile.model_validate(data)
 

@@ -44,7 +44,11 @@ def test_profile_out_holds_the_measured_op_times_and_link_delays_and_plans(tmp_p
         for key in ("forward", "backward_input", "backward_weight"):
             assert all(v >= 5.0 for v in getattr(prof.compute_ms, key)), (name, prof.compute_ms)
         assert prof.links_ms[1] >= 24.0 and prof.links_ms[0] < prof.links_ms[1], (name, prof.links_ms)
-        assert prof.memory.max_inflight == [4, 4, 4]
+        # What the first iteration measured, in MB; the default budget: stock 1F1B's S - s micro-batches.
+        m = prof.memory
+        assert all(a > 0 for a in m.activation_mb) and all(0 < w <= a for w, a in zip(m.weight_mb, m.activation_mb))
+        assert m.capacity_mb == pytest.approx([(3 - s) * a for s, a in enumerate(m.activation_mb)], rel=1e-3)
+        assert prof.caps() == [3, 2, 1]
     text = (tmp_path / "profile.yaml").read_text()
     assert text.startswith("# measured by the pipemorph control loop: end of training, after 8 iterations")
     assert not list(tmp_path.glob(".profile.yaml.*"))  # written atomically: no temporary left

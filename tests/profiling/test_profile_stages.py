@@ -46,6 +46,14 @@ def test_pipeline_module_profile_loads_and_the_wider_stage_is_slower(tmp_path):
     assert c.backward_input[1] + c.backward_weight[1] > c.backward_input[0] + c.backward_weight[0]
     # The first stage's input is data (no gradient): its backward is nearly all W.
     assert c.backward_weight[0] > c.backward_input[0]
+    # Saved for B, one micro-batch of 64 x 64 floats: each Mlp keeps its input (16 KiB, for the weight
+    # gradient of `up`) and its ReLU output (64 x hidden floats, for ReLU's and `down`'s backward);
+    # the last stage's MSE keeps the output and the labels (16 KiB each).
+    x, mib = 64 * 64 * 4, 1024 * 1024
+    want = [2 * (x + 64 * 64 * 4), 2 * (x + 64 * 2048 * 4) + 2 * x]
+    assert prof.memory.activation_mb == pytest.approx([w / mib for w in want], abs=1e-4)
+    assert prof.memory.capacity_mb == pytest.approx([2 * want[0] / mib, want[1] / mib], abs=1e-4)  # stock 1F1B: S - s
+    assert all(0 < w <= a for w, a in zip(prof.memory.weight_mb, prof.memory.activation_mb))
 
 
 @pytest.mark.timeout(300)

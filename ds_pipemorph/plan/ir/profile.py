@@ -32,12 +32,15 @@ class ComputeMs(BaseModel):
 
 
 class Memory(BaseModel):
-    """Either ``max_inflight`` per stage, or ``activation_mb`` + ``capacity_mb`` per stage."""
+    """Either ``max_inflight`` per stage, or ``activation_mb`` + ``capacity_mb`` per stage, and with
+    these ``weight_mb``: what B leaves for W of a micro-batch (the graph W still needs and the output
+    gradients it keeps), which the engine and ``profile-stages`` measure (``plan.ir.memory``)."""
 
     model_config = ConfigDict(extra="forbid")
     max_inflight: Optional[list[int]] = None
     activation_mb: Optional[Union[list[float], float]] = None
     capacity_mb: Optional[Union[list[float], float]] = None
+    weight_mb: Optional[Union[list[float], float]] = None
 
     @model_validator(mode="after")
     def _one_form(self) -> "Memory":
@@ -46,6 +49,8 @@ class Memory(BaseModel):
             raise ValueError("give either max_inflight or activation_mb + capacity_mb, not both")
         if by_bytes and (self.activation_mb is None or self.capacity_mb is None):
             raise ValueError("activation_mb and capacity_mb go together: give both")
+        if self.weight_mb is not None and self.activation_mb is None:
+            raise ValueError("weight_mb goes with activation_mb and capacity_mb")
         return self
 
 
@@ -97,7 +102,28 @@ class Profile(BaseModel):
                         raise ValueError(
                             f"memory.capacity_mb: stage {i} cannot hold one activation ({c} MB < {a} MB)"
                         )
+                if m.weight_mb is not None:
+                    m.weight_mb = _per_stage(m.weight_mb, s, "memory.weight_mb")
+                    for i, w in enumerate(m.weight_mb):
+                        if not 0 <= w < math.inf:
+                            raise ValueError(f"memory.weight_mb: stage {i} must be a finite number >= 0, got {w}")
         return self
+
+    def units(self) -> Optional[list[float]]:
+        """Per stage, ``capacity_mb`` in micro-batches' activations (``plan.ir.memory``); None without
+        the bytes form."""
+        m = self.memory
+        if m is None or m.activation_mb is None:
+            return None
+        return [c / a for a, c in zip(m.activation_mb, m.capacity_mb)]
+
+    def w_share(self) -> float:
+        """What B leaves for W against what F leaves for B, the largest over the stages (1 when not
+        measured: the generic split keeps at most F's graph)."""
+        m = self.memory
+        if m is None or m.weight_mb is None:
+            return 1.0
+        return max(w / a for w, a in zip(m.weight_mb, m.activation_mb))
 
     def caps(self) -> list[int]:
         """Per-stage cap on in-flight activations (Alg. 1 line 2 from bytes), never above N."""
@@ -107,7 +133,8 @@ class Profile(BaseModel):
             return [n] * s
         if m.max_inflight is not None:
             return [min(n, c) for c in m.max_inflight]
-        return [min(n, int(c // a)) for a, c in zip(m.activation_mb, m.capacity_mb)]
+        # (a hair of slack: capacities written as k x activation_mb, rounded, still hold k)
+        return [min(n, int(math.floor(c / a + 1e-6))) for a, c in zip(m.activation_mb, m.capacity_mb)]
 
     def costs(self) -> "Costs":
         c = self.compute_ms
