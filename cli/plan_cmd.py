@@ -10,7 +10,6 @@ from rich.table import Table
 from ds_pipemorph.fileio import dump
 from ds_pipemorph.plan.files.kinds import load_kind
 from ds_pipemorph.plan.files.planfile import PlanFile
-from ds_pipemorph.plan.ir.memory import peak_units, stock_units
 from ds_pipemorph.plan.ir.profile import Profile
 from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.plan.sched.search import search
@@ -19,23 +18,9 @@ from ds_pipemorph.plan.sched.warmup import initial_warmup
 from ds_pipemorph.plan.sim.listsched_py import Policy
 from ds_pipemorph.plan.sim.simulate import replay
 
+from .memory_line import memory_line
 from .common import announce, check_outputs, console, print_json, timeline_outputs, user_errors, write_outputs
 from .progress import budget_bar
-
-
-def memory_line(prof: Profile, sched) -> str:
-    """The plan's predicted peak activation memory per stage: in MB when the profile has the bytes
-    (``memory.activation_mb``, ``weight_mb``), else in micro-batches; against stock 1F1B's."""
-    share = prof.w_share()
-    units = peak_units(sched, share)
-    stock = stock_units(prof.stages)
-    m = prof.memory
-    if m is not None and m.activation_mb is not None:
-        mb = lambda xs: "[" + ", ".join(f"{x:.1f}" for x in xs) + "]"  # noqa: E731
-        return (f"activation memory: peak {mb(u * a for u, a in zip(units, m.activation_mb))} MB per stage "
-                f"(capacity {mb(m.capacity_mb)}; stock 1F1B {mb(k * a for k, a in zip(stock, m.activation_mb))})")
-    return (f"activation memory: peak {[round(u, 2) for u in units]} micro-batches' activations per stage "
-            f"(stock 1F1B {stock}; W counted as keeping all of F's graph)")
 
 
 def plan(

@@ -14,6 +14,7 @@ from ds_pipemorph.plan.ir.links import DIRECT, LATENCY
 from ds_pipemorph.plan.ir.lower import DISPATCHES
 from ds_pipemorph.plan.ir.nccl import grouped_lines, nccl_groups
 from ds_pipemorph.plan.ir.nccl_lowering import NcclLowering
+from ds_pipemorph.plan.ir.memory import peak_units
 from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import BASELINES, baseline
@@ -21,6 +22,7 @@ from ds_pipemorph.plan.sim.ready import replay_varying
 from ds_pipemorph.plan.sim.simulate import replay
 from ds_pipemorph.plan.sim.variation import link_trace, parse_vary
 
+from .memory_line import memory_line
 from .common import announce, check_outputs, console, parse_compute, parse_floats, print_json, timeline_outputs, user_errors, write_outputs
 
 
@@ -110,6 +112,7 @@ def simulate(
         "bubble_rate": tl.bubble_rate,
         "stage_bubble_rate": tl.stage_bubble_rate,
         "peak_inflight": tl.peak_inflight,
+        "peak_activations": peak_units(sched, pf.profile.w_share() if pf.profile else 1.0),
         "predicted_ms": pf.predicted.iteration_ms if pf.predicted else None,
         "ordered_ms": ordered.iteration_ms,
         "ready_ms": tl.iteration_ms if dispatch == "ready" else None,
@@ -137,4 +140,6 @@ def simulate(
                       "activations per stage than the plan")
     if pf.predicted:
         console.print(f"planned for its profile: {pf.predicted.iteration_ms:.1f} ms")
+    if pf.profile is not None:
+        console.print(memory_line(pf.profile, sched))
     announce(outputs)

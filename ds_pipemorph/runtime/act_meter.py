@@ -5,7 +5,9 @@ a graph saves for its backward while the graph holds it: a storage counts once h
 save it (or views of it), from the first save until the last node holding it releases it (the
 graph freed by a backward without ``retain_graph``, or dropped). Parameters are not activations:
 their storages (and those of views of them, such as a transposed weight) are left out. ``live`` is
-what is held now, ``peak`` the most held at once since the context opened.
+what is held now, ``peak`` the most held at once since the context opened. The meter holds each
+saved tensor detached (as autograd holds a node's saved outputs: without their ``grad_fn``), so
+that measuring changes no lifetime.
 
 The same meter runs around stock DeepSpeed's ``train_batch`` and the engine's, so both are counted
 alike (``tests/runtime/test_memory.py``); the engine measures its first iteration with it
@@ -62,7 +64,9 @@ class SavedBytes:
             if self.live > self.peak:
                 self.peak = self.live
         ref[0] += 1
-        return _Held(t, self, key)
+        # Detached: the saved output of a node would otherwise hold that node through its grad_fn,
+        # a cycle through C++ that Python's collector cannot break (the graph would never be freed).
+        return _Held(t.detach(), self, key)
 
     def _release(self, key: int) -> None:
         ref = self._refs.get(key)

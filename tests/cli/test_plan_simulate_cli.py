@@ -175,3 +175,27 @@ def test_plan_for_another_stage_count_is_refused(plan_file):
     r = run("simulate", plan_file)
     assert r.exit_code == 2
     assert "profile.stages is 4 but the plan has 3 stages" in r.output
+
+
+def test_plan_and_simulate_keep_and_print_the_activation_memory_in_mb(tmp_path):
+    """100 MB of activations per micro-batch, capacity 1.5x what stock 1F1B holds (S - s of them):
+    with W keeping all of them (weight_mb 100) no stage may go above its capacity; with W keeping
+    nothing (0) the ZB-H1 order fits in stock's memory and takes its 390 ms."""
+    import re
+
+    base = {**PROFILE, "memory": {"activation_mb": 100, "capacity_mb": [600, 450, 300, 150], "weight_mb": 100}}
+    out = tmp_path / "plan.yaml"
+    r = run("plan", write(tmp_path, "p.yaml", base), "--greedy", "-o", out)
+    assert r.exit_code == 0, r.output
+    line = " ".join(r.output.split())  # rich wraps long lines
+    peak = [float(x) for x in re.search(r"activation memory: peak \[([^\]]*)\] MB", line).group(1).split(",")]
+    assert all(p <= c for p, c in zip(peak, [600, 450, 300, 150])), peak
+    assert "stock 1F1B [400.0, 300.0, 200.0, 100.0]" in line
+    r = run("simulate", out)
+    assert r.exit_code == 0 and "activation memory: peak [" in " ".join(r.output.split()), r.output
+
+    free = {**base, "memory": {"activation_mb": 100, "capacity_mb": [400, 300, 200, 100], "weight_mb": 0}}
+    r = run("plan", write(tmp_path, "free.yaml", free), "--greedy")
+    assert r.exit_code == 0, r.output
+    assert "predicted iteration 390.0 ms" in r.output
+    assert "activation memory: peak [400.0, 300.0, 200.0, 100.0] MB" in " ".join(r.output.split())

@@ -238,13 +238,13 @@ class SavedPeak:
     def pack(self, t):
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.skip:
-            return _Box(t)
+            return _Box(t.detach())
         if ptr not in self.holders:
             self.holders[ptr] = 0
             self.live += t.untyped_storage().nbytes()
             self.peak = max(self.peak, self.live)
         self.holders[ptr] += 1
-        box = _Box(t)
+        box = _Box(t.detach())  # with its grad_fn, a saved output would keep its own node alive
         weakref.finalize(box, self.unpin, ptr, t.untyped_storage().nbytes())
         return box
 
