@@ -1,4 +1,5 @@
 """What the lab tests check the machine with."""
+import os
 import subprocess
 
 from ds_pipemorph.lab.names import PREFIX
@@ -15,3 +16,13 @@ def host_network() -> tuple[str, str]:
     qdiscs = subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True).stdout
     names = sorted(line.split(":")[1].strip() for line in links.splitlines() if ":" in line)
     return "\n".join(names), qdiscs
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie, killed but not yet reaped, has left every namespace already)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -11,19 +11,9 @@ import pytest
 
 from ds_pipemorph.lab import Lab, RateTrace, names
 from ds_pipemorph.lab.trace import TraceFailed
-from lab_helpers import host_network, namespaces
+from lab_helpers import alive, host_network, namespaces
 
 HOLD = str(Path(__file__).with_name("hold_lab.py"))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (killed, not yet reaped by its parent) has left every namespace already.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_gone(prefix: str, pid: int, seconds: float = 30) -> None:

@@ -19,20 +19,12 @@ from pathlib import Path
 import pytest
 
 from ds_pipemorph.lab.names import lab_prefix
-from lab_helpers import namespaces
+from lab_helpers import alive, namespaces
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = str(ROOT / "tests" / "runtime" / "life_job.py")
 NODES = 3
 STOP_S = 15.0  # the command's own stop (10 s to SIGKILL) and the lab's removal
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
@@ -69,9 +61,9 @@ def test_ctrl_c_or_kill_of_lab_launch_stops_every_rank_and_delegate_and_leaves_n
             assert lines == ["pipemorph lab launch: stopped by SIGINT; every node's command was stopped and the lab "
                              "removed"], err
         deadline = time.monotonic() + STOP_S
-        while time.monotonic() < deadline and any(_running(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-        assert [p for p in pids if _running(p)] == []
+        assert [p for p in pids if alive(p)] == []
         while time.monotonic() < deadline and namespaces(lab_prefix("ctlc")):  # after kill -9: the watchdog's work
             time.sleep(0.2)
         assert namespaces(lab_prefix("ctlc")) == []  # the lab, and with it each ring's reaper, is gone
@@ -80,5 +72,5 @@ def test_ctrl_c_or_kill_of_lab_launch_stops_every_rank_and_delegate_and_leaves_n
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for p in pids:
-            if _running(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)

@@ -26,30 +26,9 @@ from ds_pipemorph.plan.sim.ready import replay_ready
 from ds_pipemorph.plan.sim.validate import validate_schedule
 
 
-def held(rows, w_share: float) -> list[float]:
-    """An independent count: walk each row, keeping the sets of micro-batches between F and B and
-    between B and W."""
-    out = []
-    for row in rows:
-        fb, bw, peak = set(), set(), 0.0
-        for op in row:
-            if op.kind == "F":
-                fb.add(op.mb)
-            elif op.kind == "B":
-                fb.discard(op.mb)
-                bw.add(op.mb)
-            else:
-                bw.discard(op.mb)
-            peak = max(peak, len(fb) + w_share * len(bw))
-        out.append(peak)
-    return out
-
-
-def over(rows, share: float, units) -> list[tuple]:
-    """The points where a stage holds more than ``units[s]``: (stage, position, held). Right after a B
-    with no other W pending, the one micro-batch between its B and its W may go over (nothing could
-    run before it): there the bound is the F-to-B ones plus ``share``."""
-    bad = []
+def walk(rows, share: float):
+    """An independent count: per stage and op, (stage, position, op, micro-batches between F and B,
+    between B and W), walking each row with the two sets."""
     for s, row in enumerate(rows):
         fb, bw = set(), set()
         for k, op in enumerate(row):
@@ -60,10 +39,26 @@ def over(rows, share: float, units) -> list[tuple]:
                 bw.add(op.mb)
             else:
                 bw.discard(op.mb)
-            h = len(fb) + share * len(bw)
-            bound = max(units[s], len(fb) + share) if op.kind == "B" and len(bw) == 1 else units[s]
-            if h > bound + 1e-9:
-                bad.append((s, k, h))
+            yield s, k, op, len(fb), len(bw)
+
+
+def held(rows, share: float) -> list[float]:
+    """Per stage, the most units held at once."""
+    peak = [0.0] * len(rows)
+    for s, _, _, h, w in walk(rows, share):
+        peak[s] = max(peak[s], h + share * w)
+    return peak
+
+
+def over(rows, share: float, units) -> list[tuple]:
+    """The points where a stage holds more than ``units[s]``: (stage, position, held). Right after a B
+    with no other W pending, the one micro-batch between its B and its W may go over (nothing could
+    run before it): there the bound is the F-to-B ones plus ``share``."""
+    bad = []
+    for s, k, op, h, w in walk(rows, share):
+        bound = max(units[s], h + share) if op.kind == "B" and w == 1 else units[s]
+        if h + share * w > bound + 1e-9:
+            bad.append((s, k, h + share * w))
     return bad
 
 

@@ -211,6 +211,11 @@ def search(
         sched = fit_budget(sched, units, w_share)
         return sched, (ev.encode(sched) if ev.native else None)
 
+    def refit(sched, t: float):
+        """(sched, its time) kept within the memory: fitted and scored anew if it moved."""
+        moved, menc = fitted(sched, None)
+        return (sched, t) if moved is sched else (moved, score(moved, menc))
+
     # The paper's single greedy pass first: it is the floor every later step must beat.
     base = Policy() if memory is None else Policy(units=memory[0], w_share=w_share)
     best, enc = list_schedule_encoded(costs, N, initial_warmup(caps), base)
@@ -281,10 +286,7 @@ def search(
             break
         share = (deadline - step_s / 2 - time.perf_counter()) / (len(starts) - i)
         sched, t, _ = improve(start, caps, time.perf_counter() + share, seed + i, out_of_time, ev, lb)
-        if memory is not None:
-            moved, menc = fitted(sched, None)
-            if moved is not sched:
-                sched, t = moved, score(moved, menc)
+        sched, t = refit(sched, t)
         if t < best_t - 1e-9:
             best, best_t, source = sched, t, "local"
             trace.append((time.perf_counter() - t0, best_t))
@@ -295,11 +297,7 @@ def search(
         # The solver overruns its limit by its model build and read-out (~10 % of a 1 s budget).
         limit = max(0.05, end - time.perf_counter() - 0.1 * budget_s)
         res = solve_exact(costs, N, caps, time_limit_s=limit, warm_start=best)
-        exact_plan, exact_t = res.schedule, res.iteration_ms
-        if memory is not None:
-            moved, menc = fitted(exact_plan, None)
-            if moved is not exact_plan:
-                exact_plan, exact_t = moved, score(moved, menc)
+        exact_plan, exact_t = refit(res.schedule, res.iteration_ms)
         if exact_t < best_t - 1e-9:
             best, best_t, source = exact_plan, exact_t, "milp"
             trace.append((time.perf_counter() - t0, best_t))
