@@ -1,6 +1,8 @@
 """The line ``plan`` and ``simulate`` print about a plan's activation memory."""
 from __future__ import annotations
 
+import math
+
 from ds_pipemorph.plan.ir.memory import peak_units, stock_units
 from ds_pipemorph.plan.ir.profile import Profile
 
@@ -11,10 +13,16 @@ def memory_line(prof: Profile, sched) -> str:
     share = prof.w_share()
     units = peak_units(sched, share)
     stock = stock_units(prof.stages)
+    need = max(u / k for u, k in zip(units, stock))
     m = prof.memory
     if m is not None and m.activation_mb is not None:
         mb = lambda xs: "[" + ", ".join(f"{x:.1f}" for x in xs) + "]"  # noqa: E731
-        return (f"activation memory: peak {mb(u * a for u, a in zip(units, m.activation_mb))} MB per stage "
+        text = (f"activation memory: peak {mb(u * a for u, a in zip(units, m.activation_mb))} MB per stage "
                 f"(capacity {mb(m.capacity_mb)}; stock 1F1B {mb(k * a for k, a in zip(stock, m.activation_mb))})")
-    return (f"activation memory: peak {[round(u, 2) for u in units]} micro-batches' activations per stage "
-            f"(stock 1F1B {stock}; W counted as keeping all of F's graph)")
+    else:
+        text = (f"activation memory: peak {[round(u, 2) for u in units]} micro-batches' activations per stage "
+                f"(stock 1F1B {stock}; W counted as keeping all of F's graph)")
+    if need > 1 + 1e-6:
+        text += (f"; the engine runs it as planned with pipemorph.memory.budget {math.ceil(need * 100) / 100:g} or more "
+                 f"(by default it holds stock's memory: it refuses a deeper warm-up and moves Ws earlier)")
+    return text

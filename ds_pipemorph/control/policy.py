@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
-from ..plan.ir.memory import fit_budget
+from ..plan.ir.memory import caps_within, fit_budget
 from ..plan.ir.ops import Schedule
 from ..plan.ir.profile import Costs
 from ..plan.sched.bounds import lower_bound_ms
@@ -308,13 +308,15 @@ class Policy:
 
     def _caps_for(self, target: list[float]) -> Optional[list[int]]:
         """§4.2: stages next to a delegated slow link stage their activations in host memory, so their
-        cap is relaxed to N (the pipeline's micro-batch count)."""
+        cap is relaxed to N (the pipeline's micro-batch count), within the memory budget: what the
+        forward saved for the backward stays on the device whatever the link."""
         if self.caps is None or self.delegation == "off":
             return self.caps
         caps = list(self.caps)
+        room = [self.N] * self.S if self.units is None else [min(self.N, c) for c in caps_within(self.units)]
         for i, (d, direct) in enumerate(zip(target, self._direct(target))):
             if d > 0 and not direct:
-                caps[i] = caps[i + 1] = self.N
+                caps[i], caps[i + 1] = room[i], room[i + 1]
         return caps
 
 

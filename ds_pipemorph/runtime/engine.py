@@ -609,8 +609,6 @@ class PipeMorphEngine(PipelineEngine):
         # do explicitly here. The module's own forward pre/post hooks still run.
         held = None if self._meter is None else self._meter.live
         outputs = self.module(inputs)
-        if held is not None:
-            self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
         inflight = self._inflight + 1
         _set(self, "_inflight", inflight)
         if inflight > self.measured_peak_inflight:
@@ -637,6 +635,8 @@ class PipeMorphEngine(PipelineEngine):
                 for name, value in extra.items():
                     prev = self.total_additional_losses.get(name)
                     self.total_additional_losses[name] = value.detach() if prev is None else prev + value.detach()
+        if held is not None:  # what F saved for B, the loss's included
+            self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
 
     def _exec_send_activations(self, buffer_id, micro_batch):
         self.transport.send("F", micro_batch, self.pipe_buffers["outputs"][buffer_id])

@@ -118,10 +118,11 @@ def _end(code: int) -> None:
     """Exit now: the delegates stopped and their rings unlinked without the transports' locks (a
     background thread may hold one), the exit handlers run (the lifeline tells the job), no
     interpreter teardown (``runtime.shutdown``)."""
-    from .shutdown import flush_all
+    from .shutdown import flush_all, skip_release
     from .transport.delegated.transport import kill_all
 
     kill_all()
+    skip_release()
     atexit._run_exitfuncs()
     flush_all()
     os._exit(code)

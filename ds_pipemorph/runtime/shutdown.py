@@ -68,6 +68,13 @@ def release_at_exit(engine) -> None:
     _engines.add(engine)
 
 
+def skip_release() -> None:
+    """An exit on an error (``runtime.errors``): the engines are not stopped in order and the groups
+    not released at exit, either of which could wait on a lock a background thread holds or on a
+    peer that no longer answers (the process ends with ``os._exit`` right after)."""
+    atexit.unregister(_release_all)
+
+
 def _release_all() -> None:
     for engine in list(_engines or ()):
         try:

@@ -60,6 +60,9 @@ def test_ctrl_c_or_kill_of_lab_launch_stops_every_rank_and_delegate_and_leaves_n
             lines = [line for line in err.strip().splitlines() if line.strip()]
             assert lines == ["pipemorph lab launch: stopped by SIGINT; every node's command was stopped and the lab "
                              "removed"], err
+            # the ranks stopped themselves on the SIGTERM their torchrun passed on, not killed by the lab
+            logs = "".join((tmp_path / "logs" / f"node{k}.log").read_text() for k in range(NODES))
+            assert "stopped by SIGTERM" in logs, logs[-3000:]
         deadline = time.monotonic() + STOP_S
         while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)

@@ -4,7 +4,7 @@ than granted.
 
 One launch, 4 stages x 8 micro-batches, 4 steps: stock DeepSpeed, then the engine with every
 built-in schedule under both dispatches with the default section, ``adaptive`` re-planning for a
-slow link (20 ms injected on link 0), ``zb`` with ``budget`` 2 and with no budget. From the second
+slow link (20 ms injected on link 0, delegation "auto"), ``zb`` with ``budget`` 2 and with no budget. From the second
 step on, the worker counts what autograd holds saved for the backward (``SavedPeak`` in worker.py:
 the test's own count, each storage once, parameters left out) and keeps each step's peak. The
 engine's own measurement of its first iteration (F's bytes per micro-batch) must predict stock's
@@ -33,7 +33,8 @@ for _sched in ("1f1b", "zb", "adaptive"):
     for _dispatch in ("ordered", "ready"):
         JOBS.append(_job(f"{_sched}_{_dispatch}", _section(_sched, _dispatch, adapt={"enabled": False})))
 JOBS += [
-    _job("adaptive_replans", _section("adaptive", inject={"links": {"0": {"delay_ms": 20}}})),
+    # as the demo runs it: the slow link may go to the delegates (delegation "auto")
+    _job("adaptive_replans", _section("adaptive", inject={"links": {"0": {"delay_ms": 20}}}, delegation={"mode": "auto"})),
     _job("zb_budget2", _section("zb", memory={"budget": 2.0})),
     _job("zb_unlimited", _section("zb", memory={"budget": None})),
 ]

@@ -4,8 +4,9 @@ A micro-batch's activations are held on a stage from its ``F`` to its ``B`` (wha
 backward) and then, in part, from its ``B`` to its ``W`` (what the weight gradients still need). With
 one micro-batch's ``F``-to-``B`` activations as the unit, a stage holding ``h`` micro-batches between
 ``F`` and ``B`` and ``w`` between ``B`` and ``W`` holds ``h + ratio * w`` units, where ``ratio`` is
-the share of the activations that ``B`` leaves for ``W`` (1 for the generic graph split, whose ``W``
-keeps ``B``'s whole retained graph; the engine measures it). Stock DeepSpeed 1F1B (fused backward)
+the share of the activations that ``B`` leaves for ``W``: the engine plans with 1 for the generic
+graph split (``W`` keeps at most ``F``'s retained graph) and as if fused for a checkpointed job, and
+logs what it measured. Stock DeepSpeed 1F1B (fused backward)
 holds at most ``S - s`` units on stage ``s``: that is the reference a ``budget`` factor multiplies.
 
 ``fit_budget`` makes any plan keep within a per-stage budget by moving ``W`` ops earlier in their
@@ -23,7 +24,9 @@ from collections.abc import Sequence
 
 from .ops import Kind, Op, Schedule
 
-EPS = 1e-9
+# One tolerance for every memory comparison: budgets and capacities written to files with nine
+# significant digits still hold what they were written to hold.
+EPS = 1e-6
 
 
 def stock_units(stages: int) -> list[int]:
@@ -64,6 +67,31 @@ def peak_units(schedule: Schedule, ratio: float = 1.0) -> list[float]:
     return out
 
 
+def row_fits(row, units: float, ratio: float = 1.0) -> bool:
+    """Whether one stage's order keeps the rule ``fit_budget`` enforces: room for every F, and for
+    every B while a W is pending."""
+    limit = units + EPS
+    h = w = 0
+    for op in row:
+        k = op.kind
+        if k == Kind.F:
+            if h + 1 + ratio * w > limit:
+                return False
+            h += 1
+        elif k == Kind.B:
+            if w and h - 1 + ratio * (w + 1) > limit:
+                return False
+            h -= 1
+            w += 1
+        elif k == Kind.W:
+            w -= 1
+    return True
+
+
+def fits(schedule: Schedule, units: Sequence[float], ratio: float = 1.0) -> bool:
+    return all(row_fits(row, units[s], ratio) for s, row in enumerate(schedule))
+
+
 def fit_budget(schedule: Schedule, units: Sequence[float], ratio: float = 1.0) -> Schedule:
     """``schedule`` with, on each stage, the pending ``W`` ops (oldest ``B`` first) moved in front of an
     ``F`` or a ``B`` that would otherwise exceed ``units[s]``; rows that fit are returned as they are.
@@ -75,7 +103,7 @@ def fit_budget(schedule: Schedule, units: Sequence[float], ratio: float = 1.0) -
     out: Schedule = []
     for s, row in enumerate(schedule):
         limit = units[s] + EPS
-        if peak_units([row], ratio)[0] <= limit:
+        if row_fits(row, units[s], ratio):
             out.append(list(row))
             continue
         new: list[Op] = []

@@ -43,6 +43,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
+from .memory import EPS as MEM_EPS
 from .ops import Op
 
 Arrived = Callable[[str, int], bool]  # (message kind "F" or "B", micro-batch) -> is it in?
@@ -117,7 +118,7 @@ class ReadyRule:
     def _f_ok(self) -> bool:
         """One more forward fits: under the cap and within the memory budget."""
         return self.inflight < self.cap and (
-            self.units is None or self.inflight + 1 + self.w_share * self.pend_w <= self.units + 1e-9)
+            self.units is None or self.inflight + 1 + self.w_share * self.pend_w <= self.units + MEM_EPS)
 
     def is_ready(self, op: Op, arrived: Arrived) -> bool:
         if op.kind == "F":
@@ -151,7 +152,7 @@ class ReadyRule:
         until one is in (each pick asks anew: messages may come between picks)."""
         done = self._done
         if self.units is not None and self.pend_w and \
-                self.inflight - 1 + self.w_share * (self.pend_w + 1) > self.units + 1e-9:
+                self.inflight - 1 + self.w_share * (self.pend_w + 1) > self.units + MEM_EPS:
             return self._ops[self._w_open[0]]  # a B would exceed the memory: the earliest W first
         best = self._end
         h = self._ready

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 from ..ir.links import LATENCY, Latency, LinkModel, per_link
-from ..ir.memory import caps_within, fit_budget, peak_units
+from ..ir.memory import caps_within, fit_budget, fits
 from ..ir.ops import Schedule, peak_inflight, warmup_counts
 from ..ir.profile import Costs
 from ..sim import native
@@ -206,7 +206,7 @@ def search(
 
     def fitted(sched, enc):
         """``sched`` kept within the memory (re-encoded if it moved); (sched, enc)."""
-        if memory is None or all(p <= u + 1e-9 for p, u in zip(peak_units(sched, w_share), units)):
+        if memory is None or fits(sched, units, w_share):
             return sched, enc
         sched = fit_budget(sched, units, w_share)
         return sched, (ev.encode(sched) if ev.native else None)

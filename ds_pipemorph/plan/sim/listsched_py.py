@@ -15,11 +15,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional
 
+from ..ir.memory import EPS as MEM_EPS
 from ..ir.ops import Schedule, op_table
 from ..ir.profile import Costs
-
-
-MEM_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,7 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
             raise ValueError(f"policy.units has {len(units)} values, expected {S}")
         for s in range(S):
             if warmup[s] > units[s] + MEM_EPS:
-                raise ValueError(f"stage {s}: warm-up {warmup[s]} exceeds its memory of {units[s]:g} micro-batches")
+                raise ValueError(f"stage {s}: warm-up {warmup[s]} exceeds its memory of {units[s]:.6g} micro-batches")
     share = policy.w_share
     f_done = [0] * S
     started = [0] * S

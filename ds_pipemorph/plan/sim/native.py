@@ -36,6 +36,7 @@ from typing import Optional
 from ..ir.links import DIRECT, LATENCY, Delegated
 from ..ir.ops import op_table, peak_inflight, warmup_counts
 from ..ir.profile import Costs
+from ..ir.memory import EPS as MEM_EPS
 from .listsched_py import Policy, list_schedule_py
 from .replay_py import run_py
 
@@ -301,6 +302,12 @@ def list_schedule(costs, n: int, warmup: list[int], priority: str, w_fits_gap: b
     S = costs.stages
     if L is None or n < 1 or S < 1:
         return None
+    if units is not None:  # what the Python scheduler refuses, refused before the C core reads anything
+        if len(units) != S:
+            raise ValueError(f"policy.units has {len(units)} values, expected {S}")
+        for s in range(S):
+            if warmup[s] > units[s] + MEM_EPS:
+                raise ValueError(f"stage {s}: warm-up {warmup[s]} exceeds its memory of {units[s]:.6g} micro-batches")
     out = array("i", bytes(4 * S * 3 * n))
     stall = ctypes.c_double(0.0)
     pri = array("i", [0 if k == "F" else 1 if k == "B" else 2 for k in priority])

@@ -173,10 +173,10 @@ int pm_list_schedule(int S, int N, const double *f, const double *b, const doubl
                 int can_b = ba->tail > ba->head && ba->t[ba->head] <= now;
                 int can_f = ready_f && inflight[s] < warmup[s];
                 int mem_full = 0;
-                if (units) { /* listsched_py: room for the F or the B, or a W first */
+                if (units) { /* listsched_py: room for the F or the B, or a W first (memory.EPS) */
                     double held = inflight[s] + w_share * pend_w[s];
-                    if (can_f && held + 1 > units[s] + 1e-9) { can_f = 0; mem_full = 1; }
-                    if (can_b && pend_w[s] && held - 1 + w_share > units[s] + 1e-9) { can_b = 0; mem_full = 1; }
+                    if (can_f && held + 1 > units[s] + 1e-6) { can_f = 0; mem_full = 1; }
+                    if (can_b && pend_w[s] && held - 1 + w_share > units[s] + 1e-6) { can_b = 0; mem_full = 1; }
                 }
                 int can_w = wa->tail > wa->head && wa->t[wa->head] <= now && (mem_full || !(late_w[s] && f_done[s] < N));
                 for (int p = 0; p < npri; p++) {
