@@ -69,10 +69,10 @@ def test_direct_link_with_delay_blocks_the_sender_per_message_and_delays_deliver
     # The sender waits for each earlier message to be delivered: (MESSAGES-1) delays, give or take.
     assert (MESSAGES - 1) * c * 0.9 <= blocked <= (MESSAGES - 1) * c + 0.5
     assert issued >= (MESSAGES - 1) * c * 0.9
-    # The receiver sees the first message after one delay and then one per delay.
-    assert arrivals[0] >= c * 0.9
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert min(gaps) >= c * 0.8
+    # The receiver sees the first message after one delay and then one per delay: message k no
+    # sooner than k + 1 delays. (Counted from the start, not between two messages: the receiver may
+    # see one late on a busy host, which shortens the gap to the next without any message being early.)
+    assert all(a >= (k + 1) * c * 0.9 for k, a in enumerate(arrivals)), arrivals
 
 
 def test_trace_replays_delays_in_wall_clock_time(tmp_path):

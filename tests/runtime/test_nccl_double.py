@@ -72,7 +72,13 @@ def test_two_ranks_sending_to_each_other_before_receiving_deadlock_under_the_dou
                [Op("SEND_B", 0, 1), Op("RECV_F", 0, 1), Op("F", 0, 1)]]
     got = _play([_case("swap", streams)], 2, tmp_path, timeout=50)
     texts = [got["swap", r]["text"] for r in range(2)]
-    assert [got["swap", r]["error"] for r in range(2)] == ["TransportTimeout"] * 2, texts
+    errors = [got["swap", r]["error"] for r in range(2)]
+    # Each rank's wait times out, unless its peer timed out first (its 5 s began earlier on a busy
+    # host) and left: then this rank's send to it fails, naming the send.
+    assert "TransportTimeout" in errors, texts
+    for r in range(2):
+        assert errors[r] == "TransportTimeout" or (errors[r] == "TransportError" and "failed" in texts[r]
+                                                  and f"to rank {1 - r}" in texts[r]), texts
 
 
 @pytest.mark.timeout(60)
