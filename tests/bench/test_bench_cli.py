@@ -69,6 +69,8 @@ def test_bench_runs_stock_ordered_and_ready_dispatch_under_heavy_micro_batches(t
         (["--delays-ms", "0,-3"], "--delays-ms: -3.0 is negative"),
         (["--delays-ms", "nan"], "--delays-ms: nan is not a finite number"),
         (["--schedules", "zbb"], "unknown schedule 'zbb'"),
+        (["--budget", "0.5"], "--budget 0.5 leaves the last stage less than one micro-batch's activations"),
+        (["--budget", "lots"], "--budget: expected a number such as 1.5, or none, not 'lots'"),
     ],
 )
 def test_bad_bench_options_get_one_sentence_and_exit_2(tmp_path, args, needle):
@@ -83,7 +85,7 @@ def test_spec_rejects_wrong_delay_counts():
                   schedules=["zb"], iterations=1, warmup=0, progress_file="p", out="o")
 
 
-@pytest.mark.parametrize("args", [["--iterations", "0"], ["--delay-ms", "-5"]])
+@pytest.mark.parametrize("args", [["--iterations", "0"], ["--delay-ms", "-5"], ["--budget", "0"]])
 def test_bad_demo_options_exit_2(tmp_path, args):
     r = runner.invoke(app, ["demo", *args, "--out", str(tmp_path / "d.json")])
     assert r.exit_code == 2 and not (tmp_path / "d.json").exists()

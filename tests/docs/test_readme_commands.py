@@ -57,6 +57,8 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "PIPEMORPH_SKIP_TORCH=1 bash scripts/setup.sh": Here("dry run"),
     "pipemorph demo": Node((f"{RUNS}::test_demo_prints_the_table_of_three_schedules_with_and_without_delay",),
                            "the same demo with one measured iteration per schedule"),
+    "pipemorph demo --budget 2": Options("the demo again, with twice stock's activation memory"),
+    "DS_ACCELERATOR=cpu python benchmarks/memory_budget.py": Options("six engines on the GPT recipe, minutes"),
     "python -m pytest": Node(("tests/docs/test_readme_commands.py::test_every_readme_command_is_in_the_registry",),
                              "the suite itself, of which this file is part"),
     "DS_ACCELERATOR=cpu deepspeed --num_gpus 4 recipes/gpt/train.py --steps 300": Node(
