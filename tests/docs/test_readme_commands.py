@@ -272,4 +272,4 @@ def test_the_config_in_the_readme_is_accepted():
 
     section = re.search(r'```json\n"pipemorph": (\{.*?\})\n```', README.read_text(), re.S).group(1)
     cfg = parse_config(json.loads(section))
-    assert cfg.schedule == "adaptive" and cfg.memory.max_inflight == [7, 5, 3, 1]
+    assert cfg.schedule == "adaptive" and cfg.memory.units(4) == [8.0, 6.0, 4.0, 2.0]  # twice stock's S - s
