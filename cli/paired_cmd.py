@@ -20,6 +20,7 @@ from ds_pipemorph.bench.paired import cycles_for
 from ds_pipemorph.bench.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
 from ds_pipemorph.fileio import BadInput, describe, write_atomic
 
+from .bench_cmd import BUDGET_HELP, parse_budget
 from .common import announce, check_outputs, console, err_console, parse_floats, stopped_by_signal, user_errors
 
 
@@ -39,6 +40,7 @@ def paired(
     job_iterations: int = typer.Option(5, min=1, help="Whole jobs only: measured iterations per job."),
     seed: int = typer.Option(0, help="Seed of the bootstrap."),
     out: Path = typer.Option(Path("out/paired.json"), "--out", help="Results as JSON."),
+    budget: str = typer.Option("1", "--budget", help=BUDGET_HELP),
     timeout_s: float = typer.Option(1800.0, min=1.0, help="Give up on the run after this many seconds."),
 ) -> None:
     """Alternate A and B every iteration in one job (or whole jobs where they cannot share one) and print B/A."""
@@ -46,6 +48,7 @@ def paired(
 
     with user_errors():
         side_a, side_b = parse_side(a, "A"), parse_side(b, "B")
+        limit = parse_budget(budget)
         if not share_a_job(side_a, side_b):
             check_job_sides(side_a, side_b)
         check_outputs({"--out": out})
@@ -55,7 +58,7 @@ def paired(
             spec = PairedSpec(a=side_a, b=side_b, stages=stages, microbatches=microbatches, op_ms=op_ms,
                               links_ms=delays, cycles=cycles_for(pairs), warmup=warmup,
                               job_iterations=job_iterations, seed=seed, out=str(work / "iterations.json"),
-                              progress_file=str(work / "progress"))
+                              progress_file=str(work / "progress"), budget=limit)
         except ValidationError as e:
             shutil.rmtree(work, ignore_errors=True)
             raise BadInput(describe(e)) from None

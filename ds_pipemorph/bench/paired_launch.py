@@ -110,7 +110,8 @@ def _whole_jobs(spec: PairedSpec, work: Path, deadline: float, progress: Optiona
         out = work / f"job{k}.json"
         job = BenchSpec(stages=spec.stages, microbatches=spec.microbatches, op_ms=spec.op_ms, scenarios=[scenario],
                         schedules=[schedule], dispatches=[dispatch], iterations=spec.job_iterations,
-                        warmup=spec.warmup, progress_file=str(work / f"job{k}.progress"), out=str(out))
+                        warmup=spec.warmup, progress_file=str(work / f"job{k}.progress"), out=str(out),
+                        budget=spec.budget)
         spec_path, log = work / f"job{k}.spec.json", work / f"job{k}.log"
         spec_path.write_text(job.model_dump_json())
         if progress is not None:

@@ -31,10 +31,12 @@ class Side(BaseModel):
     dispatch: Dispatch = "ordered"
     delegated: bool = False
 
-    def section(self) -> dict:
-        """The ds_config ``pipemorph`` section of this side (fixed plans: no control loop)."""
+    def section(self, budget: Optional[float] = 1.0) -> dict:
+        """The ds_config ``pipemorph`` section of this side (fixed plans: no control loop) under the
+        run's ``memory.budget``."""
         out = {"schedule": self.plan, "dispatch": self.dispatch, "adapt": {"enabled": False},
-               "delegation": {"mode": "always" if self.delegated else "off"}, "nvtx": False}
+               "delegation": {"mode": "always" if self.delegated else "off"}, "nvtx": False,
+               "memory": {"budget": budget}}
         if self.plan_file:
             out["plan_file"] = self.plan_file
         return out
@@ -106,6 +108,7 @@ class PairedSpec(BaseModel):
     out: str
     progress_file: str
     record_ops: bool = True  # one job: every rank's F/B/W order per iteration goes into the JSON
+    budget: Optional[float] = 1.0  # the engine's memory.budget, both sides (None: no limit)
 
     @model_validator(mode="after")
     def _shapes(self) -> "PairedSpec":

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def build_engine(spec: PairedSpec):
     t = spec.op_ms
     model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, t, t, t) for _ in range(spec.stages)],
                            num_stages=spec.stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-    section = spec.a.section()
+    section = spec.a.section(spec.budget)
     if spec.a.delegated or spec.b.delegated:  # links switch between paths: both must exist
         section["delegation"] = {"mode": "auto"}
     delays = {str(i): {"delay_ms": c} for i, c in enumerate(spec.links_ms) if c > 0}
@@ -48,20 +49,20 @@ def build_engine(spec: PairedSpec):
     return engine
 
 
-def plan_of(side: Side, stages: int, microbatches: int):
+def plan_of(side: Side, stages: int, microbatches: int, budget: Optional[float] = 1.0):
     """The plan the engine builds for ``side`` from its ds_config section (the same on every rank)."""
     from ..runtime.config import parse_config
     from ..runtime.plans import build_plan
 
-    return build_plan(parse_config(side.section()), stages, microbatches)
+    return build_plan(parse_config(side.section(budget)), stages, microbatches)
 
 
-def switch(engine, side: Side, plan, stages: int) -> None:
+def switch(engine, side: Side, plan, stages: int, budget: Optional[float] = 1.0) -> None:
     """Make ``side`` the configuration of the next ``train_batch`` (every rank, between two batches)."""
     from ..runtime.config import parse_config
     from ..runtime.plans import lowering_for
 
-    engine.switch_to(plan=plan, dispatch=side.dispatch, lowering=lowering_for(parse_config(side.section())))
+    engine.switch_to(plan=plan, dispatch=side.dispatch, lowering=lowering_for(parse_config(side.section(budget))))
     mode = "delegated" if side.delegated else "direct"
     for link in range(stages - 1):
         if engine.transport.link_mode(link) != mode:
@@ -81,14 +82,15 @@ def timed_step(step) -> float:
 def alternate(spec: PairedSpec, engine) -> list[dict]:
     """Run every iteration of ``spec`` on its side; per iteration: side, ms, loss, this rank's ops."""
     sides = sequence(spec.iterations, spec.warmup)
-    plans = {"A": plan_of(spec.a, spec.stages, spec.microbatches), "B": plan_of(spec.b, spec.stages, spec.microbatches)}
+    plans = {"A": plan_of(spec.a, spec.stages, spec.microbatches, spec.budget),
+             "B": plan_of(spec.b, spec.stages, spec.microbatches, spec.budget)}
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec.microbatches)]
     out = []
     for i, label in enumerate(sides):
         key = "A" if label in A_SIDE else "B"
         side = spec.a if key == "A" else spec.b
-        switch(engine, side, plans[key], spec.stages)
+        switch(engine, side, plans[key], spec.stages, spec.budget)
         ready_before = len(engine.choosing_ns)
         losses: list[float] = []
         ms = timed_step(lambda: losses.append(float(engine.train_batch(iter(data)).item())))
