@@ -23,6 +23,6 @@ def memory_line(prof: Profile, sched) -> str:
         text = (f"activation memory: peak {[round(u, 2) for u in units]} micro-batches' activations per stage "
                 f"(stock 1F1B {stock}; W counted as keeping all of F's graph)")
     if need > 1 + 1e-6:
-        text += (f"; the engine runs it as planned with pipemorph.memory.budget {math.ceil(need * 100) / 100:g} or more "
-                 f"(by default it holds stock's memory: it refuses a deeper warm-up and moves Ws earlier)")
+        text += (f"; {math.ceil(need * 100) / 100:g}x stock's on its fullest stage (the engine runs a plan file as "
+                 f"written; with a smaller pipemorph.memory.budget it moves Ws earlier and refuses a deeper warm-up)")
     return text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from ..control.modes import DelegationMode, ReplanMode
 from ..fileio import describe
@@ -39,8 +39,10 @@ class MemoryConfig(SectionModel):
     max_inflight: Optional[Union[int, list[int]]] = None
     # Activation memory a stage may hold, as a multiple of what stock DeepSpeed 1F1B holds on it
     # (S - s micro-batches' activations): 1.0 by default, None for no limit but ``max_inflight``.
-    # A ``max_inflight`` given without ``budget`` is the user's grant: the default budget is then off.
+    # A ``max_inflight`` given without ``budget`` is the user's grant: the default budget is then off;
+    # so is a plan file (``schedule: plan``, set by ``PipeMorphConfig``): it runs as written.
     budget: Optional[float] = 1.0
+    _plan_file: bool = PrivateAttr(False)
 
     @field_validator("max_inflight")
     @classmethod
@@ -72,8 +74,9 @@ class MemoryConfig(SectionModel):
     @property
     def budget_in_force(self) -> Optional[float]:
         """The budget factor that applies: ``budget`` as given, or None when ``max_inflight`` was
-        given without it (the count is then the grant)."""
-        if "budget" not in self.model_fields_set and self.max_inflight is not None:
+        given without it (the count is then the grant) or the job runs a plan file (its order and
+        memory are the plan's, as ``pipemorph plan`` printed them)."""
+        if "budget" not in self.model_fields_set and (self.max_inflight is not None or self._plan_file):
             return None
         return self.budget
 
@@ -226,6 +229,7 @@ class PipeMorphConfig(SectionModel):
     def _plan_file(self) -> "PipeMorphConfig":
         if self.schedule == "plan" and not self.plan_file:
             raise ValueError("schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`")
+        self.memory._plan_file = self.schedule == "plan"
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
         if self.schedule == "plan" and self.recv_window is not None:

@@ -47,7 +47,8 @@ DESCRIPTIONS: dict[str, str] = {
                            "and the default budget is off",
     "memory.budget": "activation memory per stage as a multiple of stock DeepSpeed 1F1B's on it (S − s "
                      "micro-batches' activations); counts what F keeps for B and what B keeps for W, in every "
-                     "schedule, re-plan and dispatch; at least 1.0; `null`: no limit but `max_inflight`",
+                     "schedule, re-plan and dispatch; at least 1.0; `null`: no limit but `max_inflight`. A plan file "
+                     "(`schedule: plan`) runs as written unless `budget` is set",
     "adapt": "PipeMorph's control loop, with `schedule: adaptive`",
     "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "
                      "link slower than the plan absorbs; all ranks adopt the same plan at the next iteration",
