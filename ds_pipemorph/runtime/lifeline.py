@@ -389,8 +389,12 @@ class Lifeline:
 
     def _stop(self, code: int, line: str | None, own: bool = False) -> None:
         """Stop the process (``own``: for a cause of its own: a signal). A process failing by itself
-        (``claim_end``) is left to finish: its training thread prints and exits."""
+        (``claim_end``) is left to finish: its training thread exits, and prints only if its own
+        word was the job's first; so when this thread's word came first (``line``), it prints it here:
+        the training thread's error may be the dead neighbour's first sign, and its word then lost."""
         if self.failure is not None and not own:
+            if line:
+                print(line, file=sys.stderr, flush=True)
             return
         with self._guard:
             if self._stopping:
