@@ -18,11 +18,6 @@ from .common import announce, check_outputs, console, err_console, parse_floats,
 MIB = 1024 * 1024
 
 
-def _mb(x: float) -> float:
-    """Nine significant digits: small activations (a few KB) stay above zero, and a capacity of k
-    activations divides back to k."""
-    return float(f"{x:.9g}")
-
 
 def _progress() -> Progress:
     """Redrawn only when a step ends: no refresh thread competes for the GIL while a link is timed."""
@@ -312,10 +307,10 @@ def profile_stages(
         }
         extra = {}
         if not (base and "memory" in base) and all(t.activation_bytes > 0 for t in times):
-            mib = [t.activation_bytes / MIB for t in times]  # capacity: what stock 1F1B holds
-            extra["memory"] = {"activation_mb": [_mb(a) for a in mib],
-                               "capacity_mb": [_mb((stages - s) * a) for s, a in enumerate(mib)],
-                               "weight_mb": [_mb(t.weight_bytes / MIB) for t in times]}
+            from ds_pipemorph.plan.ir.profile import memory_in_mb  # capacity: what stock 1F1B holds
+
+            extra["memory"] = memory_in_mb([t.activation_bytes for t in times], [t.weight_bytes for t in times],
+                                           [stages - s for s in range(stages)])
         data = merged(base, stages, microbatches=n, compute_ms=compute,
                       links_ms=None if base and "links_ms" in base else [0.0] * (stages - 1), **extra)
         dest = out or merge

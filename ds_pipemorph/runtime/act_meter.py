@@ -93,6 +93,7 @@ def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     """Bytes of the distinct storages of ``tensors`` (None skipped)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        if t is not None:
-            seen.setdefault(_key(t), t.untyped_storage().nbytes())
+        key = 0 if t is None else _key(t)
+        if key:  # (no storage: nothing to count, as the meter counts nothing for it)
+            seen.setdefault(key, t.untyped_storage().nbytes())
     return sum(seen.values())

@@ -14,19 +14,12 @@ from collections import deque
 from typing import Optional, Sequence
 
 from ..fileio import dump, write_atomic
-from ..plan.ir.profile import Profile
+from ..plan.ir.profile import Profile, memory_in_mb
 
 OP_WINDOW = 5
 LINK_WINDOW = 3
 
 
-MIB = 1024 * 1024
-
-
-def _mb(x: float) -> float:
-    """Nine significant digits: small activations (a few KB) stay above zero, and a capacity of k
-    activations divides back to k."""
-    return float(f"{x:.9g}")
 
 
 class ProfileExport:
@@ -45,10 +38,8 @@ class ProfileExport:
         the budget in micro-batches (None: the caps): the profile's ``memory`` in MB from now on."""
         if not all(f > 0 for f in f_bytes):
             return  # a stage that saves nothing for B has no bytes form
-        mib = [f / MIB for f in f_bytes]
         room = units if units is not None else self.caps or [self.N] * self.S
-        self._memory = {"activation_mb": [_mb(a) for a in mib], "capacity_mb": [_mb(a * u) for a, u in zip(mib, room)],
-                        "weight_mb": [_mb(w / MIB) for w in w_bytes]}
+        self._memory = memory_in_mb(f_bytes, w_bytes, room)
 
     def add(self, f: Sequence[float], b: Sequence[float], w: Sequence[float],
             links: Sequence[Optional[float]]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -139,6 +139,21 @@ class Profile(BaseModel):
     def costs(self) -> "Costs":
         c = self.compute_ms
         return Costs(list(c.forward), list(c.backward_input), list(c.backward_weight), list(self.links_ms))
+
+
+MIB = 1024 * 1024
+
+
+def memory_in_mb(f_bytes: Sequence[int], w_bytes: Sequence[int], units: Sequence[float]) -> dict:
+    """A profile's ``memory`` section from measured bytes per micro-batch (what F keeps for B, what W
+    frees) and each stage's room in micro-batches (``capacity_mb`` = room x ``activation_mb``). Nine
+    significant digits: small activations stay above zero, and a capacity of k divides back to k."""
+    def mb(x: float) -> float:
+        return float(f"{x:.9g}")
+
+    act = [f / MIB for f in f_bytes]
+    return {"activation_mb": [mb(a) for a in act], "capacity_mb": [mb(a * u) for a, u in zip(act, units)],
+            "weight_mb": [mb(w / MIB) for w in w_bytes]}
 
 
 def check_delays(delays: list[float]) -> list[float]:
