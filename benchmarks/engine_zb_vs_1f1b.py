@@ -19,7 +19,7 @@ every step):
   half the work) and ``Schedule1F1B`` on the same emulated stage (``_torch_runner.py``).
 
 Against each, the two alternate every iteration in the cycle ``X ours X' ours`` (``X'`` is the
-runner again; ``ds_pipemorph.bench.paired``): every runner keeps its own model, all share one
+runner again; ``ds_pipemorph.paired``): every runner keeps its own model, all share one
 process group and consume every message of an iteration within it. An iteration is timed from a
 barrier before ``train_batch`` to the last rank's return. Per runner: ours / X, the median of the
 per-pair ratios with its bootstrap 95 % interval, the X'/X noise check and the verdict ("no
@@ -207,7 +207,7 @@ def alternate(other, ours, warmup: int, pairs: int, parts: list | None) -> list[
     Our engine's breakdown of each measured iteration goes into ``parts`` (if given)."""
     import torch
 
-    from ds_pipemorph.bench.paired import A_SIDE, cycles_for, sequence
+    from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
 
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(MICROBATCHES)]
@@ -332,7 +332,7 @@ def main() -> int:
 
 
 def report(args, runs: dict, every_rank: list) -> None:
-    from ds_pipemorph.bench.paired import compare
+    from ds_pipemorph.paired import compare
 
     predicted = predicted_ms()
     out = {"stages": STAGES, "microbatches": MICROBATCHES, "op_ms": OP_MS, "link_delay_ms": 0,

@@ -4,7 +4,7 @@ plain torch.distributed loop (B, ``_bare_runner.BareRunner``), alternated every 
 Both run the ``zb`` plan of the same emulated pipeline (F = B = W = ``--op-ms`` around tiny real
 math, one CPU rank per stage) on the same process group: the engine through its transport, the
 bare loop with its own tags, every message of an iteration consumed within it. Iterations follow
-``A B A' B ...`` (``ds_pipemorph.bench.paired``); each is timed from a barrier before the step to the
+``A B A' B ...`` (``ds_pipemorph.paired``); each is timed from a barrier before the step to the
 last rank's return. B/A below 1 is the share of the engine's iteration that the floor does not
 pay. Prints the paired table with the A/A noise check and writes JSON.
 
@@ -40,9 +40,9 @@ def ranks(args) -> None:
     import torch.distributed as dist
 
     from _bare_runner import BareRunner
-    from ds_pipemorph.bench.paired import A_SIDE, compare, cycles_for, sequence
-    from ds_pipemorph.bench.paired_spec import PairedSpec, parse_side
-    from ds_pipemorph.bench.paired_worker import build_engine, timed_step
+    from ds_pipemorph.paired import A_SIDE, compare, cycles_for, sequence
+    from ds_pipemorph.paired_spec import PairedSpec, parse_side
+    from ds_pipemorph.paired_worker import build_engine, timed_step
 
     deepspeed.init_distributed(dist_backend="gloo")
     work = tempfile.mkdtemp(prefix="pipemorph-paired-bare-")

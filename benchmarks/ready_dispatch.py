@@ -14,7 +14,7 @@ more room under the same caps, and this machine less CPU per rank), emulated sta
 4. a static 30 ms delay on link 1; `adaptive` with the control loop on;
 5. no variation; hint `zb`.
 
-Paired (``ds_pipemorph.bench.paired``): A is ready dispatch, B ordered dispatch, in the cycle
+Paired (``ds_pipemorph.paired``): A is ready dispatch, B ordered dispatch, in the cycle
 ``A B A' B``; the result is ordered / ready, the median of the per-pair ratios with a bootstrap
 95 % interval, next to the A/A noise check; "no difference measurable here" when the interval
 holds 1. Workloads 1, 2 and 5 alternate in one job: one engine switches its dispatch at every
@@ -155,8 +155,8 @@ def one_job(workload: str, args, trace: str) -> dict:
     iteration; ready dispatch's choosing time and ops, and its departures from the hint."""
     import torch.distributed as dist
 
-    from ds_pipemorph.bench.paired import A_SIDE, cycles_for, sequence
-    from ds_pipemorph.bench.paired_worker import timed_step
+    from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
+    from ds_pipemorph.paired_worker import timed_step
 
     engine = build(workload, "ordered", args, trace)
     data = batch()
@@ -185,8 +185,8 @@ def whole_runs(workload: str, args, trace: str) -> dict:
     """Fresh engines alternating, ready (A) and ordered (B); a run's sample is its median iteration."""
     import torch.distributed as dist
 
-    from ds_pipemorph.bench.paired import A_SIDE, cycles_for, sequence
-    from ds_pipemorph.bench.paired_worker import timed_step
+    from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
+    from ds_pipemorph.paired_worker import timed_step
 
     rows = []
     for k, label in enumerate(sequence(4 * cycles_for(args.run_pairs))):
@@ -249,7 +249,7 @@ def main() -> int:
 
 
 def report(results: dict, args) -> None:
-    from ds_pipemorph.bench.paired import compare
+    from ds_pipemorph.paired import compare
 
     rows, out, verdicts = [], [], []
     for w, res in results.items():

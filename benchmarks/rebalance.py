@@ -3,7 +3,7 @@
 One CPU rank per stage (``--stages``, 4 by default; ``--stages 2`` gives each rank a core), 12
 micro-batches, the real engine (``zb``). Stage 1 is slowed 2x from iteration 5 on
 (``inject.compute_trace``: each of its F, B and W waits once more its own time). Two paired
-comparisons per model (``ds_pipemorph.bench.paired``: the cycle ``A B A' B``, the median of the
+comparisons per model (``ds_pipemorph.paired``: the cycle ``A B A' B``, the median of the
 per-pair ratios B/A with a bootstrap 95 % interval, the A/A noise check, and "no difference
 measurable here" when the interval holds 1):
 
@@ -170,7 +170,7 @@ def whole_run(model: str, kind: str, parts, trace: str, args) -> dict:
     sample (the median after the slowdown and ``--settle``), its final partition and the loop's moves."""
     import torch.distributed as dist
 
-    from ds_pipemorph.bench.paired_worker import timed_step
+    from ds_pipemorph.paired_worker import timed_step
 
     engine = build(model, kind, parts, trace, args.stages)
     data = data_of(model)
@@ -188,8 +188,8 @@ def whole_run(model: str, kind: str, parts, trace: str, args) -> dict:
 def migration_alternation(model: str, trace: str, args) -> dict:
     """Uniform (B) against the loop's partition (A) in one job: the loop moves layers once the slowdown
     is detected, then it stops and every iteration migrates to its side's partition and plan."""
-    from ds_pipemorph.bench.paired import A_SIDE, cycles_for, sequence
-    from ds_pipemorph.bench.paired_worker import timed_step
+    from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
+    from ds_pipemorph.paired_worker import timed_step
 
     engine = build(model, "rebalance", None, trace, args.stages)
     data = data_of(model)
@@ -230,7 +230,7 @@ def main() -> int:
     import torch.distributed as dist
     import yaml
 
-    from ds_pipemorph.bench.paired import A_SIDE, cycles_for, sequence
+    from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -261,7 +261,7 @@ def main() -> int:
 
 
 def report(results: dict, args) -> None:
-    from ds_pipemorph.bench.paired import compare
+    from ds_pipemorph.paired import compare
 
     rows, verdicts, out = [], [], []
     for model, res in results.items():

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..fileio import load_model, write_atomic
-from .paired import A_SIDE, sequence
+from ..paired import A_SIDE, sequence
 from .paired_spec import PairedSpec, Side
 
 

@@ -9,6 +9,13 @@ parameters reachable from each group of them only, so autograd evaluates only th
 outputs of the frontier nodes and the parameter-only region below them: nothing of B is computed
 twice.
 
+Linear and LayerNorm layers routed through ``wgrad_store`` (the engine routes every such layer of a
+stage) are not entered again: on the input path, when their parameters are reached from such layers
+only, B's pass through them computes the input gradient and keeps what the weight gradient needs
+(the layer's input and output gradient) in a ``WeightGradStore``; W computes those gradients
+directly. When every parameter of a stage is left to the store, B runs without ``retain_graph``
+and frees the graph as a fused backward does.
+
 Parts of the graph that do not lead to any input (the whole graph of a first stage whose input
 needs no gradient, or an output that does not depend on the input) are entered at their output
 edges with the output gradients themselves: B does nothing for them and W is their backward.
@@ -27,6 +34,9 @@ from typing import Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from . import wgrad_store
+from .wgrad_store import WeightGradStore
 
 
 @dataclass
@@ -59,6 +69,7 @@ class WeightGradWork:
 
     groups: list
     clamp_nodes: list = field(default_factory=list)  # (node, captured grad tuple) when clamped
+    store: Optional[WeightGradStore] = None  # the deferred Linear and LayerNorm layers (``wgrad_store``)
 
     def run(self) -> None:
         """Compute the parameter gradients and accumulate them into ``.grad``; frees the graph."""
@@ -72,6 +83,14 @@ class WeightGradWork:
                 h.remove()
         self.groups = []
         self.clamp_nodes = []
+        if self.store is not None:
+            self.store.run()
+            self.store = None
+
+    def kept_grads(self) -> list[torch.Tensor]:
+        """The output gradients B kept for W beside the graph (captured ones and the store's)."""
+        kept = [g for grp in self.groups for g in grp.grads]
+        return kept + (self.store.grads() if self.store is not None else [])
 
 
 def backward_input(
@@ -125,10 +144,12 @@ def backward_input(
         stack.append((node, True))
         stack.extend((c, False) for c in kids if c not in children)
 
+    allowed = _deferring(children, leads_in, param_bit)
+
     # Entry points of W: frontier nodes (captured in B) and output edges off the input path.
     entries = []  # (node_or_edge, param mask of its parameter side, is_frontier)
     for node, kids in children.items():
-        if not leads_in[node]:
+        if not leads_in[node] or node in allowed:
             continue
         side = 0
         for c in kids:
@@ -164,11 +185,12 @@ def backward_input(
     handles = [
         n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier_nodes
     ]
+    store = WeightGradStore(allowed)
     try:
         if input_idx:
-            grads = torch.autograd.grad(
-                outs, [inputs[i] for i in input_idx], grad_outputs=ograds, retain_graph=True, allow_unused=True
-            )
+            with store:  # the graph is kept for W only where W re-enters it
+                grads = torch.autograd.grad(outs, [inputs[i] for i in input_idx], grad_outputs=ograds,
+                                            retain_graph=bool(entries), allow_unused=True)
             for i, g in zip(input_idx, grads):
                 dinputs[i] = g
     finally:
@@ -199,4 +221,31 @@ def backward_input(
         work = WeightGradWork([to_group(mask, ents)], [(n, captured[n]) for n in frontier_nodes if n in captured])
     else:
         work = WeightGradWork([to_group(m, e) for m, e in groups if e])
+    if store.entries:
+        store.seal()
+        work.store = store
     return dinputs, work
+
+
+def _deferring(children: dict, leads_in: dict, param_bit: dict) -> set:
+    """The nodes of ``wgrad_store`` layers that may leave their weight gradients to the store: on
+    the input path (B runs them), every other child a parameter's accumulator, and every parameter
+    reached from such deferring nodes only (one reached elsewhere too is W's graph's to accumulate,
+    once)."""
+    layers = {n for n in children if type(n) in wgrad_store.NODE_TYPES and leads_in[n]
+              and all(leads_in[c] or c in param_bit for c in children[n])}
+    if not layers:
+        return layers
+    parents: dict[Node, list] = {}
+    for node, kids in children.items():
+        for c in kids:
+            if c in param_bit:
+                parents.setdefault(c, []).append(node)
+    changed = True
+    while changed:
+        changed = False
+        for n in list(layers):
+            if any(p not in layers for c in children[n] if c in param_bit for p in parents[c]):
+                layers.discard(n)
+                changed = True
+    return layers

@@ -126,6 +126,20 @@ class RebalanceConfig(SectionModel):
     timeout_s: float = Field(60.0, gt=0)
 
 
+class CompareConfig(SectionModel):
+    # Alternate the job's own schedule and dispatch (B) with this schedule and dispatch (A) at
+    # iteration boundaries, in the cycle A B A' B, and log B/A per pair with its 95 % interval when
+    # the comparison ends (runtime/compare.py). None: no comparison.
+    schedule: Optional[Literal["1f1b", "zb"]] = None
+    dispatch: Dispatch = "ordered"
+    # Iterations at the start that alternate but are not measured (the first ones build programs,
+    # start threads and measure memory; an adaptive B re-plans in its first ones).
+    warmup: int = Field(4, ge=0)
+    # Measured iterations; then the result is logged and the job runs B only. None: until training
+    # ends (the result is logged when the engine is destroyed or the process exits).
+    iterations: Optional[int] = Field(None, ge=12)  # fewer give fewer than 6 B/A pairs: no 95 % interval
+
+
 class OrchestrateConfig(SectionModel):
     """A slow data-parallel link moved into the pipeline while training runs (PipeMorph §6)."""
 
@@ -198,6 +212,7 @@ class PipeMorphConfig(SectionModel):
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     orchestrate: OrchestrateConfig = Field(default_factory=OrchestrateConfig)
+    compare: CompareConfig = Field(default_factory=CompareConfig)
     # Testing only: validated by the plug-in registered for it (``ds_pipemorph.inject``).
     inject: Any = Field(None, validate_default=True)
     nvtx: bool = True

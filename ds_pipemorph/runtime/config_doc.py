@@ -90,6 +90,13 @@ DESCRIPTIONS: dict[str, str] = {
                                "instead of the warm-up measurement",
     "rebalance.timeout_s": "seconds a migration's transfer may take; past it every rank keeps its layers and the "
                            "next detection tries again",
+    "compare": "A/B inside the job: the job's own schedule and dispatch (B) alternate with these (A) at iteration "
+               "boundaries, A B A' B, and rank 0 logs B/A per pair with its 95 % interval (README, `runtime/compare.py`)",
+    "compare.schedule": "A's schedule; `null`: no comparison",
+    "compare.dispatch": "A's dispatch",
+    "compare.warmup": "iterations at the start that alternate but are not measured",
+    "compare.iterations": "measured iterations, then the result is logged and the job runs B only; `null`: until "
+                          "the engine is destroyed (the end of training)",
     "orchestrate": "a slow link inside the data-parallel rings (PipeMorph §6): ranks re-mapped while training "
                    "runs (`docs/placement.md`)",
     "orchestrate.matrix": "the link matrix of `pipemorph profile-links --all-pairs`; when the all-reduce is "

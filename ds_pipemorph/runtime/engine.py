@@ -49,6 +49,7 @@ from ..plan.ir.lower import DISPATCHES, BadStream, Lowering
 from ..plan.ir.nccl import nccl_groups
 from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
+from . import wgrad_store
 from .builder import EngineBuilder
 from .bw_split import backward_input
 from .flat_optimizer import is_flat
@@ -66,6 +67,7 @@ from .adapt import Adapter
 from .boundary import Boundary, Migration, Remap
 from .clip import clip_as_built
 from .clocks import estimate_clock_offsets
+from .compare import Compare
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
@@ -160,6 +162,8 @@ class PipeMorphEngine(PipelineEngine):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # only the first stage can tell: every rank refuses
             if flag.item():
                 raise PipeMorphConfigError(EMBEDDING_REFUSED)
+        # Linear and LayerNorm layers leave their weight gradients to W as tensors (runtime.wgrad_store).
+        wgrad_store.install(self.module)
         # Plug-ins' router hooks (testing only: injection); one may put the direct path under NCCL's rules.
         router_hooks = transport_hooks(pipemorph, self.num_stages, engine=self)
         self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
@@ -249,6 +253,8 @@ class PipeMorphEngine(PipelineEngine):
         self._meter: Optional[SavedBytes] = None
         self._mem_ops: dict[str, dict[int, int]] = {}  # "F"/"G"/"W" -> micro-batch -> bytes
         self.activation_bytes: Optional[list[ActivationBytes]] = None
+        # A/B inside this job: the job's own schedule against pipemorph.compare's (runtime.compare).
+        self.compare = Compare(self, pipemorph) if pipemorph.compare.schedule is not None else None
         self._destroyed = False
         release_at_exit(self)  # a script that just returns exits in order too (runtime.shutdown)
 
@@ -257,6 +263,8 @@ class PipeMorphEngine(PipelineEngine):
         if getattr(self, "_destroyed", False):
             return
         self._destroyed = True
+        if getattr(self, "compare", None) is not None:  # the comparison's line, if it did not end before
+            self.compare.finish(self)
         if self.adapter is not None:  # rank 0: the final profile_out and the profiler's overhead line
             self.adapter.close()
         for inbox in (self.inbox, getattr(self, "_idle_inbox", None)):
@@ -417,7 +425,21 @@ class PipeMorphEngine(PipelineEngine):
     # -- execution ------------------------------------------------------------------------------
     def train_batch(self, data_iter=None):
         """DeepSpeed's train_batch inside one NVTX range ``ITER<k>`` (k: this engine's batches so far).
-        The first one also measures the activation memory (``runtime.act_meter``)."""
+        The first one also measures the activation memory (``runtime.act_meter``); with
+        ``pipemorph.compare`` each one runs and is timed on its side (``runtime.compare``)."""
+        if self.compare is None or self.compare.done:
+            return self._train_batch(data_iter)
+        self.compare.before(self)
+        loss = self._train_batch(data_iter)
+        self.compare.after(self)
+        return loss
+
+    def comparison(self):
+        """The A/B result of ``pipemorph.compare`` (``paired.Comparison``); ends the comparison if it
+        still runs. None without ``compare`` or when nothing was measured."""
+        return None if self.compare is None else self.compare.finish(self)
+
+    def _train_batch(self, data_iter):
         if self.activation_bytes is not None:
             with self.recorder.iteration():
                 return super().train_batch(data_iter)
@@ -686,7 +708,7 @@ class PipeMorphEngine(PipelineEngine):
             self._weight_work[micro_batch] = [work]
         if self._meter is not None:  # the output gradients W needs, beside the graph it keeps
             self._mem_ops.setdefault("G", {})[micro_batch] = tensor_bytes(
-                g for w in self._weight_work[micro_batch] for grp in getattr(w, "groups", ()) for g in grp.grads)
+                g for w in self._weight_work[micro_batch] for g in w.kept_grads())
         if not self.is_first_stage():
             sent = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, dins) if t.is_floating_point()]
             self._input_grads[micro_batch] = sent[0] if isinstance(inputs, torch.Tensor) else tuple(sent)

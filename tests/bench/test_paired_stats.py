@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.bench.paired import (MIN_PAIRS, Interval, bootstrap_median, compare, cycles_for, form_pairs,
+from ds_pipemorph.paired import (MIN_PAIRS, Interval, bootstrap_median, compare, cycles_for, form_pairs,
                                        sequence, verdict)
 
 

@@ -1,9 +1,13 @@
-"""B then W gives the gradients of one fused backward, for any module, without recomputation."""
+"""B then W gives the gradients of one fused backward, for any module, without recomputation, with
+and without the weight-gradient store for Linear and LayerNorm layers."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
+from ds_pipemorph.runtime import wgrad_store
 from ds_pipemorph.runtime.bw_split import backward_input
 
 
@@ -41,12 +45,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("store", [False, True], ids=["graph", "store"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_b_then_w_over_three_micro_batches_equals_fused_backward_with_accumulation(case):
+def test_b_then_w_over_three_micro_batches_equals_fused_backward_with_accumulation(case, store):
     torch.manual_seed(0)
     make_module, make_input = CASES[case]
     mod = make_module()
     params = list(mod.parameters())
+    stage = copy.deepcopy(mod)  # the reference is the stock module's fused backward
+    if store:
+        assert wgrad_store.install(stage) > 0
+    stage_params = list(stage.parameters())
     xs = [make_input() for _ in range(3)]
     gys, ref_dx = [], []
     for x in xs:
@@ -57,20 +66,19 @@ def test_b_then_w_over_three_micro_batches_equals_fused_backward_with_accumulati
         y.backward(gy)
         ref_dx.append(x.grad)
     ref = [p.grad.clone() for p in params]
-    mod.zero_grad(set_to_none=True)
     works = []
     for x, gy, want in zip(xs, gys, ref_dx):
         x = x.clone().requires_grad_(x.is_floating_point())
-        y = mod(x)
-        (dx,), work = backward_input([y], [gy], [x], params)
+        y = stage(x)
+        (dx,), work = backward_input([y], [gy], [x], stage_params)
         if want is not None:
             torch.testing.assert_close(dx, want)
         works.append(work)
         del y, x  # the caller drops the activation after B
-    assert all(p.grad is None for p in params if xs[0].is_floating_point()), "B must not touch parameter grads"
+    assert all(p.grad is None for p in stage_params), "B must not touch parameter grads"
     for work in reversed(works):  # W in another order than B, as plans may do
         work.run()
-    for p, r in zip(params, ref):
+    for p, r in zip(stage_params, ref):
         torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-6)
 
 

@@ -83,7 +83,13 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
     checks.append(check)
     for job in jobs:
         job["eval"] = job["micro_batches"] == 8  # evaluation runs DeepSpeed's own schedule afterwards
+    # A/B inside the job (pipemorph.compare): zb against 1f1b, alternating; 16 steps against stock's.
+    jobs.append({"name": "stock_s2_n8_long", "stages": 2, "micro_batches": 8, "steps": 16, "pipemorph": None})
+    jobs.append({"name": "compare_s2_n8", "stages": 2, "micro_batches": 8, "steps": 16, "pipemorph": {
+        "schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False},
+        "compare": {"schedule": "1f1b", "warmup": 2, "iterations": 12}}})
     run = launch(2, jobs, tmp_path, timeout=220)
+    _assert_compare(run)
     for name, stock, peak, *plan in checks:
         _assert_equal_to_stock(run, name, stock, 2, peak, *plan)
         # One replica on gloo: the loss left the last stage at its last forward (runtime.train_loss),
@@ -93,6 +99,27 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
             ours, ref = run.result(name, r), run.result(stock, r)
             assert ours["early_loss"], f"{name} rank {r}"
             assert ours["losses"][0] == ref["losses"][0], f"{name} rank {r}: {ours['losses'][0]} != {ref['losses'][0]}"
+
+
+def _assert_compare(run) -> None:
+    """Each iteration ran its side's order, training equals stock's, and the result has its pairs."""
+    from ds_pipemorph.paired import sequence
+    from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
+
+    zb = build_plan(parse_config({"schedule": "zb"}), 2, 8)
+    orders = {"A": deepspeed_1f1b(2, 8), "A'": deepspeed_1f1b(2, 8), "B": zb}
+    sides = sequence(14, 2) + ["B", "B"]  # then B only
+    for r in range(2):
+        ours, ref = run.result("compare_s2_n8", r), run.result("stock_s2_n8_long", r)
+        assert ours["comparison"]["sides"] == sides[:14], f"rank {r}"
+        for step, side in enumerate(sides):
+            ran = [op for op in ours["ops"][step] if op[0] in "FBW" and op[1:].isdigit()]
+            assert ran == [str(op) for op in orders[side][ours["stage"]]], f"rank {r} step {step} ({side})"
+        assert ours["losses"] == pytest.approx(ref["losses"], abs=TOL), f"rank {r}: losses differ"
+        assert max_param_diff(ours, ref) <= TOL, f"rank {r}: parameters differ"
+        result = ours["comparison"]["result"]
+        assert result["ratio"]["pairs"] == 6 and result["noise"]["pairs"] == 3  # 3 cycles A B A' B
+    assert "pipemorph compare: B = zb/ordered, A = 1f1b/ordered, 12 measured iterations: " in run.output
 
 
 @pytest.mark.timeout(400)

@@ -184,6 +184,10 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         ops.append([r.op for r in getattr(engine, "op_records", [])])
         executed.append(list(getattr(engine, "executed_stream", [])))
         reduce_ms.extend((r.end_ns - r.start_ns) / 1e6 for r in getattr(engine, "op_records", []) if r.op == "ReduceGrads")
+    comparison = None
+    if getattr(engine, "compare", None) is not None:  # pipemorph.compare: its sides and its result
+        result = engine.comparison()
+        comparison = {"sides": list(engine.compare.sides), "result": None if result is None else result.as_dict()}
     eval_loss = float(engine.eval_batch(iter(data[:N]))) if job.get("eval") else None
     params = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     master = _master_weights(engine.optimizer)
@@ -196,7 +200,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         transport.close()  # this job's delegate processes exit before the next job starts
     torch.save({"losses": losses, "params": params, "master": master, "master_by_name": master_by_name,
                 "loss_scale": getattr(engine.optimizer, "loss_scale", None), "skipped_steps": engine.skipped_steps, "peak": peaks, "ops": ops, "executed": executed,
-                "stage": engine.stage_id, "switch_error": switch_error,
+                "stage": engine.stage_id, "switch_error": switch_error, "comparison": comparison,
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
                 "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),

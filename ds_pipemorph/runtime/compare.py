@@ -1,0 +1,103 @@
+"""A/B inside the user's own training job: does PipeMorph pay on this model, on this cluster?
+
+With ``"compare": {"schedule": "1f1b"}`` in the ``pipemorph`` section, the engine alternates two
+settings at iteration boundaries: **B** is the job's own schedule and dispatch (the plan the control
+loop keeps current), **A** the ``compare`` section's (``1f1b``: DeepSpeed's own order, run by this
+engine, as stock trains). Every iteration still trains: ours is exact in any order, so A and B
+iterations give the same model a stock job would. The cycle is ``A B A' B`` (``ds_pipemorph.paired``):
+each B is paired with the A-side iteration before it, each A' with the A two before it (the noise
+check), and what slows the machine for a while slows both members of a pair.
+
+An iteration's time is rank 0's ``train_batch``, from its call to its return (the first stage's
+start to its last weight gradient and the step). The first ``warmup`` iterations alternate but are
+not measured. After ``iterations`` measured ones (or when the engine is destroyed, at the end of
+training) rank 0 logs one line: B/A per pair with its 95 % interval, the A'/A check and the
+verdict; the job then runs B only. ``engine.comparison()`` returns the same result.
+
+The control loop keeps measuring in A's iterations too (op and link times do not depend on the
+order); a re-plan it makes takes B's place, whichever side ran.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from ..paired import Comparison, compare, sequence
+from .config import PipeMorphConfig, PipeMorphConfigError
+from .plans import NCCL_READY_REFUSED, build_plan
+
+logger = logging.getLogger(__name__)
+
+
+class Compare:
+    """Decides each iteration's side, switches the engine to it, and times the iteration."""
+
+    def __init__(self, engine, cfg: PipeMorphConfig):
+        c = cfg.compare
+        if c.dispatch == "ready" and engine.nccl_rules:  # refused at start-up, not at the first A iteration
+            raise PipeMorphConfigError(NCCL_READY_REFUSED)
+        self.cfg = c
+        a_cfg = cfg.model_copy(update={"schedule": c.schedule})
+        self.a_plan = build_plan(a_cfg, engine.num_stages, engine.micro_batches, engine.w_share)
+        self.a_dispatch = c.dispatch
+        self.b_dispatch = engine.dispatch
+        self.b_plan = engine.plan
+        self.a_label = f"{c.schedule}/{c.dispatch}"
+        self.b_label = f"{cfg.schedule}/{engine.dispatch}"
+        self.total = None if c.iterations is None else c.warmup + c.iterations
+        self.sides: list[str] = []
+        self.times: list[float] = []
+        self.result: Optional[Comparison] = None
+        self.done = False
+        self._a_installed = None
+        self._t0 = 0.0
+
+    def before(self, engine) -> None:
+        """Switch to the side of the next iteration (every rank alike: it depends on the count only)."""
+        if self.done:
+            return
+        i = len(self.sides)
+        side = sequence(i + 1, self.cfg.warmup)[i]
+        if side in ("A", "A'"):
+            engine.switch_to(self.a_plan, self.a_dispatch)
+            self._a_installed = engine.plan
+        else:
+            engine.switch_to(self.b_plan, self.b_dispatch)
+        self.sides.append(side)
+        self._t0 = time.perf_counter()
+
+    def after(self, engine) -> None:
+        """Time the iteration; a plan the control loop adopted during it is B's from now on."""
+        if self.done:
+            return
+        self.times.append((time.perf_counter() - self._t0) * 1e3)
+        if self.sides[-1] == "B" or engine.plan is not self._a_installed:
+            self.b_plan = engine.plan
+        if self.total is not None and len(self.times) >= self.total:
+            self.finish(engine)
+
+    def finish(self, engine) -> Optional[Comparison]:
+        """End the comparison: back to B, and rank 0 logs the result (once)."""
+        if self.done:
+            return self.result
+        self.done = True
+        if not getattr(engine, "_destroyed", False):
+            engine.switch_to(self.b_plan, self.b_dispatch)
+        measured = len(self.times) - self.cfg.warmup
+        try:
+            self.result = compare(self.sides, self.times, self.cfg.warmup)
+        except ValueError:  # no pair measured: training ended within the warm-up
+            self.result = None
+        if engine.global_rank == 0:
+            logger.warning(self.describe(measured))
+        return self.result
+
+    def describe(self, measured: int) -> str:
+        head = f"pipemorph compare: B = {self.b_label}, A = {self.a_label}"
+        if self.result is None:
+            return (f"{head}: nothing measured ({len(self.times)} iterations, {self.cfg.warmup} of warm-up); "
+                    f"train longer or lower compare.warmup")
+        r = self.result
+        return (f"{head}, {measured} measured iterations: {r.verdict} (median {r.b_median_ms:.1f} ms "
+                f"against {r.a_median_ms:.1f} ms per iteration)")
