@@ -83,6 +83,8 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
     "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py --workloads heavy,none": Options(
         "one job switching dispatch every iteration per workload"),
+    "DS_ACCELERATOR=cpu python benchmarks/real_compute_ab.py": Options(
+        "eight training jobs of 44 iterations; tests/bench/test_real_compute_ab_bench.py runs one short job"),
     "DS_ACCELERATOR=cpu python benchmarks/split_backward.py": Options(
         "15 pairs per row; tests/runtime/test_recompute.py runs its recomputation and split in small"),
     "DS_ACCELERATOR=cpu python benchmarks/ready_vs_stock.py": Options(
