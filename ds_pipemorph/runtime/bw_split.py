@@ -117,10 +117,9 @@ def backward_input(
     roots = [get_gradient_edge(t) for t in outs]
     input_nodes = {get_gradient_edge(inputs[i]).node for i in input_idx}
     params = [p for p in params if p.requires_grad]
-    param_edges = [get_gradient_edge(p) for p in params]
     param_bit: dict[Node, int] = {}
-    for k, e in enumerate(param_edges):
-        param_bit[e.node] = param_bit.get(e.node, 0) | 1 << k
+    for k, node in enumerate(_accumulators(params)):
+        param_bit[node] = param_bit.get(node, 0) | 1 << k
 
     # Post-order walk: per node, whether it leads to an input and which parameters lie below it.
     leads_in: dict[Node, bool] = {}
@@ -225,6 +224,27 @@ def backward_input(
         store.seal()
         work.store = store
     return dinputs, work
+
+
+_ACCUMULATORS: dict[int, tuple] = {}  # id(parameter) -> (the parameter, its AccumulateGrad node)
+
+
+def _accumulators(params: Sequence[torch.Tensor]) -> list[Node]:
+    """The nodes that accumulate into each parameter's ``.grad``. ``get_gradient_edge`` makes a view
+    to find one (microseconds per parameter, per B), so the nodes of the last call's parameters are
+    kept (and with them the parameters: a node holds its tensor); the next call with other
+    parameters (after a migration) drops them."""
+    global _ACCUMULATORS
+    kept: dict[int, tuple] = {}
+    nodes = []
+    for p in params:
+        hit = _ACCUMULATORS.get(id(p))
+        node = hit[1] if hit is not None and hit[0] is p else get_gradient_edge(p).node
+        if p.is_leaf:  # (a non-leaf's node is new with every graph)
+            kept[id(p)] = (p, node)
+        nodes.append(node)
+    _ACCUMULATORS = kept
+    return nodes
 
 
 def _deferring(children: dict, leads_in: dict, param_bit: dict) -> set:
