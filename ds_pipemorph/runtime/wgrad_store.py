@@ -4,7 +4,7 @@ The generic split (``bw_split``) leaves W the part of the autograd graph below e
 and re-enters it: one engine call per group of parameters, and the whole graph kept from B to W.
 For the layers that carry a transformer stage's parameters that is more than W needs. A Linear's
 weight gradient is one GEMM of two tensors, the layer's input and the gradient arriving at its
-output; a LayerNorm's is a reduction over its input, its saved statistics and that gradient. So
+output; a LayerNorm's are two vectors of its width. So
 the stage's ``nn.Linear`` and ``nn.LayerNorm`` modules run through the autograd functions below
 (``install``): their backward computes the input gradient and, while a ``WeightGradStore`` collects
 (B), hands the weight-gradient computation to it instead of running it. W (``WeightGradStore.run``)
@@ -19,8 +19,9 @@ whose output does not lead to an input, a weight also used by another op) the la
 ordinary node of the graph and W reaches it as before; without a store (a fused backward, stock
 code around the module) the functions compute every gradient at once, as torch does.
 
-Kept for W per deferred layer: its input (what the forward saved anyway), the gradient of its
-output, and for LayerNorm the per-row mean and reciprocal deviation. When every parameter of a
+Kept for W per deferred Linear: its input (what the forward saved anyway) and the gradient of its
+output. A LayerNorm's weight gradients are two vectors of its width that come out of the same
+kernel as its input gradient: B computes them, and W only accumulates them. When every parameter of a
 stage defers, B frees the graph as it goes, as a fused backward does.
 """
 from __future__ import annotations
@@ -91,7 +92,7 @@ class WeightGradStore:
 
     def grads(self) -> list[torch.Tensor]:
         """The output gradients kept (for the memory report)."""
-        return [grad for _, grad, _, _ in self.entries]
+        return [grad for _, grad, _, _ in self.entries if grad is not None]
 
     def run(self) -> None:
         """Compute every kept weight gradient and accumulate them in one autograd call."""
@@ -141,6 +142,10 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
+def _computed(_grad, gw, gb):
+    return gw, gb
+
+
 def _norm_grads(gy, x, shape, mean, rstd, weight, bias, mask):
     return torch.ops.aten.native_layer_norm_backward(gy, x, shape, mean, rstd, weight, bias, mask)
 
@@ -161,13 +166,17 @@ class _LayerNorm(torch.autograd.Function):
         need[2] = need[2] and bias is not None
         need[1] = need[1] and weight is not None
         store = WeightGradStore.collecting()
-        if store is not None:  # B: the input gradient only
+        if store is not None and ctx in store.allowed and (need[1] or need[2]):
+            # B: the weight gradients of a norm are two vectors of the layer's width, computed in the
+            # same kernel as the input gradient: B computes them and W only accumulates them (what
+            # W would need to compute them later, the input and the gradient, is far larger).
+            gx, gw, gb = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, need)
+            store.put(_computed, None, (gw, gb), (ctx.params[0] if need[1] else None,
+                                                  ctx.params[1] if need[2] else None))
+            return gx, None, None, None, None
+        if store is not None:  # B, a norm whose parameters W reaches through the graph: input gradient only
             gx = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, [need[0], False, False])[0] \
                 if need[0] else None
-            if ctx in store.allowed and (need[1] or need[2]):
-                shape, mask = ctx.shape, [False, need[1], need[2]]
-                store.put(lambda gy, x, mean, rstd: _norm_grads(gy, x, shape, mean, rstd, weight, bias, mask)[1:],
-                          gy, (x, mean, rstd), (ctx.params[0] if need[1] else None, ctx.params[1] if need[2] else None))
             return gx, None, None, None, None
         gx, gw, gb = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, need)
         return gx, gw, gb, None, None
