@@ -41,8 +41,8 @@ def ranks(args) -> None:
 
     from _bare_runner import BareRunner
     from ds_pipemorph.paired import A_SIDE, compare, cycles_for, sequence
-    from ds_pipemorph.paired_spec import PairedSpec, parse_side
-    from ds_pipemorph.paired_worker import build_engine, timed_step
+    from ds_pipemorph.bench.paired_spec import PairedSpec, parse_side
+    from ds_pipemorph.bench.paired_worker import build_engine, timed_step
 
     deepspeed.init_distributed(dist_backend="gloo")
     work = tempfile.mkdtemp(prefix="pipemorph-paired-bare-")

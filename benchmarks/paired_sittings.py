@@ -23,8 +23,8 @@ from pathlib import Path
 from _util import print_table, write_json
 
 from ds_pipemorph.paired import cycles_for
-from ds_pipemorph.paired_launch import run
-from ds_pipemorph.paired_spec import PairedSpec, parse_side
+from ds_pipemorph.bench.paired_launch import run
+from ds_pipemorph.bench.paired_spec import PairedSpec, parse_side
 
 
 def main() -> None:

@@ -156,7 +156,7 @@ def one_job(workload: str, args, trace: str) -> dict:
     import torch.distributed as dist
 
     from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
-    from ds_pipemorph.paired_worker import timed_step
+    from ds_pipemorph.bench.paired_worker import timed_step
 
     engine = build(workload, "ordered", args, trace)
     data = batch()
@@ -186,7 +186,7 @@ def whole_runs(workload: str, args, trace: str) -> dict:
     import torch.distributed as dist
 
     from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
-    from ds_pipemorph.paired_worker import timed_step
+    from ds_pipemorph.bench.paired_worker import timed_step
 
     rows = []
     for k, label in enumerate(sequence(4 * cycles_for(args.run_pairs))):

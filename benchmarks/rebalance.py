@@ -170,7 +170,7 @@ def whole_run(model: str, kind: str, parts, trace: str, args) -> dict:
     sample (the median after the slowdown and ``--settle``), its final partition and the loop's moves."""
     import torch.distributed as dist
 
-    from ds_pipemorph.paired_worker import timed_step
+    from ds_pipemorph.bench.paired_worker import timed_step
 
     engine = build(model, kind, parts, trace, args.stages)
     data = data_of(model)
@@ -189,7 +189,7 @@ def migration_alternation(model: str, trace: str, args) -> dict:
     """Uniform (B) against the loop's partition (A) in one job: the loop moves layers once the slowdown
     is detected, then it stops and every iteration migrates to its side's partition and plan."""
     from ds_pipemorph.paired import A_SIDE, cycles_for, sequence
-    from ds_pipemorph.paired_worker import timed_step
+    from ds_pipemorph.bench.paired_worker import timed_step
 
     engine = build(model, "rebalance", None, trace, args.stages)
     data = data_of(model)

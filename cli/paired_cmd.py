@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ds_pipemorph.paired import cycles_for
-from ds_pipemorph.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
+from ds_pipemorph.bench.paired_spec import PairedSpec, check_job_sides, parse_side, share_a_job
 from ds_pipemorph.fileio import BadInput, describe, write_atomic
 
 from .bench_cmd import BUDGET_HELP, parse_budget
@@ -44,7 +44,7 @@ def paired(
     timeout_s: float = typer.Option(1800.0, min=1.0, help="Give up on the run after this many seconds."),
 ) -> None:
     """Alternate A and B every iteration in one job (or whole jobs where they cannot share one) and print B/A."""
-    from ds_pipemorph.paired_launch import PairedRunError, run
+    from ds_pipemorph.bench.paired_launch import PairedRunError, run
 
     with user_errors():
         side_a, side_b = parse_side(a, "A"), parse_side(b, "B")

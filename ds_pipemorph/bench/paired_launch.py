@@ -91,7 +91,7 @@ def _one_job(spec: PairedSpec, work: Path, deadline: float, progress: Optional[P
             done, total, side = seen
             progress(done, total, f"iteration {done} ({side})")
 
-    proc = torchrun("ds_pipemorph.paired_worker", spec_path, spec.stages, log)
+    proc = torchrun("ds_pipemorph.bench.paired_worker", spec_path, spec.stages, log)
     _wait(proc, deadline, log, poll)
     if not Path(spec.out).exists():
         raise PairedRunError(f"the ranks exited with code {proc.returncode} before writing results; see {log}")

@@ -1,6 +1,6 @@
 """Following a paired run's progress file while rank 0 appends to it."""
 from ds_pipemorph.bench.launch import read_progress
-from ds_pipemorph.paired_launch import read_paired_progress
+from ds_pipemorph.bench.paired_launch import read_paired_progress
 
 
 def test_a_half_written_last_line_is_ignored(tmp_path):
