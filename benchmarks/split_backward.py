@@ -5,8 +5,7 @@ weight-gradient store and with the generic graph split; and the activation bytes
                                         [--allocators glibc,caching] [--out FILE]
 
 One process per allocator, one intra-op thread. Per dtype (fp32, bf16), model width d (4 heads,
-FFN 4d; tokens: 4 x 64 at d = 128, 8 x 128 at d = 256, 4 x 128 above, as the held-out measurement
-that motivated the store) and layer type (``Linear`` d -> 4d, ``LayerNorm`` d, and ``--blocks``
+FFN 4d; tokens: 4 x 64 at d = 128, 8 x 128 at d = 256, 4 x 128 above) and layer type (``Linear`` d -> 4d, ``LayerNorm`` d, and ``--blocks``
 GPT blocks of ``recipes/gpt``):
 
 - **B + W / fused**: each round runs one micro-batch's forward and fused backward on the stock

@@ -184,7 +184,7 @@ def backward_input(
     handles = [
         n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier_nodes
     ]
-    store = WeightGradStore(allowed)
+    store = WeightGradStore(allowed, set(children))
     try:
         if input_idx:
             with store:  # the graph is kept for W only where W re-enters it
@@ -245,6 +245,13 @@ def _accumulators(params: Sequence[torch.Tensor]) -> list[Node]:
         nodes.append(node)
     _ACCUMULATORS = kept
     return nodes
+
+
+def forget_parameters() -> None:
+    """Drop the kept accumulator nodes (and with them the parameters): an engine that is destroyed,
+    or whose layers moved, calls it."""
+    global _ACCUMULATORS
+    _ACCUMULATORS = {}
 
 
 def _deferring(children: dict, leads_in: dict, param_bit: dict) -> set:

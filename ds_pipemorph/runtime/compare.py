@@ -12,7 +12,9 @@ An iteration's time is rank 0's ``train_batch``, from its call to its return (th
 start to its last weight gradient and the step). The first ``warmup`` iterations alternate but are
 not measured. After ``iterations`` measured ones (or when the engine is destroyed, at the end of
 training) rank 0 logs one line: B/A per pair with its 95 % interval, the A'/A check and the
-verdict; the job then runs B only. ``engine.comparison()`` returns the same result.
+verdict; the job then runs B only. ``engine.comparison()`` returns the result over what is measured
+so far, on any rank, and changes nothing. While the comparison runs, the engine chooses each
+iteration's plan: a ``switch_to`` between iterations is overridden by the next iteration's side.
 
 The control loop keeps measuring in A's iterations too (op and link times do not depend on the
 order); a re-plan it makes takes B's place, whichever side ran.
@@ -66,6 +68,20 @@ class Compare:
             engine.switch_to(self.b_plan, self.b_dispatch)
         self.sides.append(side)
         self._t0 = time.perf_counter()
+
+    def abandon(self) -> None:
+        """The iteration that ``before`` started failed: forget its side."""
+        if not self.done and len(self.sides) > len(self.times):
+            self.sides.pop()
+
+    def current(self) -> Optional[Comparison]:
+        """The result over what is measured so far (the final one once the comparison ended)."""
+        if self.done:
+            return self.result
+        try:
+            return compare(self.sides[:len(self.times)], self.times, self.cfg.warmup)
+        except ValueError:  # no pair measured yet
+            return None
 
     def after(self, engine) -> None:
         """Time the iteration; a plan the control loop adopted during it is B's from now on."""

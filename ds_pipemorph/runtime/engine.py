@@ -51,7 +51,7 @@ from ..plan.ir.ops import Op, Schedule
 from . import instructions as I
 from . import wgrad_store
 from .builder import EngineBuilder
-from .bw_split import backward_input
+from .bw_split import backward_input, forget_parameters
 from .flat_optimizer import is_flat
 from .precision import GradPath
 from .compat import (EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused,
@@ -271,6 +271,7 @@ class PipeMorphEngine(PipelineEngine):
             if inbox is not None:
                 inbox.close()
         self.transport.close()
+        forget_parameters()
         parent = getattr(super(), "destroy", None)
         if parent is not None:
             parent()
@@ -430,14 +431,18 @@ class PipeMorphEngine(PipelineEngine):
         if self.compare is None or self.compare.done:
             return self._train_batch(data_iter)
         self.compare.before(self)
-        loss = self._train_batch(data_iter)
+        try:
+            loss = self._train_batch(data_iter)
+        except BaseException:
+            self.compare.abandon()  # the iteration did not run to its end: it is not measured
+            raise
         self.compare.after(self)
         return loss
 
     def comparison(self):
-        """The A/B result of ``pipemorph.compare`` (``paired.Comparison``); ends the comparison if it
-        still runs. None without ``compare`` or when nothing was measured."""
-        return None if self.compare is None else self.compare.finish(self)
+        """The A/B result of ``pipemorph.compare`` (``paired.Comparison``) over the iterations measured
+        so far; it changes nothing, so any rank may ask. None without ``compare`` or before a pair."""
+        return None if self.compare is None else self.compare.current()
 
     def _train_batch(self, data_iter):
         if self.activation_bytes is not None:
@@ -516,6 +521,7 @@ class PipeMorphEngine(PipelineEngine):
                 t = time.perf_counter()
                 report = self.migrator.migrate(self, decision.parts)
                 self._trainable = []  # the layers that left are freed now, not at the next batch
+                forget_parameters()
                 self.rebalance.applied(self, decision, report, time.perf_counter() - t)
                 if report.ok and decision.plan is not None:
                     plan = decision.plan

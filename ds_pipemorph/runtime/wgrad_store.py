@@ -61,8 +61,9 @@ class WeightGradStore:
 
     _stack: list["WeightGradStore"] = []
 
-    def __init__(self, allowed: set):
+    def __init__(self, allowed: set, nodes: set):
         self.allowed = allowed  # the autograd nodes (the layers' ``ctx``) that may defer
+        self.nodes = nodes  # every node of the graph B runs (``allowed`` among them)
         self.entries: list[tuple] = []  # (compute, output gradient, saved tensors, params)
         self._kept: Optional[torch.Tensor] = None  # after ``seal``: holds the entries' saved tensors
 
@@ -74,9 +75,14 @@ class WeightGradStore:
         WeightGradStore._stack.remove(self)
 
     @staticmethod
-    def collecting() -> Optional["WeightGradStore"]:
-        """The store collecting now (a layer's node defers to it only if it is ``allowed``), or None."""
-        return WeightGradStore._stack[-1] if WeightGradStore._stack else None
+    def collecting(ctx) -> Optional["WeightGradStore"]:
+        """The store of the B whose graph holds the node ``ctx``, or None (a fused backward, or W
+        entering the graph again). Chosen by the node, not by the order of the stack: a device thread
+        may run a node of the stage's graph while a checkpointed chunk's B is on top of it."""
+        for store in reversed(WeightGradStore._stack):
+            if ctx in store.nodes:
+                return store
+        return None
 
     def put(self, compute, grad: torch.Tensor, saved: tuple, params: tuple) -> None:
         """Keep ``compute(grad, *saved) -> gradients of params`` for W: ``saved`` are tensors the
@@ -132,7 +138,7 @@ class _Linear(torch.autograd.Function):
         gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
         w, b = ctx.params
         need_w, need_b = ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]
-        store = WeightGradStore.collecting()
+        store = WeightGradStore.collecting(ctx)
         if store is not None:  # B: the input gradient only
             if ctx in store.allowed and (need_w or need_b):
                 store.put(lambda gy, x: _linear_wgrad(x, gy, need_w, need_b), gy, (x,),
@@ -142,8 +148,8 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def _computed(_grad, gw, gb):
-    return gw, gb
+def _computed(_grad, *grads):
+    return grads
 
 
 def _norm_grads(gy, x, shape, mean, rstd, weight, bias, mask):
@@ -165,14 +171,14 @@ class _LayerNorm(torch.autograd.Function):
         need = list(ctx.needs_input_grad[:3])
         need[2] = need[2] and bias is not None
         need[1] = need[1] and weight is not None
-        store = WeightGradStore.collecting()
+        store = WeightGradStore.collecting(ctx)
         if store is not None and ctx in store.allowed and (need[1] or need[2]):
             # B: the weight gradients of a norm are two vectors of the layer's width, computed in the
             # same kernel as the input gradient: B computes them and W only accumulates them (what
             # W would need to compute them later, the input and the gradient, is far larger).
             gx, gw, gb = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, need)
-            store.put(_computed, None, (gw, gb), (ctx.params[0] if need[1] else None,
-                                                  ctx.params[1] if need[2] else None))
+            got = [(p, g) for p, g, n in zip(ctx.params, (gw, gb), need[1:]) if n]
+            store.put(_computed, None, tuple(g for _, g in got), tuple(p for p, _ in got))
             return gx, None, None, None, None
         if store is not None:  # B, a norm whose parameters W reaches through the graph: input gradient only
             gx = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, [need[0], False, False])[0] \

@@ -75,7 +75,7 @@ def test_gpt_blocks_give_the_fused_gradients_and_every_layer_defers(dtype):
     for a, b in zip(got_dx, want_dx):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for p, q in zip(stage.parameters(), stock.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)  # the dtype's tolerance: a sum in another order
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the same kernels, in the same order
 
 
 def test_a_weight_also_used_outside_its_layer_goes_through_the_graph_and_accumulates_once():
@@ -120,6 +120,23 @@ def test_a_stage_whose_parameters_all_defer_frees_its_graph_in_b_and_keeps_only_
         work.run()
         del work
         assert meter.live == 0
+
+
+@pytest.mark.parametrize("case", ["no bias", "frozen weight"])
+def test_a_layer_norm_with_one_parameter_to_learn_defers_it_alone(case):
+    stock = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8, bias=case != "no bias"))
+    if case == "frozen weight":
+        stock[1].weight.requires_grad_(False)
+    stage = copy.deepcopy(stock)
+    wgrad_store.install(stage)
+    xs, gys = [torch.randn(4, 8)], [torch.randn(4, 8)]
+    want_dx = _fused(stock, xs, gys)
+    got_dx = _split(stage, xs, gys)
+    torch.testing.assert_close(got_dx[0], want_dx[0])
+    for p, q in zip(stage.parameters(), stock.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_without_grad_or_under_autocast_the_layers_run_as_stock():
