@@ -34,6 +34,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from ds_pipemorph.fileio import BadInput  # noqa: E402
 
 LINE = re.compile(r"pipemorph compare: B = (\S+), A = (\S+), (\d+) measured iterations: (.*) \(median ([\d.]+) ms "
                   r"against ([\d.]+) ms per iteration\)")
@@ -85,6 +86,18 @@ def predicted(profile: Path, schedule: str, n: int, budget) -> float | None:
     return replay(plan, costs, n).iteration_ms / replay(deepspeed_1f1b(2, n), costs, n).iteration_ms
 
 
+def _budget(text: str):
+    if text == "null":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 1.0:
+        raise BadInput(f"--budgets: '{text}' is not a memory budget; use numbers of at least 1, or null")
+    return value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
@@ -94,7 +107,14 @@ def main() -> int:
     ap.add_argument("--out", default="out/real_compute_ab.json")
     args = ap.parse_args()
     check_out(args.out)
-    budgets = [None if b == "null" else float(b) for b in args.budgets.split(",")]
+    budgets = [_budget(b) for b in args.budgets.split(",")]
+    if args.steps < 16:
+        raise BadInput(f"--steps {args.steps}: use at least 16 (4 unmeasured and 12 measured iterations: 6 pairs)")
+    if min(args.micro_batches) < 2:
+        raise BadInput("--micro-batches: use at least 2 per job (a pipeline of 2 stages)")
+    unknown = [s for s in args.schedules.split(",") if s not in ("zb", "adaptive")]
+    if unknown:
+        raise BadInput(f"--schedules: unknown '{unknown[0]}'; use a comma-separated list of zb, adaptive")
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE.parent / "recipes" / "gpt"))
 import torch  # noqa: E402
 
 from _util import CACHING_MALLOC, check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
-from ds_pipemorph.paired import bootstrap_median  # noqa: E402
+from ds_pipemorph.paired import Interval, bootstrap_median  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 from ds_pipemorph.plan.ir.profile import Costs  # noqa: E402
 from ds_pipemorph.plan.sched.baselines import zb_h1  # noqa: E402
@@ -276,7 +276,7 @@ def main() -> int:
 
 
 def _ci(c: dict) -> str:
-    return f"{c['median']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}]"
+    return Interval(**c).text()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Optional
 
-from ..paired import Comparison, compare, sequence
+from ..paired import A_SIDE, CYCLE, Comparison, compare
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .plans import NCCL_READY_REFUSED, build_plan
 
@@ -59,9 +59,8 @@ class Compare:
         """Switch to the side of the next iteration (every rank alike: it depends on the count only)."""
         if self.done:
             return
-        i = len(self.sides)
-        side = sequence(i + 1, self.cfg.warmup)[i]
-        if side in ("A", "A'"):
+        side = CYCLE[(len(self.sides) - self.cfg.warmup) % len(CYCLE)]  # as paired.sequence lays them out
+        if side in A_SIDE:
             engine.switch_to(self.a_plan, self.a_dispatch)
             self._a_installed = engine.plan
         else:
@@ -97,14 +96,11 @@ class Compare:
         """End the comparison: back to B, and rank 0 logs the result (once)."""
         if self.done:
             return self.result
+        self.result = self.current()  # None: training ended within the warm-up
         self.done = True
         if not getattr(engine, "_destroyed", False):
             engine.switch_to(self.b_plan, self.b_dispatch)
         measured = len(self.times) - self.cfg.warmup
-        try:
-            self.result = compare(self.sides, self.times, self.cfg.warmup)
-        except ValueError:  # no pair measured: training ended within the warm-up
-            self.result = None
         if engine.global_rank == 0:
             logger.warning(self.describe(measured))
         return self.result

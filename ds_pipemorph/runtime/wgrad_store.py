@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 class _Kept(torch.autograd.Function):
     """Holds tensors for W as autograd holds a node's saved tensors, so that every saved-tensor hook
     in force (the engine's activation meter, a user's offloading hooks) sees them as it sees the
@@ -90,7 +89,9 @@ class WeightGradStore:
         self.entries.append((compute, grad, saved, params))
 
     def seal(self) -> None:
-        """After B: hold the entries' saved tensors as saved tensors (``_Kept``), not as plain references."""
+        """After B: hold the entries' saved tensors as saved tensors (``_Kept``), not as plain references,
+        and let go of the graph's nodes (only B chooses by them)."""
+        self.allowed, self.nodes = set(), set()
         saved = [t.detach() for _, _, ts, _ in self.entries for t in ts]  # no edge into the graph B ran
         with torch.enable_grad():
             self._kept = _Kept.apply(_ANCHOR, *saved)
