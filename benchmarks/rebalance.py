@@ -2,7 +2,9 @@
 
 One CPU rank per stage (``--stages``, 4 by default; ``--stages 2`` gives each rank a core), 12
 micro-batches, the real engine (``zb``). Stage 1 is slowed 2x from iteration 5 on
-(``inject.compute_trace``: each of its F, B and W waits once more its own time). Two paired
+(``inject.compute_trace``: each of its F, B and W waits once more its own time; ``--slow-from 0``:
+from the first iteration, a stage slow before training began, so the loop learns the layers' costs
+on the slowed stages and must tell the slow one by comparing stages). Two paired
 comparisons per model (``ds_pipemorph.paired``: the cycle ``A B A' B``, the median of the
 per-pair ratios B/A with a bootstrap 95 % interval, the A/A noise check, and "no difference
 measurable here" when the interval holds 1):
@@ -27,7 +29,7 @@ loop's partition ran, its migration's time and bytes, and its cut against the be
 Prints a table and writes JSON.
 
     DS_ACCELERATOR=cpu python benchmarks/rebalance.py [--models emulated,gpt] [--stages 4] [--run-pairs 6]
-        [--iters 18] [--settle 4] [--pairs 12] [--warmup 4] [--out out/rebalance.json]
+        [--iters 18] [--settle 4] [--pairs 12] [--warmup 4] [--slow-from 5] [--out out/rebalance.json]
 
 (re-launches itself with ``torchrun --standalone --nproc_per_node STAGES`` when not started by
 torchrun). With real compute, four ranks on a two-core machine share the cores: a stage that waits
@@ -46,7 +48,10 @@ from pathlib import Path
 
 from _util import print_table, relaunch, write_json
 
-MICROBATCHES, SLOW_STAGE, FACTOR, SLOW_FROM = 12, 1, 2.0, 5
+MICROBATCHES, SLOW_STAGE, FACTOR = 12, 1, 2.0
+# The loop's own start: the first iteration (start-up) and ``rebalance.warmup_iterations`` (2 by
+# default) learn the layers' costs, so a slowdown there can be acted on only after them.
+LEARNED_BY = 3
 EMULATED_LAYERS, LAYER_MS = 16, 2.5
 GPT = {"vocab": 64, "d_model": 128, "heads": 4, "blocks": 10, "max_seq": 32}
 GPT_BATCH = 4
@@ -63,10 +68,13 @@ def parse_args():
     ap.add_argument("--settle", type=int, default=4, help="slowed iterations of a run left out before measuring")
     ap.add_argument("--warmup", type=int, default=4, help="unmeasured alternating iterations of the one-job comparison")
     ap.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+    ap.add_argument("--slow-from", type=int, default=5, help="iteration from which stage 1 is slowed (0: the first)")
     ap.add_argument("--out", default="out/rebalance.json")
     args = ap.parse_args()
-    if args.iters <= SLOW_FROM + args.settle:
-        ap.error(f"--iters must exceed {SLOW_FROM} + --settle: a run measures the iterations after both")
+    if args.slow_from < 0:
+        ap.error("--slow-from must be 0 or more")
+    if args.iters <= args.slow_from + args.settle:
+        ap.error(f"--iters must exceed --slow-from ({args.slow_from}) + --settle: a run measures the iterations after both")
     return args
 
 
@@ -159,10 +167,10 @@ def build(model: str, kind: str, parts, trace: str, stages: int):
     return engine
 
 
-def loop_moves(engine) -> list[dict]:
+def loop_moves(engine, slow_from: int) -> list[dict]:
     """The rebalance loop's successful moves after the slowdown (a move before it answered noise)."""
     events = engine.rebalance.events if engine.rebalance is not None else []
-    return [e for e in events if e["ok"] and e["iteration"] + 1 > SLOW_FROM]
+    return [e for e in events if e["ok"] and e["iteration"] + 1 > slow_from]
 
 
 def whole_run(model: str, kind: str, parts, trace: str, args) -> dict:
@@ -175,11 +183,11 @@ def whole_run(model: str, kind: str, parts, trace: str, args) -> dict:
     engine = build(model, kind, parts, trace, args.stages)
     data = data_of(model)
     ms = [timed_step(lambda: engine.train_batch(iter(data))) for _ in range(args.iters)]
-    moves = loop_moves(engine) if kind == "rebalance" else []
+    moves = loop_moves(engine, args.slow_from) if kind == "rebalance" else []
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [(e["bytes_sent"], e["seconds"]) for e in moves[:1]])
     engine.transport.close()
-    return {"kind": kind, "ms": statistics.median(ms[SLOW_FROM + args.settle:]), "iterations_ms": ms,
+    return {"kind": kind, "ms": statistics.median(ms[args.slow_from + args.settle:]), "iterations_ms": ms,
             "parts": list(engine.module.parts), "moves": moves,
             "first_move_bytes": sum(b for rank in gathered for b, _ in rank),
             "first_move_ms": 1e3 * max((s for rank in gathered for _, s in rank), default=0.0)}
@@ -195,9 +203,9 @@ def migration_alternation(model: str, trace: str, args) -> dict:
     data = data_of(model)
     uniform = (list(engine.module.parts), engine.plan)
     before = []
-    while not loop_moves(engine) and len(before) < args.iters:
+    while not loop_moves(engine, args.slow_from) and len(before) < args.iters:
         before.append(timed_step(lambda: engine.train_batch(iter(data))))
-    moves = loop_moves(engine)
+    moves = loop_moves(engine, args.slow_from)
     if not moves:
         engine.transport.close()
         return {"error": f"the loop did not move layers within {args.iters} iterations", "before_ms": before}
@@ -236,7 +244,7 @@ def main() -> int:
     rank = dist.get_rank()
     trace = os.path.join(tempfile.gettempdir(), f"pipemorph-rebalance-trace-{os.getppid()}.yaml")
     if rank == 0:
-        Path(trace).write_text(yaml.safe_dump({"points": [{"iteration": SLOW_FROM,
+        Path(trace).write_text(yaml.safe_dump({"points": [{"iteration": args.slow_from,
                                                             "factors": {str(SLOW_STAGE): FACTOR}}]}))
     results = {}
     for model in args.models.split(","):
@@ -275,9 +283,11 @@ def report(results: dict, args) -> None:
         if "iterations" in mig:
             it = mig["iterations"]
             one = compare([r["side"] for r in it], [r["ms"] for r in it], args.warmup, seed=args.seed)
-        healthy = statistics.median(x for r in runs for x in r["iterations_ms"][2:SLOW_FROM])
+        before = [x for r in runs for x in r["iterations_ms"][2:args.slow_from]]
+        healthy = statistics.median(before) if before else None  # none when slowed from the start
+        seen_from = max(args.slow_from, LEARNED_BY)
         met = (whole.ratio.median <= TARGET_BEST and one is not None and one.ratio.median >= TARGET_UNIFORM and one.ratio.lo > 1.0
-               and len(starts) == len(reb) and max(starts) - SLOW_FROM <= TARGET_ITERS)
+               and len(starts) == len(reb) and max(starts) - seen_from <= TARGET_ITERS)
         row = {"model": model, "healthy_ms": healthy, "best_parts": res["best_parts"],
                "rebalance_over_best_static": whole.as_dict(),
                "uniform_over_rebalance": None if one is None else one.as_dict(),
@@ -301,19 +311,19 @@ def report(results: dict, args) -> None:
                             f"{mig['loop_parts']} and {mig['uniform_parts']}, median {mig['migration_ms_median']:.0f} ms")
         else:
             verdicts.append(f"{model}, uniform / rebalance: not measured: {mig['error']}")
-        verdicts.append(f"{model}: healthy {healthy:.0f} ms; new partition from iteration "
-                        f"{', '.join(map(str, starts)) or '-'} (slowdown at {SLOW_FROM}); {same_cut} of {len(reb)} "
+        verdicts.append(f"{model}: healthy {'-' if healthy is None else f'{healthy:.0f}'} ms; new partition from "
+                        f"iteration {', '.join(map(str, starts)) or '-'} (slowdown at {args.slow_from}); {same_cut} of {len(reb)} "
                         f"rebalance runs end on the best static cut {res['best_parts']}; first migration "
                         f"{statistics.median(row['first_move_ms']):.0f} ms, "
                         f"{statistics.median(row['first_move_bytes']) / 1e3:.0f} kB (medians); targets met: "
                         f"{'yes' if met else 'NO'}")
-    print_table(f"stage {SLOW_STAGE} slowed {FACTOR:g}x from iteration {SLOW_FROM}: {args.stages} stages x {MICROBATCHES} "
+    print_table(f"stage {SLOW_STAGE} slowed {FACTOR:g}x from iteration {args.slow_from}: {args.stages} stages x {MICROBATCHES} "
                 f"micro-batches, paired (A B A' B ...), B/A with its bootstrap 95% interval",
                 ["model", "B / A", "alternation", "median ratio", "95% interval", "pairs", "A'/A noise [95%]",
                  "median ms B / A"], rows)
     print("\n".join(verdicts))
     write_json(args.out, {"benchmark": "rebalance", "stages": args.stages, "microbatches": MICROBATCHES,
-                          "slow_stage": SLOW_STAGE, "factor": FACTOR, "slow_from": SLOW_FROM, "iters": args.iters,
+                          "slow_stage": SLOW_STAGE, "factor": FACTOR, "slow_from": args.slow_from, "iters": args.iters,
                           "settle": args.settle, "run_pairs": args.run_pairs, "pairs": args.pairs, "warmup": args.warmup, "seed": args.seed,
                           "targets": {"rebalance_over_best_static_max": TARGET_BEST,
                                       "uniform_over_rebalance_min": TARGET_UNIFORM, "iterations_max": TARGET_ITERS},

@@ -3,16 +3,28 @@
 Torch-free: the engine hands ``Rebalancer.observe`` each iteration's measured F, B and W of every
 stage (ms per micro-batch; with data parallelism, the slowest replica of the stage, since the
 pipeline waits for it) and gets back a ``Rebalance`` (new stage boundaries and the plan for them)
-or None.
+or None. The first iteration carries start-up work and is never measured.
 
-- **What a layer should cost.** A layer profile (``docs/partition.md``) if one is given; otherwise
-  learned from the first iterations, assumed healthy: the first is skipped (start-up work), the
-  next ``warmup`` are averaged, and each stage's F, B and W are split among its layers in proportion
-  to their parameter counts (evenly where a stage holds no parameters).
+- **What a layer should cost.** A layer profile (``docs/partition.md``) if one is given: then a
+  stage slowed from the first iteration is seen slowed at once. Otherwise learned from the
+  ``warmup`` iterations after the first (averaged), by comparing stages with each other
+  (``learn_layer_costs``): layers of one class (the engine's layer signature: the layer's type
+  and its parameters' shapes) cost the same on every stage. A class held by several stages, one
+  of which holds nothing else (nothing with parameters), costs per layer what it costs on such a
+  stage: the median one (the lower of the two middle ones), so one stage slowed from the start,
+  or one that happens to run fast, does not set it. Such a stage then shows its slowdown from the
+  start. Every other layer (an embedding, a head, a class no stage holds alone, or every layer
+  when no class is shared across stages) takes a part of what its stage's time leaves once its
+  classed layers are paid, in proportion to parameter counts (evenly where a stage holds no
+  parameters), as all layers did before classes: that part of a stage is assumed healthy, so a
+  stage slowed from the start is missed where no class is shared (each stage then shows 1), and
+  a stage's different layers (an embedding) are never mistaken for a slowdown. Layers without
+  parameters join no class and cost nothing on a stage with parameters.
 - **Detection.** A stage's slowdown is its measured F + B + W over what its layers should cost. The
   current partition was chosen for some slowdowns (all 1 at the start); when a stage's slowdown
-  sits more than ``noise`` away from its own, on the same side (above: a straggler appears; below:
-  it recovers), in each of the last ``patience`` iterations, the loop acts.
+  sits more than ``noise`` away from its own, on the same side (above: a straggler appears, or
+  was there from the start; below: it recovers), in each of the last ``patience`` iterations,
+  the loop acts.
 - **Prediction.** The slowdown a stage will see is the mean over those iterations (persistence: on
   this machine's interference data the learned predictor, ``control.interference``, did not beat
   it). The slowdown belongs to the rank, whatever layers it holds, so a candidate partition's stage
@@ -31,7 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Hashable, Iterator, Optional, Sequence
 
 from ..fileio import BadInput
 from ..plan.ir.ops import Schedule
@@ -87,18 +99,21 @@ class Rebalancer:
         self.reference = [1.0] * self.stages
 
     # -- per iteration --------------------------------------------------------------------------
-    def observe(self, stage_ms: Sequence[Sequence[float]],
-                layer_weight: Optional[Sequence[float]] = None) -> Optional[Rebalance]:
+    def observe(self, stage_ms: Sequence[Sequence[float]], layer_weight: Optional[Sequence[float]] = None,
+                layer_class: Optional[Sequence[Hashable]] = None) -> Optional[Rebalance]:
         """One iteration: ``stage_ms[s]`` = (F, B, W) ms per micro-batch of stage s;
-        ``layer_weight[l]`` = parameter count of layer l (used only while learning layer costs)."""
+        ``layer_weight[l]`` = parameter count of layer l, ``layer_class[l]`` = its class (equal for
+        layers that cost the same wherever they run; 0 or None: none). Both are used only while
+        learning layer costs; without classes each stage's time is split among its own layers."""
         if len(stage_ms) != self.stages:
             raise BadInput(f"stage_ms: expected {self.stages} stages, got {len(stage_ms)}")
         k, self.iteration = self.iteration, self.iteration + 1
+        if k == 0:  # start-up work: neither a layer's cost nor a slowdown
+            return None
         if self.profile is None:
-            if k >= 1:  # the first iteration carries start-up work
-                self._learning.append([tuple(float(x) for x in row) for row in stage_ms])
+            self._learning.append([tuple(float(x) for x in row) for row in stage_ms])
             if len(self._learning) == self.warmup:
-                self.profile = self._learned(layer_weight)
+                self.profile = self._learned(layer_weight, layer_class)
             return None
         slow = self.slowdowns(stage_ms)
         self.history = (self.history + [slow])[-self.patience:]
@@ -165,25 +180,92 @@ class Rebalancer:
         data["microbatches"] = self.microbatches
         return LayerProfile.model_validate(data)
 
-    def _learned(self, layer_weight: Optional[Sequence[float]]) -> LayerProfile:
-        n = len(self._learning)
-        mean = [[sum(it[s][j] for it in self._learning) / n for j in range(3)] for s in range(self.stages)]
-        L = self.parts[-1]
+    def _learned(self, layer_weight: Optional[Sequence[float]],
+                 layer_class: Optional[Sequence[Hashable]]) -> LayerProfile:
+        n, L = len(self._learning), self.parts[-1]
+        mean = [tuple(sum(it[s][j] for it in self._learning) / n for j in range(3)) for s in range(self.stages)]
         weight = [1.0] * L if layer_weight is None else [max(0.0, float(x)) for x in layer_weight]
         if len(weight) != L:
             raise BadInput(f"layer_weight: expected {L} values (one per layer), got {len(weight)}")
-        per = [[0.0] * L for _ in range(3)]
-        for s in range(self.stages):
-            layers = range(self.parts[s], self.parts[s + 1])
-            total = sum(weight[l] for l in layers)
-            for l in layers:
-                share = weight[l] / total if total > 0 else 1.0 / len(layers)
-                for j in range(3):
-                    per[j][l] = mean[s][j] * share
+        if layer_class is not None and len(layer_class) != L:
+            raise BadInput(f"layer_class: expected {L} values (one per layer), got {len(layer_class)}")
+        per = learn_layer_costs(mean, self.parts, weight, layer_class)
         return LayerProfile.model_validate({
             "stages": self.stages, "microbatches": self.microbatches,
-            "layers": {"forward_ms": per[0], "backward_input_ms": per[1], "backward_weight_ms": per[2]},
+            "layers": {"forward_ms": [c[0] for c in per], "backward_input_ms": [c[1] for c in per],
+                       "backward_weight_ms": [c[2] for c in per]},
             "memory": {"max_inflight": list(self.caps)}})
+
+
+Cost = tuple[float, float, float]  # F, B, W ms per micro-batch
+
+
+def learn_layer_costs(stage_ms: Sequence[Cost], parts: list[int], weight: Sequence[float],
+                      layer_class: Optional[Sequence[Hashable]] = None) -> list[Cost]:
+    """Per layer, what it costs when healthy, from each stage's measured (F, B, W) under ``parts``.
+
+    A layer of a class some stage holds alone (``class_costs``) costs that class's reference;
+    every other layer shares what its stage's time leaves after those (never below 0), by
+    ``weight`` (evenly if its stage has none). Without classes, or with none shared across stages,
+    this is each stage's time split among its own layers by weight, the same as before classes."""
+    counted = [_counted(weight, range(parts[s], parts[s + 1])) for s in range(len(parts) - 1)]
+    classes = _classes(layer_class, weight, len(weight))
+    known = class_costs(stage_ms, counted, classes)
+    per: list[Cost] = [(0.0, 0.0, 0.0)] * len(weight)
+    for s, layers in enumerate(counted):
+        classed = [l for l in layers if classes[l] in known]
+        for l in classed:
+            per[l] = known[classes[l]]
+        left = [max(0.0, stage_ms[s][j] - sum(known[classes[l]][j] for l in classed)) for j in range(3)]
+        rest = [l for l in layers if classes[l] not in known]
+        for l, share in _shares(rest, weight):
+            per[l] = (left[0] * share, left[1] * share, left[2] * share)
+    return per
+
+
+def class_costs(stage_ms: Sequence[Cost], counted: Sequence[list[int]],
+                classes: Sequence[Optional[Hashable]]) -> dict:
+    """Per class held by more than one stage and alone by at least one: what one of its layers
+    costs on a stage holding nothing else, the median of those stages by F + B + W (the lower of
+    the two middle ones, so with two stages the faster one). A class one stage holds teaches
+    nothing across stages, and a stage that holds several classes cannot say which costs what."""
+    holders: dict = {}
+    for s, layers in enumerate(counted):
+        for c in {classes[l] for l in layers} - {None}:
+            holders.setdefault(c, []).append(s)
+    alone: dict = {}
+    for s, layers in enumerate(counted):
+        held = {classes[l] for l in layers}
+        if len(held) == 1 and None not in held:
+            c = held.pop()
+            if len(holders[c]) > 1:
+                alone.setdefault(c, []).append(tuple(x / len(layers) for x in stage_ms[s]))
+    return {c: _lower_median(costs) for c, costs in alone.items()}
+
+
+def _lower_median(costs: list[Cost]) -> Cost:
+    ranked = sorted(costs, key=sum)
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _counted(weight: Sequence[float], layers: range) -> list[int]:
+    """A stage's layers that take part of its time: those with parameters, or all if none has any."""
+    held = [l for l in layers if weight[l] > 0]
+    return held or list(layers)
+
+
+def _classes(layer_class: Optional[Sequence[Hashable]], weight: Sequence[float], L: int) -> list[Optional[Hashable]]:
+    """Each layer's class, None for none: a layer without parameters joins no class (what such a
+    layer costs, a reshape or an activation, says nothing about the device)."""
+    if layer_class is None:
+        return [None] * L
+    return [c if c and weight[l] > 0 else None for l, c in enumerate(layer_class)]
+
+
+def _shares(layers: list[int], weight: Sequence[float]) -> Iterator[tuple[int, float]]:
+    total = sum(weight[l] for l in layers)
+    for l in layers:
+        yield l, (weight[l] / total if total > 0 else 1.0 / len(layers))
 
 
 def reachable(old: list[int], pinned: Sequence[int] = ()) -> Iterator[list[int]]:

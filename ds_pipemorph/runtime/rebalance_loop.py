@@ -1,8 +1,10 @@
 """The rebalance loop in the engine: measure every stage, decide (``control.rebalance``), migrate.
 
 At each iteration boundary every rank contributes one row: its stage's mean F, B and W per
-micro-batch (from the op records, so an injected or real slowdown counts) and the parameter count
-of each layer it holds. The rows travel in the boundary's one all-gather (``runtime.boundary``; a
+micro-batch (from the op records, so an injected or real slowdown counts) and, for each layer it
+holds, its parameter count and its signature (``layer_signature``: layers with equal signatures
+cost the same on every stage, which is how the loop tells a stage slow from the start from a healthy
+one). The rows travel in the boundary's one all-gather (``runtime.boundary``; a
 few hundred bytes), and every rank runs the same ``Rebalancer`` on the same table (the slowest
 replica of each stage; no wall clock in the decision), so every rank reaches the same ``Migration``
 without another message. The engine runs it (``LayerMigrator.migrate`` on every rank); if it
@@ -12,6 +14,7 @@ new partition).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Optional
 
@@ -52,23 +55,28 @@ class RebalanceLoop:
 
     @property
     def width(self) -> int:
-        return 3 * self.S + self.layers
+        return 3 * self.S + 2 * self.layers
 
     def row(self, engine, records) -> torch.Tensor:
-        """This rank's stage's F, B, W per micro-batch and its layers' parameter counts (zeros elsewhere)."""
-        S = engine.num_stages
+        """This rank's stage's F, B, W per micro-batch, then its layers' parameter counts, then their
+        signatures (zeros for the layers it does not hold)."""
+        S, L = engine.num_stages, self.layers
         row = torch.zeros(self.width, dtype=torch.float64)
         row[3 * engine.stage_id: 3 * engine.stage_id + 3] = torch.tensor(fbw_ms_per_microbatch(records, engine.micro_batches))
         for i, func in enumerate(engine.module.forward_funcs):
             if isinstance(func, torch.nn.Module):
-                row[3 * S + engine.module._local_start + i] = sum(p.numel() for p in func.parameters())
+                layer = engine.module._local_start + i
+                row[3 * S + layer] = sum(p.numel() for p in func.parameters())
+                row[3 * S + L + layer] = layer_signature(func)
         return row
 
     def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Migration]:
         """The same ``Migration`` on every rank, or None; per stage, its slowest replica counts."""
         S = self.S
+        L = self.layers
         table = table.amax(dim=0)
-        decision = self.rebalancer.observe(table[:3 * S].view(S, 3).tolist(), table[3 * S:].tolist())
+        decision = self.rebalancer.observe(table[:3 * S].view(S, 3).tolist(), table[3 * S:3 * S + L].tolist(),
+                                           [int(x) for x in table[3 * S + L:].tolist()])
         if decision is None:
             return None
         event = {"iteration": decision.iteration, "parts": decision.parts,
@@ -92,3 +100,20 @@ class RebalanceLoop:
             logger.warning(f"pipemorph: rebalance: predicted slowdowns {event['slowdown']} -> parts {migration.parts} "
                            f"({event['current_ms']:.0f} -> {event['predicted_ms']:.0f} ms predicted): "
                            f"{report.describe()}")
+
+
+# Signatures travel in the float64 boundary row: below 2**53 every integer is exact.
+SIGNATURE_BITS = 52
+
+
+def layer_signature(module: torch.nn.Module) -> int:
+    """A number equal for layers that compute the same thing with the same parameters' shapes, on
+    every rank (a hash of the layer's type and its parameters' names, shapes, dtypes and whether
+    they train: a frozen layer has no W); 0 for a layer without parameters, which joins no class.
+    Python's own ``hash`` of a string differs between processes, so a fixed digest is used."""
+    params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+    if not params:
+        return 0
+    text = f"{type(module).__module__}.{type(module).__qualname__}:{params}"
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return 1 + digest % (2**SIGNATURE_BITS - 1)

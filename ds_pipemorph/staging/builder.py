@@ -9,6 +9,12 @@ ops and any other extension the user builds (tests/conftest.py does set a versio
 session; the two compose). torch rebuilds when a source file or a flag changes, ninja's depfiles when a header
 does. Sources: ``cuda_ext_dir()``.
 
+A build interrupted by Ctrl-C or a kill leaves torch's build lock (``<NAME>/lock``, a plain file with
+no owner) behind, and every later job waits for it forever without a word. So our ops build under
+``build_guard``: an advisory lock beside the cache (``<NAME>.lock``, released by the kernel when its
+holder dies, however it dies) is taken first; whoever holds it is the only process of ours building
+that op, so a torch lock found then is left by a dead build and is removed, with one warning.
+
 A JIT build takes tens of seconds to minutes on the first start and none later; ``announce_build`` logs one
 line before a build that will really compile (no prebuilt op, nothing in the extension cache), for our
 ring (``load``) and for the ops DeepSpeed builds inside its own code: its CPU collectives op, which
@@ -17,6 +23,8 @@ its FusedAdam op, which its engine builds for an "Adam" optimizer section (``ann
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -70,6 +78,30 @@ def announce_build(builder: OpBuilder, what: str) -> bool:
         logger.warning(f"pipemorph: building {what} in {extension_dir(builder.name)} "
                        f"(first start only, this takes a while; later starts load it)")
     return True
+
+
+@contextlib.contextmanager
+def build_guard(name: str):
+    """Hold the build of op ``name`` to this process (see the module docstring): waits while another
+    process of ours builds or loads it; removes torch's lock left by an interrupted build."""
+    ext = extension_dir(name)
+    try:
+        ext.parent.mkdir(parents=True, exist_ok=True)
+        guard = open(ext.parent / f"{name}.lock", "a")
+    except OSError:  # a cache we cannot write: a prebuilt op still loads, and torch says why a build cannot
+        yield
+        return
+    with guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released at close, or by the kernel when this process dies
+        try:
+            stale = ext / "lock"
+            if stale.exists():
+                logger.warning(f"pipemorph: removing {stale}, left by a build of {name} that was interrupted "
+                               f"(no process is building it now); building again")
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def announce_comm_build() -> bool:
@@ -174,7 +206,8 @@ class StagingRingBuilder(OpBuilder):
 
     def load(self, verbose: bool = False):
         announce_build(self, f"the staging ring op {self.name}")
-        return super().load(verbose)
+        with build_guard(self.name):
+            return super().load(verbose)
 
     def is_compatible(self, verbose: bool = False) -> bool:
         if not sys.platform.startswith("linux"):
@@ -212,7 +245,8 @@ class StagingRingCUDABuilder(CUDAOpBuilder):
 
     def load(self, verbose: bool = False):
         announce_build(self, f"the CUDA staging ring op {self.name}")
-        return super().load(verbose)
+        with build_guard(self.name):
+            return super().load(verbose)
 
     def is_compatible(self, verbose: bool = False) -> bool:
         if not torch.cuda.is_available():

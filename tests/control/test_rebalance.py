@@ -193,3 +193,122 @@ def test_a_move_made_while_layer_costs_are_learned_restarts_the_learning_on_the_
     assert rb.profile is None  # one iteration on the new partition so far
     rb.observe(_slowed(new, factor=1.0), weights)
     assert rb.profile.layers.forward_ms == pytest.approx([2.5] * L)
+
+
+# -- a stage slow from the first iteration ------------------------------------------------------
+# The engine hands each layer's parameter count and its class (type and parameter shapes); the 16
+# layers below are one class unless a test says otherwise.
+BLOCK = 72  # parameters of one block (an 8 x 8 Linear with bias)
+SAME = [1] * L
+
+
+def _from_start(rb: Rebalancer, rows, weights=None, classes=SAME, iterations=6):
+    """Feeds ``rows`` (every iteration the same) from iteration 0; returns the decisions by iteration."""
+    weights = [BLOCK] * L if weights is None else weights
+    return {k: d for k in range(iterations) if (d := rb.observe(rows, weights, classes)) is not None}
+
+
+def test_a_stage_slowed_from_the_first_iteration_loses_layers_after_warmup_and_patience():
+    rb = _rebalancer(warmup=2, patience=2)
+    decisions = _from_start(rb, _slowed(UNIFORM))
+    # Iteration 0 is start-up, 1-2 learn (stages 0, 2, 3: 2.5 ms per block and op, stage 1: 5), 3-4
+    # detect: the decision comes at iteration 4, once.
+    assert list(decisions) == [4]
+    assert rb.profile.layers.forward_ms == pytest.approx([2.5] * L)
+    d = decisions[4]
+    assert d.slowdown == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    # By hand, per micro-batch a block costs 7.5 ms (15 on stage 1); a stage's iteration is at least
+    # the moment its first F can start plus its work. Uniform: stage 1 starts after stage 0's F (10)
+    # and works 12 x 60: 730. One step from it, stage 1 keeps 1 or 2 blocks (3 would cost 45 per
+    # micro-batch, above what the others need). With 2, stages 0, 2, 3 carry 14: one of 2 and 3
+    # carries 5 (37.5 per micro-batch, 450 in all; 6 on stage 0 is 540). Best: 5 on stage 2, which
+    # starts after stage 0's F (5 blocks: 12.5) and stage 1's (10): 472.5; 5 on stage 3 starts at
+    # 32.5. With 1 block on stage 1, all three others carry 5 and stage 3 starts at 30: 480.
+    assert d.current_ms == pytest.approx(730.0)
+    assert d.parts == [0, 5, 7, 12, 16] and d.predicted_ms == pytest.approx(472.5)
+
+
+def test_uniform_stages_of_one_class_move_nothing():
+    rb = _rebalancer(warmup=2, patience=2)
+    jitter = [[10.0 * f] * 3 for f in (1.0, 1.06, 0.95, 1.03)]  # within noise
+    assert _from_start(rb, jitter, iterations=12) == {}
+    assert rb.slowdowns(jitter) == pytest.approx([1.0, 1.06, 0.95, 1.03])
+
+
+def test_the_reference_is_the_median_stage_so_neither_a_slow_nor_a_fast_one_sets_it():
+    # Per block (F + B + W): 6, 15, 7.5, 7.5 ms. Sorted, the lower middle one is 7.5.
+    rows = [[2.0 * 4] * 3, [5.0 * 4] * 3, [2.5 * 4] * 3, [2.5 * 4] * 3]
+    rb = _rebalancer(warmup=1)
+    _from_start(rb, rows, iterations=2)
+    assert rb.slowdowns(rows) == pytest.approx([0.8, 2.0, 1.0, 1.0])
+
+
+def test_without_a_class_shared_across_stages_the_costs_are_learned_as_before():
+    # Every stage's layers a class of their own: nothing to compare, so each stage's time is split
+    # among its own layers and a stage slow from the start looks healthy.
+    own = [s for s in range(S) for _ in range(4)]
+    rb, before = _rebalancer(warmup=2), _rebalancer(warmup=2)
+    assert _from_start(rb, _slowed(UNIFORM), classes=own, iterations=10) == {}
+    _from_start(before, _slowed(UNIFORM), classes=None, iterations=3)
+    assert rb.profile.layers.forward_ms == pytest.approx(before.profile.layers.forward_ms)
+    assert rb.profile.layers.forward_ms[4:8] == pytest.approx([5.0] * 4)
+    assert rb.slowdowns(_slowed(UNIFORM)) == pytest.approx([1.0] * S)
+
+
+EMBED, HEAD = 2, 3  # classes of an embedding (layer 0) and of a head (layer 15)
+
+
+def _with_ends(factor=1.0):
+    """Stage 0 holds an embedding (8 x the block's parameters, but 1 ms per op) and 3 blocks, stage 3
+    3 blocks and a head (4 ms per op); stage 1 slowed by ``factor``. Blocks cost 2.5 ms per op."""
+    weights = [BLOCK] * L
+    weights[0], weights[15] = 8 * BLOCK, 4 * BLOCK
+    classes = [1] * L
+    classes[0], classes[15] = EMBED, HEAD
+    rows = [[1.0 + 3 * 2.5] * 3, [4 * 2.5 * factor] * 3, [4 * 2.5] * 3, [3 * 2.5 + 4.0] * 3]
+    return rows, weights, classes
+
+
+def test_an_embedding_and_a_head_are_not_mistaken_for_stragglers():
+    rows, weights, classes = _with_ends()
+    rb = _rebalancer(warmup=2)
+    assert _from_start(rb, rows, weights, classes, iterations=10) == {}
+    # Blocks from stages 1 and 2 (each holds nothing else); the embedding and the head take what
+    # their stage's time leaves (8.5 - 7.5 and 11.5 - 7.5), not a share by parameter count (which
+    # would give the embedding 8 / 11 of 8.5 ms).
+    assert rb.profile.layers.forward_ms == pytest.approx([1.0] + [2.5] * 14 + [4.0])
+    assert rb.slowdowns(rows) == pytest.approx([1.0] * S)
+
+
+def test_with_an_embedding_and_a_head_a_stage_slowed_from_the_start_still_loses_layers():
+    rows, weights, classes = _with_ends(factor=2.0)
+    rb = _rebalancer(warmup=2, patience=2)
+    decisions = _from_start(rb, rows, weights, classes)
+    assert list(decisions) == [4]
+    d = decisions[4]
+    assert d.slowdown == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    assert d.parts[2] - d.parts[1] < 4 and d.predicted_ms < d.current_ms
+
+
+def test_a_layer_without_parameters_joins_no_class_and_costs_nothing_beside_blocks():
+    weights = [BLOCK] * L
+    weights[9] = 0  # a reshape on stage 2: its stage still holds only blocks that count
+    classes = list(SAME)
+    classes[9] = 0
+    rows = _slowed(UNIFORM)
+    rows[2] = [3 * 2.5] * 3
+    rb = _rebalancer(warmup=1)
+    _from_start(rb, rows, weights, classes, iterations=2)
+    assert rb.profile.layers.forward_ms == pytest.approx([2.5] * 9 + [0.0] + [2.5] * 6)
+    assert rb.slowdowns(rows) == pytest.approx([1.0, 2.0, 1.0, 1.0])
+
+
+def test_with_a_layer_profile_a_stage_slowed_from_the_first_iteration_is_seen_at_once():
+    lp = LayerProfile.model_validate({"stages": S, "microbatches": N, "layers": {
+        "forward_ms": [2.5] * L, "backward_input_ms": 2.5, "backward_weight_ms": 2.5}})
+    rb = _rebalancer(patience=2, profile=lp)
+    assert rb.observe([[99.0] * 3] * S) is None  # start-up work: not a slowdown
+    assert rb.observe(_slowed(UNIFORM)) is None
+    d = rb.observe(_slowed(UNIFORM))  # iteration 2: the second slowed one
+    assert d is not None and d.slowdown == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    assert d.parts == [0, 5, 7, 12, 16] and d.predicted_ms == pytest.approx(472.5)
