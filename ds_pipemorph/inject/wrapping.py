@@ -85,3 +85,6 @@ class RouterWrapper(TransportWrapper):
 
     def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
         return self.inner.delegate_pid(link, kind, sending, queue)
+
+    def prewarm(self) -> None:
+        self.inner.prewarm()

@@ -4,9 +4,11 @@ before its first ``train_batch``.
     torchrun --standalone --nproc_per_node 2 tests/delegated/engine_start_worker.py OUT_DIR MODE [MODE ...]
 
 Per mode and rank it writes OUT_DIR/<mode>.rank<r>.json: whether the staging op's shared library was mapped
-into the process (``/proc/self/maps``) right after the engine was built, the losses of 2 steps, and the
-messages each link sent through delegates (none: no link is slow). The modes run in order in the same
-processes; a library once loaded stays mapped, so a mode that must not load it goes first.
+into the process (``/proc/self/maps``) right after the engine was built, the command lines of the rank's
+child processes then and after the steps (``/proc``: the fork server delegates come from shows there), the
+losses of 2 steps, and the messages each link sent through delegates (none: no link is slow). The modes
+run in order in the same processes; a library once loaded stays mapped and a fork server once started
+keeps running, so a mode that must not load or start them goes first.
 """
 from __future__ import annotations
 
@@ -34,18 +36,37 @@ def mapped(library: str) -> bool:
         return any(line.rstrip().endswith("/" + library) for line in f)
 
 
+def children() -> list[str]:
+    """Command lines of this process's live child processes."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += f.read().split()
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                lines.append(f.read().replace(b"\0", b" ").decode().strip())
+        except FileNotFoundError:  # ended meanwhile
+            pass
+    return lines
+
+
 def run(mode: str, out_dir: str, rank: int) -> None:
     model = build_model(2, seed=1234)
     cfg = ds_config(N, pipemorph={"schedule": "zb", "delegation": {"mode": mode}})
     engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     loaded_at_start = mapped(f"{StagingRingBuilder().name}.so")
+    children_at_start = children()
     it = iter(batches(N * STEPS, 2, seed=99))
     losses = [float(engine.train_batch(it)) for _ in range(STEPS)]
     delegated = engine.transport.delegated
     sent = {str(k): v for k, v in delegated.sent.items()}
+    children_after = children()
     engine.transport.close()
     with open(os.path.join(out_dir, f"{mode}.rank{rank}.json"), "w") as f:
-        json.dump({"loaded_at_start": loaded_at_start, "losses": losses, "delegated_sent": sent}, f)
+        json.dump({"loaded_at_start": loaded_at_start, "losses": losses, "delegated_sent": sent,
+                   "children_at_start": children_at_start, "children_after": children_after}, f)
 
 
 def main() -> int:

@@ -145,6 +145,9 @@ class LinkControl(Protocol):
     def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
         """Process id of the delegate serving ``queue`` of that direction of ``link`` on this rank (started)."""
 
+    def prewarm(self) -> None:
+        """Get ready to delegate a link soon (start what delegates come from); returns at once."""
+
 
 @runtime_checkable
 class DeferredSends(Protocol):

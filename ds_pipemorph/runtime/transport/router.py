@@ -23,6 +23,9 @@ The router's lock orders that thread's re-send against the training thread's lat
 Config semantics: ``delegation.mode`` "off" = every link direct; "always" = every link delegated;
 "auto" = the caller's ``link_mode`` (the control plane's decision), every other link direct. Injected
 delays never choose the path by themselves (the detector, not the test harness, decides in "auto").
+Under "auto" the fork server the delegates come from starts only when a link may need it (``prewarm``,
+at the control loop's first slow observation; or the first delegated link or failover), so a job
+whose links stay direct runs nothing beside training.
 """
 from __future__ import annotations
 
@@ -96,6 +99,9 @@ class LinkRouter:
 
     def queues_of(self, link: int) -> int:
         return self.delegated.queues_of(link)
+
+    def prewarm(self) -> None:
+        self.delegated.prewarm()
 
     def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
         return self.delegated.delegate_pid(link, kind, sending, queue)
@@ -244,8 +250,8 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
     else:
         modes = dict(link_mode or {})
     router = LinkRouter(rank, stage_id, direct, delegated, modes, delays=delays)
-    if mode != "off":  # the fork server imports torch now, not when the first link goes delegated
-        delegated.prepare()
+    if mode != "off":  # the op now; the fork server too if a link starts delegated, else when one may need it
+        delegated.prepare(start_server=any(m == "delegated" for m in modes.values()))
     for h in hooks:
         router = h.wrap_router(router)
     return router

@@ -1,7 +1,8 @@
 """Starting, watching and restarting the delegate processes of a delegated transport (PipeMorph §5.2, §5.3).
 
 Delegates come from a fork server that preloaded torch and the delegate code (``delegate_context``), so a
-link switched to the delegates at an iteration boundary starts in a fraction of a second. Per link
+link switched to the delegates at an iteration boundary starts in a fraction of a second once the server
+is up; the server starts at ``prepare`` or ``prewarm`` (see ``prepare`` for when). Per link
 direction this rank uses, one delegate per queue is spawned with a fresh staging ring; a direction is
 started on first use or by ``start_link`` and can grow more queues. Every wait of the transport calls
 ``_health``: a delegate that exited (its peer died, or it was killed) is restarted as the next
@@ -60,14 +61,18 @@ class Supervision:
     """Part of ``DelegatedTransport``: its delegates' life cycle (the state is the transport's, see its
     ``__init__``; a restart pushes messages again through ``Sending._push``)."""
 
-    def prepare(self) -> None:
-        """Build (or load from the cache) the staging op and start the fork server now, so that the first
-        link switched to the delegates waits for neither: a first JIT build takes tens of seconds, the
-        fork server imports torch (seconds, tens of seconds on a loaded host). Only the op variant this
-        transport's device needs is built. A failed build is logged and raised again when a link first
-        goes delegated (a job whose links all stay direct does not need the op)."""
-        from multiprocessing import forkserver
+    def prepare(self, start_server: bool = True) -> None:
+        """Build (or load from the cache) the staging op now, and with ``start_server`` start the fork
+        server too, so that the first link switched to the delegates waits for neither: a first JIT
+        build takes tens of seconds, the fork server imports torch (seconds, tens of seconds on a
+        loaded host). Only the op variant this transport's device needs is built. A failed build is
+        logged and raised again when a link first goes delegated (a job whose links all stay direct
+        does not need the op).
 
+        Without ``start_server`` nothing runs beside training until a link may need the delegates:
+        ``prewarm`` (the control loop calls it at the first slow observation of a link) or the first
+        delegated link starts the server. Importing torch in it takes a core for seconds, which a job
+        whose links stay direct should not pay in its first iterations."""
         from ....staging.ring import op_builder
         from ... import reaper
 
@@ -83,6 +88,14 @@ class Supervision:
         except Exception as e:  # noqa: BLE001  (raised again by _load_op at the first delegated link)
             log.warning("rank %d: cannot build the staging op %s (%s); a link switched to the delegates "
                         "will fail", self.rank, builder.name, e)
+        if start_server:
+            self.prewarm()
+
+    def prewarm(self) -> None:
+        """Start the fork server if it is not running (returns at once: the server imports torch and
+        the delegate code in its own process, and the first delegate forked waits for that)."""
+        from multiprocessing import forkserver
+
         with main_module_hidden():
             forkserver.ensure_running()
 
