@@ -60,6 +60,12 @@ class LinkDetector:
         self._up = [0] * len(planned_for)
         self._down = [0] * len(planned_for)
 
+    @property
+    def settled(self) -> bool:
+        """No link counts slow or recovered iterations towards a new target: the next observation
+        may come later without splitting a run of iterations the counts need in a row."""
+        return not any(self._up) and not any(self._down)
+
     def observe(self, measured_ms: list[Optional[float]]) -> Optional[list[float]]:
         """Feed one iteration's measured delay per link (None: no message seen)."""
         cfg = self.cfg

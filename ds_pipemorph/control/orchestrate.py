@@ -81,6 +81,17 @@ class Orchestrator:
         fit = [allreduce[s] - model[s] for s in range(len(model)) if model[s] <= (1.0 + self.noise) * self._floor[s] + 1e-9]
         return max(0.0, statistics.median(fit)) if fit else 0.0
 
+    @property
+    def settled(self) -> bool:
+        """Acted already, or every stage's last all-reduce within ``noise`` of what the best ring takes:
+        no stage on its way to a straggler's ``patience`` iterations in a row."""
+        if self.done:
+            return True
+        if self._floor is None or not self.history:
+            return False
+        last, o = self.history[-1], self.overheads[-1]
+        return all(last[s] <= (1.0 + self.noise) * (self._floor[s] + o) + 1e-9 for s in range(self.placement.pp))
+
     def observe(self, allreduce: Sequence[float], stage_ms: Sequence[Sequence[float]]) -> Optional[Remap]:
         """One iteration: ``allreduce[s]`` = ms of stage s's all-reduce, ``stage_ms[s]`` = its (F, B, W)."""
         k, self.iteration = self.iteration, self.iteration + 1

@@ -115,6 +115,7 @@ class Policy:
         self.units = None if units is None else tuple(units)
         self.w_share = w_share
         self.every = every
+        self._observed = -1  # the last iteration the detector ran at (-1: not yet)
         self.search_evals = search_evals
         self.delegation = delegation
         self.queues = queues  # delegate FIFOs per delegated link direction
@@ -144,15 +145,24 @@ class Policy:
         a delay per link (ms; None: no message seen). Returns the costs to plan for (op times
         rounded to 0.5 ms, the detector's target delays) when a decision is due, else None.
 
-        The first iteration (start-up, layouts) is not representative and the detector runs every
-        ``every`` iterations."""
-        if iteration == 0 or (iteration + 1) % self.every:
+        The first iteration (start-up, layouts) is not representative and the detector runs at most
+        every ``every`` iterations: fed every iteration, after iterations every-1, 2*every-1, ...; fed
+        fewer (the runtime's exchanges grow apart while nothing changes), at each one ``every`` or
+        more iterations after the last it ran at."""
+        if iteration == 0 or iteration - self._observed < self.every:
             return None
+        self._observed = iteration
         target = self.detector.observe(list(links))
         if target is None:
             return None
         c = self.costs
         return Costs(_rounded(f, c.f), _rounded(b, c.b), _rounded(w, c.w), target)
+
+    @property
+    def settled(self) -> bool:
+        """The detector has run and no link is on its way to a new target (``LinkDetector.settled``):
+        measurements may come further apart."""
+        return self._observed >= 0 and self.detector.settled
 
     def propose(self, costs: Costs) -> Decision:
         """The decision for ``costs`` (from ``observe``) with the search; changes nothing, so one rank

@@ -1,32 +1,39 @@
 """The control loop inside the engine (PipeMorph §6): gather every rank's measurements, let the
 policy decide, hand the engine the ``Decision``.
 
-After every iteration each rank contributes what it measured itself: the median F, B and W times
-of its stage and, per message, when its sends ended and its receives started and ended (both from
-its op records, so nothing extra travels and a slow or delegated link is measured as training uses
-it; ``control.estimate``). The boundary's one all-gather (``runtime.boundary``, beside the other
-loops' rows) gives every rank every row, so every rank feeds its
-``control.policy.Policy`` the identical input and gets the identical answer from ``observe``. When
-a decision is due, rank 0 alone computes it (``propose``: a search bounded by evaluations) and
-broadcasts it: the other ranks wait idle instead of planning the same thing on a shared host.
-Every rank adopts it and the engine applies it from the next iteration. Nothing here reads the
-injection settings.
+At each exchange each rank contributes what it measured itself in the iteration that just ended:
+the median F, B and W times of its stage and, per message, when its sends ended and its receives
+started and ended (both from its op records, so nothing extra travels and a slow or delegated link
+is measured as training uses it; ``control.estimate``). The boundary's one all-gather
+(``runtime.boundary``, beside the other loops' rows) gives every rank every row, so every rank
+feeds its ``control.policy.Policy`` the identical input and gets the identical answer from
+``observe``. While the loop is ``quiet`` (the detector counts no slow or recovered link, no search
+runs, nothing was decided) the boundary lets exchanges grow apart, up to ``max_exchange_gap``
+iterations (``control.exchange``); a slow link is then seen at the next exchange, and from the
+first slow observation on every iteration exchanges again, so the detector's iterations in a row
+are consecutive iterations: a re-plan comes at most ``max_exchange_gap - 1`` iterations later than
+with an exchange every iteration. When a decision is due, rank 0 alone computes it (``propose``: a
+search bounded by evaluations) and broadcasts it: the other ranks wait idle instead of planning the
+same thing on a shared host. Every rank adopts it and the engine applies it from the next
+iteration. Nothing here reads the injection settings.
 
 A re-plan runs off the critical path (``replan="background"``, the default): the decision at the
 boundary is the policy's first reaction (``Policy.react``: keep the plan, or Alg. 2's closed-form
 warm-up, milliseconds), and rank 0 hands the search (``Policy.refine``) to a worker process
-(``control.background``). Training goes on with the plan in force; at each boundary rank 0 says in
-its all-gathered row whether the search has landed, so every rank learns it in the same
-iteration, receives the refined decision by broadcast and switches at the same boundary. While a
-search runs the detector waits (measurements are still kept). ``replan="inline"`` runs the whole
-search at the boundary while every rank waits (``Policy.propose``).
+(``control.background``). Training goes on with the plan in force; at each exchange (every
+iteration while a search runs) rank 0 says in its all-gathered row whether the search has landed,
+so every rank learns it in the same iteration, receives the refined decision by broadcast and
+switches at the same boundary. While a search runs the detector waits (measurements are still
+kept). ``replan="inline"`` runs the whole search at the boundary while every rank waits
+(``Policy.propose``).
 
-Its own cost is measured as it runs (``overhead.Overhead``, one per iteration boundary and rank:
-wall time in each part of this code, plus the per-op timestamps at a cost calibrated at start-up)
-and shipped with the next iteration's all-gather, so every rank can report the cost on the
-critical path (``overhead_report``; rank 0 logs it every ``LOG_EVERY`` iterations and in
-``close``). With ``profile_out`` rank 0 writes the smoothed measurements as a profile file
-(``profile_export``) at every re-plan and in ``close``.
+Its own cost is measured as it runs (``overhead.Overhead``, one per exchange and rank: wall time
+in each part of this code, plus the per-op timestamps of every iteration up to the next exchange at
+a cost calibrated at start-up) and shipped with the next exchange's all-gather, with the wall time
+and iterations it spans, so every rank can report the cost per iteration on the critical path
+(``overhead_report``; rank 0 logs it every ``LOG_EVERY`` iterations and in ``close``). With
+``profile_out`` rank 0 writes the smoothed measurements as a profile file (``profile_export``) at
+every re-plan and in ``close``.
 """
 from __future__ import annotations
 
@@ -56,7 +63,9 @@ logger = logging.getLogger(__name__)
 LOG_EVERY = 100  # rank 0 logs the profiler's overhead every this many iterations (and in close())
 _LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, W, upstream rank, downstream rank
 _NONE = -1.0  # a neighbour column's value where the stage has no neighbour on that side
-_FLAG = _LOCAL + len(OVERHEAD_FIELDS) + 1  # after the overhead and the period: rank 0's "the search landed"
+_PERIOD = _LOCAL + len(OVERHEAD_FIELDS)  # after the shipped span's overhead: its wall time (ms) ...
+_ITERATIONS = _PERIOD + 1  # ... and its iterations (-1: no span ended at this exchange)
+_FLAG = _ITERATIONS + 1  # rank 0's "the search landed"
 _TIMES = _FLAG + 1  # then the message times
 
 
@@ -92,13 +101,17 @@ class Adapter:
         self.iteration = -1
         self.replans: list[Replan] = []
         self.kept: list[tuple[int, list[float]]] = []  # (iteration, target) where the plan in force was kept
-        self.measured: list[list[Optional[float]]] = []  # per iteration, per link
-        self.overheads: list[Overhead] = []  # this rank's, per iteration boundary
-        self.overhead_book = OverheadBook()  # every rank's, one iteration behind
+        self.measured: list[list[Optional[float]]] = []  # per exchange, per link
+        self.overheads: list[Overhead] = []  # this rank's, per exchange (its span: see ``row``)
+        self.overhead_book = OverheadBook()  # every rank's, one exchange behind
         self._stamp_ns = stamp_cost_ns()
-        self._last_enter: Optional[int] = None
-        self._oh: Optional[Overhead] = None  # this boundary's, from ``row`` to ``decide``
-        self._prev: Optional[Overhead] = None  # the previous boundary's, shipped in this one's row
+        self._last_enter: Optional[int] = None  # when the last exchange's row began (perf_counter_ns)
+        # The span since the last exchange began: that exchange's own work, then the stamps of the
+        # iterations up to the next one (``span_iterations`` of them), shipped in the next one's row.
+        self._span: Optional[Overhead] = None
+        self._span_iterations = 0
+        self._acted = False  # the policy took a decision in at this exchange (a plan, or the plan kept)
+        self._logged = 0  # overhead lines rank 0 logged (one per LOG_EVERY iterations)
         self.profile_out = profile_out
         self.rank = dist.get_rank()
         self._planner = BackgroundPlanner() if self.background and self.rank == 0 else None
@@ -108,41 +121,57 @@ class Adapter:
 
     @property
     def width(self) -> int:
-        """Floats of this loop's row: stage, F, B, W, neighbours, shipped overhead, period, flag, times."""
+        """Floats of this loop's row: stage, F, B, W, neighbours, shipped span (overhead, period,
+        iterations), flag, times."""
         return _TIMES + 6 * self.N + 2
 
     def row(self, engine, records) -> list[float]:
-        """This rank's row at the boundary that starts now (``boundary.Boundary`` all-gathers it)."""
+        """This rank's row at the exchange that starts now (``boundary.Boundary`` all-gathers it): this
+        iteration's measurements and the overhead of the span the last exchange began, which ends
+        here (its wall time and iterations give the cost per iteration, ``OverheadBook``)."""
         enter = time.perf_counter_ns()
-        period = -1.0 if self._last_enter is None else (enter - self._last_enter) / 1e6
-        self._last_enter = enter
         self.iteration += 1
-        oh = Overhead(stamps=len(records) * self._stamp_ns / 1e6)
-        self._oh, self._prev = oh, (self.overheads[-1] if self.overheads else None)
+        shipped = [-1.0] * (len(OVERHEAD_FIELDS) + 2)  # the first exchange: no span ends here
+        if self._span is not None:
+            self._span.stamps += len(records) * self._stamp_ns / 1e6
+            shipped = [*astuple(self._span), (enter - self._last_enter) / 1e6, self._span_iterations + 1.0]
+        self._last_enter, self._span_iterations, self._acted = enter, 0, False
+        self._span = oh = Overhead()
         mine = self._local(records, oh, engine.recorder.device_ms())
-        shipped = list(astuple(self._prev)) if self._prev is not None else [-1.0] * len(OVERHEAD_FIELDS)
         if self._pending is not None and self._planner is not None:
             self._landed = self._planner.poll()
         landed = float(self._landed is not None)
         t = time.perf_counter_ns()
         times = message_times(records, self.N, self.stage_id, self.clock_offsets)
         oh.links = _ms_since(t)
-        return [*mine, *shipped, period, landed, *times]
+        return [*mine, *shipped, landed, *times]
+
+    def skip(self, engine, records) -> None:
+        """An iteration without an exchange: counted, and its op stamps charged to the span."""
+        self.iteration += 1
+        self._span_iterations += 1
+        self._span.stamps += len(records) * self._stamp_ns / 1e6
+
+    def quiet(self) -> bool:
+        """Nothing on its way to a decision: the detector has run and counts no slow or recovered
+        link, no search runs beside training, and no decision was taken in at this exchange."""
+        return not self._acted and self._pending is None and self.policy.settled
 
     def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Decision]:
         """Every rank, with every rank's row (rows: [stage, f, b, w, up rank, down rank, overhead...,
-        period, flag, times...]): the same ``Decision`` on every rank when it brings a new plan,
-        else None (nothing for the engine to change)."""
-        oh, enter = self._oh, self._last_enter
+        period, iterations, flag, times...]): the same ``Decision`` on every rank when it brings a
+        new plan, else None (nothing for the engine to change)."""
+        oh, enter = self._span, self._last_enter
         oh.sync, oh.exchange = sync_ms, exchange_ms
         try:
-            if self._prev is not None:
+            if table[0, _ITERATIONS] > 0:  # a span ended at this exchange (not at the first one)
                 self.overhead_book.add(table[:, _LOCAL:_FLAG])
             return self._decide(table, oh)
         finally:
             oh.other = max(0.0, _ms_since(enter) - (oh.counted() - oh.stamps) - oh.sync)
             self.overheads.append(oh)
-            if self.rank == 0 and self.iteration and self.iteration % LOG_EVERY == 0:
+            if self.rank == 0 and self.iteration >= LOG_EVERY * (self._logged + 1):
+                self._logged = self.iteration // LOG_EVERY
                 self._log_overhead()
 
     def _decide(self, table: torch.Tensor, oh: Overhead) -> Optional[Decision]:
@@ -199,6 +228,7 @@ class Adapter:
         """Every rank: take the broadcast decision in; the decision when it brings a plan, else None."""
         decision, search_s = proposal
         self.policy.adopt(decision)
+        self._acted = True
         if decision.plan is None:  # the plan in force is as good as a new one would be: keep it
             self.kept.append((self.iteration, decision.target_ms))
             oh.replan = _ms_since(t)

@@ -5,12 +5,23 @@ rebalance loop (moves layers away from a slowed stage, ``runtime.rebalance_loop`
 orchestrator (re-maps ranks around a slow data-parallel link, ``runtime.orchestrate_loop``). Each is
 a ``BoundaryLoop``: it contributes a fixed-width row of floats from this rank's op records, reads
 every rank's row back and returns a typed decision or None. ``Boundary.exchange`` concatenates the
-loops' rows and all-gathers them once per iteration in the migrator's gloo vote group (host tensors
+loops' rows and all-gathers them in one collective in the migrator's gloo vote group (host tensors
 on any backend, NCCL included), after a barrier so that waiting for the last rank to finish its
 iteration is not counted as the loops' exchange. The engine applies what comes back in a fixed
 order (``PipeMorphEngine._apply``): the adapter's ``Decision`` (plan, link routes), then a
 ``Migration`` (whose plan, if it brings one, is the last word), then a ``Remap``; the plan is
 replaced once, there, on every rank alike.
+
+Not every iteration ends with an exchange: the exchange costs the same on any model, so while no
+loop acts and every loop says it is ``quiet`` the gap to the next one doubles, up to ``max_gap``
+iterations, and falls back to one iteration as soon as anything changes (``control.exchange``: a
+slow link is acted on at most ``max_gap - 1`` iterations later than with an exchange every
+iteration). The rows are the last iteration's (a change the loops act on lasts several
+iterations); the iterations in between only pass their records to ``skip``. Every rank takes
+the same gap from what the exchange gave all of them; the row starts with the iteration, checked
+on every rank, so ranks that ever disagree stop with a message instead of reading each other's
+rows of different iterations. Without any loop (no ``adaptive`` control loop, no rebalance, no
+orchestrator) nothing is exchanged at all.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from ..control.exchange import MAX_GAP, ExchangeSchedule
 from ..plan.ir.ops import Schedule
 
 
@@ -43,6 +55,10 @@ class Remap:
 
 
 class BoundaryLoop(Protocol):
+    """``row`` and ``decide`` at every exchange; ``skip`` at every other boundary (optional: a loop
+    without it keeps nothing of those iterations); ``quiet`` after ``decide`` (optional: a loop
+    without it is never quiet, so every iteration exchanges)."""
+
     width: int  # floats this loop adds to every rank's row
 
     def row(self, engine, records) -> Sequence[float]:
@@ -52,24 +68,47 @@ class BoundaryLoop(Protocol):
         """Every rank's rows (``world x width``; the same table on every rank) -> a decision or None.
         ``sync_ms``/``exchange_ms``: what the barrier and the all-gather took."""
 
+    def skip(self, engine, records) -> None:
+        """An iteration that ends without an exchange: what the loop keeps of it (no collective)."""
+
+    def quiet(self) -> bool:
+        """After ``decide``: nothing this loop watches is on its way to a decision, so the next
+        exchange may wait. The same answer on every rank (from the table and state fed by it only)."""
+
 
 class Boundary:
     """The loops in the order their decisions apply; ``exchange`` runs them for one boundary."""
 
-    def __init__(self, loops: Sequence[BoundaryLoop], group_of):
+    def __init__(self, loops: Sequence[BoundaryLoop], group_of, max_gap: int = MAX_GAP):
         self.loops = list(loops)
+        self._skips = [loop.skip for loop in self.loops if hasattr(loop, "skip")]
         self._group_of = group_of  # () -> the gloo group every rank is in (formed at the first call)
+        self.schedule = ExchangeSchedule(max_gap)
+        self.iteration = -1  # of the boundary running now (0-based)
+        self.exchanged: list[int] = []  # the iterations that ended with an exchange
 
     def exchange(self, engine, records) -> list:
-        """Every rank, at the same boundary: the loops' decisions (None where a loop has none)."""
+        """Every rank, at the same boundary: the loops' decisions (None where a loop has none, and
+        for every loop at a boundary without an exchange)."""
         if not self.loops:
             return []
+        self.iteration += 1
+        if not self.schedule.due(self.iteration):
+            for skip in self._skips:
+                skip(engine, records)
+            return [None] * len(self.loops)
+        out = self._exchange(engine, records)
+        self.exchanged.append(self.iteration)
+        self.schedule.exchanged(self.iteration, all(d is None for d in out) and all(map(_quiet, self.loops)))
+        return out
+
+    def _exchange(self, engine, records) -> list:
         parts = [torch.as_tensor(loop.row(engine, records), dtype=torch.float64) for loop in self.loops]
         for loop, part in zip(self.loops, parts):  # before the collective: a short row would hang every rank
             if part.shape != (loop.width,):
                 raise RuntimeError(f"{type(loop).__name__} gave a boundary row of shape {tuple(part.shape)}, "
                                    f"not ({loop.width},)")
-        row = torch.cat(parts)
+        row = torch.cat([torch.tensor([float(self.iteration)], dtype=torch.float64), *parts])
         group = self._group_of()
         t = time.perf_counter_ns()
         dist.barrier(group=group)  # waiting for the last rank to finish its iteration is not the loops' cost
@@ -79,8 +118,22 @@ class Boundary:
         dist.all_gather(table, row, group=group)
         table = torch.stack(table)
         exchange_ms = (time.perf_counter_ns() - t) / 1e6
-        out, start = [], 0
+        self._check_iterations(table[:, 0])
+        out, start = [], 1
         for loop, part in zip(self.loops, parts):
             out.append(loop.decide(engine, table[:, start:start + len(part)], sync_ms, exchange_ms))
             start += len(part)
         return out
+
+    def _check_iterations(self, column: torch.Tensor) -> None:
+        """Every rank exchanged after the same iteration, or no rank reads the table."""
+        at = [int(x) for x in column.tolist()]
+        if any(i != self.iteration for i in at):
+            raise RuntimeError(f"rank {dist.get_rank()}: the control loops' exchange after iteration {self.iteration} "
+                               f"met other ranks after iterations {at} (per rank): the ranks disagree on when "
+                               f"the loops exchange")
+
+
+def _quiet(loop) -> bool:
+    quiet = getattr(loop, "quiet", None)
+    return quiet is not None and quiet()

@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from ..control.exchange import MAX_GAP
 from ..control.modes import DelegationMode, ReplanMode
 from ..fileio import describe
 from ..plan.ir.lower import Dispatch
@@ -213,6 +214,11 @@ class PipeMorphConfig(SectionModel):
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     orchestrate: OrchestrateConfig = Field(default_factory=OrchestrateConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
+    # The control loops (adapt, rebalance, orchestrate) exchange their measurements (one collective)
+    # every iteration while anything changes, and 2, 4, ... up to this many iterations apart while
+    # nothing does (control/exchange.py): a change is acted on at most this many - 1 iterations
+    # later. 1: every iteration.
+    max_exchange_gap: int = Field(MAX_GAP, ge=1)
     # Testing only: validated by the plug-in registered for it (``ds_pipemorph.inject``).
     inject: Any = Field(None, validate_default=True)
     nvtx: bool = True

@@ -109,6 +109,10 @@ DESCRIPTIONS: dict[str, str] = {
     "orchestrate.noise": "a stage's all-reduce this fraction above what the best placement's ring would take ...",
     "orchestrate.patience": "... in this many iterations in a row is a data-parallel straggler",
     "orchestrate.min_gain": "re-map only if the predicted iteration time improves by at least this fraction",
+    "max_exchange_gap": "the control loops (`adapt`, `rebalance`, `orchestrate`) exchange their measurements (one "
+                        "collective) every iteration while anything changes and 2, 4, … up to this many iterations "
+                        "apart while nothing does: a slow link or stage is acted on at most this many − 1 "
+                        "iterations later; 1: every iteration",
     "recv_window": "receives of each kind (activations, gradients) a stage keeps posted ahead of the ops that "
                    "consume them under ordered dispatch (NCCL's lowering issues each receive where its rules need "
                    "it); each holds its buffer, so the window bounds that memory; "

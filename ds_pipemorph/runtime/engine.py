@@ -245,7 +245,7 @@ class PipeMorphEngine(PipelineEngine):
             self.orchestrate = OrchestrateLoop(self, caps(pipemorph, self.num_stages, self.micro_batches))
         # The loops in the order their decisions apply: a migration's plan is the last word.
         self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
-                                 self.transfer.vote_group)
+                                 self.transfer.vote_group, pipemorph.max_exchange_gap)
         # The iteration's loss leaves the last stage at its last forward where it can (runtime.train_loss).
         self.early_loss = EarlyLoss(self) if broadcasts_early(self) else None
         self._reset_iteration_state()
@@ -497,8 +497,9 @@ class PipeMorphEngine(PipelineEngine):
 
     def _at_iteration_boundary(self) -> None:
         """The one place where work between iterations happens, the same on every rank: the control
-        loops exchange what they measured (``runtime.boundary``, one all-gather) and their decisions
-        apply in a fixed order (``_apply``), from the next batch; then the timeline."""
+        loops exchange what they measured (``runtime.boundary``, one all-gather, at the iterations the
+        boundary's schedule names) and their decisions apply in a fixed order (``_apply``), from the
+        next batch; then the timeline."""
         self._apply(self.boundary.exchange(self, self.recorder.records))
         if self.timeline is not None:
             self.timeline.after_iteration(self.recorder.records)

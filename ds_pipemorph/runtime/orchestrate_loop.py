@@ -1,10 +1,11 @@
 """The orchestrator in the engine: measure every stage's all-reduce, decide on rank 0, re-map.
 
-At each iteration boundary every rank contributes its ``ReduceGrads`` time, its stage's mean F, B
-and W per micro-batch and its stage's gradient MB; the rows travel in the boundary's one all-gather
-(``runtime.boundary``) and rank 0 runs the torch-free ``control.orchestrate.Orchestrator`` (its
-placement search is bounded by replays, but only one rank needs to run it). Rank 0 broadcasts the
-decision, a ``Remap``; the engine stores it as ``engine.pending_remap``, and
+At each exchange of the boundary every rank contributes its ``ReduceGrads`` time, its stage's mean
+F, B and W per micro-batch and its stage's gradient MB; the rows travel in the boundary's one
+all-gather (``runtime.boundary``) and rank 0 runs the torch-free ``control.orchestrate.Orchestrator``
+(its placement search is bounded by replays, but only one rank needs to run it). Rank 0 broadcasts
+the decision, a ``Remap``, and whether the orchestrator is settled (``quiet``: the boundary's next
+exchange is the same on every rank); the engine stores it as ``engine.pending_remap``, and
 ``EngineHandle.train_batch`` re-maps right after the ``train_batch`` that produced it (a re-mapping
 makes a new engine, which only the handle the training loop holds can swap in).
 """
@@ -44,6 +45,7 @@ class OrchestrateLoop:
         self.placement = Placement.from_ranks([[topo.get_rank(pipe=s, data=d) for d in range(D)] for s in range(P)])
         self.cfg, self.caps, self.matrix, self.S = cfg, caps, matrix, P
         self.orchestrator: Optional[Orchestrator] = None  # built at the first boundary (gradient sizes gathered)
+        self._settled = False  # rank 0's ``Orchestrator.settled``, broadcast with the last decision
 
     @property
     def width(self) -> int:
@@ -65,24 +67,30 @@ class OrchestrateLoop:
         box = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = self._decide(engine, table, self.S)
+                box[0] = {"ranks": self._decide(engine, table, self.S), "settled": self.orchestrator.settled}
             except Exception as e:  # noqa: BLE001 - every rank waits in the broadcast: tell them, then fail
                 box[0] = {"error": f"{type(e).__name__}: {e}"}
         dist.broadcast_object_list(box, src=0, group=engine.migrator.vote_group())
-        if box[0] is not None and "error" in box[0]:
+        if "error" in box[0]:
             raise RuntimeError(f"orchestrate: rank 0 failed to decide: {box[0]['error']}")
-        return None if box[0] is None else Remap(box[0]["ranks"])
+        self._settled = box[0]["settled"]
+        return None if box[0]["ranks"] is None else Remap(box[0]["ranks"])
 
-    def _decide(self, engine, table, S: int) -> Optional[dict]:
+    def quiet(self) -> bool:
+        """Rank 0's orchestrator acted already or sees every stage's all-reduce within its noise."""
+        return self._settled
+
+    def _decide(self, engine, table, S: int) -> Optional[list[list[int]]]:
         if self.orchestrator is None:
             grad = [self.cfg.grad_mb if self.cfg.grad_mb is not None else table[4 * S + k].item() for k in range(S)]
             self.orchestrator = Orchestrator(self.matrix, self.placement, engine.micro_batches, grad,
                                              self.cfg.chunk_mb, self.caps, self.cfg.noise, self.cfg.patience,
                                              self.cfg.min_gain)
+        self.orchestrator.iteration = engine.boundary.iteration  # exchanges may skip iterations: count these
         d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())
         if d is None:
             return None
         logger.warning(f"pipemorph: orchestrate: the all-reduce of stages took {[round(x, 1) for x in d.measured_allreduce_ms]} "
                        f"ms (fixed cost per all-reduce {d.overhead_ms:.1f} ms); re-mapping to {d.ranks} (predicted "
                        f"{d.current_ms:.0f} -> {d.predicted_ms:.0f} ms; decided in {d.seconds:.1f} s)")
-        return {"ranks": d.ranks}
+        return d.ranks

@@ -1,14 +1,17 @@
 """What the runtime profiler and control loop cost, measured as they run.
 
-Each rank fills one ``Overhead`` per iteration boundary with the wall time spent in each part of the
-adapter's code, plus the per-op timestamps of the op records at a cost calibrated once per process
-(``stamp_cost_ns``: two clock reads and an append, measured against a bare call). The adapter ships
-the previous boundary's ``Overhead`` and the iteration period (boundary to boundary) in the row it
-all-gathers anyway, so ``OverheadBook`` gets every rank's numbers one iteration late, at no extra
-collective.
+Each rank fills one ``Overhead`` per span, from the start of one exchange of the control loops
+(``runtime.boundary``) to the start of the next: the wall time spent in each part of the adapter's
+code at the exchange, plus the per-op timestamps of the op records of every iteration of the span
+at a cost calibrated once per process (``stamp_cost_ns``: two clock reads and an append, measured
+against a bare call). The adapter ships the span's ``Overhead``, its wall time and its iterations
+in the next exchange's row, which it all-gathers anyway, so ``OverheadBook`` gets every rank's
+numbers one exchange late, at no extra collective. Exchanges grow apart while nothing changes
+(``control.exchange``): one exchange's cost then falls on several iterations, and the cost per
+iteration is the spans' costs over the iterations they span.
 
-Which number is the cost: the ranks leave the boundary together (the all-gather), so per boundary
-the rank with the largest total counts; the others wait for it inside the all-gather, which is why
+Which number is the cost: the ranks leave the exchange together (the all-gather), so per span the
+rank with the largest total counts; the others wait for it inside the all-gather, which is why
 ``exchange`` includes the slowest rank's part before it. The barrier before the exchange (``sync``) waits
 for the last rank to finish its iteration: that is the iteration's own time (the job's iteration
 ends when its last rank does), not the loops', so it is reported but not counted.
@@ -27,9 +30,10 @@ from .oprecords import OpRecorder
 
 @dataclass
 class Overhead:
-    """Wall time (ms) one rank spent in the profiler and control loop at one iteration boundary."""
+    """Wall time (ms) one rank spent in the profiler and control loop over one span: one exchange and
+    the iterations up to the next one."""
 
-    stamps: float = 0.0  # per-op timestamps: records x the calibrated cost of one
+    stamps: float = 0.0  # per-op timestamps: the span's records x the calibrated cost of one
     stats: float = 0.0  # op records -> median F, B, W; all ranks' rows -> per stage and link; smoothing
     links: float = 0.0  # link delays from the op records: per-message times out, transits in
     exchange: float = 0.0  # the all-gather
@@ -71,19 +75,20 @@ def stamp_cost_ns(n: int = 2000) -> float:
 
 
 class OverheadBook:
-    """Every rank's ``Overhead`` per boundary, as all-gathered: one row per rank of ``OVERHEAD_FIELDS``
-    followed by the iteration period in ms."""
+    """Every rank's ``Overhead`` per span, as all-gathered: one row per rank of ``OVERHEAD_FIELDS``
+    followed by the span's wall time in ms and its iterations (the same on every rank)."""
 
     def __init__(self):
-        self.rows: list[torch.Tensor] = []  # row k: boundary k's overheads and the period that ends at k+1
+        self.rows: list[torch.Tensor] = []  # row k: span k, from exchange k to exchange k+1
 
     def add(self, table: torch.Tensor) -> None:
         self.rows.append(table.clone())
 
     def report(self, replans: int, stamp_ns: float) -> Optional[dict]:
-        """Means over boundaries from the second one on (the first sets up the exchange): the costliest
-        rank's total and parts; the same without the boundaries that re-planned (``steady``) and the
-        cost of one re-plan; shares of a typical iteration, the median period (a mean would count
+        """Per iteration over the spans from the second one on (the first sets up the exchange): the
+        costliest rank's total and parts, summed over spans and divided by their iterations; the
+        same without the spans that re-planned (``steady``) and the cost of one re-plan; shares of a
+        typical iteration, the median of the spans' wall time per iteration (a mean would count
         one-off stalls such as starting delegate processes after a re-plan). None: too early."""
         rows = self.rows[1:]
         if not rows:
@@ -91,21 +96,24 @@ class OverheadBook:
         n, i_replan = len(OVERHEAD_FIELDS), OVERHEAD_FIELDS.index("replan")
         worst = [r[int(r[:, _COUNTED].sum(1).argmax())] for r in rows]
         totals = [float(x[_COUNTED].sum()) for x in worst]
-        period = statistics.median(float(r[:, n].max()) for r in rows)
-        steady = [tot for tot, x in zip(totals, worst) if x[i_replan] == 0]
+        spans = [float(r[0, n + 1]) for r in rows]
+        period = statistics.median(float(r[:, n].max()) / k for r, k in zip(rows, spans))
+        steady = [(tot, k) for tot, k, x in zip(totals, spans, worst) if x[i_replan] == 0]
         each = [float(x[i_replan]) for x in worst if x[i_replan] > 0]
-        mean = statistics.fmean(totals)
-        steady_mean = statistics.fmean(steady) if steady else None
+        iterations = sum(spans)
+        mean = sum(totals) / iterations
+        steady_mean = sum(t for t, _ in steady) / sum(k for _, k in steady) if steady else None
         return {
-            "iterations": len(rows),
+            "iterations": round(iterations),
+            "exchanges": len(rows),
             "ms_per_iteration": round(mean, 3),
             "pct_of_iteration": round(100.0 * mean / period, 2),
             "steady_ms_per_iteration": None if steady_mean is None else round(steady_mean, 3),
             "steady_pct_of_iteration": None if steady_mean is None else round(100.0 * steady_mean / period, 2),
             "replan_ms_each": round(statistics.fmean(each), 1) if each else None,
             "iteration_ms": round(period, 1),
-            "max_ms": round(max(totals), 3),
-            "parts_ms": {k: round(statistics.fmean(float(x[i]) for x in worst), 3)
+            "max_ms": round(max(totals), 3),  # the costliest span
+            "parts_ms": {k: round(sum(float(x[i]) for x in worst) / iterations, 3)
                          for i, k in enumerate(OVERHEAD_FIELDS)},
             "stamp_ns_per_op": round(stamp_ns, 1),
             "replans": replans,
@@ -119,6 +127,6 @@ class OverheadBook:
             f"; without re-plans {r['steady_ms_per_iteration']:.2f} ms ({r['steady_pct_of_iteration']:.2f}%)")
         each = "" if r["replan_ms_each"] is None else f", {r['replan_ms_each']:.0f} ms per re-plan"
         return (f"profiler overhead {r['ms_per_iteration']:.2f} ms per iteration ({r['pct_of_iteration']:.2f}% of a "
-                f"{r['iteration_ms']:.0f} ms iteration){steady} over {r['iterations']} iterations with "
-                f"{r['replans']} re-plans{each} [{parts} ms; waiting for the last rank at the boundary, not counted: "
-                f"{r['parts_ms']['sync']:.2f} ms]")
+                f"{r['iteration_ms']:.0f} ms iteration){steady} over {r['iterations']} iterations ({r['exchanges']} "
+                f"exchanges) with {r['replans']} re-plans{each} [{parts} ms; waiting for the last rank at the "
+                f"boundary, not counted: {r['parts_ms']['sync']:.2f} ms]")

@@ -75,6 +75,7 @@ class RebalanceLoop:
         S = self.S
         L = self.layers
         table = table.amax(dim=0)
+        self.rebalancer.iteration = engine.boundary.iteration  # exchanges may skip iterations: count these
         decision = self.rebalancer.observe(table[:3 * S].view(S, 3).tolist(), table[3 * S:3 * S + L].tolist(),
                                            [int(x) for x in table[3 * S + L:].tolist()])
         if decision is None:
@@ -86,6 +87,15 @@ class RebalanceLoop:
         # ``adaptive`` re-plans from its own measurements, which now come from the new partition.
         plan = decision.plan if engine.pipemorph.schedule == "zb" else None
         return Migration(list(decision.parts), plan, event)
+
+    def quiet(self) -> bool:
+        """Layer costs known and, at the last observation, every stage within ``noise`` of its
+        reference: a drift must last ``patience`` observations, and one that starts brings the next
+        exchange to the next iteration, so they are iterations in a row."""
+        r = self.rebalancer
+        if r.profile is None or not r.history:  # learning, or nothing observed since the last decision
+            return False
+        return all(ref / (1.0 + r.noise) <= x <= ref * (1.0 + r.noise) for x, ref in zip(r.history[-1], r.reference))
 
     def applied(self, engine, migration: Migration, report, seconds: float) -> None:
         """Every rank, after the engine ran ``migration``: the loop's bookkeeping and one log line."""

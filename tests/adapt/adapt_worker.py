@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
 
 SPEC: {"iterations": K, "delays": {"<iteration>": [ms per link], ...}, "op_ms": t, "microbatches": N},
-optionally "replan" and "search_evals" (the adapt settings), "stock": false (skip the stock run),
+optionally "replan" and "search_evals" (the adapt settings), "max_exchange_gap", "stock": false (skip the stock run),
 "max_iterations": M (the adaptive run goes on past K while a re-plan search runs, up to M iterations).
 The delay injector is put around the engine's transport by this worker (test control only); the
 engine's control loop sees nothing but its own measurements. Also trains stock DeepSpeed on the
@@ -44,6 +44,8 @@ def build(spec, adaptive: bool):
                         "delegation": {"mode": spec.get("delegation", "off")}, "nvtx": False,
                         "adapt": {"replan": spec.get("replan", "background"),
                                   "search_evals": spec.get("search_evals", 2000)}}
+    if "max_exchange_gap" in spec:
+        cfg["pipemorph"]["max_exchange_gap"] = spec["max_exchange_gap"]
     engine, *_ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
 
@@ -82,6 +84,7 @@ def main(spec_path: str, out_dir: str) -> None:
             out["replans"] = [vars(r) for r in engine.adapter.replans]
             out["direct_model"] = {"at_start": at_start, "injected": str(engine.adapter.policy.direct_model)}
             out["measured"] = engine.adapter.measured
+            out["exchanges"] = engine.boundary.exchanged
             out["modes"] = modes
             out["seconds"] = seconds
             out["searching"] = searching

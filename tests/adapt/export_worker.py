@@ -52,7 +52,8 @@ def main(spec_path: str, out_dir: str) -> None:
             copied = True
     report = engine.adapter.overhead_report()
     result = {"replans": [vars(r) for r in engine.adapter.replans], "measured": engine.adapter.measured,
-              "overhead": report, "own": [vars(o) for o in engine.adapter.overheads]}
+              "overhead": report, "own": [vars(o) for o in engine.adapter.overheads],
+              "exchanges": engine.boundary.exchanged}
     engine.destroy()
     if rank == 0:
         with open(os.path.join(out_dir, "export.json"), "w") as f:

@@ -59,9 +59,9 @@ def test_profile_out_holds_the_measured_op_times_and_link_delays_and_plans(tmp_p
     plan = yaml.safe_load(out.read_text())
     assert plan["profile"]["links_ms"] == prof.links_ms and plan["stages"] == 3
 
-    # The overhead: from the second boundary on, all but the last, every part measured on every rank.
-    oh = res["overhead"]
-    assert oh["iterations"] == spec["iterations"] - 2
+    # The overhead: the spans from the second exchange to the last, every part measured on every rank.
+    oh, exchanges = res["overhead"], res["exchanges"]
+    assert oh["exchanges"] == len(exchanges) - 2 and oh["iterations"] == exchanges[-1] - exchanges[1], exchanges
     assert 0 < oh["ms_per_iteration"] < oh["iteration_ms"] and 0 < oh["pct_of_iteration"] < 100
     assert oh["ms_per_iteration"] == pytest.approx(
         sum(v for k, v in oh["parts_ms"].items() if k != "sync"), rel=0.01)  # the costliest rank's parts
@@ -106,7 +106,7 @@ def test_overhead_report_counts_the_costliest_rank_per_boundary_and_not_the_wait
 
     def row(**parts):
         vals = [parts.get(k, 0.0) for k in OVERHEAD_FIELDS]
-        return vals + [parts.get("period", 100.0)]
+        return vals + [parts.get("period", 100.0), 1.0]  # one iteration per span: an exchange every iteration
 
     book.add(torch.tensor([row(links=99.0), row()]))  # the first boundary sets up the exchange: left out
     book.add(torch.tensor([row(links=1.0, exchange=3.0, sync=50.0), row(links=3.0, exchange=0.5, replan=2.0)]))
@@ -122,5 +122,28 @@ def test_overhead_report_counts_the_costliest_rank_per_boundary_and_not_the_wait
     assert len(r["parts_ms"]) == n
     line = OverheadBook.describe(r)
     assert "profiler overhead 3.75 ms per iteration (2.50% of a 150 ms iteration); without re-plans 2.00 ms" in line
-    assert "2 ms per re-plan" in line
+    assert "2 ms per re-plan" in line and "over 2 iterations (2 exchanges)" in line
     assert OverheadBook().report(0, 1.0) is None
+
+
+def test_an_exchange_every_few_iterations_is_charged_per_iteration_over_the_span():
+    book = OverheadBook()
+
+    def row(iterations: float, period: float, **parts):
+        return [parts.get(k, 0.0) for k in OVERHEAD_FIELDS] + [period, iterations]
+
+    book.add(torch.tensor([row(1, 100.0, exchange=50.0)] * 2))  # the first span sets up the exchange: left out
+    # 4 iterations of 100 ms: one exchange (4 ms) and the stamps of 4 iterations (0.1 ms each)
+    book.add(torch.tensor([row(4, 400.0, exchange=4.0, stamps=0.4), row(4, 404.0, exchange=3.0, stamps=0.4)]))
+    # 1 iteration that re-planned (something changed: the next exchange came at once)
+    book.add(torch.tensor([row(1, 110.0, exchange=4.0, replan=6.0, stamps=0.1)] * 2))
+    # 8 iterations: one exchange and 8 iterations' stamps
+    book.add(torch.tensor([row(8, 800.0, exchange=4.0, stamps=0.8)] * 2))
+    r = book.report(replans=1, stamp_ns=500.0)
+    assert r["iterations"] == 13 and r["exchanges"] == 3
+    assert r["ms_per_iteration"] == pytest.approx((4.4 + 10.1 + 4.8) / 13, abs=1e-3)
+    assert r["steady_ms_per_iteration"] == pytest.approx((4.4 + 4.8) / 12, abs=1e-3)
+    assert r["parts_ms"]["stamps"] == pytest.approx(1.3 / 13, abs=1e-3)  # 0.1 ms per iteration, as stamped
+    assert r["parts_ms"]["exchange"] == pytest.approx(12.0 / 13, abs=1e-3)
+    assert r["iteration_ms"] == pytest.approx(101.0)  # median of 101, 110 and 100 ms per iteration
+    assert r["max_ms"] == pytest.approx(10.1) and r["replan_ms_each"] == pytest.approx(6.0)

@@ -43,6 +43,21 @@ def test_a_matrix_that_calls_a_link_slow_which_measures_fast_triggers_nothing():
     assert 20.0 < o.overheads[-1] < 30.0
 
 
+def test_settled_only_once_measured_with_every_stage_within_its_noise_or_after_acting():
+    # The boundary lets exchanges grow apart while the orchestrator is settled (control.exchange).
+    o = orchestrator()
+    settled = []
+    for ar in ([60.0, 50.0], [27.0, 25.0], [28.0, 24.0], [190.0, 25.0], [26.0, 27.0]):
+        o.observe(ar, FBW)
+        settled.append(o.settled)
+    # start-up, then one iteration before the floor is known; a slow stage 0 at the 4th, calm again at the 5th
+    assert settled == [False, False, True, False, True]
+    o = orchestrator()
+    for ar in ([300.0, 40.0], [190.0, 25.0], [185.0, 30.0]):
+        o.observe(ar, FBW)
+    assert o.done and o.settled  # acted: not again for this matrix
+
+
 def test_without_a_stage_on_a_good_ring_the_fixed_cost_is_zero_and_the_model_decides():
     # Every ring crosses the slow half (the injected benchmark's case): no stage shows the fixed cost.
     m = LinkMatrix.uniform(4, latency_ms=0.1, bandwidth_gbs=1.0,
