@@ -66,6 +66,11 @@ class LinkDetector:
         may come later without splitting a run of iterations the counts need in a row."""
         return not any(self._up) and not any(self._down)
 
+    @property
+    def rising(self) -> list[int]:
+        """Links counting slow iterations towards a higher target (a re-plan may follow in ``patience``)."""
+        return [i for i, n in enumerate(self._up) if n]
+
     def observe(self, measured_ms: list[Optional[float]]) -> Optional[list[float]]:
         """Feed one iteration's measured delay per link (None: no message seen)."""
         cfg = self.cfg

@@ -269,6 +269,11 @@ class Policy:
         direct link whose sender waits."""
         return [m.queues if isinstance(m, Delegated) else None for m in self.link_model()]
 
+    @property
+    def may_delegate(self) -> bool:
+        """A slow link may move to the delegates: "always", or "auto" where direct sends block."""
+        return self.delegation == "always" or (self.delegation == "auto" and isinstance(self.direct_model, Direct))
+
     # -- rules -------------------------------------------------------------------------------------
     def _direct(self, target: list[float]) -> list[bool]:
         """Per link, whether it runs direct under ``target``."""

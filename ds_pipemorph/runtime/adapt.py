@@ -57,6 +57,7 @@ from ..plan.ir.ops import Schedule, warmup_counts, recorded_op
 from ..plan.ir.profile import Costs
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
 from .profile_export import ProfileExport
+from .transport.protocol import directions_on
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class Adapter:
                 self.overhead_book.add(table[:, _LOCAL:_FLAG])
             return self._decide(table, oh)
         finally:
+            self._prewarm(engine)
             oh.other = max(0.0, _ms_since(enter) - (oh.counted() - oh.stamps) - oh.sync)
             self.overheads.append(oh)
             if self.rank == 0 and self.iteration >= LOG_EVERY * (self._logged + 1):
@@ -206,6 +208,17 @@ class Adapter:
             if self._planner is not None:
                 self._planner.submit(self.policy, decision.costs)
         return decision
+
+    def _prewarm(self, engine) -> None:
+        """Under delegation "auto" (where a slow link may move to the delegates), at the first slow
+        observation of a link this rank is an end of:
+        start what its delegates come from (``LinkControl.prewarm``; a fork server importing torch
+        takes seconds), so that a switch a few iterations later finds it ready. Until then nothing
+        runs beside training."""
+        if self.policy.delegation != "auto" or not self.policy.may_delegate:
+            return  # off; always (started with the engine); or direct sends that do not block
+        if any(directions_on(self.stage_id, link) for link in self.policy.detector.rising):
+            engine.transport.prewarm()
 
     def _search_landed(self) -> tuple[Decision, float]:
         """Every rank: the landed search's decision and its seconds, broadcast from rank 0. A failed

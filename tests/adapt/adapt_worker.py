@@ -20,6 +20,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 import deepspeed  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec, PipelineModule  # noqa: E402
@@ -50,6 +51,17 @@ def build(spec, adaptive: bool):
     return engine
 
 
+def fork_server() -> bool:
+    """Whether this rank runs the fork server its delegates come from (a child process)."""
+    for child in psutil.Process().children():
+        try:
+            if "forkserver" in " ".join(child.cmdline()):
+                return True
+        except psutil.NoSuchProcess:  # ended meanwhile
+            pass
+    return False
+
+
 def main(spec_path: str, out_dir: str) -> None:
     spec = json.load(open(spec_path))
     deepspeed.init_distributed(dist_backend="gloo")
@@ -66,7 +78,7 @@ def main(spec_path: str, out_dir: str) -> None:
             sched = DelaySchedule([0.0, 0.0, 0.0])
             at_start = str(engine.adapter.policy.direct_model)  # as the engine chose it for its own transport
             install_delays(engine, sched)
-        losses, modes, seconds, searching = [], [], [], []
+        losses, modes, seconds, searching, servers, rising = [], [], [], [], [], []
         it = 0
         # Every rank learns at the same boundary whether the search still runs: all stop together.
         while it < spec["iterations"] or (sched is not None and it < most and engine.adapter._pending is not None):
@@ -78,6 +90,8 @@ def main(spec_path: str, out_dir: str) -> None:
             if sched is not None:
                 modes.append([engine.transport.link_mode(i) for i in range(3)])
                 searching.append(engine.adapter._pending is not None)  # a re-plan search still runs beside training
+                servers.append(fork_server())
+                rising.append(engine.adapter.policy.detector.rising)  # links counting slow iterations
             it += 1
         out = {"losses": losses, "params": {k: v.detach().clone().tolist() for k, v in engine.module.state_dict().items()}}
         if name == "adaptive":
@@ -88,6 +102,8 @@ def main(spec_path: str, out_dir: str) -> None:
             out["modes"] = modes
             out["seconds"] = seconds
             out["searching"] = searching
+            out["servers"] = servers
+            out["rising"] = rising
             engine.transport.wait_sends()
             engine.destroy()
         results[name] = out

@@ -108,6 +108,17 @@ def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_s
     # modes[k] is read after train_batch k, whose end is where the switch happens
     assert all(m[1:] == ["direct", "direct"] for m in modes[: up["iteration"]])
     assert all(m[1:] == ["direct", "delegated"] for m in modes[up["iteration"]:])
+    # The fork server the delegates come from starts at the first slow observation of a link the rank
+    # is an end of (stage r: links r - 1 and r), and runs from then on: link 2's ends have it before the
+    # switch; nothing ran beside training before that (a loaded host may make another link look slow
+    # for an iteration: its ends then start it too).
+    rising = adaptive["rising"]
+    first_slow = next(k for k, links in enumerate(rising) if 2 in links)
+    assert first_slow <= 5 and first_slow < up["iteration"], rising
+    for r in range(4):
+        ends = {r - 1, r} & {0, 1, 2}
+        expected = [any(ends & set(links) for links in rising[: k + 1]) for k in range(len(rising))]
+        assert res[r]["adaptive"]["servers"] == expected, (r, res[r]["adaptive"]["servers"], rising)
     # Measured through the delegates afterwards (they hold the injected delay), still at least 40 ms.
     assert all(m[2] >= 38 for m in adaptive["measured"][up["iteration"] + 2:])
     for r in range(4):

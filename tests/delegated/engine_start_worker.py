@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "runtime"))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import deepspeed  # noqa: E402
+import psutil  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
@@ -38,16 +39,11 @@ def mapped(library: str) -> bool:
 
 def children() -> list[str]:
     """Command lines of this process's live child processes."""
-    pids = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids += f.read().split()
     lines = []
-    for pid in pids:
+    for child in psutil.Process().children():
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                lines.append(f.read().replace(b"\0", b" ").decode().strip())
-        except FileNotFoundError:  # ended meanwhile
+            lines.append(" ".join(child.cmdline()))
+        except psutil.NoSuchProcess:  # ended meanwhile
             pass
     return lines
 

@@ -24,7 +24,7 @@ from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule
 from ds_pipemorph.inject.wrapping import RouterWrapper, TransportWrapper
 
 TRANSPORT_METHODS = ("post_recv", "send", "recv", "wait_sends", "begin_group", "end_group", "reset_shapes", "close")
-CONTROL_METHODS = ("link_mode", "set_link_mode", "queues_of", "delegate_pid")
+CONTROL_METHODS = ("link_mode", "set_link_mode", "queues_of", "delegate_pid", "prewarm")
 TRANSPORTS = (DirectTransport, DelegatedTransport, LinkRouter, DelayInjector, FaultyLink, DelegateKiller,
               TransportWrapper, RouterWrapper)
 CONTROLS = (LinkRouter, DelegateKiller, RouterWrapper)
