@@ -118,7 +118,7 @@ class RebalanceConfig(SectionModel):
     # Layers move only if the predicted iteration time improves by at least this fraction.
     min_gain: float = Field(0.05, ge=0, lt=1)
     # Iterations measured at the start to learn what each layer costs, when layer_profile is not given
-    # (a stage's time is split among its layers by their parameter counts).
+    # (layers of the same signature cost the same on every stage; see docs/rebalance.md).
     warmup_iterations: int = Field(2, ge=1)
     # A layer profile (docs/partition.md): per-layer times, used instead of the warm-up measurement.
     layer_profile: Optional[str] = None

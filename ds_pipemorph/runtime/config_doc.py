@@ -85,7 +85,8 @@ DESCRIPTIONS: dict[str, str] = {
     "rebalance.patience": "... for this many iterations in a row",
     "rebalance.min_gain": "move layers only if the predicted iteration time improves by at least this fraction",
     "rebalance.warmup_iterations": "without `layer_profile`: iterations measured at the start to learn what each "
-                                   "layer costs (a stage's time split among its layers by parameter count)",
+                                   "layer costs (the same layer costs the same on every stage, so a stage slow from the "
+                                   "start shows; `docs/rebalance.md`)",
     "rebalance.layer_profile": "a layer profile (`pipemorph profile-stages --per-layer`, `docs/partition.md`) used "
                                "instead of the warm-up measurement",
     "rebalance.timeout_s": "seconds a migration's transfer may take; past it every rank keeps its layers and the "
