@@ -14,11 +14,13 @@ RESAMPLES, LEVEL = 10_000, 0.95
 
 def measured_slowdowns(row: dict, lp, args) -> list[float]:
     """Per stage, as the rebalance loop measures it: F + B + W per micro-batch over what the layers it
-    held cost in the layer profile, the median after the burners (settled) over the median before."""
+    held cost in the layer profile, the median after the burners (settled) over the median before;
+    with burners from the start there is no before, and the layer profile itself is the reference."""
     out = []
     for stage in row["stages"]:
         per = [sum(i["fbw"]) / solo_ms(lp, i["layers"]) for i in stage]
-        out.append(statistics.median(per[args.burn_from + args.settle:]) / statistics.median(per[1:args.burn_from]))
+        before = statistics.median(per[1:args.burn_from]) if args.burn_from else 1.0
+        out.append(statistics.median(per[args.burn_from + args.settle:]) / before)
     return out
 
 
@@ -45,12 +47,31 @@ def first_move_after(events: list[dict], burn_from: int):
     return after[0]["iteration"] + 1 if after else None
 
 
+def loop_prediction(events: list[dict], ms: list[float], burn_from: int) -> dict | None:
+    """The rebalance loop's predicted iteration for its first move after the burners started, beside
+    the measured median under that partition: from the iteration after the one the move took effect
+    in (which may still carry the move's own cost) to the next move, or the end."""
+    moves = [e for e in events if e["ok"] and e["iteration"] + 1 > burn_from]
+    if not moves:
+        return None
+    start = moves[0]["iteration"] + 2
+    stop = moves[1]["iteration"] + 1 if len(moves) > 1 else len(ms)
+    under = ms[start:stop]
+    out = {"from_iteration": start, "to_iteration": stop - 1, "current_ms": moves[0]["current_ms"],
+           "predicted_ms": moves[0]["predicted_ms"], "measured_ms": None, "error": None}
+    if under:
+        out["measured_ms"] = statistics.median(under)
+        out["error"] = out["measured_ms"] / out["predicted_ms"] - 1
+    return out
+
+
 def row_summary(kind: str, res: dict, uniform_after: list[float] | None, lp, args) -> dict:
 
     ms = [1e3 * s for s in res["seconds"]]
     before, after = ms[1:args.burn_from], ms[args.burn_from + args.settle:]
     events = res["events"]
-    out = {"row": kind, "before_ms": statistics.median(before), "after_ms": statistics.median(after),
+    out = {"row": kind, "before_ms": statistics.median(before) if before else None,
+           "after_ms": statistics.median(after), "loop_prediction": loop_prediction(events, ms, args.burn_from),
            "stage_slowdown": [round(x, 3) for x in measured_slowdowns(res, lp, args)],
            "moves": sum(1 for e in events if e["ok"]), "first_move_from": first_move_after(events, args.burn_from),
            "parts": res["parts"], "events": events, "seconds": res["seconds"], "losses": res["losses"],
@@ -97,7 +118,7 @@ def predictor(results: dict, lp) -> dict | None:
         return None
     from interference_predictor import evaluate, print_evaluation
 
-    held = "rebalance" if "rebalance" in results else list(results)[-1]
+    held = next((k for k in ("rebalance", "rebalance-profiled") if k in results), list(results)[-1])
     train = [s for kind, res in results.items() if kind != held for s in samples(res, lp, kind)]
     test = samples(results[held], lp, held)
     if not train or not test:
@@ -117,27 +138,42 @@ def predictor(results: dict, lp) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 
 
+def prediction_line(kind: str, p: dict) -> list:
+    measured = "-" if p["measured_ms"] is None else f"{p['measured_ms']:.0f}"
+    error = "-" if p["error"] is None else f"{100 * p['error']:+.1f} %"
+    return [kind, f"{p['current_ms']:.0f}", f"{p['predicted_ms']:.0f}", measured,
+            f"{p['from_iteration']}-{p['to_iteration']}", error]
+
+
 def report(results: dict, best: dict | None, lp, args) -> None:
     uniform_after = None
     if "uniform" in results:
         u = results["uniform"]["seconds"]
         uniform_after = [1e3 * s for s in u[args.burn_from + args.settle:]]
-    rows, table = [], []
+    rows, table, predictions = [], [], []
     for kind, res in results.items():
         r = row_summary(kind, res, uniform_after if kind != "uniform" else None, lp, args)
         rows.append(r)
         ratio = r.get("after_over_uniform")
         first = r["first_move_from"]
-        table.append([kind, f"{r['before_ms']:.0f}", f"{r['after_ms']:.0f}",
+        table.append([kind, "-" if r["before_ms"] is None else f"{r['before_ms']:.0f}", f"{r['after_ms']:.0f}",
                       "-" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]",
                       " / ".join(f"{x:.2f}" for x in r["stage_slowdown"]), r["moves"],
                       "-" if first is None else f"{first} (+{first - args.burn_from})", str(r["parts"])])
+        if r["loop_prediction"] is not None:
+            predictions.append(prediction_line(kind, r["loop_prediction"]))
     load = os.getloadavg()
-    print_table(f"{args.burners} burner(s) on stage 1's core from iteration {args.burn_from}: 2 stages x {args.microbatches} "
-                f"micro-batches; medians of iterations 1-{args.burn_from - 1} (before) and "
-                f"{args.burn_from + args.settle}-{args.iters - 1} (after), ms",
-                ["row", "before", "after", "after / uniform [95 %]", "stage slowdown (0 / 1)", "moves",
-                 "first move after burners", "parts at end"], table)
+    when = "from the start" if args.burn_from == 0 else f"from iteration {args.burn_from}"
+    before = "" if args.burn_from == 0 else f"1-{args.burn_from - 1} (before) and "
+    print_table(f"{args.burners} burner(s) on stage 1's core {when}: {args.model}, 2 stages x {args.microbatches} "
+                f"micro-batches; medians of iterations {before}{args.burn_from + args.settle}-{args.iters - 1} "
+                f"(after), ms", ["row", "before", "after", "after / uniform [95 %]", "stage slowdown (0 / 1)", "moves",
+                                 "first move after burners", "parts at end"], table)
+    if predictions:
+        print_table("the rebalance loop's first move after the burners: its replay's iteration before and after the "
+                    "move (under the slowdowns it measured) against the measured median after it, ms",
+                    ["row", "loop: current partition", "loop: predicted", "measured after move", "iterations",
+                     "prediction error"], predictions)
     print(f"load average at the end: {load[0]:.1f} ({os.cpu_count()} cores)")
     if best is not None:
         print(f"best static: parts {best['parts']} for the slowdowns measured in the uniform row "
@@ -145,7 +181,7 @@ def report(results: dict, best: dict | None, lp, args) -> None:
     pred = None if args.no_predictor or len(results) < 2 else predictor(results, lp)
     write_json(args.out, {
         "benchmark": "real_straggler", "command": "python benchmarks/real_straggler.py " + " ".join(sys.argv[1:]),
-        "stages": 2, "slow_stage": 1, "microbatches": args.microbatches, "iters": args.iters,
+        "model": args.model, "stages": 2, "slow_stage": 1, "microbatches": args.microbatches, "iters": args.iters,
         "burn_from": args.burn_from, "burners": args.burners, "settle": args.settle,
         "load_average_end": load, "best_static": best,
         "layer_profile": {"forward_ms": [round(v, 3) for v in lp.layers.forward_ms]},

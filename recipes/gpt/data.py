@@ -72,3 +72,13 @@ class ByteWindows(torch.utils.data.Dataset):
         start = int(torch.randint(0, len(self.bytes) - self.seq - 1, (1,), generator=g))
         w = self.bytes[start: start + self.seq + 1].long()
         return w[:-1], w[1:]
+
+
+def micro_batches(split: str, seq: int, batch: int, count: int, root: Path | None = None) -> list:
+    """Windows 0, 1, ... of ``split`` as ``count`` micro-batches of ``batch`` windows, each a pair
+    (input ids, next ids) of shape (batch, seq): what one ``train_batch`` of ``count`` micro-batches
+    reads, held in memory (benchmarks feed the same iteration again and again)."""
+    windows = ByteWindows(split, seq, size=batch * count, root=root)
+    pairs = [windows[i] for i in range(len(windows))]
+    return [tuple(torch.stack([p[j] for p in pairs[m * batch:(m + 1) * batch]]) for j in (0, 1))
+            for m in range(count)]

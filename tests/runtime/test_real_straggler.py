@@ -8,6 +8,11 @@ some of that work off the burners' core onto stage 0's, and stage 0 slows too. T
 the same job (no loop) is the check that the burners made a stage-1 straggler at all: when stage 1
 was not measured at least ``MIN_CONTRAST`` times as slowed as stage 0 there, the test skips,
 saying what was measured (the machine's doing, not the loop's).
+
+With ``--model gpt --burn-from 0`` (the GPT recipe's blocks, burners there before the first
+iteration) the short run checks structure and training only: both rows present, no "before", the
+loop given the layer profile moves layers or not but computes the same losses, and its prediction
+is reported beside the measured time whenever it moved.
 """
 from __future__ import annotations
 
@@ -123,3 +128,40 @@ def test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_training_is
     at_start = held(moved["stage_layers"][1][BURN_FROM])
     assert first["parts"][2] - first["parts"][1] < at_start, (first, at_start)
     assert moved["parts"][2] - moved["parts"][1] < at_start, (moved["parts"], at_start)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_gpt_blocks_with_burners_from_the_start_report_the_loops_prediction_and_train_the_same(tmp_path):
+    if len(usable_cores()) < 2:
+        pytest.skip(f"needs 2 usable cores (one per stage), this process may run on {len(usable_cores())}")
+    out = tmp_path / "from_start.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "real_straggler.py"), "--model", "gpt", "--burn-from", "0",
+           "--rows", "uniform,rebalance-profiled", "--microbatches", "4", "--iters", "7", "--settle", "1",
+           "--burners", "3", "--no-predictor", "--out", str(out)]
+    p = run_group(cmd, 1100, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    res = json.loads(out.read_text())
+    assert (res["model"], res["burn_from"]) == ("gpt", 0)
+    rows = {r["row"]: r for r in res["rows"]}
+    assert list(rows) == ["uniform", "rebalance-profiled"]
+    uniform, moved = rows["uniform"], rows["rebalance-profiled"]
+    assert uniform["before_ms"] is None and moved["before_ms"] is None  # no iteration ran without the burners
+    assert len(uniform["seconds"]) == 7 and len(uniform["stage_slowdown"]) == 2
+    assert all(math.isfinite(x) for x in uniform["losses"])
+    assert moved["losses"] == pytest.approx(uniform["losses"], abs=TOL)
+    assert uniform["loop_prediction"] is None  # no loop in that row
+    if moved["moves"]:
+        pred = moved["loop_prediction"]
+        assert pred["predicted_ms"] > 0 and pred["current_ms"] > 0
+        assert pred["from_iteration"] == moved["first_move_from"] + 1
+    else:
+        assert moved["loop_prediction"] is None
+
+
+@pytest.mark.timeout(400)
+def test_a_bad_model_or_burn_from_is_refused_in_one_sentence():
+    for args in (["--model", "bert"], ["--burn-from", "1"], ["--burn-from", "0", "--settle", "0"]):
+        p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_straggler.py"), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.strip().count("\n") == 0, p.stderr
