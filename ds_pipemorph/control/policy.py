@@ -160,9 +160,20 @@ class Policy:
 
     @property
     def settled(self) -> bool:
-        """The detector has run and no link is on its way to a new target (``LinkDetector.settled``):
-        measurements may come further apart."""
-        return self._observed >= 0 and self.detector.settled
+        """Measurements may come further apart: the detector has run and no link is on its way to a new
+        target (``LinkDetector.settled``); or the detector runs every ``every`` > 1 iterations, whose
+        runs ``next_run`` pins (its slow runs in a row are runs, not iterations, so what happens
+        between them does not matter)."""
+        return self._observed >= 0 and (self.every > 1 or self.detector.settled)
+
+    @property
+    def next_run(self) -> Optional[int]:
+        """The iteration at which the detector runs next when fed every iteration (None when every
+        iteration may be its turn, ``every`` = 1): an exchange there keeps its runs where they would
+        be with an exchange every iteration."""
+        if self.every == 1:
+            return None
+        return max(1, self._observed + self.every)
 
     def propose(self, costs: Costs) -> Decision:
         """The decision for ``costs`` (from ``observe``) with the search; changes nothing, so one rank

@@ -111,7 +111,8 @@ class Adapter:
         # iterations up to the next one (``span_iterations`` of them), shipped in the next one's row.
         self._span: Optional[Overhead] = None
         self._span_iterations = 0
-        self._acted = False  # the policy took a decision in at this exchange (a plan, or the plan kept)
+        self._acted = False  # the policy took a decision at this exchange (a new plan, or the plan kept)
+        self._prewarm_failed = False  # said once; a switch to the delegates still tries (and fails) on both ends
         self._logged = 0  # overhead lines rank 0 logged (one per LOG_EVERY iterations)
         self.profile_out = profile_out
         self.rank = dist.get_rank()
@@ -157,6 +158,10 @@ class Adapter:
         """Nothing on its way to a decision: the detector has run and counts no slow or recovered
         link, no search runs beside training, and no decision was taken in at this exchange."""
         return not self._acted and self._pending is None and self.policy.settled
+
+    def due_by(self) -> Optional[int]:
+        """The detector's next run when it runs every k > 1 iterations (``Policy.next_run``)."""
+        return self.policy.next_run
 
     def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Decision]:
         """Every rank, with every rank's row (rows: [stage, f, b, w, up rank, down rank, overhead...,
@@ -211,14 +216,20 @@ class Adapter:
 
     def _prewarm(self, engine) -> None:
         """Under delegation "auto" (where a slow link may move to the delegates), at the first slow
-        observation of a link this rank is an end of:
-        start what its delegates come from (``LinkControl.prewarm``; a fork server importing torch
-        takes seconds), so that a switch a few iterations later finds it ready. Until then nothing
-        runs beside training."""
+        observation of a link this rank is an end of: start what its delegates come from
+        (``LinkControl.prewarm``; a fork server importing torch takes seconds), so that a switch a
+        few iterations later finds it ready. Until then no process of the delegates runs."""
         if self.policy.delegation != "auto" or not self.policy.may_delegate:
             return  # off; always (started with the engine); or direct sends that do not block
-        if any(directions_on(self.stage_id, link) for link in self.policy.detector.rising):
+        if self._prewarm_failed or not any(directions_on(self.stage_id, link) for link in self.policy.detector.rising):
+            return
+        try:
             engine.transport.prewarm()
+        except OSError as e:  # on this rank only: raising would leave the other ranks waiting in the next exchange
+            self._prewarm_failed = True
+            logger.warning("pipemorph: rank %d cannot start the delegates' fork server ahead of a switch (%s); "
+                           "a link switched to the delegates starts it then, or fails there on both ends",
+                           self.rank, e)
 
     def _search_landed(self) -> tuple[Decision, float]:
         """Every rank: the landed search's decision and its seconds, broadcast from rank 0. A failed

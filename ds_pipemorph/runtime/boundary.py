@@ -18,9 +18,12 @@ iterations, and falls back to one iteration as soon as anything changes (``contr
 slow link is acted on at most ``max_gap - 1`` iterations later than with an exchange every
 iteration). The rows are the last iteration's (a change the loops act on lasts several
 iterations); the iterations in between only pass their records to ``skip``. Every rank takes
-the same gap from what the exchange gave all of them; the row starts with the iteration, checked
-on every rank, so ranks that ever disagree stop with a message instead of reading each other's
-rows of different iterations. Without any loop (no ``adaptive`` control loop, no rebalance, no
+the same gap from what the exchange gave all of them (every iteration exchanges while
+``pipemorph.compare`` runs; a loop may name the iteration it needs next, ``due_by``); the row
+starts with the iteration, checked on every rank, so ranks that ever meet in exchanges of
+different iterations stop with a message instead of reading each other's rows (a rank that skips
+an exchange its peers entered waits in its next point-to-point message instead, up to
+``timeout_s``). Without any loop (no ``adaptive`` control loop, no rebalance, no
 orchestrator) nothing is exchanged at all.
 """
 from __future__ import annotations
@@ -75,6 +78,10 @@ class BoundaryLoop(Protocol):
         """After ``decide``: nothing this loop watches is on its way to a decision, so the next
         exchange may wait. The same answer on every rank (from the table and state fed by it only)."""
 
+    def due_by(self) -> Optional[int]:
+        """Optional, after ``decide``: the iteration this loop needs the next exchange at, if it acts
+        only at some iterations (None: any). The same on every rank, as ``quiet``."""
+
 
 class Boundary:
     """The loops in the order their decisions apply; ``exchange`` runs them for one boundary."""
@@ -99,7 +106,8 @@ class Boundary:
             return [None] * len(self.loops)
         out = self._exchange(engine, records)
         self.exchanged.append(self.iteration)
-        self.schedule.exchanged(self.iteration, all(d is None for d in out) and all(map(_quiet, self.loops)))
+        quiet = all(d is None for d in out) and all(map(_quiet, self.loops)) and not _comparing(engine)
+        self.schedule.exchanged(self.iteration, quiet, _due_by(self.loops))
         return out
 
     def _exchange(self, engine, records) -> list:
@@ -132,6 +140,21 @@ class Boundary:
             raise RuntimeError(f"rank {dist.get_rank()}: the control loops' exchange after iteration {self.iteration} "
                                f"met other ranks after iterations {at} (per rank): the ranks disagree on when "
                                f"the loops exchange")
+
+
+def _comparing(engine) -> bool:
+    """``pipemorph.compare`` alternates sides every iteration: an exchange at every iteration while it
+    runs, or exchanges spaced 4 or 8 apart would all land on one side of its cycle (A B A' B), charge
+    their cost to that side only and sample one schedule only. ``done`` is set by iteration count, the
+    same on every rank."""
+    compare = getattr(engine, "compare", None)
+    return compare is not None and not compare.done
+
+
+def _due_by(loops) -> Optional[int]:
+    """The earliest iteration a loop needs the next exchange at (``BoundaryLoop.due_by``), if any."""
+    due = [d for d in (getattr(loop, "due_by", lambda: None)() for loop in loops) if d is not None]
+    return min(due, default=None)
 
 
 def _quiet(loop) -> bool:

@@ -85,8 +85,9 @@ DESCRIPTIONS: dict[str, str] = {
     "rebalance.patience": "... for this many iterations in a row",
     "rebalance.min_gain": "move layers only if the predicted iteration time improves by at least this fraction",
     "rebalance.warmup_iterations": "without `layer_profile`: iterations measured at the start to learn what each "
-                                   "layer costs (the same layer costs the same on every stage, so a stage slow from the "
-                                   "start shows; `docs/rebalance.md`)",
+                                   "layer costs, taking layers of one signature to cost the same on every stage; a "
+                                   "stage slow from the start shows only where some stage holds one of its layer "
+                                   "classes alone (`docs/rebalance.md`)",
     "rebalance.layer_profile": "a layer profile (`pipemorph profile-stages --per-layer`, `docs/partition.md`) used "
                                "instead of the warm-up measurement",
     "rebalance.timeout_s": "seconds a migration's transfer may take; past it every rank keeps its layers and the "
@@ -113,7 +114,7 @@ DESCRIPTIONS: dict[str, str] = {
     "max_exchange_gap": "the control loops (`adapt`, `rebalance`, `orchestrate`) exchange their measurements (one "
                         "collective) every iteration while anything changes and 2, 4, … up to this many iterations "
                         "apart while nothing does: a slow link or stage is acted on at most this many − 1 "
-                        "iterations later; 1: every iteration",
+                        "iterations later than with an exchange every iteration; 1: every iteration",
     "recv_window": "receives of each kind (activations, gradients) a stage keeps posted ahead of the ops that "
                    "consume them under ordered dispatch (NCCL's lowering issues each receive where its rules need "
                    "it); each holds its buffer, so the window bounds that memory; "

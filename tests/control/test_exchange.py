@@ -46,7 +46,7 @@ def _first_reaction(slow_from: int, max_gap: int, every: int = 1, iterations: in
             exchanges += 1
             if p.observe(i, *OPS, SLOW if i >= slow_from else CALM) is not None:
                 return i, exchanges
-            schedule.exchanged(i, p.settled)
+            schedule.exchanged(i, p.settled, p.next_run)
     raise AssertionError(f"no decision for a link slow from iteration {slow_from}")
 
 
@@ -62,10 +62,14 @@ def test_a_link_slow_from_any_iteration_is_acted_on_at_most_max_gap_minus_1_iter
         assert exchanges <= 2 + math.log2(max_gap) + slow_from / max_gap, (slow_from, exchanges)
 
 
-def test_a_detector_run_every_3_iterations_still_runs_when_exchanges_grow_apart():
-    # Fed every iteration it runs after iterations 2, 5, 8, ...; fed fewer, at each exchange 3 or
-    # more iterations after its last run, so it never misses its turn for good.
-    every, _ = _first_reaction(20, max_gap=1, every=3)
-    assert every == 23  # slow seen at 20 and 23
-    late, _ = _first_reaction(20, max_gap=8, every=3)
-    assert every <= late <= every + 8 - 1
+@pytest.mark.parametrize("every", range(2, 17))
+def test_a_detector_run_every_k_iterations_decides_when_it_would_with_an_exchange_every_iteration(every):
+    # Fed every iteration it runs after iterations k-1, 2k-1, ...; with exchanges growing apart it is
+    # given an exchange at each of those (``Policy.next_run``), so it decides at the same iteration.
+    for slow_from in range(1, 50):
+        reference, all_exchanges = _first_reaction(slow_from, max_gap=1, every=every)
+        late, exchanges = _first_reaction(slow_from, max_gap=8, every=every)
+        assert late == reference, (slow_from, late, reference)
+        assert exchanges <= all_exchanges  # never more exchanges than one per iteration ...
+        if reference > 16:  # ... and fewer once the gaps had time to grow
+            assert exchanges < all_exchanges, (slow_from, exchanges, all_exchanges)

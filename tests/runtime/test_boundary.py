@@ -1,8 +1,11 @@
 """The iteration boundary on two gloo ranks: every loop's row travels in one all-gather, and each
 loop reads back exactly its own columns of every rank's row, in rank order; exchanges grow apart
 while the loops are quiet, as ``control.exchange`` lays them out, the iterations between pass their
-records to ``skip``, and ranks that disagree on when to exchange stop with a message, not a hang."""
+records to ``skip``, every iteration exchanges while a comparison runs, and ranks that meet in
+exchanges of different iterations stop with a message."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,6 +57,7 @@ class Quiet(Loop):
 
 CHANGING = {7}
 ITERATIONS = 20
+COMPARED = 10  # iterations of a pipemorph.compare run
 
 
 def _worker(rank: int, out: str) -> None:
@@ -77,6 +81,15 @@ def _worker(rank: int, out: str) -> None:
         spaced = Boundary([loop], lambda: group, max_gap=4)
         got["decisions"] = [spaced.exchange(None, [f"records of {i}"]) for i in range(ITERATIONS)]
         got.update(spaced_gathers=len(calls), exchanged=spaced.exchanged, skipped=loop.skipped)
+
+        # While pipemorph.compare runs (until iteration 10 here) every iteration exchanges, quiet or not.
+        del calls[:]
+        engine = SimpleNamespace(compare=SimpleNamespace(done=False))
+        comparing = Boundary([Quiet(set())], lambda: group, max_gap=4)
+        for i in range(ITERATIONS):
+            engine.compare.done = i >= COMPARED
+            comparing.exchange(engine, [])
+        got.update(compared=comparing.exchanged, compared_gathers=len(calls))
 
         # Rank 0 exchanges every iteration, rank 1 grows its gaps (0, 1, 3): they meet at iterations 2 and 3.
         apart = Boundary([Quiet(set())], lambda: group, max_gap=1 if rank == 0 else 8)
@@ -104,6 +117,9 @@ def test_one_gather_carries_every_loops_row(tmp_path):
         assert got["exchanged"] == expected and got["spaced_gathers"] == len(expected) < ITERATIONS
         assert got["decisions"] == [[None]] * ITERATIONS
         assert got["skipped"] == [[f"records of {i}"] for i in range(ITERATIONS) if i not in expected]
+        # every iteration while comparing; from the first exchange after it, gaps 2 and 4 (max_gap 4)
+        assert got["compared"] == [*range(COMPARED), COMPARED, COMPARED + 2, COMPARED + 6]
+        assert got["compared_gathers"] == len(got["compared"])
         assert got["disagree"] == (f"rank {rank}: the control loops' exchange after iteration {2 + rank} met other "
                                    f"ranks after iterations [2, 3] (per rank): the ranks disagree on when the loops "
                                    f"exchange")

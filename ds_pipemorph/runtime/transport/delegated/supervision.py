@@ -18,9 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
-import types
+from multiprocessing import spawn
 
 import torch.multiprocessing as mp
 
@@ -45,16 +44,26 @@ def delegate_context():
 
 @contextlib.contextmanager
 def main_module_hidden():
-    """Start a delegate without re-running the training script in it: multiprocessing imports the
-    parent's ``__main__`` in every spawned or fork-server child, and a training script without an
-    ``if __name__ == "__main__"`` guard would then start training again inside the delegate. The
-    delegate needs only this package, so the child is told there is no main module to import."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
+    """Start a delegate without re-running the training script in it: multiprocessing tells every
+    spawned or fork-server child which main module to import (``spawn.get_preparation_data``), and a
+    training script without an ``if __name__ == "__main__"`` guard would then start training again
+    inside the delegate. The delegate needs only this package, so the children started here are told
+    of no main module. Only that one function is wrapped, and only while a delegate (or the fork
+    server) starts: ``sys.modules["__main__"]`` stays as it is, so other threads may pickle the
+    script's objects meanwhile (a first start waits seconds for the fork server to import torch)."""
+    real = spawn.get_preparation_data
+
+    def without_main(name):
+        data = real(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    spawn.get_preparation_data = without_main
     try:
         yield
     finally:
-        sys.modules["__main__"] = main
+        spawn.get_preparation_data = real
 
 
 class Supervision:

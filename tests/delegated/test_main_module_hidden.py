@@ -1,0 +1,31 @@
+"""A training script without an ``if __name__ == "__main__"`` guard is not run again inside the delegates:
+the fork server's children are told of no main module (``supervision.main_module_hidden``)."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import os, sys
+    with open(sys.argv[1], "a") as f:  # top-level code, run once per execution of this script
+        f.write("ran\\n")
+    from ds_pipemorph.runtime.transport.delegated.supervision import delegate_context, main_module_hidden
+    ctx = delegate_context()
+    with main_module_hidden():
+        child = ctx.Process(target=os.getpid)
+        child.start()
+    child.join(120)
+    assert child.exitcode == 0, child.exitcode
+    assert sys.modules["__main__"].__file__ == __file__  # the script's own main module, untouched
+''')
+
+
+@pytest.mark.timeout(180)
+def test_a_script_without_a_main_guard_runs_once_when_a_delegate_starts(tmp_path):
+    script, marker = tmp_path / "train.py", tmp_path / "runs.txt"
+    script.write_text(SCRIPT)
+    p = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=170,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert marker.read_text() == "ran\n"  # not again in the fork server's child
