@@ -8,18 +8,29 @@ or None. The first iteration carries start-up work and is never measured.
 - **What a layer should cost.** A layer profile (``docs/partition.md``) if one is given: then a
   stage slowed from the first iteration is seen slowed at once. Otherwise learned from the
   ``warmup`` iterations after the first (averaged), by comparing stages with each other
-  (``learn_layer_costs``): layers of one class (the engine's layer signature: the layer's type
-  and its parameters' shapes) cost the same on every stage. A class held by several stages, one
-  of which holds nothing else (nothing with parameters), costs per layer what it costs on such a
-  stage: the median one (the lower of the two middle ones), so one stage slowed from the start,
-  or one that happens to run fast, does not set it. Such a stage then shows its slowdown from the
-  start. Every other layer (an embedding, a head, a class no stage holds alone, or every layer
-  when no class is shared across stages) takes a part of what its stage's time leaves once its
-  classed layers are paid, in proportion to parameter counts (evenly where a stage holds no
-  parameters), as all layers did before classes: that part of a stage is assumed healthy, so a
-  stage slowed from the start is missed where no class is shared (each stage then shows 1), and
-  a stage's different layers (an embedding) are never mistaken for a slowdown. Layers without
-  parameters join no class and cost nothing on a stage with parameters.
+  (``learn_layer_costs``). The assumption: layers of one class (the engine's layer signature:
+  the layer's type and its parameters' shapes, or a function's name and the module it computes
+  with) cost the same on every stage. It fails where the activations' shapes change with depth
+  (a downsampling CNN whose stages keep the channel count, a funnel or pooling transformer) or
+  where a layer's work depends on its input (an MoE layer's routing): a stage holding the
+  earlier, dearer layers then reads as slow from the start, and one holding the later ones as
+  fast. Give a layer profile there (``rebalance.layer_profile``). A class held by several
+  stages, one of which holds nothing else (nothing that counts, see below), costs per layer what
+  it costs on such a stage: the median one (the lower of the two middle ones), so one stage
+  slowed from the start, or one that happens to run fast, does not set it. Such a stage then
+  shows its slowdown from the start. Every other layer (an embedding, a head, a class no stage
+  holds alone, or every layer when no class is shared across stages) takes a part of what its
+  stage's time leaves once its classed layers are paid, in proportion to weights (parameter
+  counts; evenly where none of those layers has any), as all layers did before classes: that
+  part of a stage is assumed healthy, so a stage slowed from the start is missed where no class
+  is shared (each stage then shows 1), and a stage's different layers (an embedding) are never
+  mistaken for a slowdown. A layer with neither weight nor class (the engine's modules without
+  parameters: an activation, a dropout) joins no class and costs nothing on a stage with other
+  layers, so activations between blocks do not keep a stage from holding its blocks alone. A
+  function layer (a plain function, or a head computing with a module another layer holds) has a
+  class of its own and counts even without weight, so a stage holding it with blocks does not
+  hold the blocks alone; it takes its share of what its stage's time leaves (beside blocks only,
+  all of it).
 - **Detection.** A stage's slowdown is its measured F + B + W over what its layers should cost. The
   current partition was chosen for some slowdowns (all 1 at the start); when a stage's slowdown
   sits more than ``noise`` away from its own, on the same side (above: a straggler appears, or
@@ -102,9 +113,10 @@ class Rebalancer:
     def observe(self, stage_ms: Sequence[Sequence[float]], layer_weight: Optional[Sequence[float]] = None,
                 layer_class: Optional[Sequence[Hashable]] = None) -> Optional[Rebalance]:
         """One iteration: ``stage_ms[s]`` = (F, B, W) ms per micro-batch of stage s;
-        ``layer_weight[l]`` = parameter count of layer l, ``layer_class[l]`` = its class (equal for
-        layers that cost the same wherever they run; 0 or None: none). Both are used only while
-        learning layer costs; without classes each stage's time is split among its own layers."""
+        ``layer_weight[l]`` = parameter count of layer l (for a function, of the module it
+        computes with), ``layer_class[l]`` = its class (equal for layers assumed to cost the same
+        wherever they run; 0 or None: none). Both are used only while learning layer costs;
+        without classes each stage's time is split among its own layers."""
         if len(stage_ms) != self.stages:
             raise BadInput(f"stage_ms: expected {self.stages} stages, got {len(stage_ms)}")
         k, self.iteration = self.iteration, self.iteration + 1
@@ -208,8 +220,8 @@ def learn_layer_costs(stage_ms: Sequence[Cost], parts: list[int], weight: Sequen
     every other layer shares what its stage's time leaves after those (never below 0), by
     ``weight`` (evenly if its stage has none). Without classes, or with none shared across stages,
     this is each stage's time split among its own layers by weight, the same as before classes."""
-    counted = [_counted(weight, range(parts[s], parts[s + 1])) for s in range(len(parts) - 1)]
-    classes = _classes(layer_class, weight, len(weight))
+    classes = _classes(layer_class, len(weight))
+    counted = [_counted(weight, classes, range(parts[s], parts[s + 1])) for s in range(len(parts) - 1)]
     known = class_costs(stage_ms, counted, classes)
     per: list[Cost] = [(0.0, 0.0, 0.0)] * len(weight)
     for s, layers in enumerate(counted):
@@ -248,18 +260,21 @@ def _lower_median(costs: list[Cost]) -> Cost:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def _counted(weight: Sequence[float], layers: range) -> list[int]:
-    """A stage's layers that take part of its time: those with parameters, or all if none has any."""
-    held = [l for l in layers if weight[l] > 0]
+def _counted(weight: Sequence[float], classes: Sequence[Optional[Hashable]], layers: range) -> list[int]:
+    """A stage's layers that take part of its time: those with a weight or a class, or all if none
+    has either. A layer with neither (an activation or a dropout between blocks) is taken as free,
+    so that stages of blocks and activations still hold their blocks alone; a function layer has a
+    class, since it may cost as much as a block (a head's matmul) and must not read as the
+    blocks' slowdown."""
+    held = [l for l in layers if weight[l] > 0 or classes[l] is not None]
     return held or list(layers)
 
 
-def _classes(layer_class: Optional[Sequence[Hashable]], weight: Sequence[float], L: int) -> list[Optional[Hashable]]:
-    """Each layer's class, None for none: a layer without parameters joins no class (what such a
-    layer costs, a reshape or an activation, says nothing about the device)."""
+def _classes(layer_class: Optional[Sequence[Hashable]], L: int) -> list[Optional[Hashable]]:
+    """Each layer's class, None for none (0 or None given: the engine's modules without parameters)."""
     if layer_class is None:
         return [None] * L
-    return [c if c and weight[l] > 0 else None for l, c in enumerate(layer_class)]
+    return [c if c else None for c in layer_class]
 
 
 def _shares(layers: list[int], weight: Sequence[float]) -> Iterator[tuple[int, float]]:

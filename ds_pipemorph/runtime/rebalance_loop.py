@@ -2,18 +2,21 @@
 
 At each iteration boundary every rank contributes one row: its stage's mean F, B and W per
 micro-batch (from the op records, so an injected or real slowdown counts) and, for each layer it
-holds, its parameter count and its signature (``layer_signature``: layers with equal signatures
-cost the same on every stage, which is how the loop tells a stage slow from the start from a healthy
-one). The rows travel in the boundary's one all-gather (``runtime.boundary``; a
-few hundred bytes), and every rank runs the same ``Rebalancer`` on the same table (the slowest
-replica of each stage; no wall clock in the decision), so every rank reaches the same ``Migration``
-without another message. The engine runs it (``LayerMigrator.migrate`` on every rank); if it
-succeeds everywhere, the partition's plan replaces a ``zb`` schedule's (``1f1b`` and ``plan`` keep
-the order the user chose; ``adaptive`` re-plans from its own measurements, which now come from the
-new partition).
+holds, its weight (``layer_weight``: the parameters it computes with) and its signature
+(``layer_signature``). Layers with equal signatures are assumed to cost the same on every stage,
+which is how the loop tells a stage slow from the start from a healthy one; the assumption fails
+where the activations' shapes change with depth (``control.rebalance``; a ``layer_profile`` then
+says what each layer costs). The rows travel in the boundary's one all-gather
+(``runtime.boundary``; a few hundred bytes), and every rank runs the same ``Rebalancer`` on the
+same table (the slowest replica of each stage; no wall clock in the decision), so every rank
+reaches the same ``Migration`` without another message. The engine runs it
+(``LayerMigrator.migrate`` on every rank); if it succeeds everywhere, the partition's plan replaces
+a ``zb`` schedule's (``1f1b`` and ``plan`` keep the order the user chose; ``adaptive`` re-plans
+from its own measurements, which now come from the new partition).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from typing import Optional
@@ -52,23 +55,37 @@ class RebalanceLoop:
                                      min_gain=cfg.min_gain, warmup=cfg.warmup_iterations, profile=profile, pinned=tied)
         self.S, self.layers = S, layers
         self.events: list[dict] = []  # one per decision: what was decided and what the migration did
+        # Per layer index, its (weight, signature) while the partition stays ``_described_parts``: a
+        # layer index always names the same spec, but the stage's layers change with a migration
+        # (a hand ``engine.repartition`` included), so a change of parts starts afresh. Keyed by
+        # index, never by the layer objects: holding those would keep a moved-away layer's tensors
+        # alive until the next exchange.
+        self._described: dict[int, tuple[int, int]] = {}
+        self._described_parts: Optional[tuple[int, ...]] = None
 
     @property
     def width(self) -> int:
         return 3 * self.S + 2 * self.layers
 
     def row(self, engine, records) -> torch.Tensor:
-        """This rank's stage's F, B, W per micro-batch, then its layers' parameter counts, then their
+        """This rank's stage's F, B, W per micro-batch, then its layers' weights, then their
         signatures (zeros for the layers it does not hold)."""
         S, L = engine.num_stages, self.layers
         row = torch.zeros(self.width, dtype=torch.float64)
         row[3 * engine.stage_id: 3 * engine.stage_id + 3] = torch.tensor(fbw_ms_per_microbatch(records, engine.micro_batches))
-        for i, func in enumerate(engine.module.forward_funcs):
-            if isinstance(func, torch.nn.Module):
-                layer = engine.module._local_start + i
-                row[3 * S + layer] = sum(p.numel() for p in func.parameters())
-                row[3 * S + L + layer] = layer_signature(func)
+        for layer, (weight, signature) in self.described(engine.module).items():
+            row[3 * S + layer] = weight
+            row[3 * S + L + layer] = signature
         return row
+
+    def described(self, module) -> dict[int, tuple[int, int]]:
+        """Each layer this stage holds: (``layer_weight``, ``layer_signature``), computed once per partition."""
+        parts = tuple(module.parts)
+        if parts != self._described_parts:
+            self._described, self._described_parts = {}, parts
+            for i, func in enumerate(module.forward_funcs):
+                self._described[module._local_start + i] = (layer_weight(func), layer_signature(func))
+        return self._described
 
     def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Migration]:
         """The same ``Migration`` on every rank, or None; per stage, its slowest replica counts."""
@@ -116,14 +133,72 @@ class RebalanceLoop:
 SIGNATURE_BITS = 52
 
 
-def layer_signature(module: torch.nn.Module) -> int:
+def layer_signature(layer) -> int:
     """A number equal for layers that compute the same thing with the same parameters' shapes, on
-    every rank (a hash of the layer's type and its parameters' names, shapes, dtypes and whether
-    they train: a frozen layer has no W); 0 for a layer without parameters, which joins no class.
-    Python's own ``hash`` of a string differs between processes, so a fixed digest is used."""
-    params = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
-    if not params:
-        return 0
-    text = f"{type(module).__module__}.{type(module).__qualname__}:{params}"
+    every rank; 0 for an ``nn.Module`` without parameters, which joins no class.
+
+    A module: a hash of its type and its parameters' names, shapes, dtypes and whether they train
+    (a frozen layer has no W). Anything else in the forward list is a function: a plain function
+    or lambda, or the ``functools.partial(forward_fn, tied_module)`` DeepSpeed stores for a
+    ``TiedLayerSpec`` with a ``forward_fn`` (a tied output head). Such a layer may cost as much as a
+    block (the head's matmul), so it is never free: its signature is a hash of the function's
+    name and, when it computes with a module (a partial's first argument, a bound method's
+    object), that module's parameters. It is then a class of its own, and a stage holding it does
+    not hold its blocks alone.
+
+    Python's own ``hash`` of a string differs between processes, so a fixed digest is used; no
+    part of the text depends on memory addresses or file paths."""
+    if isinstance(layer, torch.nn.Module):
+        params = _parameters(layer)
+        if not params:
+            return 0
+        text = f"{_type_name(layer)}:{params}"
+    else:
+        func, module = _callee(layer)
+        text = f"function {_function_name(func)}"
+        if module is not None:
+            text += f" of {_type_name(module)}:{_parameters(module)}"
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     return 1 + digest % (2**SIGNATURE_BITS - 1)
+
+
+def layer_weight(layer) -> int:
+    """What a layer's share of its stage's time is split by: the parameters it computes with (a
+    module's own; a function's module's, e.g. the tied embedding a head multiplies by; 0 for a
+    function without one)."""
+    module = layer if isinstance(layer, torch.nn.Module) else _callee(layer)[1]
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _parameters(module: torch.nn.Module) -> list[tuple]:
+    return [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()]
+
+
+def _type_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _callee(layer) -> tuple[object, Optional[torch.nn.Module]]:
+    """The function a non-module layer runs, and the module it computes with (or None)."""
+    func, module = layer, None
+    while True:
+        if isinstance(func, functools.partial):
+            if module is None and func.args and isinstance(func.args[0], torch.nn.Module):
+                module = func.args[0]
+            func = func.func
+        elif isinstance(getattr(func, "__self__", None), torch.nn.Module) and hasattr(func, "__func__"):
+            module = module if module is not None else func.__self__
+            func = func.__func__
+        else:
+            return func, module
+
+
+def _function_name(func) -> str:
+    """Module, qualified name and, for Python code, its first line (two lambdas of one function share
+    a qualified name); a callable object is named by its type."""
+    name = getattr(func, "__qualname__", None)
+    if not isinstance(name, str):
+        return _type_name(func)
+    code = getattr(func, "__code__", None)
+    line = f":{code.co_firstlineno}" if code is not None else ""
+    return f"{getattr(func, '__module__', None)}.{name}{line}"

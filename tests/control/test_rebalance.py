@@ -7,8 +7,13 @@ reach (the exact answer the branch-and-bound search must match).
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import os
 import random
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -196,8 +201,9 @@ def test_a_move_made_while_layer_costs_are_learned_restarts_the_learning_on_the_
 
 
 # -- a stage slow from the first iteration ------------------------------------------------------
-# The engine hands each layer's parameter count and its class (type and parameter shapes); the 16
-# layers below are one class unless a test says otherwise.
+# The engine hands each layer's weight (parameter count) and its class (type and parameter shapes;
+# for a function, its name and the module it computes with); the 16 layers below are one class
+# unless a test says otherwise.
 BLOCK = 72  # parameters of one block (an 8 x 8 Linear with bias)
 SAME = [1] * L
 
@@ -312,3 +318,135 @@ def test_with_a_layer_profile_a_stage_slowed_from_the_first_iteration_is_seen_at
     d = rb.observe(_slowed(UNIFORM))  # iteration 2: the second slowed one
     assert d is not None and d.slowdown == pytest.approx([1.0, 2.0, 1.0, 1.0])
     assert d.parts == [0, 5, 7, 12, 16] and d.predicted_ms == pytest.approx(472.5)
+
+
+# -- a head that is a function, not a module ------------------------------------------------------
+# DeepSpeed keeps a tied head (``TiedLayerSpec`` with a ``forward_fn``) as a partial of that
+# function and the tied module, and a plain function layer as itself: no parameters of its own, but
+# it may cost as much as blocks. The engine gives it a class of its own (weight 0 here: a function
+# computing with no module). Layer 15 below is such a head: 4 ms per op; blocks 2.5 ms per op.
+FUNC_HEAD = 5
+
+
+def _with_head_function(factor=1.0, head_class=FUNC_HEAD):
+    weights, classes = [BLOCK] * L, [1] * L
+    weights[15], classes[15] = 0, head_class
+    rows = [[4 * 2.5] * 3, [4 * 2.5 * factor] * 3, [4 * 2.5] * 3, [3 * 2.5 + 4.0] * 3]
+    return rows, weights, classes
+
+
+def test_a_head_function_beside_blocks_is_not_mistaken_for_a_straggler():
+    rows, weights, classes = _with_head_function()
+    rb = _rebalancer(warmup=2, patience=2)
+    assert _from_start(rb, rows, weights, classes, iterations=10) == {}
+    # Stage 3 holds blocks and the head: two classes, so the blocks' 2.5 ms come from stages 0-2
+    # (each holds blocks alone) and the head takes what stage 3's 11.5 ms leave: 4.
+    assert rb.profile.layers.forward_ms == pytest.approx([2.5] * 15 + [4.0])
+    assert rb.slowdowns(rows) == pytest.approx([1.0] * S)
+    # Were the head free (class 0, as a module without parameters is), stage 3 would hold blocks
+    # alone and read 11.5 / (3 x 2.5) = 1.533: healthy, but seen as slow from the start.
+    free = _rebalancer(warmup=2)
+    _from_start(free, *_with_head_function(head_class=0), iterations=3)
+    assert free.slowdowns(rows) == pytest.approx([1.0, 1.0, 1.0, 11.5 / 7.5])
+
+
+def test_with_a_head_function_a_stage_slowed_from_the_start_still_loses_layers():
+    rows, weights, classes = _with_head_function(factor=2.0)
+    rb = _rebalancer(warmup=2, patience=2)
+    decisions = _from_start(rb, rows, weights, classes)
+    # Blocks per op: 2.5, 5, 2.5 on stages 0-2; the median (lower middle) is 2.5. The head: 4.
+    assert rb.profile.layers.forward_ms == pytest.approx([2.5] * 15 + [4.0])
+    assert list(decisions) == [4]
+    d = decisions[4]
+    assert d.slowdown == pytest.approx([1.0, 2.0, 1.0, 1.0])
+    # By hand, per micro-batch a block costs 7.5 ms (15 on stage 1), the head 12. Uniform: stage 1
+    # starts after stage 0's F (10) and works 12 x 60: 730 (stage 3: 3 x 7.5 + 12 = 34.5 per
+    # micro-batch, 414 from 30). The move of the test without the head, [0, 5, 7, 12, 16], still
+    # wins: stage 2 (5 blocks, 450) starts after 12.5 + 10: 472.5, and stage 3 (3 blocks and the
+    # head, 414) after 35: 449. Stage 3 cannot take a fourth block (42 per micro-batch, 504 in all),
+    # and with 1 block on stage 1 stages 0 and 2 carry 12 between them: 6 on one, 540.
+    assert d.current_ms == pytest.approx(730.0)
+    assert d.parts == [0, 5, 7, 12, 16] and d.predicted_ms == pytest.approx(472.5)
+    best = min(evaluate(rb.profile, p, slowdown=d.slowdown) for p in _reachable(UNIFORM))
+    assert d.predicted_ms == pytest.approx(best, abs=1e-6)
+
+
+# -- what the engine reports for a layer (``runtime.rebalance_loop``) ---------------------------------
+def _tied_head(embedding, x):
+    """A tied output head as DeepSpeed models write one: the embedding's weight as the projection."""
+    return x @ embedding.weight.t()
+
+
+def test_a_function_layer_has_a_signature_of_its_own_and_a_module_without_parameters_none():
+    import torch
+
+    from ds_pipemorph.runtime.rebalance_loop import layer_signature, layer_weight
+
+    emb = torch.nn.Embedding(32, 8)
+    head = functools.partial(_tied_head, emb)
+    sig = layer_signature(head)
+    assert 0 < sig < 2**53  # exact in the float64 row
+    # The same function with an equal module (another object) is the same class; another shape,
+    # the module itself or another function is another.
+    assert layer_signature(functools.partial(_tied_head, torch.nn.Embedding(32, 8))) == sig
+    others = {layer_signature(functools.partial(_tied_head, torch.nn.Embedding(64, 8))), layer_signature(emb),
+              layer_signature(_tied_head), layer_signature(lambda x: x), layer_signature(torch.relu)}
+    assert sig not in others and 0 not in others and len(others) == 5
+    first = lambda x: x  # noqa: E731
+    second = lambda x: x + 1  # noqa: E731  (the same qualified name, another line)
+    assert layer_signature(first) != 0 and layer_signature(first) != layer_signature(second)
+    assert layer_signature(emb.forward) == layer_signature(emb.forward)  # a bound method: by its module
+    # Weights: a function's is its module's parameters, 0 without one; a module's are its own.
+    assert layer_weight(head) == 32 * 8 and layer_weight(_tied_head) == 0 and layer_weight(emb) == 32 * 8
+    assert layer_signature(torch.nn.GELU()) == 0 and layer_weight(torch.nn.Dropout()) == 0
+
+
+def test_a_function_layers_signature_is_the_same_in_another_process():
+    import torch
+
+    from ds_pipemorph.runtime.rebalance_loop import layer_signature
+
+    sig = layer_signature(functools.partial(_tied_head, torch.nn.Embedding(32, 8)))
+    name = _tied_head.__module__  # as this run imported this file; the child imports it so too
+    code = (f"import functools, importlib.util, sys, torch\n"
+            f"spec = importlib.util.spec_from_file_location({name!r}, {__file__!r})\n"
+            f"mod = importlib.util.module_from_spec(spec); sys.modules[{name!r}] = mod; spec.loader.exec_module(mod)\n"
+            f"from ds_pipemorph.runtime.rebalance_loop import layer_signature\n"
+            f"print(layer_signature(functools.partial(mod._tied_head, torch.nn.Embedding(32, 8))))\n")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.split()[-1]) == sig
+
+
+def _engine(stage: int, parts: list[int], funcs: list) -> SimpleNamespace:
+    """What ``RebalanceLoop`` reads of an engine: a 2-stage pipeline, this rank on ``stage``."""
+    cfg = SimpleNamespace(layer_profile=None, noise=0.15, patience=2, min_gain=0.05, warmup_iterations=2)
+    module = SimpleNamespace(_num_layers=parts[-1], _layer_specs=[None] * parts[-1], parts=parts,
+                             forward_funcs=funcs, _local_start=parts[stage])
+    return SimpleNamespace(pipemorph=SimpleNamespace(rebalance=cfg), num_stages=2, micro_batches=4, stage_id=stage,
+                           module=module)
+
+
+def test_the_engine_row_reports_a_tied_head_and_describes_a_stage_once_per_partition(monkeypatch):
+    import torch
+
+    from ds_pipemorph.runtime import rebalance_loop
+
+    emb = torch.nn.Embedding(32, 8)
+    blocks = [torch.nn.Linear(8, 8) for _ in range(3)]
+    act, head = torch.nn.GELU(), functools.partial(_tied_head, emb)
+    engine = _engine(1, [0, 2, 6], [blocks[1], act, blocks[2], head])
+    loop = rebalance_loop.RebalanceLoop(engine, caps=[4, 4])
+    calls = []
+    real = rebalance_loop.layer_signature
+    monkeypatch.setattr(rebalance_loop, "layer_signature", lambda layer: calls.append(layer) or real(layer))
+    row = loop.row(engine, [])
+    weights, signatures = row[6:12].tolist(), [int(x) for x in row[12:18].tolist()]
+    assert weights == [0, 0, 72, 0, 72, 256]
+    assert signatures[:2] == [0, 0] and signatures[3] == 0  # not held here; the activation is free
+    assert signatures[2] == signatures[4] == real(blocks[0]) and signatures[5] == real(head) != 0
+    assert len(calls) == 4
+    assert torch.equal(loop.row(engine, []), row) and len(calls) == 4  # the same partition: no recompute
+    engine.module.forward_funcs, engine.module.parts, engine.module._local_start = [act, blocks[2], head], [0, 3, 6], 3
+    row = loop.row(engine, [])  # after a migration: described again
+    assert len(calls) == 7 and row[6:12].tolist() == [0, 0, 0, 0, 72, 256]
