@@ -11,9 +11,18 @@ does. Sources: ``cuda_ext_dir()``.
 
 A build interrupted by Ctrl-C or a kill leaves torch's build lock (``<NAME>/lock``, a plain file with
 no owner) behind, and every later job waits for it forever without a word. So our ops build under
-``build_guard``: an advisory lock beside the cache (``<NAME>.lock``, released by the kernel when its
-holder dies, however it dies) is taken first; whoever holds it is the only process of ours building
-that op, so a torch lock found then is left by a dead build and is removed, with one warning.
+``build_guard``: an advisory lock beside the cache (``<NAME>.lock``, an ``flock`` released by the kernel
+when its holder dies, however it dies) is taken first; whoever holds it is the only process of ours
+building that op. A torch lock found then was left by a build that is over, unless that build's ninja or
+compilers outlived it (they survive a SIGKILL or an OOM kill of the Python process that started them):
+torch runs ninja with the build directory as its cwd, so while a live process has its cwd inside that
+directory the lock stays and the guard waits (polling, one warning naming the pids) until no such process
+is left; then the lock is removed, with one warning, and the op is built again. Processes of other users
+whose cwd we may not read, or in another PID namespace, are not seen. The guard file is opened read-only
+(created with mode 0666 less the umask if missing), so users sharing a cache all take it. Where it cannot be created (a
+read-only cache) or ``flock`` fails (NFS without a lock manager) the op loads as torch alone would,
+nothing removed (the latter with one warning). A prebuilt op, or one already loaded in this process,
+needs no guard and gets none.
 
 A JIT build takes tens of seconds to minutes on the first start and none later; ``announce_build`` logs one
 line before a build that will really compile (no prebuilt op, nothing in the extension cache), for our
@@ -30,6 +39,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -61,11 +71,24 @@ def extension_dir(name: str) -> Path:
 def needs_build(builder: OpBuilder) -> bool:
     """True when ``builder.load()`` will compile: the op is not prebuilt into DeepSpeed, not loaded in
     this process yet, and torch's extension cache holds no build of it."""
-    from deepspeed.git_version_info import installed_ops
-
-    if installed_ops.get(builder.name, False) or builder.name in OpBuilder._loaded_ops:
+    if _prebuilt_or_loaded(builder.name):
         return False
     return not (extension_dir(builder.name) / f"{builder.name}.so").exists()
+
+
+def _prebuilt_or_loaded(name: str) -> bool:
+    """True when DeepSpeed's ``OpBuilder.load`` will not JIT-load op ``name``: it is loaded in this
+    process already, or prebuilt into DeepSpeed (for this accelerator)."""
+    from deepspeed.git_version_info import installed_ops
+
+    if name in OpBuilder._loaded_ops:
+        return True
+    if not installed_ops.get(name, False):
+        return False
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name
+
+    return accelerator_name == get_accelerator()._name
 
 
 def announce_build(builder: OpBuilder, what: str) -> bool:
@@ -80,28 +103,82 @@ def announce_build(builder: OpBuilder, what: str) -> bool:
     return True
 
 
+_POLL_SECONDS = 2.0  # how often build_guard re-checks a process still working in a build directory
+_flock_warned: set[str] = set()  # guard files this process has warned it cannot lock
+
+
+def _processes_in(directory: Path) -> list[int]:
+    """Pids of live processes (other than this one) whose cwd is ``directory`` or inside it, as far as
+    ``/proc`` lets us see (processes whose cwd we may not read, or that vanish meanwhile, are skipped)."""
+    root = os.path.realpath(directory)
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:  # not ours to read, gone, or a zombie
+            continue
+        if cwd == root or cwd.startswith(root + os.sep):
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _remove_stale_lock(name: str, ext: Path) -> None:
+    """Called holding the guard: remove torch's lock in ``ext`` once no live process works in ``ext``."""
+    lock = ext / "lock"
+    warned = False
+    while lock.exists():
+        pids = _processes_in(ext)
+        if not pids:
+            logger.warning(f"pipemorph: removing {lock}, left by a build of {name} that was interrupted "
+                           f"(no process is building it now); building again")
+            lock.unlink(missing_ok=True)
+            return
+        if not warned:
+            warned = True
+            logger.warning(f"pipemorph: {lock} was left by an interrupted build of {name}, but process(es) "
+                           f"{', '.join(map(str, pids))} still work in {ext} (a ninja or compiler that outlived "
+                           f"it); waiting for them to finish before building again")
+        time.sleep(_POLL_SECONDS)
+
+
 @contextlib.contextmanager
 def build_guard(name: str):
     """Hold the build of op ``name`` to this process (see the module docstring): waits while another
-    process of ours builds or loads it; removes torch's lock left by an interrupted build."""
-    ext = extension_dir(name)
-    try:
-        ext.parent.mkdir(parents=True, exist_ok=True)
-        guard = open(ext.parent / f"{name}.lock", "a")
-    except OSError:  # a cache we cannot write: a prebuilt op still loads, and torch says why a build cannot
+    process of ours builds or loads it; removes torch's lock left by an interrupted build once no process
+    still works in the build directory. Nothing to do for an op prebuilt or loaded already."""
+    if _prebuilt_or_loaded(name):
         yield
         return
-    with guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)  # released at close, or by the kernel when this process dies
+    ext = extension_dir(name)
+    path = ext.parent / f"{name}.lock"
+    try:
+        ext.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: flock needs no write permission
+    except OSError:  # a cache we cannot write: torch loads a build already there, or says why it cannot build
+        yield
+        return
+    try:
+        locked = True
         try:
-            stale = ext / "lock"
-            if stale.exists():
-                logger.warning(f"pipemorph: removing {stale}, left by a build of {name} that was interrupted "
-                               f"(no process is building it now); building again")
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(guard, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released at close, or by the kernel when this process dies
+        except OSError as e:  # e.g. ENOLCK on NFS without a lock manager: no guard, so remove nothing
+            locked = False
+            if str(path) not in _flock_warned:
+                _flock_warned.add(str(path))
+                logger.warning(f"pipemorph: cannot lock {path} ({e.strerror or e}); loading {name} without "
+                               f"the guard, so a torch lock left in {ext} by an interrupted build is not "
+                               f"removed (remove it by hand if the load waits forever)")
+        if locked:
+            _remove_stale_lock(name, ext)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def announce_comm_build() -> bool:

@@ -1,26 +1,75 @@
 """A build of the staging op interrupted by a kill leaves torch's build lock behind; the next job must
-load the op instead of waiting for that lock forever (``staging.builder.build_guard``)."""
+load the op instead of waiting for that lock forever, but must not take the lock from a build that is
+still running: one of ours (it holds the guard) or the ninja/compilers a killed job left working in the
+build directory (``staging.builder.build_guard``)."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 LOAD = "from ds_pipemorph.staging.builder import StagingRingBuilder; StagingRingBuilder().load(); print('loaded')"
 # What a killed build leaves: torch's own baton, taken by the process that was building, never released.
 KILLED_BUILD = "import sys; from torch.utils.file_baton import FileBaton; assert FileBaton(sys.argv[1]).try_acquire()"
+# A build of ours in progress: holds the guard and torch's baton until a line arrives on stdin.
+BUILDING = """
+import sys
+from torch.utils.file_baton import FileBaton
+from ds_pipemorph.staging.builder import StagingRingBuilder, build_guard, extension_dir
+name = StagingRingBuilder().name
+with build_guard(name):
+    baton = FileBaton(str(extension_dir(name) / "lock"))
+    assert baton.try_acquire()
+    print("holding", flush=True)
+    sys.stdin.readline()
+    baton.release()
+"""
+
+
+def _own_cache(tmp_path):
+    """The session's build of the op copied into a cache of the test's own; (name, root, env)."""
+    from ds_pipemorph.staging.builder import StagingRingBuilder, extension_dir
+
+    name = StagingRingBuilder().name
+    root = tmp_path / "extensions"
+    shutil.copytree(extension_dir(name), root / name, ignore=shutil.ignore_patterns("lock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+    return name, root, env
+
+
+def _until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _waits_on_flock(pid: int, path) -> bool:
+    """True when ``pid`` is blocked in flock on ``path`` (a '->' line of /proc/locks on its inode)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if "->" in fields and fields[fields.index("->") + 1] == "FLOCK":
+                rest = fields[fields.index("->") + 1:]
+                if rest[3] == str(pid) and rest[4].rsplit(":", 1)[-1] == str(ino):
+                    return True
+    return False
+
+
+def _stop(*procs):
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
 
 
 @pytest.mark.timeout(300)
 def test_a_lock_left_by_a_killed_build_is_removed(staging_op, tmp_path):
-    from ds_pipemorph.staging.builder import StagingRingBuilder, extension_dir
-
-    name = StagingRingBuilder().name
-    built = extension_dir(name)  # the session's build, copied so that the test owns its cache
-    root = tmp_path / "extensions"
-    shutil.copytree(built, root / name, ignore=shutil.ignore_patterns("lock"))
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+    name, root, env = _own_cache(tmp_path)
     lock = root / name / "lock"
     subprocess.run([sys.executable, "-c", KILLED_BUILD, str(lock)], check=True, env=env, timeout=120)
     assert lock.exists()
@@ -31,3 +80,72 @@ def test_a_lock_left_by_a_killed_build_is_removed(staging_op, tmp_path):
     assert f"removing {lock}" in p.stderr and "interrupted" in p.stderr
     assert not lock.exists()
     assert (root / f"{name}.lock").exists()  # the advisory lock file stays; it holds no state
+
+
+@pytest.mark.timeout(300)
+def test_a_build_holding_the_guard_keeps_its_lock_and_the_next_job_waits(staging_op, tmp_path):
+    name, root, env = _own_cache(tmp_path)
+    lock, guard = root / name / "lock", root / f"{name}.lock"
+    building = loading = None
+    try:
+        building = subprocess.Popen([sys.executable, "-c", BUILDING], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, env=env)
+        assert building.stdout.readline().strip() == "holding"  # bounded by the test's timeout
+        assert lock.exists()
+
+        loading = subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        _until(lambda: _waits_on_flock(loading.pid, guard), 120, "the second job to wait on the guard")
+        time.sleep(0.5)
+        assert loading.poll() is None and lock.exists()  # waiting, the running build's lock untouched
+
+        building.stdin.write("go\n")
+        building.stdin.flush()
+        assert building.wait(timeout=30) == 0
+        out, err = loading.communicate(timeout=120)
+        assert loading.returncode == 0, err[-2000:]
+        assert "loaded" in out
+        assert "removing" not in err  # torch's lock was released by its owner, not taken from it
+        assert not lock.exists()
+    finally:
+        _stop(building, loading)
+
+
+@pytest.mark.timeout(300)
+def test_a_process_left_working_in_the_build_directory_keeps_the_lock_until_it_is_gone(staging_op, tmp_path):
+    name, root, env = _own_cache(tmp_path)
+    lock = root / name / "lock"
+    subprocess.run([sys.executable, "-c", KILLED_BUILD, str(lock)], check=True, env=env, timeout=120)
+    stderr_path = tmp_path / "load.err"
+    survivor = loading = None
+    try:
+        # What a SIGKILLed job leaves running: ninja (and its compilers) in the build directory.
+        survivor = subprocess.Popen(["sleep", "120"], cwd=root / name)
+        with open(stderr_path, "w") as err_file:
+            loading = subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=err_file,
+                                       text=True, env=env)
+        _until(lambda: f"process(es) {survivor.pid} still work in" in stderr_path.read_text(), 120,
+               "the warning naming the process in the build directory")
+        time.sleep(2.5)  # more than one re-check
+        assert loading.poll() is None and lock.exists()
+
+        survivor.send_signal(signal.SIGKILL)
+        survivor.wait(timeout=10)
+        out, _ = loading.communicate(timeout=120)
+        err = stderr_path.read_text()
+        assert loading.returncode == 0, err[-2000:]
+        assert "loaded" in out
+        assert err.count("still work in") == 1  # one warning however long it waits
+        assert f"removing {lock}" in err
+        assert not lock.exists()
+    finally:
+        _stop(survivor, loading)
+
+
+def test_an_op_already_loaded_needs_no_guard(staging_op, tmp_path, monkeypatch):
+    from ds_pipemorph.staging.builder import StagingRingBuilder, build_guard
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    with build_guard(StagingRingBuilder().name):
+        pass
+    assert not (tmp_path / "extensions").exists()  # no cache directory, no guard file made for nothing
