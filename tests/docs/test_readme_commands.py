@@ -108,6 +108,22 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py": Node(
         ("tests/runtime/test_real_straggler.py::test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_"
          "training_is_unchanged",), "a short version: 4 burners, 4 micro-batches, 10 iterations"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py --model gpt": Node(
+        ("tests/lab/test_lab_slow_link.py::test_gpt_blocks_on_two_nodes_train_the_same_under_every_engine_and_leave_"
+         "no_namespace",), "the same rows, fewer iterations"),
+    "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py --model gpt --rows uniform,rebalance,rebalance-profiled,"
+    "best-static": Options("four rows of 24 iterations; the next command's test runs --model gpt"),
+    "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py --model gpt --burn-from 0 --rows uniform,rebalance,"
+    "rebalance-profiled,best-static": Node(
+        ("tests/runtime/test_real_straggler.py::test_gpt_blocks_with_burners_from_the_start_report_the_loops_"
+         "prediction_and_train_the_same",), "two of the rows, fewer iterations"),
+    "DS_ACCELERATOR=cpu python benchmarks/rebalance.py --models emulated --slow-from 0 --settle 5": Options(
+        "a one-job comparison and six whole runs of 4 ranks"),
+    "DS_ACCELERATOR=cpu pipemorph bench --stages 4 --microbatches 4 --op-ms 5 --delays-ms 0 --schedules pipemorph "
+    "--iterations 60 --warmup 4": Options("one 4-rank job of 64 iterations"),
+    "DS_ACCELERATOR=cpu python benchmarks/startup_cost.py": Node(
+        ("tests/bench/test_startup_cost_bench.py::test_startup_benchmark_times_both_jobs_and_the_slow_link_switch",),
+        "one round of 16 iterations"),
     "python benchmarks/cli_startup.py --runs 9": Options("starts the CLI and torch dozens of times"),
 }
 
