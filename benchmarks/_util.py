@@ -71,3 +71,22 @@ def exit_on_bad_input(main) -> int:
 def check_out(path: str) -> None:
     """Refuse, before any work, an ``--out`` that cannot be written (one sentence, ``BadInput``)."""
     check_writable(path, "--out")
+
+
+def two_rank_job(name: str, config: dict, tmp: Path, script: Path, args: list[str], expect, missing: str,
+                 timeout: float = 3600):
+    """Write ``config`` as ``tmp/<name>.json`` and run ``script CONFIG_PATH-args`` under ``torchrun
+    --standalone`` with 2 ranks of one intra-op thread each (no more ranks than this machine's cores);
+    ``args`` may hold ``{config}``. Returns (the first match of ``expect`` in the output, the output);
+    a failed job or no match ends the benchmark with the output's tail (``missing``: what was not logged)."""
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *[a.format(config=path) for a in args]]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    out = p.stdout + p.stderr
+    m = expect.search(out)
+    if p.returncode or not m:
+        raise SystemExit(f"{name}: the job failed or {missing} (exit {p.returncode}):\n{out[-3000:]}")
+    return m, out

@@ -21,10 +21,7 @@ whole jobs of the two.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, two_rank_job, write_json  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 
 LINE = re.compile(r"pipemorph compare: B = (\S+), A = (\S+), (\d+) measured iterations: (.*) \(median ([\d.]+) ms "
@@ -54,17 +51,9 @@ def config(schedule: str, n: int, budget, steps: int, profile: str | None) -> di
 
 
 def run_job(cfg: dict, steps: int, tmp: Path, name: str) -> tuple[dict, str]:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "recipes" / "gpt" / "train.py"), "--stages", "2", "--steps", str(steps), "--config", str(path),
-           "--log-every", str(steps)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    out = p.stdout + p.stderr
-    m = LINE.search(out)
-    if p.returncode or not m:
-        raise SystemExit(f"{name}: the job failed or logged no comparison (exit {p.returncode}):\n{out[-3000:]}")
+    m, out = two_rank_job(name, cfg, tmp, ROOT / "recipes" / "gpt" / "train.py",
+                          ["--stages", "2", "--steps", str(steps), "--config", "{config}", "--log-every", str(steps)],
+                          LINE, "logged no comparison")
     r = RATIO.search(m.group(4))
     return {"b": m.group(1), "a": m.group(2), "measured": int(m.group(3)), "verdict": m.group(4),
             "ratio": [float(r.group(i)) for i in (1, 2, 3)], "b_ms": float(m.group(5)), "a_ms": float(m.group(6))}, out

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, two_rank_job, write_json  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 
 LINE = re.compile(r"^STARTUP_TIMES (\{.*\})$", re.M)
@@ -44,16 +42,8 @@ SLOW_MS = 30.0
 
 
 def run_job(section: dict, steps: int, tmp: Path, name: str) -> dict:
-    path = tmp / f"{name}.json"
-    path.write_text(json.dumps({**BASE, "pipemorph": section}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "_startup_job.py"), str(path), str(steps)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    out = p.stdout + p.stderr
-    m = LINE.search(out)
-    if p.returncode or not m:
-        raise SystemExit(f"{name}: the job failed or printed no times (exit {p.returncode}):\n{out[-3000:]}")
+    m, out = two_rank_job(name, {**BASE, "pipemorph": section}, tmp, HERE / "_startup_job.py",
+                          ["{config}", str(steps)], LINE, "printed no times", timeout=1800)
     res = json.loads(m.group(1))
     replan = REPLAN.search(out)
     res["replan"] = None if replan is None else {"after_iteration": int(replan.group(1)), "what": replan.group(2)}
