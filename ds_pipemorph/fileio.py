@@ -29,6 +29,8 @@ class BadInput(ValueError):
 
 def load_mapping(path: str | os.PathLike) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise BadInput(f"{p} is a directory; give the YAML or JSON file in it")
     if not p.is_file():
         raise BadInput(f"{p}: no such file")
     try:

@@ -116,6 +116,11 @@ def test_missing_profile_file(tmp_path):
     assert r.exit_code == 2 and "no such file" in r.output
 
 
+def test_a_directory_for_a_profile_is_named_as_one(tmp_path):
+    r = run("plan", tmp_path)
+    assert r.exit_code == 2 and r.output.strip() == f"error: {tmp_path} is a directory; give the YAML or JSON file in it"
+
+
 @pytest.fixture
 def plan_file(tmp_path):
     p = tmp_path / "plan.yaml"
