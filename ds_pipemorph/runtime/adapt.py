@@ -225,7 +225,8 @@ class Adapter:
             return
         try:
             engine.transport.prewarm()
-        except OSError as e:  # on this rank only: raising would leave the other ranks waiting in the next exchange
+        except Exception as e:  # noqa: BLE001  (only a head start, on this rank only: raising would leave the
+            # other ranks waiting in the next exchange)
             self._prewarm_failed = True
             logger.warning("pipemorph: rank %d cannot start the delegates' fork server ahead of a switch (%s); "
                            "a link switched to the delegates starts it then, or fails there on both ends",

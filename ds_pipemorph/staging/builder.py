@@ -107,9 +107,25 @@ _POLL_SECONDS = 2.0  # how often build_guard re-checks a process still working i
 _flock_warned: set[str] = set()  # guard files this process has warned it cannot lock
 
 
+# What torch's build runs in the build directory: only these hold a removal back, so that a shell (or
+# a job launched) with its cwd there cannot keep the guard holder waiting for good.
+_BUILD_TOOLS = ("ninja", "cc1plus", "cc1", "c++", "g++", "gcc", "clang", "clang++", "nvcc", "cicc", "ptxas",
+                "cudafe++", "fatbinary", "nvlink", "ld", "ld.gold", "ld.lld", "as", "collect2", "hipcc")
+
+
+def _build_tool(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return False
+    return comm in _BUILD_TOOLS or comm.startswith(("x86_64-", "aarch64-"))  # cross-named gcc/g++/ld
+
+
 def _processes_in(directory: Path) -> list[int]:
-    """Pids of live processes (other than this one) whose cwd is ``directory`` or inside it, as far as
-    ``/proc`` lets us see (processes whose cwd we may not read, or that vanish meanwhile, are skipped)."""
+    """Pids of live build tools (ninja, compilers, linkers; ``_BUILD_TOOLS``) whose cwd is ``directory``
+    or inside it, as far as ``/proc`` lets us see (processes whose cwd we may not read, or that vanish
+    meanwhile, are skipped)."""
     root = os.path.realpath(directory)
     found = []
     try:
@@ -123,7 +139,7 @@ def _processes_in(directory: Path) -> list[int]:
             cwd = os.readlink(f"/proc/{entry}/cwd")
         except OSError:  # not ours to read, gone, or a zombie
             continue
-        if cwd == root or cwd.startswith(root + os.sep):
+        if (cwd == root or cwd.startswith(root + os.sep)) and _build_tool(entry):
             found.append(int(entry))
     return sorted(found)
 

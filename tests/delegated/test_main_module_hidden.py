@@ -11,6 +11,8 @@ SCRIPT = textwrap.dedent('''
     with open(sys.argv[1], "a") as f:  # top-level code, run once per execution of this script
         f.write("ran\\n")
     from ds_pipemorph.runtime.transport.delegated.supervision import delegate_context, main_module_hidden
+    from multiprocessing import spawn
+    real = spawn.get_preparation_data
     ctx = delegate_context()
     with main_module_hidden():
         child = ctx.Process(target=os.getpid)
@@ -18,6 +20,7 @@ SCRIPT = textwrap.dedent('''
     child.join(120)
     assert child.exitcode == 0, child.exitcode
     assert sys.modules["__main__"].__file__ == __file__  # the script's own main module, untouched
+    assert spawn.get_preparation_data is real  # and multiprocessing as it was, for the script's own workers
 ''')
 
 

@@ -117,10 +117,16 @@ def test_a_process_left_working_in_the_build_directory_keeps_the_lock_until_it_i
     lock = root / name / "lock"
     subprocess.run([sys.executable, "-c", KILLED_BUILD, str(lock)], check=True, env=env, timeout=120)
     stderr_path = tmp_path / "load.err"
-    survivor = loading = None
+    survivor = loading = bystander = None
     try:
-        # What a SIGKILLed job leaves running: ninja (and its compilers) in the build directory.
-        survivor = subprocess.Popen(["sleep", "120"], cwd=root / name)
+        # What a SIGKILLed job leaves running: ninja (and its compilers) in the build directory. A
+        # process named ninja stands for it (the guard tells build tools by their name); a plain one
+        # there, a shell say, holds nothing back.
+        ninja = tmp_path / "bin" / "ninja"
+        ninja.parent.mkdir()
+        shutil.copy(shutil.which("sleep"), ninja)
+        survivor = subprocess.Popen([str(ninja), "120"], cwd=root / name)
+        bystander = subprocess.Popen(["sleep", "120"], cwd=root / name)
         with open(stderr_path, "w") as err_file:
             loading = subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=err_file,
                                        text=True, env=env)
@@ -138,8 +144,9 @@ def test_a_process_left_working_in_the_build_directory_keeps_the_lock_until_it_i
         assert err.count("still work in") == 1  # one warning however long it waits
         assert f"removing {lock}" in err
         assert not lock.exists()
+        assert bystander.poll() is None and str(bystander.pid) not in err  # still there, never waited for
     finally:
-        _stop(survivor, loading)
+        _stop(survivor, loading, bystander)
 
 
 def test_an_op_already_loaded_needs_no_guard(staging_op, tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from multiprocessing import spawn
 
@@ -42,6 +43,9 @@ def delegate_context():
     return ctx
 
 
+_HIDING = threading.RLock()
+
+
 @contextlib.contextmanager
 def main_module_hidden():
     """Start a delegate without re-running the training script in it: multiprocessing tells every
@@ -51,19 +55,20 @@ def main_module_hidden():
     of no main module. Only that one function is wrapped, and only while a delegate (or the fork
     server) starts: ``sys.modules["__main__"]`` stays as it is, so other threads may pickle the
     script's objects meanwhile (a first start waits seconds for the fork server to import torch)."""
-    real = spawn.get_preparation_data
+    with _HIDING:  # one at a time: a restart on a receive thread and a prewarm would undo each other
+        real = spawn.get_preparation_data
 
-    def without_main(name):
-        data = real(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
+        def without_main(name):
+            data = real(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
 
-    spawn.get_preparation_data = without_main
-    try:
-        yield
-    finally:
-        spawn.get_preparation_data = real
+        spawn.get_preparation_data = without_main
+        try:
+            yield
+        finally:
+            spawn.get_preparation_data = real
 
 
 class Supervision:
