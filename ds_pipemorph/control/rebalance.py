@@ -26,11 +26,11 @@ or None. The first iteration carries start-up work and is never measured.
   is shared (each stage then shows 1), and a stage's different layers (an embedding) are never
   mistaken for a slowdown. A layer with neither weight nor class (the engine's modules without
   parameters: an activation, a dropout) joins no class and costs nothing on a stage with other
-  layers, so activations between blocks do not keep a stage from holding its blocks alone. A
-  function layer (a plain function, or a head computing with a module another layer holds) has a
-  class of its own and counts even without weight, so a stage holding it with blocks does not
-  hold the blocks alone; it takes its share of what its stage's time leaves (beside blocks only,
-  all of it).
+  layers, so activations between blocks do not keep a stage from holding its blocks alone; the
+  engine gives a function without a module (a flatten lambda) neither either. A function layer
+  computing with a module (a head using the embedding another layer holds) has a class of its own
+  and counts even without weight, so a stage holding it with blocks does not hold the blocks
+  alone; it takes its share of what its stage's time leaves (beside blocks only, all of it).
 - **Detection.** A stage's slowdown is its measured F + B + W over what its layers should cost. The
   current partition was chosen for some slowdowns (all 1 at the start); when a stage's slowdown
   sits more than ``noise`` away from its own, on the same side (above: a straggler appears, or
@@ -263,9 +263,9 @@ def _lower_median(costs: list[Cost]) -> Cost:
 def _counted(weight: Sequence[float], classes: Sequence[Optional[Hashable]], layers: range) -> list[int]:
     """A stage's layers that take part of its time: those with a weight or a class, or all if none
     has either. A layer with neither (an activation or a dropout between blocks) is taken as free,
-    so that stages of blocks and activations still hold their blocks alone; a function layer has a
-    class, since it may cost as much as a block (a head's matmul) and must not read as the
-    blocks' slowdown."""
+    so that stages of blocks and activations still hold their blocks alone; a function layer with
+    a module has a class, since it may cost as much as a block (a head's matmul) and must not read
+    as the blocks' slowdown."""
     held = [l for l in layers if weight[l] > 0 or classes[l] is not None]
     return held or list(layers)
 

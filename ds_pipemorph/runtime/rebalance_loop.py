@@ -140,11 +140,13 @@ def layer_signature(layer) -> int:
     A module: a hash of its type and its parameters' names, shapes, dtypes and whether they train
     (a frozen layer has no W). Anything else in the forward list is a function: a plain function
     or lambda, or the ``functools.partial(forward_fn, tied_module)`` DeepSpeed stores for a
-    ``TiedLayerSpec`` with a ``forward_fn`` (a tied output head). Such a layer may cost as much as a
-    block (the head's matmul), so it is never free: its signature is a hash of the function's
-    name and, when it computes with a module (a partial's first argument, a bound method's
-    object), that module's parameters. It is then a class of its own, and a stage holding it does
-    not hold its blocks alone.
+    ``TiedLayerSpec`` with a ``forward_fn`` (a tied output head). A function that computes with a
+    module (a partial's first argument, a bound method's object) may cost as much as a block (the
+    head's matmul), so it is never free: its signature is a hash of the function's name and that
+    module's parameters, a class of its own, and a stage holding it does not hold its blocks alone.
+    A function without a module (a flatten or ``contiguous`` lambda between blocks, as DeepSpeed's
+    examples write them) is 0, free, as a module without parameters is: otherwise a pipeline with
+    one between every pair of blocks would have no stage holding its blocks alone.
 
     Python's own ``hash`` of a string differs between processes, so a fixed digest is used; no
     part of the text depends on memory addresses or file paths."""
@@ -155,9 +157,9 @@ def layer_signature(layer) -> int:
         text = f"{_type_name(layer)}:{params}"
     else:
         func, module = _callee(layer)
-        text = f"function {_function_name(func)}"
-        if module is not None:
-            text += f" of {_type_name(module)}:{_parameters(module)}"
+        if module is None:
+            return 0
+        text = f"function {_function_name(func)} of {_type_name(module)}:{_parameters(module)}"
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
     return 1 + digest % (2**SIGNATURE_BITS - 1)
 
