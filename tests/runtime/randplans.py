@@ -19,19 +19,25 @@ def random_plan(stages: int, microbatches: int, rng: random.Random) -> tuple[lis
     done = [set() for _ in range(S)]
     inflight = [0] * S
     plan: list[list[Op]] = [[] for _ in range(S)]
+    ops = [(Op("F", m), Op("B", m), Op("W", m)) for m in range(N)]  # built once: a draw looks at each many times
+    step = {"F": 1, "B": -1, "W": 0}
     while any(len(d) < 3 * N for d in done):
         choices = []
         for s in range(S):
-            for m in range(N):
-                f, b, w = Op("F", m), Op("B", m), Op("W", m)
-                if f not in done[s] and inflight[s] < caps[s] and (s == 0 or f in done[s - 1]):
-                    choices.append((s, f))
-                if f in done[s] and b not in done[s] and (s == S - 1 or b in done[s + 1]):
-                    choices.append((s, b))
-                if b in done[s] and w not in done[s]:
+            here, prev, nxt = done[s], done[s - 1] if s else None, done[s + 1] if s < S - 1 else None
+            room = inflight[s] < caps[s]
+            for f, b, w in ops:
+                if f not in here:
+                    if room and (prev is None or f in prev):
+                        choices.append((s, f))
+                    continue  # neither its B nor its W can run before its F
+                if b not in here:
+                    if nxt is None or b in nxt:
+                        choices.append((s, b))
+                elif w not in here:
                     choices.append((s, w))
         s, op = rng.choice(choices)
         done[s].add(op)
         plan[s].append(op)
-        inflight[s] += {"F": 1, "B": -1, "W": 0}[op.kind]
+        inflight[s] += step[op.kind]
     return plan, caps
