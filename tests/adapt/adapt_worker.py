@@ -2,12 +2,15 @@
 
     torchrun --standalone --nproc_per_node 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
 
+SPEC.json holds one spec, or {"runs": {"<name>": SPEC, ...}}: the runs one after another in the same
+ranks (one job start for several tests), each on engines of its own.
 SPEC: {"iterations": K, "delays": {"<iteration>": [ms per link], ...}, "op_ms": t, "microbatches": N},
 optionally "replan" and "search_evals" (the adapt settings), "max_exchange_gap", "stock": false (skip the stock run),
 "max_iterations": M (the adaptive run goes on past K while a re-plan search runs, up to M iterations).
 The delay injector is put around the engine's transport by this worker (test control only); the
 engine's control loop sees nothing but its own measurements. Also trains stock DeepSpeed on the
-same data so the test can compare parameters. Writes OUT_DIR/<name>.rank<r>.json.
+same data so the test can compare parameters. Writes OUT_DIR/adapt.rank<r>.json for one spec,
+OUT_DIR/<name>.rank<r>.json for each of several runs (after each run, as it ends).
 """
 from __future__ import annotations
 
@@ -64,8 +67,19 @@ def fork_server() -> bool:
 
 def main(spec_path: str, out_dir: str) -> None:
     spec = json.load(open(spec_path))
+    runs = spec["runs"] if "runs" in spec else {"adapt": spec}
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    for name, run_spec in runs.items():
+        results = run(run_spec)
+        with open(os.path.join(out_dir, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(spec: dict) -> dict:
+    """Adaptive (and unless ``"stock": false``, stock DeepSpeed) trained on the spec's data: what each recorded."""
     g = torch.Generator().manual_seed(1)
     most = max(spec["iterations"], spec.get("max_iterations", 0))
     data = [[(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec["microbatches"])]
@@ -108,10 +122,7 @@ def main(spec_path: str, out_dir: str) -> None:
             engine.destroy()
         results[name] = out
         dist.barrier()
-    with open(os.path.join(out_dir, f"adapt.rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":

@@ -25,15 +25,44 @@ SECTION = {"schedule": "adaptive", "memory": {"max_inflight": [8, 6, 4, 2]}}  # 
 REPO = HERE.parents[1]
 
 
-def launch(tmp_path, spec: dict, timeout: float) -> dict:
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
+SLOW, CALM = 10, 24  # the iterations a link slows and recovers at
+EVALS = 40000  # about 20x the default effort: the search then outlasts several iterations
+# Every test's run, one after another in one 4-rank job (one start of torchrun and DeepSpeed for all).
+# Delegation last: the fork server its delegates come from runs on in the ranks once started.
+RUNS = {
+    "delay": {"iterations": 36, "op_ms": 10, "microbatches": 8,
+              "delays": {str(SLOW): [0, 0, 40], str(CALM): [0, 0, 0]}},
+    # Nothing of stock DeepSpeed is read here: its run is left out.
+    "no_delay": {"iterations": 50, "op_ms": 10, "microbatches": 4, "delays": {}, "stock": False},
+    # Training goes on until the search lands, however long a busy machine makes it (up to 200 iterations).
+    "search": {"iterations": 12, "max_iterations": 200, "op_ms": 10, "microbatches": 8, "delays": {"3": [0, 0, 40]},
+               "search_evals": EVALS, "stock": False},
+    # An exchange every iteration (max_exchange_gap 1): the detector's own timing, acted on by iteration 7.
+    "delegation": {"iterations": 12, "op_ms": 10, "microbatches": 8, "delays": {"5": [0, 0, 40]},
+                   "delegation": "auto", "max_exchange_gap": 1},
+}
+# The job's ceiling: the sum of the four runs' when each was a job of its own (280, 220, 570 and 220 s).
+JOB_TIMEOUT = 1290
+TEST_TIMEOUT = JOB_TIMEOUT + 60  # the first test to ask for the job waits for all of it
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The runs' output directory and the job's log."""
+    out = tmp_path_factory.mktemp("adapt")
+    (out / "spec.json").write_text(json.dumps({"runs": RUNS}))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(HERE / "adapt_worker.py"), str(tmp_path / "spec.json"), str(tmp_path)]
-    p = run_group(cmd, timeout, cwd=REPO, env=env)
-    out = tmp_path / "adapt.rank0.json"
-    assert out.exists(), (p.stdout + p.stderr)[-4000:]
-    return {r: json.loads((tmp_path / f"adapt.rank{r}.json").read_text()) for r in range(4)}
+           str(HERE / "adapt_worker.py"), str(out / "spec.json"), str(out)]
+    p = run_group(cmd, JOB_TIMEOUT, cwd=REPO, env=env)
+    return out, (p.stdout + p.stderr)[-4000:]
+
+
+def results(job, name: str) -> dict:
+    """Each rank's records of run ``name``."""
+    out, log = job
+    assert (out / f"{name}.rank0.json").exists(), log
+    return {r: json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(4)}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -41,11 +70,10 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_delay_at_iteration_10_is_acted_on_within_the_exchange_gap_and_recovery_returns_to_the_no_delay_plan(tmp_path):
-    slow, calm = 10, 24
-    spec = {"iterations": 36, "op_ms": 10, "microbatches": 8, "delays": {str(slow): [0, 0, 40], str(calm): [0, 0, 0]}}
-    res = launch(tmp_path, spec, 280)
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_delay_at_iteration_10_is_acted_on_within_the_exchange_gap_and_recovery_returns_to_the_no_delay_plan(job):
+    slow, calm = SLOW, CALM
+    res = results(job, "delay")
     # Nothing changes before the delay: the loops exchange further apart than iterations (0, 1, 3, 7
     # on a quiet machine).
     exchanges = res[0]["adaptive"]["exchanges"]
@@ -81,9 +109,10 @@ def test_delay_at_iteration_10_is_acted_on_within_the_exchange_gap_and_recovery_
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_no_delay_means_zero_replans_over_50_iterations(tmp_path):
-    res = launch(tmp_path, {"iterations": 50, "op_ms": 10, "microbatches": 4, "delays": {}}, 220)
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_no_delay_means_zero_replans_over_50_iterations(job):
+    res = results(job, "no_delay")
+    assert len(res[0]["adaptive"]["losses"]) == 50
     assert res[0]["adaptive"]["replans"] == []
     # Gloo's isend does not hold the training process: the engine models its direct links as one FIFO
     # whose sender never waits; the delay injector's lanes block their sender, and the model follows.
@@ -94,12 +123,9 @@ def test_no_delay_means_zero_replans_over_50_iterations(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_stay_equal(tmp_path):
-    # An exchange every iteration (max_exchange_gap 1): the detector's own timing, acted on by iteration 7.
-    spec = {"iterations": 12, "op_ms": 10, "microbatches": 8, "delays": {"5": [0, 0, 40]}, "delegation": "auto",
-            "max_exchange_gap": 1}
-    res = launch(tmp_path, spec, 220)
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_stay_equal(job):
+    res = results(job, "delegation")
     adaptive = res[0]["adaptive"]
     assert adaptive["exchanges"] == list(range(12))
     up = adaptive["replans"][0]
@@ -126,16 +152,11 @@ def test_with_delegation_auto_the_slow_link_moves_to_the_delegates_and_results_s
         assert max_diff(res[r]["adaptive"]["params"], res[r]["stock"]["params"]) <= 1e-5
 
 
-EVALS = 40000  # about 20x the default effort: the search then outlasts several iterations
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_a_search_longer_than_an_iteration_runs_beside_training_and_all_ranks_switch_together(tmp_path):
-    # Training goes on until the search lands, however long a busy machine makes it (up to 200 iterations).
-    spec = {"iterations": 12, "max_iterations": 200, "op_ms": 10, "microbatches": 8, "delays": {"3": [0, 0, 40]},
-            "search_evals": EVALS, "stock": False}
-    res = launch(tmp_path, spec, 570)
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_search_longer_than_an_iteration_runs_beside_training_and_all_ranks_switch_together(job):
+    spec = RUNS["search"]
+    res = results(job, "search")
     replans = res[0]["adaptive"]["replans"]
     assert [r["kind"] for r in replans] == ["closed-form", "refined"], replans
     react, refined = replans
@@ -155,7 +176,7 @@ def test_a_search_longer_than_an_iteration_runs_beside_training_and_all_ranks_sw
     # Training went on while the search ran: every rank recorded, after each iteration, that the
     # search was still running, from the reaction's boundary to the one where it landed, and
     # finished at least two iterations meanwhile (inline, it would have landed at the reaction's
-    # boundary). What the search costs those iterations is measured by benchmarks/background_replan.py.
+    # boundary). What the search costs those iterations is measured by benchmarks/control/background_replan.py.
     assert refined["search_s"] > 0
     assert refined["iteration"] - react["iteration"] >= 2, replans
     for r in range(4):
