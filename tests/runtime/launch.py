@@ -1,4 +1,7 @@
-"""Launch ``worker.py`` under torchrun with a list of jobs and read back what each rank wrote."""
+"""Launch ``worker.py`` under torchrun with a list of jobs and read back what each rank wrote.
+
+``launch_shared`` runs the jobs of several tests in one launch (one start of torchrun and DeepSpeed);
+each test reads its own jobs through a ``Launch`` view, by the names it gave them."""
 from __future__ import annotations
 
 import json
@@ -45,3 +48,47 @@ def launch(nproc: int, jobs: list[dict], out_dir: Path, timeout: float) -> Launc
 def max_param_diff(a: dict, b: dict) -> float:
     assert a["params"].keys() == b["params"].keys()
     return max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
+
+
+def _prefixed(prefix: str, job: dict) -> dict:
+    """``job`` renamed, with the checkpoint folders it saves or loads, into the ``prefix`` namespace."""
+    job = {**job, "name": prefix + job["name"]}
+    if "save" in job:
+        job["save"] = {step: prefix + d for step, d in job["save"].items()}
+    if "load" in job:
+        job["load"] = {**job["load"], "dir": prefix + job["load"]["dir"]}
+    return job
+
+
+@dataclass
+class View:
+    """One test's jobs in a shared launch: results and errors by the names the test gave them."""
+    shared: Launch
+    prefix: str
+
+    @property
+    def returncode(self) -> int:
+        return self.shared.returncode
+
+    @property
+    def output(self) -> str:
+        return self.shared.output
+
+    def result(self, name: str, rank: int) -> dict:
+        return self.shared.result(self.prefix + name, rank)
+
+    def error(self, name: str, rank: int) -> str:
+        return self.shared.error(self.prefix + name, rank)
+
+    def path(self, folder: str) -> Path:
+        """Where a checkpoint folder the test's jobs save (``"save": {step: folder}``) is."""
+        return self.shared.out_dir / (self.prefix + folder)
+
+
+def launch_shared(nproc: int, tests: dict[str, list[dict]], out_dir: Path, timeout: float) -> dict[str, View]:
+    """The jobs of each test (by key) one after another in one launch, each test's in its own order and
+    namespace (``<key>.<name>``, checkpoint folders too); a view per test. A job that raises ends the
+    launch: the tests whose jobs came after it find their results missing, with the launch's output."""
+    jobs = [_prefixed(f"{key}.", job) for key, test_jobs in tests.items() for job in test_jobs]
+    run = launch(nproc, jobs, out_dir, timeout)
+    return {key: View(run, f"{key}.") for key in tests}

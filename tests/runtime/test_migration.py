@@ -17,10 +17,13 @@ import pytest
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.plan.partition.parts import layer_moves
 
-from .launch import launch
+from .launch import launch, launch_shared
 
 TOL = 1e-5
 PM = {"schedule": "zb", "timeout_s": 60}
+# 18 layers: tied Linear, 8 x (Linear, GELU), tied Linear; DeepSpeed's uniform cut [0, 5, 10, 14, 18].
+FIRST, SECOND = [0, 3, 10, 15, 18], [0, 6, 9, 15, 18]
+SAVED = [0, 11, 13, 16, 18]  # the partition a checkpoint is saved on, after two migrations
 
 
 def _model_params(run, name: str, ranks: list[int]) -> dict:
@@ -42,12 +45,10 @@ def _assert_same_training(run, ref: str, moved: str, world: int, replica_ranks: 
         assert worst <= TOL, f"replica {ranks}: parameters differ by {worst:g}"
 
 
-@pytest.mark.timeout(420)
-def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(tmp_path):
-    # 18 layers: tied Linear, 8 x (Linear, GELU), tied Linear; DeepSpeed's uniform cut [0, 5, 10, 14, 18].
-    first, second = [0, 3, 10, 15, 18], [0, 6, 9, 15, 18]
+def _both_ways_jobs() -> list[dict]:
+    first, second = FIRST, SECOND
     base = {"stages": 4, "micro_batches": 4, "steps": 5, "tied": True, "pipemorph": PM}
-    jobs = [
+    return [
         {**base, "name": "still"},
         {**base, "name": "moved", "migrate": {"1": first, "3": second}},
         {**base, "name": "still_torch", "torch_adam": True},
@@ -61,7 +62,55 @@ def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(tmp_path)
         {**base, "name": "moved_dropout", "dropout": 0.2,
          "migrate": {"1": [0, 4, 14, 22, 26], "3": [0, 9, 12, 22, 26]}},
     ]
-    run = launch(4, jobs, tmp_path, timeout=400)
+
+
+def _replicas_jobs() -> list[dict]:
+    # 2 stages x 2 replicas: 10 layers (tied ends), uniform [0, 5, 10]. Ranks 0, 1 are stage 0 (replicas 0, 1).
+    base = {"stages": 2, "dp": 2, "micro_batches": 4, "steps": 4, "tied": True, "pipemorph": PM}
+    return [{**base, "name": "still"},
+            {**base, "name": "moved", "migrate": {"1": [0, 3, 10], "2": [0, 7, 10]}}]
+
+
+def _lost_transfer_jobs() -> list[dict]:
+    # The first attempt's payloads are never sent (only their sizes): the receivers time out, every
+    # rank votes no and keeps [0, 5, 10, 14, 18]; training goes on; the second attempt moves.
+    pm = {**PM, "rebalance": {"timeout_s": 3}, "inject": {"migration_drop": [0]}}
+    base = {"stages": 4, "micro_batches": 4, "steps": 4, "tied": True}
+    return [{**base, "name": "still", "pipemorph": PM},
+            {**base, "name": "retried", "pipemorph": pm,
+             "migrate": {"1": [0, 3, 10, 15, 18], "2": [0, 3, 10, 15, 18]}}]
+
+
+def _checkpoint_jobs() -> list[dict]:
+    # Saved on SAVED after two migrations; a fresh engine (uniform [0, 5, 10, 14, 18]) cannot reach
+    # it in one migration (layers 10 and 11 go from stage 2 to stage 0), so loading takes two, then
+    # DeepSpeed loads each stage's optimizer state into the same layers it was saved from.
+    base = {"stages": 4, "micro_batches": 4, "steps": 5, "tied": True, "pipemorph": PM}
+    return [
+        {**base, "name": "still"},
+        {**base, "name": "saver", "migrate": {"1": [0, 9, 12, 15, 18], "2": SAVED}, "save": {"3": "ckpt"}},
+        {**base, "name": "resumed", "load": {"dir": "ckpt", "step": 3}},
+    ]
+
+
+# The 4-rank tests' jobs in one launch (one start of torchrun and DeepSpeed), each test's in its own
+# order; its ceiling is the sum of theirs as launches of their own (400, 400, 400, 280 s).
+SHARED_TIMEOUT = 1480
+TEST_TIMEOUT = SHARED_TIMEOUT + 60  # the first test to ask for the launch waits for all of it
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """A view per test of the launch."""
+    return launch_shared(4, {"both_ways": _both_ways_jobs(), "replicas": _replicas_jobs(),
+                             "lost": _lost_transfer_jobs(), "checkpoint": _checkpoint_jobs()},
+                         tmp_path_factory.mktemp("migration"), timeout=SHARED_TIMEOUT)
+
+
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(four_ranks):
+    second = SECOND
+    run = four_ranks["both_ways"]
     _assert_same_training(run, "still", "moved", 4, [[0, 1, 2, 3]])
     _assert_same_training(run, "still_torch", "moved_torch", 4, [[0, 1, 2, 3]])
     _assert_same_training(run, "still_dropout", "moved_dropout", 4, [[0, 1, 2, 3]])
@@ -82,13 +131,9 @@ def test_layers_moved_both_ways_on_four_stages_train_as_if_never_moved(tmp_path)
         assert refused["parts"] == [0, 5, 10, 14, 18] and len(refused["losses"]) == 1
 
 
-@pytest.mark.timeout(420)
-def test_two_pipelines_by_two_data_parallel_migrate_replicas_alike(tmp_path):
-    # 2 stages x 2 replicas: 10 layers (tied ends), uniform [0, 5, 10]. Ranks 0, 1 are stage 0 (replicas 0, 1).
-    base = {"stages": 2, "dp": 2, "micro_batches": 4, "steps": 4, "tied": True, "pipemorph": PM}
-    jobs = [{**base, "name": "still"},
-            {**base, "name": "moved", "migrate": {"1": [0, 3, 10], "2": [0, 7, 10]}}]
-    run = launch(4, jobs, tmp_path, timeout=400)
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_two_pipelines_by_two_data_parallel_migrate_replicas_alike(four_ranks):
+    run = four_ranks["replicas"]
     _assert_same_training(run, "still", "moved", 4, [[0, 2], [1, 3]])
     a, b = _model_params(run, "moved", [0, 2]), _model_params(run, "moved", [1, 3])
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0  # the replicas stay identical
@@ -106,16 +151,9 @@ def test_gradient_clipping_after_a_move_scales_as_if_never_moved(tmp_path):
     _assert_same_training(run, "still", "moved", 2, [[0, 1]])
 
 
-@pytest.mark.timeout(420)
-def test_a_transfer_lost_midway_keeps_the_old_partition_and_the_next_attempt_succeeds(tmp_path):
-    # The first attempt's payloads are never sent (only their sizes): the receivers time out, every
-    # rank votes no and keeps [0, 5, 10, 14, 18]; training goes on; the second attempt moves.
-    pm = {**PM, "rebalance": {"timeout_s": 3}, "inject": {"migration_drop": [0]}}
-    base = {"stages": 4, "micro_batches": 4, "steps": 4, "tied": True}
-    jobs = [{**base, "name": "still", "pipemorph": PM},
-            {**base, "name": "retried", "pipemorph": pm,
-             "migrate": {"1": [0, 3, 10, 15, 18], "2": [0, 3, 10, 15, 18]}}]
-    run = launch(4, jobs, tmp_path, timeout=400)
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_transfer_lost_midway_keeps_the_old_partition_and_the_next_attempt_succeeds(four_ranks):
+    run = four_ranks["lost"]
     _assert_same_training(run, "still", "retried", 4, [[0, 1, 2, 3]])
     for r in range(4):
         first, second = run.result("retried", r)["migrations"]
@@ -147,20 +185,11 @@ def test_moves_are_between_neighbouring_stages():
         layer_moves([0, 5, 10], [0, 5, 9])
 
 
-@pytest.mark.timeout(300)
-def test_a_checkpoint_saved_after_migrations_resumes_on_the_partition_it_was_saved_on(tmp_path):
-    # Saved on [0, 11, 13, 16, 18] after two migrations; a fresh engine (uniform [0, 5, 10, 14, 18])
-    # cannot reach it in one migration (layers 10 and 11 go from stage 2 to stage 0), so loading
-    # takes two, then DeepSpeed loads each stage's optimizer state into the same layers it was saved from.
-    saved = [0, 11, 13, 16, 18]
-    base = {"stages": 4, "micro_batches": 4, "steps": 5, "tied": True, "pipemorph": PM}
-    jobs = [
-        {**base, "name": "still"},
-        {**base, "name": "saver", "migrate": {"1": [0, 9, 12, 15, 18], "2": saved}, "save": {"3": "ckpt"}},
-        {**base, "name": "resumed", "load": {"dir": "ckpt", "step": 3}},
-    ]
-    run = launch(4, jobs, tmp_path, timeout=280)
-    assert (tmp_path / "ckpt" / "global_step3" / "pipemorph_parts.json").is_file()
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_a_checkpoint_saved_after_migrations_resumes_on_the_partition_it_was_saved_on(four_ranks):
+    saved = SAVED
+    run = four_ranks["checkpoint"]
+    assert run.path("ckpt").joinpath("global_step3", "pipemorph_parts.json").is_file()
     for r in range(4):
         still, resumed = run.result("still", r), run.result("resumed", r)
         assert resumed["parts"] == saved

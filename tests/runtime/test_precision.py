@@ -23,11 +23,15 @@ import torch
 
 from ds_pipemorph.runtime.compat import MOVING_REFUSED
 
-from .launch import launch, max_param_diff
+from .launch import launch, launch_shared, max_param_diff
 from .plans_io import write_plan
 
 BF16 = {"bf16": {"enabled": True}}
 Z1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+# The 4-rank tests' jobs run in one launch (one start of torchrun and DeepSpeed), each test's in
+# its own order; its ceiling is the sum of theirs as launches of their own (560, 560, 700, 560 s).
+SHARED_TIMEOUT = 2380
+TEST_TIMEOUT = SHARED_TIMEOUT + 60  # the first test to ask for the launch waits for all of it
 
 
 def _pm(schedule: str, **more) -> dict:
@@ -48,13 +52,13 @@ def _assert_identical(run, name: str, ref: str, ranks: int, tol: float = 0.0) ->
         assert ours["loss_scale"] == stock["loss_scale"], f"{name} rank {r}: loss scale"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_schedule_and_dispatch(tmp_path):
+def _four_stage_jobs(out_dir) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The jobs of the first test below (its plan file written to ``out_dir``), and the pairs of
+    (job, stock job) it compares."""
     from ds_pipemorph.plan.ir.profile import Costs
     from ds_pipemorph.plan.sched.listsched import list_schedule
 
-    plan = write_plan(tmp_path / "plan.yaml", list_schedule(Costs.uniform(4, 10.0), 8, [6, 4, 2, 1]), 8)
+    plan = write_plan(out_dir / "plan.yaml", list_schedule(Costs.uniform(4, 10.0), 8, [6, 4, 2, 1]), 8)
     jobs, checks = [], []
     for prec, ds in (("bf16", BF16), ("z1", Z1)):
         jobs.append({"name": f"stock_{prec}", "stages": 4, "micro_batches": 8, "pipemorph": None, "ds": ds})
@@ -73,8 +77,23 @@ def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_
         checks.append((f"zb_{prec}_tied", f"stock_{prec}_tied"))
     for job in jobs:
         job["steps"] = 4
-    run = launch(4, jobs, tmp_path, timeout=560)
-    for name, ref in checks:
+    return jobs, checks
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """The 4-rank tests' jobs in one launch: a view of it per test."""
+    out = tmp_path_factory.mktemp("precision")
+    return launch_shared(4, {"stages4": _four_stage_jobs(out)[0], "replicas": _replica_jobs(),
+                             "moving": _moving_jobs(), "scheduled": _scheduled_jobs()}, out, timeout=SHARED_TIMEOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_schedule_and_dispatch(four_ranks,
+                                                                                                        tmp_path):
+    run = four_ranks["stages4"]
+    for name, ref in _four_stage_jobs(tmp_path)[1]:
         _assert_identical(run, name, ref, 4)
     for prec in ("bf16", "z1"):  # the slow link was re-planned for, mid-run, on every rank alike
         replans = run.result(f"adaptive_{prec}", 0)["replans"]
@@ -89,14 +108,8 @@ def test_four_stages_in_bf16_and_bf16_zero1_equal_stock_bit_for_bit_under_every_
     assert torch.equal(first["tied_modules.ends.weight"], last["tied_modules.ends.weight"]), "tied weights differ"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resume_across_engines(tmp_path):
-    """2 stages x 2 replicas: ZeRO-1 and BF16_Optimizer partition the fp32 masters over the replicas.
-    Links delegated from the start, and a direct link that fails mid-run and fails over, change
-    nothing.
-    A run saved by ours at step 2 resumes under stock DeepSpeed, and the reverse, to the parameters
-    and masters of the run that never stopped."""
+def _replica_jobs() -> list[dict]:
+    """The jobs of the test below."""
     jobs = [{"name": "stock_z1", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": None, "ds": Z1,
              "save": {"2": "ck_stock"}},
             {"name": "zb_z1", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": _pm("zb"), "ds": Z1,
@@ -118,7 +131,18 @@ def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resu
             {"name": "failover_bf16", "stages": 2, "dp": 2, "micro_batches": 4, "ds": BF16,
              "pipemorph": {"schedule": "zb", "delegation": {"mode": "auto", "queues": 1}, "adapt": {"enabled": False},
                            "inject": {"faults": {"link_fails_after": {"0": 5}}}}}]
-    run = launch(4, jobs, tmp_path, timeout=560)
+    return jobs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_two_replicas_zero1_partitions_delegated_links_and_checkpoints_that_resume_across_engines(four_ranks):
+    """2 stages x 2 replicas: ZeRO-1 and BF16_Optimizer partition the fp32 masters over the replicas.
+    Links delegated from the start, and a direct link that fails mid-run and fails over, change
+    nothing.
+    A run saved by ours at step 2 resumes under stock DeepSpeed, and the reverse, to the parameters
+    and masters of the run that never stopped."""
+    run = four_ranks["replicas"]
     for name, ref in (("zb_z1", "stock_z1"), ("delegated_z1", "stock_z1"), ("failover_z1", "stock_z1"),
                       ("zb_bf16", "stock_bf16"), ("delegated_bf16", "stock_bf16"), ("failover_bf16", "stock_bf16")):
         _assert_identical(run, name, ref, 4)
@@ -187,22 +211,8 @@ def _replica(run, name: str, ranks, key: str = "params") -> dict:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(720)
-def test_layers_and_ranks_move_in_bf16_and_zero1_and_train_as_if_they_had_not(tmp_path):
-    """2 stages x 2 replicas, 10 layers with tied ends (uniform [0, 5, 10]). Layers move both ways
-    (live migration) and ranks take new stages (re-mapping); each parameter, its fp32 master (by
-    name: the flat partitions are laid out anew) and every loss are compared with the run that never
-    moved. A ZeRO-1 checkpoint saved after a migration resumes on the partition it was saved on.
-
-    Not bit for bit, and by how much: gradient clipping's norm is a sum of squares added per stage,
-    then over the stages; a layer that moved is added on another stage, so the norm, and the clip
-    coefficient every gradient is multiplied by, can differ in their last bit (a relative 2^-24 per
-    addition, a few additions). Adam divides the scaled gradient by the root of its scaled square,
-    so the coefficient cancels but for ``eps``: a master moves by a few fp32 ulps at most per step
-    (we allow 8 ulps of its magnitude over the 4 steps), a bf16 weight, the master rounded, by at
-    most one bf16 ulp (2^-8 relative), and a loss computed from such weights by a few bf16 ulps of
-    the loss (2^-6 relative allowed)."""
+def _moving_jobs() -> list[dict]:
+    """The jobs of the test below."""
     base = {"stages": 2, "dp": 2, "micro_batches": 4, "steps": 4, "tied": True,
             "pipemorph": {"schedule": "zb", "timeout_s": 60, "delegation": {"mode": "off"}}}
     new = [[0, 2], [1, 3]]  # ranks[stage][replica]: ranks 1 and 2 swap stages
@@ -218,7 +228,26 @@ def test_layers_and_ranks_move_in_bf16_and_zero1_and_train_as_if_they_had_not(tm
              {**base, "ds": Z1, "name": "resumed_z1", "load": {"dir": "ck_moved", "step": 2}},
              {**base, "ds": Z1, "name": "stock_saved_z1", "pipemorph": None, "save": {"2": "ck_stock"}},
              {**base, "ds": Z1, "name": "stock_resumed_z1", "pipemorph": None, "load": {"dir": "ck_stock", "step": 2}}]
-    run = launch(4, jobs, tmp_path, timeout=700)
+    return jobs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_layers_and_ranks_move_in_bf16_and_zero1_and_train_as_if_they_had_not(four_ranks):
+    """2 stages x 2 replicas, 10 layers with tied ends (uniform [0, 5, 10]). Layers move both ways
+    (live migration) and ranks take new stages (re-mapping); each parameter, its fp32 master (by
+    name: the flat partitions are laid out anew) and every loss are compared with the run that never
+    moved. A ZeRO-1 checkpoint saved after a migration resumes on the partition it was saved on.
+
+    Not bit for bit, and by how much: gradient clipping's norm is a sum of squares added per stage,
+    then over the stages; a layer that moved is added on another stage, so the norm, and the clip
+    coefficient every gradient is multiplied by, can differ in their last bit (a relative 2^-24 per
+    addition, a few additions). Adam divides the scaled gradient by the root of its scaled square,
+    so the coefficient cancels but for ``eps``: a master moves by a few fp32 ulps at most per step
+    (we allow 8 ulps of its magnitude over the 4 steps), a bf16 weight, the master rounded, by at
+    most one bf16 ulp (2^-8 relative), and a loss computed from such weights by a few bf16 ulps of
+    the loss (2^-6 relative allowed)."""
+    run = four_ranks["moving"]
     for prec in ("bf16", "z1"):
         still = f"still_{prec}"
         for name, replicas in ((f"moved_{prec}", ([0, 2], [1, 3])), (f"remapped_{prec}", ([0, 1], [2, 3]))):
@@ -250,15 +279,8 @@ def test_layers_and_ranks_move_in_bf16_and_zero1_and_train_as_if_they_had_not(tm
             assert ((x - y).abs() <= rel * y.abs() + 1e-12).all(), f"resumed {key} {k}"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_four_stages_move_layers_with_a_scheduler_and_checkpointing_and_zero1_overlaps_reduction_as_stock(tmp_path):
-    """4 stages x 1 replica, bf16 with a warm-up lr schedule and activation checkpointing of every
-    Linear/GELU pair: layers 6 and 7 move from stage 1 to stage 2 after step 1, while stages 0 and
-    3 hold on to theirs (their optimizers stay as they are), the schedule keeps driving the stage's
-    new optimizer and the moved layers run checkpointed on their new stage; held to the run that
-    never moved with the tolerances of the test above. ZeRO-1 with ``overlap_comm`` reduces in
-    DeepSpeed's gradient hooks, which fire in W: bit for bit as stock."""
+def _scheduled_jobs() -> list[dict]:
+    """The jobs of the test below."""
     sched = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                            "warmup_num_steps": 3}}}
     ds = {**BF16, **sched, "pipeline": {"activation_checkpoint_interval": 2}}
@@ -269,7 +291,19 @@ def test_four_stages_move_layers_with_a_scheduler_and_checkpointing_and_zero1_ov
             {**base, "name": "stock_overlap", "ds": ovl, "pipemorph": None},
             {**base, "name": "zb_overlap", "ds": ovl},
             {**base, "name": "ready_overlap", "ds": ovl, "pipemorph": {**_pm("zb", dispatch="ready"), "timeout_s": 60}}]
-    run = launch(4, jobs, tmp_path, timeout=560)
+    return jobs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TEST_TIMEOUT)
+def test_four_stages_move_layers_with_a_scheduler_and_checkpointing_and_zero1_overlaps_reduction_as_stock(four_ranks):
+    """4 stages x 1 replica, bf16 with a warm-up lr schedule and activation checkpointing of every
+    Linear/GELU pair: layers 6 and 7 move from stage 1 to stage 2 after step 1, while stages 0 and
+    3 hold on to theirs (their optimizers stay as they are), the schedule keeps driving the stage's
+    new optimizer and the moved layers run checkpointed on their new stage; held to the run that
+    never moved with the tolerances of the test above. ZeRO-1 with ``overlap_comm`` reduces in
+    DeepSpeed's gradient hooks, which fire in W: bit for bit as stock."""
+    run = four_ranks["scheduled"]
     for r in range(4):
         a, b = run.result("still", r), run.result("moved", r)
         assert b["migrations"][0]["ok"] and b["parts"] == [0, 4, 6, 12, 16], f"rank {r}"
