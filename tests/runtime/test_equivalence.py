@@ -20,7 +20,7 @@ from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 
-from .launch import launch, max_param_diff
+from .launch import launch, launch_shared, max_param_diff
 from .plans_io import write_plan
 from .randplans import random_plan
 
@@ -122,13 +122,13 @@ def _assert_compare(run) -> None:
     assert "pipemorph compare: B = zb/ordered, A = 1f1b/ordered, 12 measured iterations: " in run.output
 
 
-@pytest.mark.timeout(400)
-def test_four_stages_zb_adaptive_plan_file_tied_gpt_and_random_plans_equal_stock_deepspeed(tmp_path):
+def _four_stage_jobs(out_dir):
+    """The jobs of the 4-stage test below (its plan files written to ``out_dir``) and its checks."""
     jobs, checks = _jobs_for(4, 1, (1, 2, 8), ("zb", "adaptive"))
     tied_jobs, tied_checks = _jobs_for(4, 1, (4,), ("zb",), tied=True)
     jobs += tied_jobs
     checks += tied_checks
-    job, check = _plan_file_job(4, 8, [6, 4, 2, 1], tmp_path, "stock_s4_n8")
+    job, check = _plan_file_job(4, 8, [6, 4, 2, 1], out_dir, "stock_s4_n8")
     jobs.append(job)
     checks.append(check)
     for dyn in ("", "_dynamic"):  # the recipe's GPT, with fixed and with varying sequence lengths
@@ -140,13 +140,40 @@ def test_four_stages_zb_adaptive_plan_file_tied_gpt_and_random_plans_equal_stock
     for i in range(3):
         plan, caps = random_plan(4, 8, rng)
         validate_schedule(plan, 4, 8, caps)
-        path = write_plan(tmp_path / f"random{i}.yaml", plan, 8)
+        path = write_plan(out_dir / f"random{i}.yaml", plan, 8)
         name = f"random{i}_s4_n8"
         jobs.append({"name": name, "stages": 4, "micro_batches": 8,
                      "pipemorph": {"schedule": "plan", "plan_file": path, "delegation": {"mode": "off"}}})
         checks.append((name, "stock_s4_n8", peak_inflight(plan), plan))
-    run = launch(4, jobs, tmp_path, timeout=380)
-    for name, stock, peak, *plan in checks:
+    return jobs, checks
+
+
+def _replica_jobs():
+    """The jobs of the 2 x 2 test below and its checks."""
+    jobs, checks = _jobs_for(2, 2, (4,), ("zb", "adaptive"))
+    # Every link delegated: the same link of the two replicas has delegates of its own on each.
+    section = {"schedule": "zb", "delegation": {"mode": "always"}, "adapt": {"enabled": False}}
+    jobs.append({"name": "zb_delegated_s2_n4", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": section})
+    checks.append(("zb_delegated_s2_n4", "stock_s2_n4", _expected_peak(section, 2, 4)))
+    return jobs, checks
+
+
+# The 4-rank tests' jobs in one launch (one start of torchrun and DeepSpeed), each test's in its own
+# order; its ceiling is the sum of theirs as launches of their own (380 and 180 s).
+SHARED_TIMEOUT = 560
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("equivalence4")
+    return launch_shared(4, {"four_stages": _four_stage_jobs(out)[0], "replicas": _replica_jobs()[0]}, out,
+                         timeout=SHARED_TIMEOUT)
+
+
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)  # the first test to ask for the launch waits for all of it
+def test_four_stages_zb_adaptive_plan_file_tied_gpt_and_random_plans_equal_stock_deepspeed(four_ranks, tmp_path):
+    run = four_ranks["four_stages"]
+    for name, stock, peak, *plan in _four_stage_jobs(tmp_path)[1]:  # the same random plans, from the same seed
         _assert_equal_to_stock(run, name, stock, 4, peak, *plan)
 
 
@@ -174,15 +201,10 @@ def test_random_valid_plans_on_three_stages_run_without_deadlock_and_equal_stock
         _assert_equal_to_stock(run, name, "stock_s3_n6", 3, peak, plan)
 
 
-@pytest.mark.timeout(200)
-def test_two_pipeline_by_two_data_parallel_zb_equals_stock(tmp_path):
-    jobs, checks = _jobs_for(2, 2, (4,), ("zb", "adaptive"))
-    # Every link delegated: the same link of the two replicas has delegates of its own on each.
-    section = {"schedule": "zb", "delegation": {"mode": "always"}, "adapt": {"enabled": False}}
-    jobs.append({"name": "zb_delegated_s2_n4", "stages": 2, "dp": 2, "micro_batches": 4, "pipemorph": section})
-    checks.append(("zb_delegated_s2_n4", "stock_s2_n4", _expected_peak(section, 2, 4)))
-    run = launch(4, jobs, tmp_path, timeout=180)
-    for name, stock, peak, *plan in checks:
+@pytest.mark.timeout(SHARED_TIMEOUT + 60)
+def test_two_pipeline_by_two_data_parallel_zb_equals_stock(four_ranks):
+    run = four_ranks["replicas"]
+    for name, stock, peak, *plan in _replica_jobs()[1]:
         _assert_equal_to_stock(run, name, stock, 4, peak, *plan)
         # Two replicas: stock's own loss reduction (the mean over replicas, then the broadcast).
         assert not any(run.result(name, r)["early_loss"] for r in range(4)), name

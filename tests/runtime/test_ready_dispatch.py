@@ -22,7 +22,7 @@ from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 
-from .launch import launch, max_param_diff
+from .launch import launch_shared, max_param_diff
 from .plans_io import write_plan
 from .randplans import random_plan
 
@@ -62,16 +62,8 @@ def _jobs(stages: int, dp: int, n: int, schedules, tied=False):
     return jobs, checks
 
 
-@pytest.mark.timeout(240)
-def test_two_stages_ready_dispatch_of_zb_adaptive_and_1f1b_hints_equals_stock(tmp_path):
-    jobs, checks = _jobs(2, 1, 8, ("zb", "adaptive", "1f1b"))
-    run = launch(2, jobs, tmp_path, timeout=220)
-    for name, stock, peak in checks:
-        _assert_ready_run_equals_stock(run, name, stock, 2, peak)
-
-
-@pytest.mark.timeout(400)
-def test_four_stages_ready_dispatch_with_a_tied_layer_random_hints_and_a_slow_link_equals_stock(tmp_path):
+def _four_stage_jobs(out_dir):
+    """The jobs of the 4-stage test below (its random plans written to ``out_dir``) and its checks."""
     jobs, checks = _jobs(4, 1, 8, ("zb", "adaptive"))
     tied_jobs, tied_checks = _jobs(4, 1, 4, ("zb",), tied=True)
     jobs += tied_jobs
@@ -80,7 +72,7 @@ def test_four_stages_ready_dispatch_with_a_tied_layer_random_hints_and_a_slow_li
     for i in range(2):  # any valid plan is a hint ready dispatch runs to the end
         plan, caps = random_plan(4, 8, rng)
         validate_schedule(plan, 4, 8, caps)
-        path = write_plan(tmp_path / f"random{i}.yaml", plan, 8)
+        path = write_plan(out_dir / f"random{i}.yaml", plan, 8)
         name = f"ready_random{i}_s4_n8"
         jobs.append({"name": name, "stages": 4, "micro_batches": 8,
                      "pipemorph": _section("plan", plan_file=path)})
@@ -88,36 +80,73 @@ def test_four_stages_ready_dispatch_with_a_tied_layer_random_hints_and_a_slow_li
     section = _section("zb", inject={"links": {"1": {"delay_ms": 15}}})  # timing changes, results do not
     jobs.append({"name": "ready_zb_slow_s4_n8", "stages": 4, "micro_batches": 8, "pipemorph": section})
     checks.append(("ready_zb_slow_s4_n8", "stock_s4_dp1_n8", peak_inflight(build_plan(parse_config(section), 4, 8))))
-    run = launch(4, jobs, tmp_path, timeout=380)
-    for name, stock, peak in checks:
-        _assert_ready_run_equals_stock(run, name, stock, 4, peak)
+    return jobs, checks
 
 
-@pytest.mark.timeout(240)
-def test_two_pipelines_by_two_data_parallel_ready_dispatch_equals_stock(tmp_path):
-    jobs, checks = _jobs(2, 2, 4, ("zb", "adaptive"))
-    run = launch(4, jobs, tmp_path, timeout=220)
-    for name, stock, peak in checks:
-        _assert_ready_run_equals_stock(run, name, stock, 4, peak)
+# Stage 1's hint starts with F1, but stage 0 sends F0 first over a link that holds each message
+# 30 ms (one in flight): F0 is in 30 ms before F1, so ready dispatch runs F0 and B0 first; W0
+# waits for W1, the W before it in the hint (Ws accumulate in the hint's order), so F1 and B1 come
+# between.
+HINT = [parse_stage("F0 F1 B0 W0 B1 W1".split()), parse_stage("F1 B1 W1 F0 B0 W0".split())]
 
 
-@pytest.mark.timeout(240)
-def test_the_timeline_shows_the_order_run_and_trace_compare_names_where_it_left_the_hint(tmp_path):
-    # Stage 1's hint starts with F1, but stage 0 sends F0 first over a link that holds each message
-    # 30 ms (one in flight): F0 is in 30 ms before F1, so ready dispatch runs F0 and B0 first; W0
-    # waits for W1, the W before it in the hint (Ws accumulate in the hint's order), so F1 and B1 come
-    # between.
-    hint = [parse_stage("F0 F1 B0 W0 B1 W1".split()), parse_stage("F1 B1 W1 F0 B0 W0".split())]
+def _timeline_jobs(out_dir):
+    """The jobs of the timeline test below: its hint and timeline files in ``out_dir``."""
     profile = Profile(stages=2, microbatches=2, compute_ms={"forward": 1.0, "backward_input": 1.0,
                                                              "backward_weight": 1.0})
-    plan_path = tmp_path / "hint.yaml"
-    plan_path.write_text(json.dumps(PlanFile.build(hint, profile).model_dump(mode="json")))
-    timeline = tmp_path / "timeline.json"
+    plan_path = out_dir / "hint.yaml"
+    plan_path.write_text(json.dumps(PlanFile.build(HINT, profile).model_dump(mode="json")))
     section = _section("plan", plan_file=str(plan_path), inject={"links": {"0": {"delay_ms": 30}}},
-                       timeline=str(timeline))
-    jobs = [{"name": "stock", "stages": 2, "micro_batches": 2, "pipemorph": None},
+                       timeline=str(out_dir / "timeline.json"))
+    return [{"name": "stock", "stages": 2, "micro_batches": 2, "pipemorph": None},
             {"name": "departs", "stages": 2, "micro_batches": 2, "pipemorph": section}]
-    run = launch(2, jobs, tmp_path, timeout=220)
+
+
+# The tests' jobs in two launches, by rank count (one start of torchrun and DeepSpeed each); each
+# test's in its own order. A launch's ceiling is the sum of its tests' as launches of their own.
+TIMEOUT_2, TIMEOUT_4 = 440, 600
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ready2")
+    return out, launch_shared(2, {"two_stages": _jobs(2, 1, 8, ("zb", "adaptive", "1f1b"))[0],
+                                  "timeline": _timeline_jobs(out)}, out, timeout=TIMEOUT_2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ready4")
+    return launch_shared(4, {"four_stages": _four_stage_jobs(out)[0], "replicas": _jobs(2, 2, 4, ("zb", "adaptive"))[0]},
+                         out, timeout=TIMEOUT_4)
+
+
+@pytest.mark.timeout(TIMEOUT_2 + 60)  # the first test to ask for a launch waits for all of it
+def test_two_stages_ready_dispatch_of_zb_adaptive_and_1f1b_hints_equals_stock(two_ranks):
+    run = two_ranks[1]["two_stages"]
+    for name, stock, peak in _jobs(2, 1, 8, ("zb", "adaptive", "1f1b"))[1]:
+        _assert_ready_run_equals_stock(run, name, stock, 2, peak)
+
+
+@pytest.mark.timeout(TIMEOUT_4 + 60)
+def test_four_stages_ready_dispatch_with_a_tied_layer_random_hints_and_a_slow_link_equals_stock(four_ranks, tmp_path):
+    run = four_ranks["four_stages"]
+    for name, stock, peak in _four_stage_jobs(tmp_path)[1]:  # the same random plans, from the same seed
+        _assert_ready_run_equals_stock(run, name, stock, 4, peak)
+
+
+@pytest.mark.timeout(TIMEOUT_4 + 60)
+def test_two_pipelines_by_two_data_parallel_ready_dispatch_equals_stock(four_ranks):
+    run = four_ranks["replicas"]
+    for name, stock, peak in _jobs(2, 2, 4, ("zb", "adaptive"))[1]:
+        _assert_ready_run_equals_stock(run, name, stock, 4, peak)
+
+
+@pytest.mark.timeout(TIMEOUT_2 + 60)
+def test_the_timeline_shows_the_order_run_and_trace_compare_names_where_it_left_the_hint(two_ranks):
+    out, runs = two_ranks
+    hint, plan_path, timeline = HINT, out / "hint.yaml", out / "timeline.json"
+    run = runs["timeline"]
     _assert_ready_run_equals_stock(run, "departs", "stock", 2, peak_inflight(hint))
     ran = [op for op in run.result("departs", 1)["ops"][-1] if op[0] in "FBW" and op[1:].isdigit()]
     assert ran == ["F0", "B0", "F1", "B1", "W1", "W0"], ran
