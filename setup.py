@@ -55,7 +55,7 @@ setup(
     extras_require={
         "plot": ["matplotlib>=3.7"],
         "milp": ["highspy>=1.7"],
-        # control.interference.SlowdownModel (a random forest) and benchmarks/interference_predictor.py
+        # control.interference.SlowdownModel (a random forest) and benchmarks/control/interference_predictor.py
         "interference": ["scikit-learn>=1.3", "joblib>=1.2"],
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
     },

@@ -17,7 +17,7 @@
 #                   per GPU on the NCCL backend (scripts/gpu_check/nccl_job.py), PipeMorphEngine with direct
 #                   links under NCCL's rules (delegation.mode "auto", the GPU recipe's, and "off") against
 #                   stock DeepSpeed: losses and parameters within 1e-5, NcclLowering's streams run;
-#   staging_bench   benchmarks/staging_throughput.py, shortened;
+#   staging_bench   benchmarks/transport/staging_throughput.py, shortened;
 #   nsight          where nsys is installed: an Nsight Systems capture of a 4-rank job read back by
 #                   `pipemorph trace inspect` (otherwise recorded as skipped), delegated as one_gpu_job.
 # Exit code: 0 when every step passed (or was skipped for want of nsys or GPUs), 1 when one failed or the budget ran
@@ -108,7 +108,7 @@ else
   row nccl_job skipped 0 "" "needs 2 CUDA devices or more (NCCL refuses two ranks of one communicator on one GPU)" \
     "$PYTHON" scripts/gpu_check/nccl_job.py "$OUT/nccl_job" "$OUT/nccl_job.json"
 fi
-step staging_bench "$OUT/staging_throughput.json" -- "$PYTHON" benchmarks/staging_throughput.py \
+step staging_bench "$OUT/staging_throughput.json" -- "$PYTHON" benchmarks/transport/staging_throughput.py \
   --sizes-mb 1 16 64 --repeats 3 --total-mb 256 --out "$OUT/staging_throughput.json"
 if command -v nsys > /dev/null; then
   step nsight "$OUT/nsight.json" -- env DS_ACCELERATOR=cuda \

@@ -3,7 +3,7 @@
 torch starts as many intra-op threads as the machine has cores in every process. With several ranks
 on one host they oversubscribe the cores and spin against each other. The deepspeed launcher sets no
 thread count (unless ``--bind_cores_to_rank``, which needs numactl and a core per rank); torchrun
-sets ``OMP_NUM_THREADS=1`` for more than one process per node (``benchmarks/launchers.py`` times
+sets ``OMP_NUM_THREADS=1`` for more than one process per node (``benchmarks/launch/launchers.py`` times
 both).
 ``ds_pipemorph.initialize`` therefore gives each rank the cores this process may run on divided by
 the ranks on its host, at least one. An ``OMP_NUM_THREADS`` set by the user or the launcher wins.

@@ -1,4 +1,4 @@
-"""benchmarks/real_compute_ab.py runs (one short job) and its row is the engine's own comparison:
+"""benchmarks/engine/real_compute_ab.py runs (one short job) and its row is the engine's own comparison:
 the log line the engine wrote, parsed, with the replay's prediction from the measured op times."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(420)
 def test_real_compute_benchmark_parses_the_engines_comparison_and_predicts_from_measured_times(tmp_path):
     out = tmp_path / "rc.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_compute_ab.py"), "--micro-batches", "4",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "real_compute_ab.py"), "--micro-batches", "4",
                         "--steps", "16", "--budgets", "null", "--schedules", "adaptive,zb", "--out", str(out)],
                        capture_output=True, text=True, timeout=400, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]

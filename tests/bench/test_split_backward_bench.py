@@ -1,4 +1,4 @@
-"""benchmarks/split_backward.py runs (small) and its memory rows mean what they say: checkpointing
+"""benchmarks/engine/split_backward.py runs (small) and its memory rows mean what they say: checkpointing
 keeps less after F, the split keeps after B what W needs (the store less than the graph), and stock
 1F1B's peak is S - s micro-batches."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_split_backward_benchmark_prints_both_tables_and_writes_consistent_bytes(tmp_path):
     out = tmp_path / "sb.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "split_backward.py"), "--dims", "64", "--pairs", "3",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "split_backward.py"), "--dims", "64", "--pairs", "3",
                         "--blocks", "2", "--layers", "block,Linear", "--out", str(out)], capture_output=True,
                        text=True, timeout=280, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin", **_keep()})
     assert p.returncode == 0, p.stderr[-2000:]

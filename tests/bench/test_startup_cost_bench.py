@@ -1,4 +1,4 @@
-"""benchmarks/startup_cost.py runs (one short round: three jobs) and reports what it measured: each
+"""benchmarks/transport/startup_cost.py runs (one short round: three jobs) and reports what it measured: each
 job's iteration times, the slow-link job's re-plan onto the delegates."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_startup_benchmark_times_both_jobs_and_the_slow_link_switch(tmp_path):
     out = tmp_path / "startup.json"
     steps = 16
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup_cost.py"), "--rounds", "1", "--steps",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "transport" / "startup_cost.py"), "--rounds", "1", "--steps",
                         str(steps), "--slow-link-at", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=580, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
@@ -35,6 +35,6 @@ def test_startup_benchmark_times_both_jobs_and_the_slow_link_switch(tmp_path):
 
 
 def test_startup_benchmark_refuses_bad_input_in_one_sentence(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "startup_cost.py"), "--steps", "3",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "transport" / "startup_cost.py"), "--steps", "3",
                         "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: --steps 3: use at least 8")

@@ -1,7 +1,7 @@
 """When the orchestrator (``control.orchestrate.Orchestrator``) sees a data-parallel straggler: a
 stage's all-reduce must stand out against what the best ring would take *on this machine*, the ring
 model plus the fixed cost the other stages' all-reduces show, as on a real network (the lab run of
-``benchmarks/lab_orchestrator.py``: gloo's all-reduces of 2 MB over fast pairs took 15-35 ms where
+``benchmarks/lab/lab_orchestrator.py``: gloo's all-reduces of 2 MB over fast pairs took 15-35 ms where
 the model says 3-5 ms)."""
 from ds_pipemorph.control.orchestrate import Orchestrator
 from ds_pipemorph.plan.files.linkmatrix import LinkMatrix

@@ -4,7 +4,7 @@
 message in flight, DelayInjector): from the second message on, each send waits for the previous
 message to land, so the 8 sends take at least 7 x 30 ms however the machine is loaded. Delegated (2
 queues, the delay applied inside the delegates): each send only copies into a staging slot. How long
-a send takes on each path is a wall-clock measurement, made by benchmarks/delegation_hol.py (per
+a send takes on each path is a wall-clock measurement, made by benchmarks/transport/delegation_hol.py (per
 send on the slow link, per mode, with every mode under the same load); no test bounds it from above.
 """
 import bodies

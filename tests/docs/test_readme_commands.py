@@ -58,7 +58,7 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "pipemorph demo": Node((f"{RUNS}::test_demo_prints_the_table_of_three_schedules_with_and_without_delay",),
                            "the same demo with one measured iteration per schedule"),
     "pipemorph demo --budget 2": Options("the demo again, with twice stock's activation memory"),
-    "DS_ACCELERATOR=cpu python benchmarks/memory_budget.py": Options("six engines on the GPT recipe, minutes"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/memory_budget.py": Options("six engines on the GPT recipe, minutes"),
     "python -m pytest": Node(("tests/docs/test_readme_commands.py::test_every_readme_command_is_in_the_registry",),
                              "the suite itself, of which this file is part"),
     "DS_ACCELERATOR=cpu deepspeed --num_gpus 4 recipes/gpt/train.py --steps 300": Node(
@@ -77,54 +77,54 @@ REGISTRY: dict[str, Here | Node | Options] = {
         "GPU only; here its no-CUDA exit (the report writer is tested in the same file)"),
     "pipemorph --version": Here("prints the package version"),
     # The Measured table's commands: benchmarks of minutes to an hour on this machine.
-    "python benchmarks/planner_vs_milp.py --seed S --cases 30": Options("30 MILP solves per seed"),
+    "python benchmarks/planner/planner_vs_milp.py --seed S --cases 30": Options("30 MILP solves per seed"),
     "pipemorph paired zb stock-1f1b --pairs 8 --warmup 2 --job-iterations 5 --timeout-s 3600": Options(
         "16 whole jobs of 4 ranks"),
-    "DS_ACCELERATOR=cpu python benchmarks/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
-    "DS_ACCELERATOR=cpu python benchmarks/ready_dispatch.py --workloads heavy,none": Options(
+    "DS_ACCELERATOR=cpu python benchmarks/engine/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/ready_dispatch.py --workloads heavy,none": Options(
         "one job switching dispatch every iteration per workload"),
-    "DS_ACCELERATOR=cpu python benchmarks/real_compute_ab.py": Options(
+    "DS_ACCELERATOR=cpu python benchmarks/engine/real_compute_ab.py": Options(
         "eight training jobs of 44 iterations; tests/bench/test_real_compute_ab_bench.py runs one short job"),
-    "DS_ACCELERATOR=cpu python benchmarks/split_backward.py": Options(
+    "DS_ACCELERATOR=cpu python benchmarks/engine/split_backward.py": Options(
         "15 pairs per row; tests/runtime/test_recompute.py runs its recomputation and split in small"),
-    "DS_ACCELERATOR=cpu python benchmarks/ready_vs_stock.py": Options(
+    "DS_ACCELERATOR=cpu python benchmarks/engine/ready_vs_stock.py": Options(
         "four sittings, each one `pipemorph bench` job of both engines (its stock rows under --vary are "
         "tests/bench/test_bench_cli.py's)"),
     # The lab's rows (root, network namespaces): short runs of the same scripts are tests.
-    "python benchmarks/lab_profile_links.py": Options("all pairs of 4 lab nodes at three sizes"),
-    "DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py": Node(
+    "python benchmarks/lab/lab_profile_links.py": Options("all pairs of 4 lab nodes at three sizes"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab/lab_slow_link.py": Node(
         ("tests/lab/test_lab_slow_link.py::test_pipemorph_reads_a_real_slow_link_re_plans_for_it_and_pays_less_for_it_"
          "than_stock",), "3 measured iterations per row instead of 8"),
-    "DS_ACCELERATOR=cpu python benchmarks/lab_rate_trace.py": Options("120 iterations over a two-minute rate trace"),
-    "DS_ACCELERATOR=cpu python benchmarks/lab_failover.py --case two": Node(
+    "DS_ACCELERATOR=cpu python benchmarks/lab/lab_rate_trace.py": Options("120 iterations over a two-minute rate trace"),
+    "DS_ACCELERATOR=cpu python benchmarks/lab/lab_failover.py --case two": Node(
         ("tests/lab/test_lab_failover.py::test_primary_interface_down_with_two_networks_moves_the_delegates_to_eth1_"
          "and_trains_as_fault_free",), "the same jobs (run_two)"),
-    "DS_ACCELERATOR=cpu python benchmarks/lab_failover.py --case one": Node(
+    "DS_ACCELERATOR=cpu python benchmarks/lab/lab_failover.py --case one": Node(
         ("tests/lab/test_lab_failover.py::test_interface_down_with_one_network_ends_the_job_with_an_error_naming_the_link",),
         "the same job (run_one)"),
-    "DS_ACCELERATOR=cpu python benchmarks/lab_orchestrator.py": Node(
+    "DS_ACCELERATOR=cpu python benchmarks/lab/lab_orchestrator.py": Node(
         ("tests/lab/test_lab_orchestrator.py::test_engine_moves_a_measured_slow_data_parallel_link_into_the_pipeline_"
          "and_trains_unchanged",), "a shorter run of the same job"),
-    "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py": Node(
+    "DS_ACCELERATOR=cpu python benchmarks/control/real_straggler.py": Node(
         ("tests/runtime/test_real_straggler.py::test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_"
          "training_is_unchanged",), "a short version: 4 burners, 4 micro-batches, 10 iterations"),
-    "DS_ACCELERATOR=cpu python benchmarks/lab_slow_link.py --model gpt": Node(
+    "DS_ACCELERATOR=cpu python benchmarks/lab/lab_slow_link.py --model gpt": Node(
         ("tests/lab/test_lab_slow_link.py::test_gpt_blocks_on_two_nodes_train_the_same_under_every_engine_and_leave_"
          "no_namespace",), "the same rows, fewer iterations"),
-    "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py --model gpt --rows uniform,rebalance,rebalance-profiled,"
+    "DS_ACCELERATOR=cpu python benchmarks/control/real_straggler.py --model gpt --rows uniform,rebalance,rebalance-profiled,"
     "best-static": Options("four rows of 24 iterations; the next command's test runs --model gpt"),
-    "DS_ACCELERATOR=cpu python benchmarks/real_straggler.py --model gpt --burn-from 0 --rows uniform,rebalance,"
+    "DS_ACCELERATOR=cpu python benchmarks/control/real_straggler.py --model gpt --burn-from 0 --rows uniform,rebalance,"
     "rebalance-profiled,best-static": Node(
         ("tests/runtime/test_real_straggler.py::test_gpt_blocks_with_burners_from_the_start_report_the_loops_"
          "prediction_and_train_the_same",), "two of the rows, fewer iterations"),
-    "DS_ACCELERATOR=cpu python benchmarks/rebalance.py --models emulated --slow-from 0 --settle 5": Options(
+    "DS_ACCELERATOR=cpu python benchmarks/control/rebalance.py --models emulated --slow-from 0 --settle 5": Options(
         "a one-job comparison and six whole runs of 4 ranks"),
     "DS_ACCELERATOR=cpu pipemorph bench --stages 4 --microbatches 4 --op-ms 5 --delays-ms 0 --schedules pipemorph "
     "--iterations 60 --warmup 4": Options("one 4-rank job of 64 iterations"),
-    "DS_ACCELERATOR=cpu python benchmarks/startup_cost.py": Node(
+    "DS_ACCELERATOR=cpu python benchmarks/transport/startup_cost.py": Node(
         ("tests/bench/test_startup_cost_bench.py::test_startup_benchmark_times_both_jobs_and_the_slow_link_switch",),
         "one round of 16 iterations"),
-    "python benchmarks/cli_startup.py --runs 9": Options("starts the CLI and torch dozens of times"),
+    "python benchmarks/planner/cli_startup.py --runs 9": Options("starts the CLI and torch dozens of times"),
 }
 
 

@@ -1,4 +1,4 @@
-"""A real interface failure under a 4-node job in the lab (``benchmarks/lab_failover.py`` runs the jobs).
+"""A real interface failure under a 4-node job in the lab (``benchmarks/lab/lab_failover.py`` runs the jobs).
 
 Two networks, every link delegated with ``delegation.interfaces: [eth0, eth1]`` (the ranks' own
 process group on eth1): node 2's eth0 goes down after two iterations; the job finishes, its parameters
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "lab"))
 
 from lab_failover import FAULT_NODE, run_one, run_two  # noqa: E402
 

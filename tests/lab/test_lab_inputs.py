@@ -49,14 +49,14 @@ def test_a_lab_that_cannot_be_built_is_refused_before_anything_is_made(kw, words
         Lab(**kw)
 
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "lab"
 RATE_OPTION = {"lab_slow_link": "--rate", "lab_delegation": "--rate", "lab_orchestrator": "--rate",
                "lab_profile_links": "--rate", "lab_rate_trace": "--slow"}
 
 
 def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / f"{script}.py"), *args], capture_output=True, text=True,
-                          timeout=120, cwd=BENCH.parent)
+                          timeout=120, cwd=BENCH.parents[1])
 
 
 @pytest.mark.timeout(150)

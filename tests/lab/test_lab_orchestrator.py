@@ -1,4 +1,4 @@
-"""The orchestrator on a real slow data-parallel link (``benchmarks/lab_orchestrator.py`` runs it):
+"""The orchestrator on a real slow data-parallel link (``benchmarks/lab/lab_orchestrator.py`` runs it):
 8 lab nodes x 1 rank, 2 replicas x 4 stages on DeepSpeed's default placement, the pair of nodes that
 holds stage 1's two replicas rate-limited by the kernel. The link matrix is measured
 (``profile-links --all-pairs``) and must show that pair; the engine, given the matrix, must see the
@@ -14,7 +14,7 @@ import pytest
 
 from lab_helpers import namespaces
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "lab"))
 
 import lab_orchestrator  # noqa: E402
 

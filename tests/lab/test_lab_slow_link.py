@@ -1,4 +1,4 @@
-"""PipeMorph's §7.2 setting on a real slow link, short (``benchmarks/lab_slow_link.py``): 4 lab nodes x 1
+"""PipeMorph's §7.2 setting on a real slow link, short (``benchmarks/lab/lab_slow_link.py``): 4 lab nodes x 1
 stage, link 1 rate-limited by the kernel; stock 1F1B, zb and PipeMorph each unshaped then shaped in one job.
 
 What must hold whatever the machine's load: every row trains; PipeMorph measures the slow link from
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "lab"))
 
 import lab_slow_link  # noqa: E402
 from lab_helpers import namespaces  # noqa: E402

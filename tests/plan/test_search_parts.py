@@ -124,7 +124,7 @@ def test_queued_link_models_fall_back_to_full_replays():
 
 
 def test_search_is_deterministic_under_an_evaluation_bound():
-    # Seed 1, case 28 of benchmarks/planner_vs_milp.py: the optimum (300.9 ms) is above the bound,
+    # Seed 1, case 28 of benchmarks/planner/planner_vs_milp.py: the optimum (300.9 ms) is above the bound,
     # so the search spends every evaluation it is given.
     costs = Costs([8.7, 19.5, 9.4, 5.3], [15.8, 7.3, 16.7, 11.0], [9.1, 7.7, 6.1, 16.6], [0.0, 0.0, 0.0])
     runs = [search(costs, 8, [6, 5, 8, 7], budget_s=60, exact=False, max_evals=3000) for _ in range(2)]

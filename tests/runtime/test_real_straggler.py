@@ -1,4 +1,4 @@
-"""A real compute straggler (``benchmarks/real_straggler.py``): CPU burners pinned to stage 1's core,
+"""A real compute straggler (``benchmarks/control/real_straggler.py``): CPU burners pinned to stage 1's core,
 no injection. The rebalance loop's own per-stage measurement sees stage 1 slowed and the loop moves
 layers away from it; training is unchanged (every loss equal to the run that never moved a layer).
 
@@ -30,7 +30,7 @@ import pytest
 from ds_pipemorph.procs import run_group
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "_common"))
 
 from _burner import Burners  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_a_burner_dies_with_the_process_that_started_it():
     parent = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); from _burner import Burners; "
          "b = Burners(int(sys.argv[2]), 2).start(); print(*b.pids, flush=True); time.sleep(600)",
-         str(REPO / "benchmarks"), str(usable_cores()[-1])],
+         str(REPO / "benchmarks" / "_common"), str(usable_cores()[-1])],
         stdout=subprocess.PIPE, text=True, start_new_session=False)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
@@ -99,7 +99,7 @@ def test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_training_is
     if len(cores) < 2:
         pytest.skip(f"needs 2 usable cores (one per stage), this process may run on {len(cores)}")
     out = tmp_path / "real_straggler.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "real_straggler.py"), "--rows", "uniform,rebalance",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "control" / "real_straggler.py"), "--rows", "uniform,rebalance",
            "--microbatches", str(MICROBATCHES), "--iters", str(ITERS), "--burn-from", str(BURN_FROM),
            "--settle", str(SETTLE), "--burners", str(BURNERS), "--no-predictor", "--out", str(out)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
@@ -136,7 +136,7 @@ def test_gpt_blocks_with_burners_from_the_start_report_the_loops_prediction_and_
     if len(usable_cores()) < 2:
         pytest.skip(f"needs 2 usable cores (one per stage), this process may run on {len(usable_cores())}")
     out = tmp_path / "from_start.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "real_straggler.py"), "--model", "gpt", "--burn-from", "0",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "control" / "real_straggler.py"), "--model", "gpt", "--burn-from", "0",
            "--rows", "uniform,rebalance-profiled", "--microbatches", "4", "--iters", "7", "--settle", "1",
            "--burners", "3", "--no-predictor", "--out", str(out)]
     p = run_group(cmd, 1100, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"})
@@ -162,6 +162,6 @@ def test_gpt_blocks_with_burners_from_the_start_report_the_loops_prediction_and_
 @pytest.mark.timeout(400)
 def test_a_bad_model_or_burn_from_is_refused_in_one_sentence():
     for args in (["--model", "bert"], ["--burn-from", "1"], ["--burn-from", "0", "--settle", "0"]):
-        p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "real_straggler.py"), *args],
+        p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "control" / "real_straggler.py"), *args],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.strip().count("\n") == 0, p.stderr

@@ -72,7 +72,7 @@ def _steps(tmp_path: Path) -> list[dict]:
     rows = [
         ("cuda_tests", "0", "41.2", str(junit), "", "python -m pytest -q tests/staging/test_staging_nvcc.py"),
         ("one_gpu_job", "1", "95.0", str(job), "", "python scripts/gpu_check/one_gpu_job.py w k"),
-        ("staging_bench", "0", "60.3", str(bench), "", "python benchmarks/staging_throughput.py"),
+        ("staging_bench", "0", "60.3", str(bench), "", "python benchmarks/transport/staging_throughput.py"),
         ("nsight", "skipped", "0", "", "nsys (Nsight Systems) is not installed", "python scripts/gpu_check/nsight.py w k"),
     ]
     tsv = tmp_path / "steps.tsv"

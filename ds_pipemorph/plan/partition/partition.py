@@ -39,7 +39,7 @@ another partition).
   from one stage to another, the stages between shifted by one), replaying only the moves whose
   bound leaves room to improve. Moving one boundary at a time instead stops far from the
   optimum under tight memory (up to 44 % above it on the memory-capped cases of
-  benchmarks/partition_scale.py, where block shifts reach it in most cases), and every partition
+  benchmarks/planner/partition_scale.py, where block shifts reach it in most cases), and every partition
   within that margin of its bound is then replayed.
 
 The least lower bound over the partitions not ruled out (every leaf visited and, when a time limit

@@ -21,7 +21,7 @@ On uniform profiles with no delay and no cap, (1) at the last stage gives 3·N·
 planner reaches.
 
 Two more per stage s count the idle time of the ramp-up, which (1)–(3) miss when a stage above s is
-slower at forwards than s (e.g. stage 2 of benchmarks/planner_scale.py's "32x256 heterogeneous #1",
+slower at forwards than s (e.g. stage 2 of benchmarks/planner/planner_scale.py's "32x256 heterogeneous #1",
 where they left a 2.5 % gap that was the bound's, not the plan's). Let g_s = max_{j<=s} f_j.
 
 4. Before r_s, stage s can only run forwards (no gradient has arrived: every B needs its micro-batch

@@ -7,7 +7,7 @@ A move takes one op of one stage to another place. Three kinds (weights ``MOVES`
   op leaves it, so the last op of a run goes before an earlier one, an earlier one goes after the
   last, or a W of the run goes into an idle gap of its stage before the run. Each is tried once per
   current order; most improvements come from these (the gap moves took seed 1, case 28 of
-  benchmarks/planner_vs_milp.py from 1 to 19-20 of 20 one-second runs optimal);
+  benchmarks/planner/planner_vs_milp.py from 1 to 19-20 of 20 one-second runs optimal);
 * a W anywhere between its B and its neighbouring Ws (a W feeds nothing: it can fill any gap);
 * any op by up to two places (random; the plateau walk needs them).
 

@@ -34,7 +34,7 @@ from .warmup import adapted_warmup, initial_warmup
 STARTS = 5  # local-search starting points (best distinct orders; 1 did worse, 3-8 about the same)
 JUSTIFY = 10  # best distinct portfolio orders that get justified (10 did better than 0 and than 30)
 # The MILP proves most small cases optimal in well under a second, but those the local search misses
-# need seconds; within a 1 s budget it made results worse (benchmarks/planner_vs_milp.py), so it
+# need seconds; within a 1 s budget it made results worse (benchmarks/planner/planner_vs_milp.py), so it
 # joins by default only from this budget on.
 EXACT_MIN_BUDGET_S = 3.0
 JUSTIFY_S_PER_OP = 2e-5  # seconds one op of the schedule adds to a justification, before one was timed
@@ -101,7 +101,7 @@ def ramp_warmup(costs: Costs, n: int, caps: list[int]) -> list[int]:
     before its first input gradient can (``bounds``: forwards arrive every g_s = max_{j<=s} f_j ms
     from a_s on, the first gradient at r_s), so no gradient waits behind a warm-up forward that
     has not even arrived yet; then within the caps and non-increasing (Lemma 1). On the
-    heterogeneous cases of benchmarks/planner_scale.py this start alone reaches the lower bound or
+    heterogeneous cases of benchmarks/planner/planner_scale.py this start alone reaches the lower bound or
     comes within 0.05 % of it."""
     S, f = costs.stages, costs.f
     a, r = first_arrivals(costs)

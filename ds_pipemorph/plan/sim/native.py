@@ -46,7 +46,7 @@ SOURCE_FILE = "plancore.c"
 # No fused multiply-adds, no fast-math: the same IEEE double operations as the Python code.
 FLAGS = ["-O3", "-std=c99", "-pthread", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math"]
 THREADS = 8  # at most, for the link tolerances (one link per lane, 8 lanes per thread)
-# What running without the core costs (benchmarks/plan_core.py: 4x12 to 16x64 pipelines).
+# What running without the core costs (benchmarks/planner/plan_core.py: 4x12 to 16x64 pipelines).
 PYTHON_COST = "about 5-50x slower (more with more stages)"
 
 _lib: Optional[ctypes.CDLL] = None

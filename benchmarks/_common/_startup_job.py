@@ -1,0 +1,48 @@
+"""One job of ``startup_cost.py``: the GPT recipe on 2 stages, one thread per rank, each
+``train_batch`` timed from a barrier to a barrier; rank 0 prints one JSON line of the times (ms)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "recipes" / "gpt"))
+sys.path.insert(0, str(ROOT))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.utils import RepeatingLoader  # noqa: E402
+
+import ds_pipemorph  # noqa: E402
+from data import VOCAB, ByteWindows  # noqa: E402
+from model import gpt  # noqa: E402
+
+
+def main() -> None:
+    config_path, steps = sys.argv[1], int(sys.argv[2])
+    torch.set_num_threads(1)
+    deepspeed.init_distributed()
+    torch.manual_seed(0)
+    t_init = time.perf_counter()
+    engine, _, _, _ = ds_pipemorph.initialize(model=gpt(vocab=VOCAB, stages=2, max_seq=64), config=config_path)
+    init_ms = (time.perf_counter() - t_init) * 1e3
+    per_batch = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps()
+    data = ByteWindows("train", 64, size=steps * per_batch)
+    it = iter(RepeatingLoader(torch.utils.data.DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu())))
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(it)
+        dist.barrier()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if dist.get_rank() == 0:
+        print("STARTUP_TIMES " + json.dumps({"init_ms": init_ms, "times": times}), flush=True)
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()

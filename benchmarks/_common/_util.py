@@ -1,0 +1,92 @@
+"""Shared by the benchmark scripts: a rich table when available, an atomic JSON write, the malloc
+settings that keep freed memory, and re-launching a script under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ds_pipemorph.fileio import BadInput, check_writable, write_atomic  # noqa: E402
+
+# glibc settings (read at process start) that keep freed memory, as GPU caching allocators do: no
+# trimming, no mmap per large block, so nothing is faulted in again (GPU users never pay that).
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+                  "MALLOC_TOP_PAD_": str(1 << 28)}
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        print(title)
+        print(" | ".join(columns))
+        for r in rows:
+            print(" | ".join(str(x) for x in r))
+        return
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    Console(width=160).print(t)
+
+
+def write_json(path: str, payload: dict) -> None:
+    payload = dict(payload)
+    payload.setdefault("machine", {"python": platform.python_version(), "cpus": __import__("os").cpu_count()})
+    payload.setdefault("written_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    write_atomic(path, json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def relaunch(script: str, nproc: int, *args: str) -> int:
+    """Run ``script`` with ``args`` (default: this process's) under ``torchrun --standalone`` with
+    ``nproc`` ranks on CPU unless ``DS_ACCELERATOR`` says otherwise; its exit code."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "PYTHONPATH": os.pathsep.join([str(repo), str(Path(script).resolve().parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           script, *(args or sys.argv[1:])]
+    return subprocess.call(cmd, env=env)
+
+
+def exit_on_bad_input(main) -> int:
+    """Run a benchmark's ``main``; bad input (a rate, a path, no privilege for the lab) ends it with one
+    ``error:`` sentence and exit code 2 instead of a traceback."""
+    try:
+        return main()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def check_out(path: str) -> None:
+    """Refuse, before any work, an ``--out`` that cannot be written (one sentence, ``BadInput``)."""
+    check_writable(path, "--out")
+
+
+def two_rank_job(name: str, config: dict, tmp: Path, script: Path, args: list[str], expect, missing: str,
+                 timeout: float = 3600):
+    """Write ``config`` as ``tmp/<name>.json`` and run ``script CONFIG_PATH-args`` under ``torchrun
+    --standalone`` with 2 ranks of one intra-op thread each (no more ranks than this machine's cores);
+    ``args`` may hold ``{config}``. Returns (the first match of ``expect`` in the output, the output);
+    a failed job or no match ends the benchmark with the output's tail (``missing``: what was not logged)."""
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *[a.format(config=path) for a in args]]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    out = p.stdout + p.stderr
+    m = expect.search(out)
+    if p.returncode or not m:
+        raise SystemExit(f"{name}: the job failed or {missing} (exit {p.returncode}):\n{out[-3000:]}")
+    return m, out

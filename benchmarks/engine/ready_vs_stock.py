@@ -1,0 +1,106 @@
+"""Ready dispatch against stock DeepSpeed 1F1B on a multimodal batch, and what the replay allows.
+
+RRFP's multimodal case: 4 stages x 12 micro-batches, F = B = W = 10 ms emulated on one CPU rank per
+stage; every iteration a seeded quarter of the micro-batches, drawn anew, is 3x heavier (F, B and W)
+on the first two stages, where a multimodal batch's images go through the encoder
+(``heavy:frac=0.25,factor=3,stages=2``, ``plan.sim.variation``). Ours: ``PipeMorphEngine`` with
+ready dispatch and the ``zb`` plan as its hint. Stock: DeepSpeed's own engine and 1F1B (fused
+backward), its forward and backward timed from the same tables (``inject.vary.install_stock``).
+
+Stock DeepSpeed is another engine class and cannot share a job with ours, so each sitting is one
+``pipemorph bench`` job that runs both, one after the other, on the same per-iteration tables; the
+order of the two alternates from one sitting to the next. Per sitting: the measured speed-up (stock's
+mean iteration over ours) and the one the readiness replay predicts for the same tables
+(``plan.sim.ready``: stock's 1F1B replayed ordered with its backward fused, ours replayed under
+ready dispatch with the plan's caps); their quotient is the share of the predicted speed-up reached.
+Each engine's time over its own replay is shown too (what this machine adds to both). The summary
+gives the medians over sittings. Prints a table and writes JSON.
+
+    DS_ACCELERATOR=cpu python benchmarks/engine/ready_vs_stock.py [--sittings 4] [--iterations 8] [--warmup 2]
+        [--out out/ready_vs_stock.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
+
+from _util import BadInput, check_out, print_table, write_json
+
+from ds_pipemorph.bench.launch import run_job
+from ds_pipemorph.bench.spec import BenchSpec, Scenario
+
+STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
+VARY = "heavy:frac=0.25,factor=3,stages=2"
+TARGET_SHARE = 0.90  # of the speed-up the replay predicts
+
+
+def sitting(k: int, args) -> dict:
+    """One job: both engines on the same tables, stock first in odd sittings; the two rows."""
+    work = Path(tempfile.mkdtemp(prefix="pipemorph-ready-vs-stock-"))
+    schedules = ["stock-1f1b", "zb"] if k % 2 == 0 else ["zb", "stock-1f1b"]
+    spec = BenchSpec(stages=STAGES, microbatches=MICROBATCHES, op_ms=OP_MS,
+                     scenarios=[Scenario(name="multimodal", links_ms=[0.0] * (STAGES - 1))],
+                     schedules=schedules, dispatches=["ready"], vary=VARY, iterations=args.iterations,
+                     warmup=args.warmup, progress_file=str(work / "progress"), out=str(work / "bench.json"))
+    spec_path = work / "spec.json"
+    spec_path.write_text(spec.model_dump_json())
+    t0 = time.monotonic()
+    rows = {r["schedule"]: r for r in run_job(spec, spec_path, work, args.timeout_s)["results"]}
+    stock, ours = rows["stock-1f1b"], rows["zb"]
+    measured = stock["mean_ms"] / ours["mean_ms"]
+    predicted = stock["predicted_ms"] / ours["predicted_ms"]
+    return {"sitting": k + 1, "first": schedules[0], "stock_ms": stock["mean_ms"], "ours_ms": ours["mean_ms"],
+            "stock_predicted_ms": stock["predicted_ms"], "ours_predicted_ms": ours["predicted_ms"],
+            "measured_speedup": measured, "predicted_speedup": predicted, "share": measured / predicted,
+            "stock_iterations_ms": stock["iterations_ms"], "ours_iterations_ms": ours["iterations_ms"],
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sittings", type=int, default=4)
+    ap.add_argument("--iterations", type=int, default=8, help="measured iterations per engine and sitting")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--out", default="out/ready_vs_stock.json")
+    args = ap.parse_args()
+    for name, value, least in (("--sittings", args.sittings, 1), ("--iterations", args.iterations, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            ap.error(f"{name} must be at least {least}, not {value}")
+    try:
+        check_out(args.out)
+    except BadInput as e:
+        ap.error(str(e))
+    results = []
+    for k in range(args.sittings):
+        results.append(sitting(k, args))
+        r = results[-1]
+        print(f"sitting {k + 1}: stock / ours {r['measured_speedup']:.3f}, the replay allows "
+              f"{r['predicted_speedup']:.3f} ({r['wall_s']:.0f} s)", flush=True)
+    print_table(f"ours (ready dispatch, zb hint) against stock DeepSpeed 1F1B, {STAGES} stages x {MICROBATCHES} "
+                f"micro-batches, {VARY}, {args.iterations} iterations per engine and sitting",
+                ["sitting", "first", "stock ms", "ours ms", "stock / its replay", "ours / its replay", "stock / ours",
+                 "replay: stock / ours", "share"],
+                [[r["sitting"], r["first"], f"{r['stock_ms']:.1f}", f"{r['ours_ms']:.1f}",
+                  f"{r['stock_ms'] / r['stock_predicted_ms']:.3f}", f"{r['ours_ms'] / r['ours_predicted_ms']:.3f}",
+                  f"{r['measured_speedup']:.3f}", f"{r['predicted_speedup']:.3f}", f"{r['share']:.3f}"]
+                 for r in results])
+    med = {k: statistics.median(r[k] for r in results) for k in ("measured_speedup", "predicted_speedup", "share")}
+    verdict = "met" if med["share"] >= TARGET_SHARE else "not met"
+    print(f"median over {len(results)} sittings: stock / ours {med['measured_speedup']:.3f}, the replay allows "
+          f"{med['predicted_speedup']:.3f}: {med['share']:.1%} of the predicted speed-up "
+          f"(goal >= {TARGET_SHARE:.0%}: {verdict})")
+    write_json(args.out, {"stages": STAGES, "microbatches": MICROBATCHES, "op_ms": OP_MS, "vary": VARY,
+                          "iterations": args.iterations, "warmup": args.warmup, "sittings": results,
+                          "median": med, "target_share": TARGET_SHARE, "verdict": verdict})
+
+
+if __name__ == "__main__":
+    main()
