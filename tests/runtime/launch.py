@@ -1,7 +1,9 @@
 """Launch ``worker.py`` under torchrun with a list of jobs and read back what each rank wrote.
 
 ``launch_shared`` runs the jobs of several tests in one launch (one start of torchrun and DeepSpeed);
-each test reads its own jobs through a ``Launch`` view, by the names it gave them."""
+each test reads its own jobs through a ``Launch`` view, by the names it gave them. ``shared_jobs``
+registers a module's jobs for the session's one shared launch of their rank count (the ``shared4`` and
+``shared3`` fixtures, tests/runtime/conftest.py)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from ds_pipemorph.procs import run_group
@@ -23,8 +26,12 @@ class Launch:
     output: str
     out_dir: Path
 
+    def path_of(self, name: str, rank: int) -> Path:
+        """Where the rank writes job ``name``'s result."""
+        return self.out_dir / f"{name}.rank{rank}.pt"
+
     def result(self, name: str, rank: int) -> dict:
-        path = self.out_dir / f"{name}.rank{rank}.pt"
+        path = self.path_of(name, rank)
         assert path.exists(), f"{path.name} missing; launch output:\n{self.output[-4000:]}"
         return torch.load(path)
 
@@ -65,6 +72,7 @@ class View:
     """One test's jobs in a shared launch: results and errors by the names the test gave them."""
     shared: Launch
     prefix: str
+    files: Optional[Path] = None  # in the session's shared launch: the folder the test's builder wrote to
 
     @property
     def returncode(self) -> int:
@@ -73,6 +81,9 @@ class View:
     @property
     def output(self) -> str:
         return self.shared.output
+
+    def path_of(self, name: str, rank: int) -> Path:
+        return self.shared.path_of(self.prefix + name, rank)
 
     def result(self, name: str, rank: int) -> dict:
         return self.shared.result(self.prefix + name, rank)
@@ -92,3 +103,20 @@ def launch_shared(nproc: int, tests: dict[str, list[dict]], out_dir: Path, timeo
     jobs = [_prefixed(f"{key}.", job) for key, test_jobs in tests.items() for job in test_jobs]
     run = launch(nproc, jobs, out_dir, timeout)
     return {key: View(run, f"{key}.") for key in tests}
+
+
+# The session's shared launches: ranks -> key -> (a builder of the jobs, given a folder of their own
+# for the files they read or write; the ceiling of those jobs as a launch of their own, in seconds).
+SHARED: dict[int, dict[str, tuple[Callable[[Path], list[dict]], float]]] = {}
+# The most the shared launch may take: the sum of the registered ceilings stays below it (a test's
+# own timeout covers it: the first test to ask for the launch waits for all of it).
+SHARED_CEILING = 1800
+
+
+def shared_jobs(key: str, timeout: float, ranks: int = 4):
+    """Register the decorated builder's jobs for the session's shared launch of ``ranks`` ranks, under ``key``."""
+    def register(build: Callable[[Path], list[dict]]):
+        assert key not in SHARED.setdefault(ranks, {}), key
+        SHARED[ranks][key] = (build, timeout)
+        return build
+    return register

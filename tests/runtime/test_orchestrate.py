@@ -19,23 +19,29 @@ import yaml
 
 from ds_pipemorph.inject.rank_links import allreduce_delay_ms
 
-from .launch import launch
+from .launch import SHARED_CEILING, shared_jobs
 
 TOL = 1e-5
+SLOW = [(a, b) for a, b in itertools.combinations(range(4), 2) if (a + b) % 2 == 1]  # the even-odd pairs
 
 
-@pytest.mark.timeout(480)
-def test_a_slow_data_parallel_link_is_moved_into_the_pipeline_while_training(tmp_path):
-    slow = [(a, b) for a, b in itertools.combinations(range(4), 2) if (a + b) % 2 == 1]
-    matrix = tmp_path / "links.yaml"
+@shared_jobs("orchestrate", timeout=460)  # run in the session's shared 4-rank launch
+def _jobs(files) -> list[dict]:
+    slow = SLOW
+    matrix = files / "links.yaml"
     matrix.write_text(yaml.safe_dump({"world_size": 4, "pairs": [{"ranks": list(p), "latency_ms": 30.0}
                                                                   for p in slow]}))
     inject = {"rank_links": {f"{a}-{b}": 30.0 for a, b in slow}, "allreduce_messages": 5}
     pm = {"schedule": "zb", "timeout_s": 60, "inject": inject}
     orchestrated = {**pm, "orchestrate": {"matrix": str(matrix), "grad_mb": 10.0, "chunk_mb": 1.0}}
     base = {"stages": 2, "dp": 2, "micro_batches": 4, "steps": 6, "tied": True, "follow_replica": True}
-    jobs = [{**base, "name": "still", "pipemorph": pm}, {**base, "name": "orchestrated", "pipemorph": orchestrated}]
-    run = launch(4, jobs, tmp_path, timeout=460)
+    return [{**base, "name": "still", "pipemorph": pm}, {**base, "name": "orchestrated", "pipemorph": orchestrated}]
+
+
+@pytest.mark.timeout(SHARED_CEILING + 60)  # the first test to ask for the shared launch waits for all of it
+def test_a_slow_data_parallel_link_is_moved_into_the_pipeline_while_training(shared4):
+    slow = SLOW
+    run = shared4["orchestrate"]
     for r in range(4):
         a, b = run.result("still", r), run.result("orchestrated", r)
         assert b["losses"] == pytest.approx(a["losses"], abs=TOL), f"rank {r}: losses differ"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from .launch import launch
+from .launch import SHARED_CEILING, shared_jobs
 
 TOL = 1e-5
 PM = {"schedule": "zb", "timeout_s": 60}
@@ -25,8 +25,8 @@ def _replica_params(run, name: str, ranks) -> dict:
     return out
 
 
-@pytest.mark.timeout(480)
-def test_ranks_take_new_stages_and_train_as_if_they_had_not(tmp_path):
+@shared_jobs("remap", timeout=460)  # run in the session's shared 4-rank launch
+def _jobs(files) -> list[dict]:
     base = {"stages": 2, "dp": 2, "micro_batches": 4, "steps": 4, "tied": True, "pipemorph": PM}
     lost = {**PM, "rebalance": {"timeout_s": 3}, "inject": {"migration_drop": [0]}}
     jobs = [{**base, "name": "still"},
@@ -44,7 +44,12 @@ def test_ranks_take_new_stages_and_train_as_if_they_had_not(tmp_path):
             {**base, "name": "remapped_groups", "param_groups": True, "config_via_args": True, "remap": {"2": NEW}},
             # 4 stages x 1 replica for a 2 x 2 job: refused on every rank before anything moved
             {**base, "name": "wrong_size", "steps": 2, "remap": {"1": [[0], [1], [2], [3]]}}]
-    run = launch(4, jobs, tmp_path, timeout=460)
+    return jobs
+
+
+@pytest.mark.timeout(SHARED_CEILING + 60)  # the first test to ask for the shared launch waits for all of it
+def test_ranks_take_new_stages_and_train_as_if_they_had_not(shared4):
+    run = shared4["remap"]
     moved = {1: 1, 2: 0}  # rank -> its new stage (ranks 0 and 3 keep theirs)
     for name in ("remapped", "moved_then_remapped", "retried", "remapped_dropout", "remapped_groups"):
         ref = {"remapped_dropout": "still_dropout", "remapped_groups": "still_groups"}.get(name, "still")

@@ -9,16 +9,20 @@ from typer.testing import CliRunner
 from ds_pipemorph.trace.measured_chrome import slices_nest_per_track
 from ds_pipemorph_cli.app import app
 
-from .launch import launch, max_param_diff
+from .launch import SHARED_CEILING, max_param_diff, shared_jobs
 
 
-@pytest.mark.timeout(200)
-def test_timeline_of_a_real_four_stage_run_is_a_valid_trace_with_matched_sends(tmp_path):
-    path = tmp_path / "timeline.json"
-    section = {"schedule": "zb", "delegation": {"mode": "off"}, "timeline": str(path)}
-    jobs = [{"name": "stock", "stages": 4, "micro_batches": 4, "pipemorph": None},
+@shared_jobs("timeline", timeout=180)  # run in the session's shared 4-rank launch
+def _jobs(files) -> list[dict]:
+    section = {"schedule": "zb", "delegation": {"mode": "off"}, "timeline": str(files / "timeline.json")}
+    return [{"name": "stock", "stages": 4, "micro_batches": 4, "pipemorph": None},
             {"name": "zb_timeline", "stages": 4, "micro_batches": 4, "pipemorph": section}]
-    run = launch(4, jobs, tmp_path, timeout=180)
+
+
+@pytest.mark.timeout(SHARED_CEILING + 60)  # the first test to ask for the shared launch waits for all of it
+def test_timeline_of_a_real_four_stage_run_is_a_valid_trace_with_matched_sends(shared4):
+    run = shared4["timeline"]
+    path = run.files / "timeline.json"
     for r in range(4):
         assert max_param_diff(run.result("zb_timeline", r), run.result("stock", r)) <= 1e-5
     trace = json.loads(path.read_text())
