@@ -20,7 +20,7 @@ from ds_pipemorph.plan.sim.validate import validate_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 
-from .launch import launch, launch_shared, max_param_diff
+from .launch import SHARED_CEILING, launch, launch_shared, max_param_diff, shared_jobs
 from .plans_io import write_plan
 from .randplans import random_plan
 
@@ -177,15 +177,15 @@ def test_four_stages_zb_adaptive_plan_file_tied_gpt_and_random_plans_equal_stock
         _assert_equal_to_stock(run, name, stock, 4, peak, *plan)
 
 
-@pytest.mark.timeout(200)
-def test_random_valid_plans_on_three_stages_run_without_deadlock_and_equal_stock(tmp_path):
+def _three_stage_jobs(folder):
+    """The jobs of the test below (its plan files written to ``folder``) and its checks."""
     jobs = [{"name": "stock_s3_n6", "stages": 3, "micro_batches": 6, "pipemorph": None}]
     checks = []
     rng = random.Random(11)
     for i in range(4):
         plan, caps = random_plan(3, 6, rng)
         validate_schedule(plan, 3, 6, caps)
-        path = write_plan(tmp_path / f"random{i}.yaml", plan, 6)
+        path = write_plan(folder / f"random{i}.yaml", plan, 6)
         name = f"random{i}_s3_n6"
         jobs.append({"name": name, "stages": 3, "micro_batches": 6,
                      "pipemorph": {"schedule": "plan", "plan_file": path, "delegation": {"mode": "off"}}})
@@ -196,8 +196,18 @@ def test_random_valid_plans_on_three_stages_run_without_deadlock_and_equal_stock
         section = {"schedule": "zb", "delegation": {"mode": mode}, "inject": {"links": {"1": {"delay_ms": 15}}}}
         jobs.append({"name": f"zb_injected_{mode}_s3_n6", "stages": 3, "micro_batches": 6, "pipemorph": section})
         checks.append((f"zb_injected_{mode}_s3_n6", _expected_peak(section, 3, 6), None))
-    run = launch(3, jobs, tmp_path, timeout=180)
-    for name, peak, plan in checks:
+    return jobs, checks
+
+
+@shared_jobs("equivalence", timeout=180, ranks=3)  # run in the session's shared 3-rank launch
+def _shared_three_stage_jobs(folder) -> list[dict]:
+    return _three_stage_jobs(folder)[0]
+
+
+@pytest.mark.timeout(SHARED_CEILING + 60)  # the first test to ask for the shared launch waits for all of it
+def test_random_valid_plans_on_three_stages_run_without_deadlock_and_equal_stock(shared3, tmp_path):
+    run = shared3["equivalence"]
+    for name, peak, plan in _three_stage_jobs(tmp_path)[1]:  # the same random plans, from the same seed
         _assert_equal_to_stock(run, name, "stock_s3_n6", 3, peak, plan)
 
 

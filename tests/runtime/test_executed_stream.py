@@ -26,7 +26,7 @@ from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.runtime.config import parse_config
 from ds_pipemorph.runtime.plans import build_plan
 
-from .launch import REPO, launch, max_param_diff
+from .launch import REPO, SHARED_CEILING, max_param_diff, shared_jobs
 
 S, N = 3, 6
 TOL = 1e-5
@@ -51,16 +51,35 @@ def _section(plan_file: str, dispatch: str = "ordered") -> dict:
             "adapt": {"enabled": False}}
 
 
-@pytest.mark.timeout(420)
-def test_the_engine_executes_the_stream_simulate_lowered_prints(tmp_path):
+def _files(folder: Path) -> dict[str, str]:
+    """The plan files the engine runs, written to ``folder``."""
     zb_fused = list_schedule(Costs.uniform(S, 10.0, [0.0, 20.0]), N, [3, 2, 1])
-    files = {
-        "one_f_one_b": _plan_file(tmp_path / "1f1b.yaml", deepspeed_1f1b(S, N)),
-        "zb": _plan_file(tmp_path / "zb.yaml", zb_h1(Costs.uniform(S), N)),
-        "zb_fused": _plan_file(tmp_path / "zb_fused.yaml", zb_fused, backward="fused"),
-        "one_f_one_b_fused_window_1": _plan_file(tmp_path / "1f1b_w1.yaml", deepspeed_1f1b(S, N), backward="fused",
+    return {
+        "one_f_one_b": _plan_file(folder / "1f1b.yaml", deepspeed_1f1b(S, N)),
+        "zb": _plan_file(folder / "zb.yaml", zb_h1(Costs.uniform(S), N)),
+        "zb_fused": _plan_file(folder / "zb_fused.yaml", zb_fused, backward="fused"),
+        "one_f_one_b_fused_window_1": _plan_file(folder / "1f1b_w1.yaml", deepspeed_1f1b(S, N), backward="fused",
                                                  recv_window=1),
     }
+
+
+@shared_jobs("executed_stream", timeout=400, ranks=S)  # run in the session's shared 3-rank launch
+def _jobs(folder) -> list[dict]:
+    files = _files(folder)
+    jobs = [{"name": "stock", "stages": S, "micro_batches": N, "pipemorph": None}]
+    jobs += [{"name": name, "stages": S, "micro_batches": N, "pipemorph": _section(path)} for name, path in files.items()]
+    jobs.append({"name": "zb_ready", "stages": S, "micro_batches": N, "pipemorph": _section(files["zb"], "ready")})
+    jobs.append({"name": "zb_config_window", "stages": S, "micro_batches": N,
+                 "pipemorph": {"schedule": "zb", "recv_window": N, "delegation": {"mode": "off"},
+                               "adapt": {"enabled": False}}})
+    return jobs
+
+
+@pytest.mark.timeout(SHARED_CEILING + 60)  # the first test to ask for the shared launch waits for all of it
+def test_the_engine_executes_the_stream_simulate_lowered_prints(shared3, tmp_path):
+    run = shared3["executed_stream"]
+    files = _files(run.files)  # the files the engine ran (written again: the same)
+    zb_fused = list_schedule(Costs.uniform(S, 10.0, [0.0, 20.0]), N, [3, 2, 1])
     expected = {name: _lowered(path) for name, path in files.items()}
     # The ds_config's recv_window lowers a built plan as a plan file's would: every receive up front here.
     built = build_plan(parse_config({"schedule": "zb"}), S, N)
@@ -71,14 +90,6 @@ def test_the_engine_executes_the_stream_simulate_lowered_prints(tmp_path):
     assert expected["one_f_one_b_fused_window_1"] != expected["one_f_one_b"]
     assert expected["one_f_one_b"] != _lowered(files["one_f_one_b"], "--dispatch", "ready")
     ready_expected = _lowered(files["zb"], "--dispatch", "ready")
-
-    jobs = [{"name": "stock", "stages": S, "micro_batches": N, "pipemorph": None}]
-    jobs += [{"name": name, "stages": S, "micro_batches": N, "pipemorph": _section(path)} for name, path in files.items()]
-    jobs.append({"name": "zb_ready", "stages": S, "micro_batches": N, "pipemorph": _section(files["zb"], "ready")})
-    jobs.append({"name": "zb_config_window", "stages": S, "micro_batches": N,
-                 "pipemorph": {"schedule": "zb", "recv_window": N, "delegation": {"mode": "off"},
-                               "adapt": {"enabled": False}}})
-    run = launch(S, jobs, tmp_path, timeout=400)
 
     for r in range(S):
         ref = run.result("stock", r)

@@ -19,7 +19,7 @@ import pytest
 from ds_pipemorph.runtime.config import PipeMorphConfigError, parse_config
 from ds_pipemorph.inject.faults import Faults, faults_from_config
 
-from .launch import launch, max_param_diff
+from .launch import SHARED_CEILING, max_param_diff, shared_jobs
 
 TOL = 1e-6
 STAGES, N, STEPS = 3, 4, 3
@@ -76,7 +76,7 @@ EXPECTED_EVENTS = {
 
 def _result(run, name: str, rank: int) -> dict:
     """The rank's result file, or a failure showing the first traceback of the launch's output."""
-    if not (run.out_dir / f"{name}.rank{rank}.pt").exists():
+    if not run.path_of(name, rank).exists():
         start = run.output.find("Traceback")
         shown = run.output[start:start + 6000] if start >= 0 else run.output[-4000:]
         pytest.fail(f"{name} rank {rank} wrote no result; launch output from its first traceback:\n{shown}")
@@ -88,11 +88,15 @@ def _ran_every_op_once(ops: list[str]) -> bool:
     return sorted(ran) == sorted(f"{k}{m}" for k in "FBW" for m in range(N))
 
 
-@pytest.mark.timeout(400)
-def test_link_failure_mid_iteration_and_killed_delegates_lose_and_repeat_nothing(tmp_path):
-    jobs = [{"name": name, "stages": STAGES, "micro_batches": N, "steps": STEPS,
+@shared_jobs("faults", timeout=380, ranks=STAGES)  # run in the session's shared 3-rank launch
+def _jobs(files) -> list[dict]:
+    return [{"name": name, "stages": STAGES, "micro_batches": N, "steps": STEPS,
              "pipemorph": _section(*cfg, faults, *rest[1:])} for name, (cfg, faults, *rest) in JOBS.items()]
-    run = launch(STAGES, jobs, tmp_path, timeout=380)
+
+
+@pytest.mark.timeout(SHARED_CEILING + 60)  # the first test to ask for the shared launch waits for all of it
+def test_link_failure_mid_iteration_and_killed_delegates_lose_and_repeat_nothing(shared3):
+    run = shared3["faults"]
     res = {name: {_result(run, name, r)["stage"]: _result(run, name, r) for r in range(STAGES)} for name in JOBS}
     for name, (_, _, ref_name, *_) in JOBS.items():
         for stage, got in res[name].items():
