@@ -34,6 +34,10 @@ class SectionModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# Messages per peer sent but not known received on a direct link (``send_window``) by default.
+SEND_WINDOW = 2
+
+
 class MemoryConfig(SectionModel):
     # Cap on in-flight activations: one value for every stage or one per stage; None derives it
     # from the micro-batch count. Read through ``per_stage`` (the form a job uses: one per stage).
@@ -208,6 +212,10 @@ class PipeMorphConfig(SectionModel):
     # Receives of each kind posted ahead under ordered dispatch (plan.ir.lower); None: the default
     # (RECV_WINDOW). A plan file names its own (refused here with schedule "plan").
     recv_window: Optional[int] = Field(None, ge=1)
+    # Messages a stage keeps sent but not known received, per peer, on a direct link where a send
+    # does not block (gloo); each holds its tensors, so the window bounds that memory. None: the
+    # default (SEND_WINDOW), unbounded with memory.budget null.
+    send_window: Optional[int] = Field(None, ge=1)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
     delegation: DelegationConfig = Field(default_factory=DelegationConfig)
@@ -228,6 +236,15 @@ class PipeMorphConfig(SectionModel):
     profile_out: Optional[str] = None
     # Seconds any wait on another rank may take before failing with a message naming the op.
     timeout_s: float = Field(300.0, gt=0)
+
+    @property
+    def send_window_in_force(self) -> Optional[int]:
+        """The direct path's send window: ``send_window``, else ``SEND_WINDOW``; none (no bound) when
+        ``memory.budget`` is given as null and ``send_window`` is not."""
+        if self.send_window is not None:
+            return self.send_window
+        lifted = "budget" in self.memory.model_fields_set and self.memory.budget is None
+        return None if lifted else SEND_WINDOW
 
     @field_validator("profile_out")
     @classmethod

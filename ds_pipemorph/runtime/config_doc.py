@@ -120,6 +120,12 @@ DESCRIPTIONS: dict[str, str] = {
                    "it); each holds its buffer, so the window bounds that memory; "
                    "at least the micro-batch count posts every receive of an iteration up front, the fewest "
                    "calls between ops; `null`: 2; a plan file names its own (refused with `schedule: plan`)",
+    "send_window": "messages a stage keeps sent but not known received, per peer, on a direct link whose sends "
+                   "do not block the training process (gloo): the next send waits for the oldest once the window "
+                   "is full, so the window bounds the memory of sends in flight (a gloo send's tensors are kept "
+                   "until it is known received); it applies to activations or gradients only where the peer "
+                   "receives them in the order sent (the plan says so), and under NCCL's rules, where a send's "
+                   "tensors go as it completes, never; `null`: 2, and no bound with `memory.budget: null`",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
             "(`F3`, `SEND_F3`, `RECV_B3`, …; under ready dispatch each receive is a range on its receive thread); "
             "nothing is emitted while no profiler is attached",

@@ -72,7 +72,8 @@ from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
 from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
-from .plans import DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for, w_share, within_budget
+from .plans import (DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for, sent_in_order, w_share,
+                    within_budget)
 from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
 from .oprecords import OpRecorder
 from .act_meter import SavedBytes, tensor_bytes
@@ -83,6 +84,7 @@ from .timeline import TimelineWriter
 from .train_loss import EarlyLoss, broadcasts_early, sum_in_order
 from .transfer import Transfer
 from .transport.router import build_transport
+from .transport.direct import bound_sends
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +199,7 @@ class PipeMorphEngine(PipelineEngine):
         self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
                                          static_shapes=not self.dynamic_shape,
                                          hooks=router_hooks)
+        bound_sends(self.transport.direct, sent_in_order(self.plan, self.stage_id))
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
             self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
                                    Costs.uniform(self.num_stages, DEFAULT_OP_MS),
@@ -325,6 +328,8 @@ class PipeMorphEngine(PipelineEngine):
         streams = {dispatch: self._lowered(plan, lowering, dispatch)}
         self.plan, self.lowering = plan, lowering
         self.stage_plan: list[Op] = list(plan[self.stage_id])
+        if hasattr(self, "transport"):  # (the first plan is set before the transport is built)
+            bound_sends(self.transport.direct, sent_in_order(plan, self.stage_id))
         self._streams = streams
         self._compiled: dict[str, tuple] = {}  # dispatch -> its program, built at the next batch
 

@@ -159,6 +159,22 @@ def _check_warmup(warmup: list[int]) -> None:
         raise PipeMorphConfigError(f"ds_config pipemorph.memory.max_inflight cannot be a zb warm-up: {e}") from None
 
 
+def sent_in_order(plan: Schedule, stage: int) -> set[str]:
+    """The kinds of message ``stage`` sends that their receiver takes in the order sent: "F" (its
+    activations) when the next stage runs its forwards in this stage's order of micro-batches, "B"
+    (its input gradients) when the previous stage runs its backwards in this stage's order. Only those
+    may wait for an earlier message to be received (``DirectTransport.bound_sends``)."""
+    def order(s: int, kind: str) -> list[int]:
+        return [op.mb for op in plan[s] if op.kind == kind]
+
+    kinds = set()
+    if stage + 1 < len(plan) and order(stage, "F") == order(stage + 1, "F"):
+        kinds.add("F")
+    if stage > 0 and order(stage, "B") == order(stage - 1, "B"):
+        kinds.add("B")
+    return kinds
+
+
 def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatches: int,
                    share: float = W_SHARE) -> str:
     """The start-up log line: schedule, dispatch, the plan (its warm-up) and its predicted iteration time.
@@ -194,5 +210,12 @@ def describe_memory(cfg: PipeMorphConfig, plan: Schedule, share: float = W_SHARE
     peak = [f"{u:g}" for u in peak_units(plan, min(share, 1.0))]
     factor = cfg.memory.budget_in_force
     grant = f"memory.budget {factor:g}x" if factor is not None else "no memory.budget"
+    window = cfg.send_window_in_force
+    sends = f"at most {window} per peer" if window is not None else "unbounded"
+    posted = ("every receive of an iteration posted up front" if cfg.dispatch == "ready"
+              else f"{cfg.recv_window or RECV_WINDOW} receives posted per kind")
+    rings = ("" if cfg.delegation.mode == "off" else
+             f"; a delegated link's staging ring: {cfg.delegation.slots} slots of up to "
+             f"{cfg.delegation.slot_mb} MiB per queue and end")
     return (f"activations held at most [{', '.join(peak)}] micro-batches per stage (stock 1F1B: "
-            f"{stock_units(S)}; {grant})")
+            f"{stock_units(S)}; {grant}); messages: sends not known received {sends}, {posted}{rings}")

@@ -122,6 +122,7 @@ class _Pending:
     keep: object  # tensors that must stay alive until the work completes
     kind: str
     mb: int  # the message: its op ("SEND_F3 on link 1 to stage 2") is named only if it fails
+    last: bool = False  # the message's last work: one per message in a peer's queue
 
 
 def _shapes(layout: tuple) -> list:
@@ -173,11 +174,25 @@ class DirectTransport:
     ``static_shapes`` (DeepSpeed's ``dynamic_shape=False``) the layout of message (kind, mb) is
     exchanged once and later receives are posted with their buffers ahead of time; a send whose
     layout changed is refused naming the op. Without it every message carries its header.
+
+    ``send_window``: where a send does not block (gloo), how many messages to one peer may be sent and
+    not known received before a send waits for the oldest; each holds its tensors until then (a gloo
+    send tells it completed only when waited for), so the window bounds that memory. It applies to
+    the kinds ``bound_sends`` names (the engine names those its peer receives in the order sent, so
+    that the message waited for has its receive posted or coming: see ``bound_sends``). None: no
+    bound (the tensors of an iteration's sends are then kept until ``wait_sends``). Under NCCL's
+    rules a send's tensors go as its work completes, and no send waits here.
     """
 
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
-                 device: Optional[torch.device] = None, static_shapes: bool = True, p2p: Optional[P2P] = None):
+                 device: Optional[torch.device] = None, static_shapes: bool = True, p2p: Optional[P2P] = None,
+                 send_window: Optional[int] = None):
         self.rank, self.stage_id = rank, stage_id
+        if send_window is not None and send_window < 1:
+            raise ValueError(f"send_window must be at least 1 (or None), not {send_window}")
+        self.send_window = send_window
+        self._bounded: frozenset[str] = frozenset()  # kinds whose sends the window bounds (``bound_sends``)
+        self.sends_waited = 0  # sends the window made wait for an earlier message (a count, for reports)
         self.p2p = p2p or TorchP2P()
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
@@ -199,7 +214,18 @@ class DirectTransport:
     def with_p2p(self, p2p: P2P) -> "DirectTransport":
         """A new direct path like this one (nothing sent yet) whose messages go through ``p2p``."""
         return DirectTransport(self.rank, self.stage_id, self.stage_ranks, self.timeout_s, self.device,
-                               self.static_shapes, p2p)
+                               self.static_shapes, p2p, self.send_window)
+
+    def bound_sends(self, kinds) -> None:
+        """Apply ``send_window`` to the sends of ``kinds`` ("F": activations, "B": input gradients).
+
+        Waiting for a message the peer has not received cannot deadlock when the peer receives this
+        kind in the order it was sent: every message sent before the one waited for is then received
+        first, so the peer's ops up to that receive need only messages already sent, and its receive
+        windows post it once it gets there. (Ready dispatch posts every receive up front: there each
+        send's receive is posted already.) The engine names the kinds for which its plan has that
+        order (``runtime.engine``); the others stay unbounded."""
+        self._bounded = frozenset(kinds)
 
     # -- naming -------------------------------------------------------------------------------
     def _peer(self, kind: str, sending: bool) -> int:
@@ -367,9 +393,25 @@ class DirectTransport:
                 self._sent_layout[(kind, mb)] = layout
             for part, t in enumerate(tensors, start=1):
                 wire = t.to(torch.uint8) if t.dtype == torch.bool else t  # gloo has no bool
-                sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, kind, mb))
+                sends.append(_Pending(self._isend(wire, dst, tag(kind, mb, part)), wire, kind, mb,
+                                      last=part == len(tensors)))
         except RuntimeError as e:
             raise self._broken(self._describe(kind, mb, True), e) from e
+        if self.send_window is not None and kind in self._bounded and not self.p2p.in_order:
+            self._within_window(sends)
+
+    def _within_window(self, sends: deque) -> None:
+        """Wait for the oldest messages to one peer until at most ``send_window`` are not known received."""
+        if sum(p.last for p in sends) <= self.send_window:
+            return
+        _reap(sends)
+        while sum(p.last for p in sends) > self.send_window:
+            self.sends_waited += 1
+            while True:
+                p = sends.popleft()
+                self._wait(p.work, self._describe(p.kind, p.mb, True) + " to be received")
+                if p.last:
+                    break
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
@@ -417,3 +459,12 @@ class DirectTransport:
             raise TransportError(f"rank {self.rank}: cannot reset shapes while receives are posted")
         self._sent_layout.clear()
         self._recv_layout.clear()
+
+
+def bound_sends(path, kinds) -> None:
+    """``DirectTransport.bound_sends`` on the direct transport ``path`` is or wraps (wrappers keep the
+    wrapped path as ``inner``: delay injection, test doubles); nothing if it holds none."""
+    while path is not None and not isinstance(path, DirectTransport):
+        path = getattr(path, "inner", None)
+    if path is not None:
+        path.bound_sends(kinds)

@@ -230,7 +230,8 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
     timeout = float(cfg.timeout_s)
     if hooks is None:
         hooks = plugins.transport_hooks(cfg, len(stage_ranks))
-    direct = DirectTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device, static_shapes=static_shapes)
+    direct = DirectTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device, static_shapes=static_shapes,
+                             send_window=cfg.send_window_in_force)
     delays = None
     for h in hooks:
         direct = h.wrap_direct(direct, rank=rank, stage_id=stage_id, timeout_s=timeout)
