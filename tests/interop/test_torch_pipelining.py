@@ -90,17 +90,32 @@ def reference():
     return [{k: p.grad for k, p in layer.named_parameters()} for layer in layers], losses
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("make", [zb_plan, shuffled_plan], ids=["zb", "out-of-order"])
-def test_torch_pipelining_runs_an_exported_plan_to_single_process_gradients(tmp_path, make):
-    path = export(tmp_path, plan_file(tmp_path, make(), make.__name__))
-    out = tmp_path / "out"
-    out.mkdir()
+PLANS = {"zb": zb_plan, "out-of-order": shuffled_plan}
+TIMEOUT = 560  # both schedules in one launch: the sum of their ceilings as launches of their own (280 s each)
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """Every plan exported and run by torch pipelining in one launch: name -> its ranks' output folder."""
+    tmp = tmp_path_factory.mktemp("torch_pipelining")
+    args, outs = [], {}
+    for name, make in PLANS.items():
+        path = export(tmp, plan_file(tmp, make(), make.__name__))
+        outs[name] = tmp / f"out_{make.__name__}"
+        outs[name].mkdir()
+        args += [str(path), str(outs[name])]
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={S}",
-           str(HERE / "torch_pipelining_worker.py"), str(path), str(N), str(out)]
-    p = run_group(cmd, 280, cwd=REPO, env=env)
+           str(HERE / "torch_pipelining_worker.py"), args[0], str(N), *args[1:]]
+    p = run_group(cmd, TIMEOUT, cwd=REPO, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return outs
+
+
+@pytest.mark.timeout(TIMEOUT + 60)  # the first test to ask for the launch waits for all of it
+@pytest.mark.parametrize("name", list(PLANS))
+def test_torch_pipelining_runs_an_exported_plan_to_single_process_gradients(pipelined, name):
+    out = pipelined[name]
     grads, losses = reference()
     for rank in range(S):
         got = torch.load(out / f"rank{rank}.pt")
