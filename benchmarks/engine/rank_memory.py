@@ -60,6 +60,10 @@ def parse(argv=None):
     ap.add_argument("--delay-ms", type=float, default=20.0, help="injected on link 0")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--mmap-threshold-mib", type=float, default=None,
+                    help="MALLOC_MMAP_THRESHOLD_ for the jobs: blocks this large are mapped and unmapped at once, so "
+                         "the peak counts what is live, not what malloc kept (default: glibc's own, which maps "
+                         "blocks of 32 MiB and more)")
     ap.add_argument("--out", default="out/rank_memory.json")
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--report", help=argparse.SUPPRESS)
@@ -165,6 +169,8 @@ def main(argv=None) -> int:
         for row in rows:
             report = Path(tmp) / f"{row}.json"
             passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+            if args.mmap_threshold_mib is not None:
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * MIB))
             code = relaunch(__file__, STAGES, *passed, "--row", row, "--report", str(report))
             if code != 0 or not report.exists():
                 print(f"error: the {row} job failed (exit code {code})", file=sys.stderr)
