@@ -53,7 +53,7 @@ from ..control.estimate import Neighbours, RankTimes, link_delays, message_times
 from ..control.modes import DelegationMode, ReplanMode
 from ..control.policy import REPLAN_EVALS, Decision, Policy, QueueSettings
 from ..plan.ir.links import DIRECT, LinkModel
-from ..plan.ir.ops import Schedule, warmup_counts, recorded_op
+from ..plan.ir.ops import KINDS, Schedule, recorded_op, warmup_counts
 from ..plan.ir.profile import Costs
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
 from .profile_export import ProfileExport
@@ -306,16 +306,16 @@ class Adapter:
     def _local(self, records, oh: Overhead, device_ms: Optional[dict[str, float]] = None) -> list[float]:
         """[stage, median F, B, W (ms; device times from CUDA events where given), upstream, downstream rank]."""
         t = time.perf_counter_ns()
-        dur = {"F": [], "B": [], "W": []}
+        dur: dict = {k: [] for k in KINDS}
         if device_ms is not None:
             for op, ms in device_ms.items():
-                dur[op[0]].append(ms)
+                dur[recorded_op(op).kind].append(ms)
         else:
             for r in records:
                 op = recorded_op(r.op)
                 if op is not None and op.kind.is_compute:
                     dur[op.kind].append((r.end_ns - r.start_ns) / 1e6)
-        med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in "FBW"]
+        med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in KINDS]
         oh.stats = _ms_since(t)
         n = self.neighbours
         return [float(self.stage_id), *med, _rank_column(n.upstream), _rank_column(n.downstream)]
