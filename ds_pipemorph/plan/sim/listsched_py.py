@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..ir.memory import EPS as MEM_EPS
-from ..ir.ops import Schedule, op_table
+from ..ir.ops import Kind, Schedule, op_table
 from ..ir.profile import Costs
 
 
@@ -80,7 +80,7 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
     ops = op_table(N)[0] if N > 0 else ()
     total = 3 * N
     remaining = total * S
-    pri = [0 if k == "F" else 1 if k == "B" else 2 for k in policy.priority]
+    pri = [0 if k == Kind.F else 1 if k == Kind.B else 2 for k in policy.priority]
     late = [s in policy.late_w for s in range(S)]
     w_fits_gap = policy.w_fits_gap
     default = pri == [1, 0, 2] and not w_fits_gap  # B > F > W: the loop below in one expression
