@@ -47,7 +47,7 @@ from deepspeed.runtime.pipe.schedule import TrainSchedule
 from ..plan.ir.links import DIRECT, Delegated
 from ..plan.ir.lower import DISPATCHES, BadStream, Lowering
 from ..plan.ir.nccl import nccl_groups
-from ..plan.ir.ops import Op, Schedule
+from ..plan.ir.ops import Kind, Op, Schedule
 from . import instructions as I
 from . import wgrad_store
 from .builder import EngineBuilder
@@ -668,10 +668,10 @@ class PipeMorphEngine(PipelineEngine):
             self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
 
     def _exec_send_activations(self, buffer_id, micro_batch):
-        self.transport.send("F", micro_batch, self.pipe_buffers["outputs"][buffer_id])
+        self.transport.send(Kind.F, micro_batch, self.pipe_buffers["outputs"][buffer_id])
 
     def _exec_recv_activations(self, buffer_id, micro_batch):
-        self._take_activation(buffer_id, self.transport.recv("F", micro_batch))
+        self._take_activation(buffer_id, self.transport.recv(Kind.F, micro_batch))
 
     def _take_activation(self, buffer_id, recvd) -> None:
         """A received activation becomes the input of the pipe buffer (it needs its gradient)."""
@@ -680,13 +680,13 @@ class PipeMorphEngine(PipelineEngine):
         self.pipe_buffers["inputs"][buffer_id] = recvd
 
     def _exec_recv_grads(self, buffer_id, micro_batch):
-        self._output_grads[buffer_id] = self.transport.recv("B", micro_batch)
+        self._output_grads[buffer_id] = self.transport.recv(Kind.B, micro_batch)
 
     def _exec_post_recv_activation(self, micro_batch):
-        self.transport.post_recv("F", micro_batch)
+        self.transport.post_recv(Kind.F, micro_batch)
 
     def _exec_post_recv_grad(self, micro_batch):
-        self.transport.post_recv("B", micro_batch)
+        self.transport.post_recv(Kind.B, micro_batch)
 
     def _exec_begin_p2p_group(self):
         self.transport.begin_group()
@@ -726,7 +726,7 @@ class PipeMorphEngine(PipelineEngine):
         _set(self, "_inflight", self._inflight - 1)
 
     def _exec_send_grads(self, buffer_id, micro_batch):
-        self.transport.send("B", micro_batch, self._input_grads.pop(micro_batch))
+        self.transport.send(Kind.B, micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
         held = None if self._meter is None else self._meter.live

@@ -35,6 +35,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from ..plan.ir.ops import message_op
 from .transport.protocol import TransportTimeout
 
 SETTLE_S = 0.002
@@ -77,7 +78,7 @@ class Inbox:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                payload = recorder.run_on_thread(f"RECV_{kind}{mb}", lambda: self.transport.recv(kind, mb))
+                payload = recorder.run_on_thread(str(message_op(kind, mb, False)), lambda: self.transport.recv(kind, mb))
             except BaseException as e:  # handed to the training thread at ``take``
                 self._completed.append((kind, mb))
                 fut.set_exception(e)

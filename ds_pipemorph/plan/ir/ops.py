@@ -112,7 +112,7 @@ class _OpFields(NamedTuple):
 
 class Op(_OpFields):
     """An op: its ``Kind``, micro-batch and (optionally) stage. The kind may be given as its text
-    (``Op(Kind.F, 3)``); it is stored as the ``Kind``, and anything else is refused."""
+    (``Op("F", 3)``); it is stored as the ``Kind``, and anything else is refused."""
 
     __slots__ = ()
 
@@ -163,6 +163,13 @@ def parse_op(text: str) -> Op:
         raise ValueError(f"'{text}' is not an op: write [stage]KIND<m>, e.g. F3 or 2SEND_F5")
     stage = m.group(1)
     return tuple.__new__(Op, (_KIND_OF[m.group(2)], int(m.group(3)), None if stage is None else int(stage)))
+
+
+def message_op(kind, mb: int, sending: bool, stage: Optional[int] = None) -> Op:
+    """The send (``sending``) or receive of message ``(kind, mb)``, ``kind`` the payload (``Kind.F``,
+    ``Kind.B`` or its text): ``message_op(Kind.B, 3, True)`` prints ``SEND_B3``."""
+    k = _KIND_OF[kind]
+    return Op(k.send if sending else k.recv, mb, stage)
 
 
 _TEXTS: dict = {}  # op -> its text: plans repeat the same few thousand ops
