@@ -31,16 +31,32 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Optional, Protocol, Sequence, get_args
+from typing import Optional, Protocol, Sequence, Union
 
 from .ops import PAYLOADS, Kind, Op, Schedule
+from .text_enum import TextEnum
 
 Stream = list[Op]  # one rank's ops, each with its stage (global form, ``2SEND_F5``)
-# How a stage runs its stream: ``ordered`` as written, ``ready`` the first ready op in it (RRFP).
-# The config's ``dispatch`` field is this type; functions that take a dispatch as a string check it
-# against ``DISPATCHES``.
-Dispatch = Literal["ordered", "ready"]
-DISPATCHES: tuple[str, ...] = get_args(Dispatch)
+
+
+class Dispatch(TextEnum):
+    """How a stage runs its stream: ``ORDERED`` as written, ``READY`` the first ready op in it (RRFP).
+    Equal to its text (``"ordered"``, ``"ready"``). The config's ``dispatch`` field is this type (read
+    from the text once, there); functions that take a dispatch from a caller ``parse`` it once."""
+
+    ORDERED = "ordered"
+    READY = "ready"
+
+    @classmethod
+    def parse(cls, value: Union["Dispatch", str]) -> "Dispatch":
+        """``value`` (a ``Dispatch`` or its text) as a ``Dispatch``; ValueError naming it otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"dispatch is 'ordered' or 'ready', not {value!r}") from None
+
+
+DISPATCHES: tuple[Dispatch, ...] = tuple(Dispatch)
 
 # Receives of each kind posted ahead of the ops that consume them. A posted receive holds its
 # buffer, so the window bounds the receive memory (two per kind) where posting every receive of
@@ -113,7 +129,7 @@ class Lowering(Protocol):
 
     fused: bool
 
-    def for_dispatch(self, dispatch: str) -> "Lowering":
+    def for_dispatch(self, dispatch: Dispatch) -> "Lowering":
         """The lowering ``dispatch`` runs; ValueError for a dispatch it cannot run."""
 
     def lower(self, schedule: Schedule) -> list[Stream]:
@@ -146,11 +162,9 @@ class LoweringPolicy:
         if self.recv_window is not None and self.recv_window < 1:
             raise ValueError(f"recv_window must be None or >= 1, got {self.recv_window}")
 
-    def for_dispatch(self, dispatch: str) -> "LoweringPolicy":
+    def for_dispatch(self, dispatch: Dispatch) -> "LoweringPolicy":
         """The policy a dispatch runs: ``ordered`` this one, ``ready`` every receive up front."""
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
-        return self if dispatch == "ordered" else replace(self, recv_window=None)
+        return self if Dispatch.parse(dispatch) is Dispatch.ORDERED else replace(self, recv_window=None)
 
     def lower(self, schedule: Schedule) -> list[Stream]:
         """The streams of ``schedule`` after a dry run with non-blocking sends and messages matched

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .lower import Deadlock, Stream, consumes_message, sends_gradient, format_streams
+from .lower import Deadlock, Dispatch, Stream, consumes_message, sends_gradient, format_streams
 from .nccl import nccl_dry_run, nccl_groups
 from .ops import Kind, Op, Schedule
 
@@ -114,10 +114,10 @@ class NcclLowering:
 
     fused: bool = False
 
-    def for_dispatch(self, dispatch: str) -> "NcclLowering":
+    def for_dispatch(self, dispatch: Dispatch) -> "NcclLowering":
         """This lowering for ``ordered`` dispatch; ValueError for any other."""
-        if dispatch != "ordered":
-            raise ValueError(f"with NCCL, dispatch is 'ordered', not {dispatch!r}: ready dispatch posts every "
+        if dispatch != Dispatch.ORDERED:
+            raise ValueError(f"with NCCL, dispatch is 'ordered', not {str(dispatch)!r}: ready dispatch posts every "
                              "receive up front, which NCCL's in-order point-to-point cannot run")
         return self
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from ...fileio import check_ordered
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
-from ..ir.lower import DISPATCHES
+from ..ir.lower import Dispatch
 from ..ir.ops import KINDS, Kind, Op, Schedule
 from ..ir.profile import Costs
 from ..ir.ready_rule import ReadyRule
@@ -53,7 +53,7 @@ def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional
                           link_model, patience, units, w_share)
 
 
-def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: str = "ordered",
+def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: Union[Dispatch, str] = Dispatch.ORDERED,
                    caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
                    link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
                    link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
@@ -70,8 +70,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     ``units`` and ``w_share``: the memory budget per stage under ready dispatch (``plan.ir.memory``).
     """
     S, N = len(schedule), microbatches
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
+    dispatch = Dispatch.parse(dispatch)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
     _check_rows(schedule, N)
@@ -80,7 +79,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     # N*(tF+tB+tW) per stage, the same floats as simulate.replay when the times are the costs'
     work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
             else [sum(map(sum, dur[s])) for s in range(S)])
-    return _Run(schedule, N, dispatch == "ready", cap, dur, _curves(link_delays, costs, S),
+    return _Run(schedule, N, dispatch is Dispatch.READY, cap, dur, _curves(link_delays, costs, S),
                 per_link(link_model, S - 1), fused_backward, work, patience, units, w_share).run()
 
 
