@@ -144,7 +144,7 @@ class Inbox:
         try:
             return self._futures.pop((kind, mb)).result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise TransportTimeout(f"rank {self.rank}: RECV_{kind}{mb} was announced as in but not "
+            raise TransportTimeout(f"rank {self.rank}: {message_op(kind, mb, False)} was announced as in but not "
                                    f"handed over within {self.timeout_s:g} s") from None
 
     def wait_any(self, waiting_for: list[str]) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Optional
 
-from ..plan.ir.ops import Kind, Op, recorded_op
+from ..plan.ir.ops import Kind, Op, message_op, recorded_op
 from ..plan.ir.ready_rule import ReadyRule
 from . import instructions as I
 from .hooks import Hooks
@@ -197,5 +197,5 @@ def run_ready(engine, program: ReadyProgram) -> int:
     late = inbox.drain()  # each op's message was drained before the op ran: nothing may be left over
     if late:
         raise RuntimeError(f"stage {s}: receives announced after their op ran: "
-                           f"{', '.join(f'RECV_{k}{m}' for k, m in late)}")
+                           f"{', '.join(str(message_op(k, m, False)) for k, m in late)}")
     return choosing
