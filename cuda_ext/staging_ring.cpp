@@ -152,7 +152,7 @@ Ring* Ring::create(const std::string& name, uint32_t num_slots, uint64_t slot_ca
   if (rc != 0) {
     ::close(fd);
     shm_unlink(n.c_str());
-    throw std::runtime_error("cannot size staging ring '" + n + "' to " + std::to_string(total) +
+    throw NoRoomError("cannot size staging ring '" + n + "' to " + std::to_string(total) +
                              " bytes: " + errno_text(rc) + " (is /dev/shm large enough?)");
   }
   void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

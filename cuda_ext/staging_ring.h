@@ -90,6 +90,12 @@ struct TimeoutError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Raised when a new ring cannot be sized: /dev/shm has no room for its slots (Python: StagingNoRoomError,
+// a RuntimeError; the transport turns it into advice on delegation.slot_mb / slots).
+struct NoRoomError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A claimed slot: where to write (or read) one message.
 struct Slot {
   uint32_t index;

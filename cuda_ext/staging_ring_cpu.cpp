@@ -172,6 +172,7 @@ std::tuple<at::Tensor, int64_t, uint64_t> begin_read(Ring& ring, const std::opti
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "PipeMorph host-staging ring: a shared-memory slot ring between two processes";
   py::register_exception<pipemorph::staging::TimeoutError>(m, "StagingTimeoutError", PyExc_TimeoutError);
+  py::register_exception<pipemorph::staging::NoRoomError>(m, "StagingNoRoomError", PyExc_RuntimeError);
   m.attr("MAX_DIMS") = kMaxDims;
 #ifdef PIPEMORPH_STAGING_WITH_CUDA
   m.attr("WITH_CUDA") = true;

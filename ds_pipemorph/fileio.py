@@ -204,7 +204,12 @@ def dump(data: dict, as_json: bool) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
 
 
-def first_line(e: BaseException) -> str:
-    """The first line of ``e``'s message (its type's name if it has none): errors quoted in one sentence."""
+def first_line(e: BaseException, with_type: bool = False) -> str:
+    """The first line of ``e``'s message (its type's name if it has none): errors quoted in one sentence.
+    ``with_type``: prefixed with its type's name, ``"ValueError: ..."`` (just the name if it has none).
+    The one such helper of the package."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else ""
+    if with_type and line:
+        return f"{type(e).__name__}: {line}"
+    return line or type(e).__name__

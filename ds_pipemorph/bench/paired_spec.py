@@ -28,7 +28,7 @@ class Side(BaseModel):
     text: str
     plan: str  # one of PLANS, or "plan" with plan_file
     plan_file: Optional[str] = None
-    dispatch: Dispatch = "ordered"
+    dispatch: Dispatch = Dispatch.ORDERED
     delegated: bool = False
 
     def section(self, budget: Optional[float] = 1.0) -> dict:
@@ -41,10 +41,10 @@ class Side(BaseModel):
             out["plan_file"] = self.plan_file
         return out
 
-    def bench_row(self) -> tuple[str, str]:
+    def bench_row(self) -> tuple[str, Dispatch]:
         """(schedule, dispatch) of ``pipemorph bench``'s worker for a whole job of this side."""
         if self.plan == "stock-1f1b":
-            return "stock-1f1b", "ordered"
+            return "stock-1f1b", Dispatch.ORDERED
         if self.plan == "pipemorph":
             return "pipemorph", self.dispatch
         return ("zb-delegated" if self.delegated else "zb"), self.dispatch
@@ -71,7 +71,7 @@ def parse_side(text: str, option: str) -> Side:
             raise BadInput(f"{option}: '{text}' sets the {key} twice")
         fields[key] = value
     side = Side(**fields)
-    if side.plan == "stock-1f1b" and (side.dispatch != "ordered" or side.delegated):
+    if side.plan == "stock-1f1b" and (side.dispatch is not Dispatch.ORDERED or side.delegated):
         raise BadInput(f"{option}: stock-1f1b runs DeepSpeed's own engine: drop '+ready' and '+delegated'")
     if side.plan == "pipemorph" and "delegated" in fields:
         raise BadInput(f"{option}: pipemorph chooses each link's transport itself: drop '+direct'/'+delegated'")

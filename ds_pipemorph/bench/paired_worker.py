@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..fileio import load_model, write_atomic
 from ..paired import A_SIDE, sequence
+from ..plan.ir.lower import Dispatch
 from .paired_spec import PairedSpec, Side
 
 
@@ -96,7 +97,7 @@ def alternate(spec: PairedSpec, engine) -> list[dict]:
         ms = timed_step(lambda: losses.append(float(engine.train_batch(iter(data)).item())))
         ran = [r.op for r in engine.op_records if r.plan_op is not None and r.plan_op.kind.is_compute]
         out.append({"index": i, "side": label, "config": side.text, "ms": ms, "measured": i >= spec.warmup,
-                    "loss": losses[0], "dispatch": "ready" if len(engine.choosing_ns) > ready_before else "ordered",
+                    "loss": losses[0], "dispatch": Dispatch.READY if len(engine.choosing_ns) > ready_before else Dispatch.ORDERED,
                     "links": [engine.transport.link_mode(k) for k in range(spec.stages - 1)],
                     "ops": ran if spec.record_ops else None})
         if dist.get_rank() == 0:

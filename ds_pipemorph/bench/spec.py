@@ -5,7 +5,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..plan.ir.lower import DISPATCHES
+from ..plan.ir.lower import DISPATCHES, Dispatch
 
 SCHEDULES = ("stock-1f1b", "zb", "zb-delegated", "pipemorph")
 LABELS = {  # short: the table must fit an 80-column terminal
@@ -69,8 +69,9 @@ class BenchSpec(BaseModel):
         for d in self.dispatches:
             if d not in DISPATCHES:
                 raise ValueError(f"unknown dispatch '{d}': choose from {', '.join(DISPATCHES)}")
+        self.dispatches = [Dispatch(d) for d in self.dispatches]  # read once: compared as the type from here
         return self
 
     def rows(self) -> list[tuple[str, str]]:
         """(schedule, dispatch) of every row of a scenario, in order."""
-        return [(s, d) for s in self.schedules for d in (["ordered"] if s == "stock-1f1b" else self.dispatches)]
+        return [(s, d) for s in self.schedules for d in ([Dispatch.ORDERED] if s == "stock-1f1b" else self.dispatches)]

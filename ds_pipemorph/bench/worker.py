@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..fileio import load_model, write_atomic
 from ..plan.ir.links import DIRECT, Delegated
+from ..plan.ir.lower import Dispatch
 from ..plan.ir.profile import Costs
 from ..plan.sched.baselines import deepspeed_1f1b
 from ..plan.sim.simulate import replay
@@ -42,7 +43,7 @@ from .summary import summarize
 VARIED_OP_MS = 0.1
 
 
-def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: str = "ordered"):
+def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: Dispatch = Dispatch.ORDERED):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
@@ -138,13 +139,13 @@ def append(path: str, line: str) -> None:
         f.write(line)
 
 
-def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch: str = "ordered") -> float:
+def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch: Dispatch = Dispatch.ORDERED) -> float:
     """The replay simulator's time for the plan the schedule ran last, under the injected delays; slow
     links on the direct path are modelled as such (one message in flight, the sender blocks). With
     --vary or ready dispatch: the mean over the measured iterations of ``plan.sim.ready``'s replay of
     each iteration's op times under that dispatch (caps: the plan's peak, as the engine holds)."""
     S, N = spec.stages, spec.microbatches
-    if spec.vary or dispatch == "ready":
+    if spec.vary or dispatch is Dispatch.READY:
         from ..plan.ir.ops import peak_inflight
         from ..plan.sim.ready import replay_varying
         from ..plan.sim.variation import vary_tables
@@ -153,7 +154,7 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch:
         ks = range(spec.warmup, spec.warmup + spec.iterations)
         if schedule == "stock-1f1b":  # DeepSpeed's order, its backward fused
             plan = deepspeed_1f1b(S, N)
-            return sum(replay_varying(plan, costs, N, "ordered", None, tables(k), fused_backward=True,
+            return sum(replay_varying(plan, costs, N, Dispatch.ORDERED, None, tables(k), fused_backward=True,
                                       link_model=DIRECT).iteration_ms for k in ks) / len(ks)
         model = _link_model(schedule, engine)
         return sum(replay_varying(engine.plan, costs, N, dispatch, peak_inflight(engine.plan), tables(k),
@@ -179,7 +180,7 @@ def ratios_to_pipemorph(results: list[dict]) -> dict:
     """Per scenario with a PipeMorph row: every schedule's mean iteration time over PipeMorph's."""
     out = {}
     for name in dict.fromkeys(r["scenario"] for r in results):
-        mine = {r["schedule"]: r for r in results if r["scenario"] == name and r.get("dispatch", "ordered") == "ordered"}
+        mine = {r["schedule"]: r for r in results if r["scenario"] == name and r.get("dispatch", Dispatch.ORDERED) == Dispatch.ORDERED}
         if "pipemorph" in mine:
             out[name] = {k: round(r["mean_ms"] / mine["pipemorph"]["mean_ms"], 3) for k, r in mine.items()}
     return out
@@ -205,7 +206,7 @@ def main(spec_path: str) -> None:
                 patch = install(stock_delays)
             engine = build_engine(spec, schedule, sc, dispatch)
             skew = start_trace(engine, stock_delays, schedule == "zb-delegated") if trace is not None else 0.0
-            label = f"{schedule}{'/ready' if dispatch == 'ready' else ''}"
+            label = f"{schedule}{'/ready' if dispatch is Dispatch.READY else ''}"
 
             def done(i: int) -> None:
                 if rank == 0:
@@ -238,7 +239,7 @@ def main(spec_path: str) -> None:
                     row["switch_ms"] = switch_ms  # (iteration, ms) moving links between transports after re-plans
                 if trace is not None:
                     row["trace_skew_s"] = round(skew, 3)
-                if dispatch == "ready":  # rank 0's time choosing the next op, per op run
+                if dispatch is Dispatch.READY:  # rank 0's time choosing the next op, per op run
                     row["choosing_us_per_op"] = sum(choosing) / 1e3 / (3 * spec.microbatches * len(choosing))
                 if overhead is not None:
                     row["profiler_overhead"] = overhead

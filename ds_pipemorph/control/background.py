@@ -1,4 +1,4 @@
-"""The re-plan search beside training: one worker process that runs ``Policy.refine`` jobs in turn.
+"""The re-plan search beside training: one worker process that runs ``ControlPolicy.refine`` jobs in turn.
 
 A re-plan's search takes milliseconds to seconds (it grows with stages x micro-batches and the
 evaluation budget). On the training thread every rank would wait for it at an iteration boundary;

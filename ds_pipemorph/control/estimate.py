@@ -23,9 +23,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from ..plan.ir.ops import recorded_op
+from ..plan.ir.ops import Kind, recorded_op
 
-_BASE = {"SEND_F": 0, "SEND_B": 1, "RECV_F": 2, "RECV_B": 4}  # block offsets in units of N
+_BASE = {Kind.SEND_F: 0, Kind.SEND_B: 1, Kind.RECV_F: 2, Kind.RECV_B: 4}  # block offsets in units of N
 
 
 def message_times(records: Iterable, microbatches: int, stage: int, clock_offsets: Mapping[int, float]) -> list[float]:

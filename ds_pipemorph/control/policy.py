@@ -97,8 +97,9 @@ class Decision:
         return self.plan is not None
 
 
-class Policy:
-    """The control policy of one pipeline (``stages`` stages, ``microbatches`` per iteration)."""
+class ControlPolicy:
+    """The control policy of one pipeline (``stages`` stages, ``microbatches`` per iteration). (The
+    list scheduler's knobs are ``plan.Policy``; this is the control loop's.)"""
 
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: DelegationMode = "off", detector: DetectorConfig = DetectorConfig(),

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..fileio import BadInput, load_model
+from ..plan.ir.ops import message_op
 from ..plan.sim.variation import LinkTraceFile
 from ..runtime.hooks import TransportHooks
 from ..runtime.transport.protocol import DeliveryError, TransportError, TransportTimeout, link_of
@@ -192,7 +193,7 @@ class DelayInjector(TransportWrapper):
         except TransportTimeout:
             raise
         except Exception as e:  # whatever broke, the message was not delivered
-            text = str(e) if isinstance(e, TransportError) else f"stage {self.stage_id}: SEND_{kind}{mb} failed: {e}"
+            text = str(e) if isinstance(e, TransportError) else f"stage {self.stage_id}: {message_op(kind, mb, True)} failed: {e}"
             err = DeliveryError(f"{text} (in the delivery thread, after its injected delay)", kind, mb, payload)
             if self.on_failure is not None:
                 try:

@@ -19,6 +19,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 
+from ..plan.ir.links import Route
+from ..plan.ir.ops import Kind, message_op
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.transport.protocol import TransportError, link_of
 from .wrapping import RouterWrapper, TransportWrapper
@@ -63,21 +65,21 @@ class FaultyLink(TransportWrapper):
         super().__init__(inner)
         self.rank, self.stage_id = rank, stage_id
         self.fails_after = dict(faults.link_fails_after)
-        self.count: dict[tuple[int, str], int] = {}  # messages sent or received, per (link, kind)
-        self._index: dict[tuple[str, int], int] = {}  # a received message posted ahead -> its number
+        self.count: dict[tuple[int, Kind], int] = {}  # messages sent or received, per (link, kind)
+        self._index: dict[tuple[Kind, int], int] = {}  # a received message posted ahead -> its number
 
-    def _fails(self, link: int, kind: str, mb: int, n: int, sending: bool) -> None:
+    def _fails(self, link: int, kind: Kind, mb: int, n: int, sending: bool) -> None:
         if n > self.fails_after[link]:
-            op = f"{'SEND' if sending else 'RECV'}_{kind}{mb}"
+            op = message_op(kind, mb, sending)
             raise TransportError(f"rank {self.rank}: {op} on link {link} failed: injected fault "
                                  f"(link {link} fails after {self.fails_after[link]} {kind} messages)")
 
-    def _number(self, link: int, kind: str) -> int:
+    def _number(self, link: int, kind: Kind) -> int:
         """The next message's number in this direction of ``link`` (1, 2, ...)."""
         self.count[(link, kind)] = self.count.get((link, kind), 0) + 1
         return self.count[(link, kind)]
 
-    def post_recv(self, kind: str, mb: int) -> None:
+    def post_recv(self, kind: Kind, mb: int) -> None:
         """Numbered when first posted, in the stream's order; posted up to the K-th message of a failing
         direction and never after (its ``recv`` fails), so none dangles and the wire keeps the order."""
         link = link_of(self.stage_id, kind, False)
@@ -89,13 +91,13 @@ class FaultyLink(TransportWrapper):
         if n <= self.fails_after[link]:
             self.inner.post_recv(kind, mb)
 
-    def send(self, kind: str, mb: int, payload) -> None:
+    def send(self, kind: Kind, mb: int, payload) -> None:
         link = link_of(self.stage_id, kind, True)
         if link in self.fails_after:
             self._fails(link, kind, mb, self._number(link, kind), True)
         self.inner.send(kind, mb, payload)
 
-    def recv(self, kind: str, mb: int):
+    def recv(self, kind: Kind, mb: int):
         """Fails exactly when the message's number (given when it was posted, or now) is above K."""
         link = link_of(self.stage_id, kind, False)
         if link in self.fails_after:
@@ -116,14 +118,14 @@ class DelegateKiller(RouterWrapper):
         self.count = 0
         self.killed: int | None = None
 
-    def send(self, kind: str, mb: int, payload) -> None:
+    def send(self, kind: Kind, mb: int, payload) -> None:
         self.inner.send(kind, mb, payload)
-        if kind == "F" and self.side == "send" and link_of(self.stage_id, "F", True) == self.link:
+        if kind == Kind.F and self.side == "send" and link_of(self.stage_id, Kind.F, True) == self.link:
             self._maybe_kill(sending=True, queue_of=lambda n, k: (n - 1) % k)
 
-    def recv(self, kind: str, mb: int):
+    def recv(self, kind: Kind, mb: int):
         out = self.inner.recv(kind, mb)
-        if kind == "F" and self.side == "recv" and link_of(self.stage_id, "F", False) == self.link:
+        if kind == Kind.F and self.side == "recv" and link_of(self.stage_id, Kind.F, False) == self.link:
             self._maybe_kill(sending=False, queue_of=lambda n, k: n % k)
         return out
 
@@ -133,11 +135,11 @@ class DelegateKiller(RouterWrapper):
         self.count += 1
         if self.count < self.after:
             return
-        if self.link_mode(self.link, "F") != "delegated":
+        if self.link_mode(self.link, Kind.F) is not Route.DELEGATED:
             raise TransportError(f"rank {self.rank}: kill_delegate names link {self.link}, "
                                  f"which is not delegated at message {self.count}")
         queue = queue_of(self.count, self.queues_of(self.link))
-        self.killed = self.delegate_pid(self.link, "F", sending, queue)
+        self.killed = self.delegate_pid(self.link, Kind.F, sending, queue)
         os.kill(self.killed, signal.SIGKILL)
         role = "sender" if sending else "receiver"
         line = (f"rank {self.rank}: link {self.link}: injected fault: killed the {role} delegate of "

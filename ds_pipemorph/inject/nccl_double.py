@@ -167,7 +167,7 @@ class NcclRules:
             if time.monotonic() - start >= 0.95 * self.timeout_s:
                 raise TransportTimeout(f"rank {self.rank}: timed out after {self.timeout_s:g} s at the {op} "
                                        f"({step}; NCCL's in-order point-to-point rules)") from None
-            raise TransportError(f"rank {self.rank}: the {op} failed ({step}): {str(e).splitlines()[0]}") from e
+            raise TransportError(f"rank {self.rank}: the {op} failed ({step}): {first_line(e)}") from e
 
     def _send(self, op: _Op) -> None:
         t = op.tensor

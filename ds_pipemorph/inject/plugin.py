@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..fileio import BadInput
+from ..plan.ir.lower import Dispatch
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks, Plugin, TransportHooks
 from .config import InjectConfig
@@ -120,7 +121,7 @@ class InjectPlugin(Plugin):
         if faults is not None and faults.kill_delegate is not None and cfg.delegation.mode != "always":
             raise ValueError("inject.faults.kill_delegate needs delegation.mode 'always' (the delegate it kills "
                              "must exist at that message)")
-        if faults is not None and cfg.dispatch == "ready":
+        if faults is not None and cfg.dispatch is Dispatch.READY:
             raise ValueError("inject.faults cannot be combined with dispatch 'ready': its receives all wait from "
                              "the start of the iteration, so a link failing over mid-iteration is not followed yet")
 

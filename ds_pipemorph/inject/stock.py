@@ -8,6 +8,7 @@ later. Messages of one link keep their order; links stay independent.
 """
 from __future__ import annotations
 
+from ..plan.ir.ops import Kind
 from ..runtime.transport.protocol import link_of
 from .delays import DelaySchedule, Lane
 
@@ -23,7 +24,7 @@ def install(delays: DelaySchedule, timeout_s: float = 300.0) -> dict:
 
     def send(tensor, dest_stage, async_op=False):
         src = p2p._grid.get_stage_id()
-        link = link_of(src, "F" if dest_stage > src else "B", sending=True)
+        link = link_of(src, Kind.F if dest_stage > src else Kind.B, sending=True)
         c = delays.delay_ms(link)
         if c <= 0 and link not in lanes:
             return original(tensor, dest_stage, async_op)

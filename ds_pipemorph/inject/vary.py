@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from time import perf_counter
 
+from ..plan.ir.ops import Kind
 from ..plan.sim.variation import OpTable
 from ..runtime import instructions as I
 from ..runtime.hooks import EngineHooks
 from .emulated import sleep_until
 
-_KINDS = {I.ForwardPass: "F", I.BackwardInputPass: "B", I.BackwardWeightPass: "W"}
+_KINDS = {I.ForwardPass: Kind.F, I.BackwardInputPass: Kind.B, I.BackwardWeightPass: Kind.W}
 
 
 class VaryInjector(EngineHooks):
@@ -52,7 +53,7 @@ def install_stock(engine, tables: Callable[[int], OpTable], microbatches: int) -
     from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
 
     stage, n = engine.stage_id, microbatches
-    count = {"F": 0, "B": 0}
+    count = {Kind.F: 0, Kind.B: 0}
     drawn: dict[int, OpTable] = {}  # iteration -> its table (forwards and backwards of one iteration share it)
 
     def table_of(iteration: int) -> OpTable:
@@ -61,17 +62,17 @@ def install_stock(engine, tables: Callable[[int], OpTable], microbatches: int) -
             drawn[iteration] = tables(iteration)
         return drawn[iteration]
 
-    def timed(handler, kind: str):
+    def timed(handler, kind: Kind):
         def run(eng, **kwargs):
             started = perf_counter()
             k, count[kind] = count[kind], count[kind] + 1
             handler(eng, **kwargs)
             table, mb = table_of(k // n), k % n
-            ms = table(stage, "F", mb) if kind == "F" else table(stage, "B", mb) + table(stage, "W", mb)
+            ms = table(stage, Kind.F, mb) if kind is Kind.F else table(stage, Kind.B, mb) + table(stage, Kind.W, mb)
             sleep_until(started, ms)
         return run
 
     handlers = dict(engine._INSTRUCTION_MAP)
-    handlers[ForwardPass] = timed(handlers[ForwardPass], "F")
-    handlers[BackwardPass] = timed(handlers[BackwardPass], "B")
+    handlers[ForwardPass] = timed(handlers[ForwardPass], Kind.F)
+    handlers[BackwardPass] = timed(handlers[BackwardPass], Kind.B)
     engine._INSTRUCTION_MAP = handlers  # stock's own map, on this instance only (as emulated.anchor_stock_engine)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..plan.ir.links import Route
+from ..plan.ir.ops import Kind
 from ..runtime.transport.protocol import LinkControl, Payload, Transport
 
 
@@ -23,13 +25,13 @@ class TransportWrapper:
         """Whether a send holds the training process on a slow link (``DirectTransport.sender_waits``)."""
         return getattr(self.inner, "sender_waits", True)
 
-    def post_recv(self, kind: str, mb: int) -> None:
+    def post_recv(self, kind: Kind, mb: int) -> None:
         self.inner.post_recv(kind, mb)
 
-    def send(self, kind: str, mb: int, payload: Payload) -> None:
+    def send(self, kind: Kind, mb: int, payload: Payload) -> None:
         self.inner.send(kind, mb, payload)
 
-    def recv(self, kind: str, mb: int) -> Payload:
+    def recv(self, kind: Kind, mb: int) -> Payload:
         return self.inner.recv(kind, mb)
 
     def wait_sends(self) -> None:
@@ -74,16 +76,16 @@ class RouterWrapper(TransportWrapper):
     def stage_id(self) -> int:
         return self.inner.stage_id
 
-    def link_mode(self, link: int, kind: str = "F") -> str:
+    def link_mode(self, link: int, kind: Kind = Kind.F) -> Route:
         return self.inner.link_mode(link, kind)
 
-    def set_link_mode(self, link: int, mode: str, queues: Optional[int] = None) -> None:
+    def set_link_mode(self, link: int, mode: Route, queues: Optional[int] = None) -> None:
         self.inner.set_link_mode(link, mode, queues)
 
     def queues_of(self, link: int) -> int:
         return self.inner.queues_of(link)
 
-    def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
+    def delegate_pid(self, link: int, kind: Kind, sending: bool, queue: int) -> int:
         return self.inner.delegate_pid(link, kind, sending, queue)
 
     def prewarm(self) -> None:

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from pydantic import ValidationError
 
-from ..fileio import BadInput, describe, dump, write_atomic
+from ..fileio import BadInput, describe, dump, first_line, write_atomic
 from ..plan.partition.layer_profile import LayerProfile
 from .pipecapture import StageModule, _TiedCall, recording_pipeline_modules
 from .stages import _split_available, _stage_input, _sync, _tensors, _to, time_stage
@@ -124,7 +124,7 @@ def profile_layers(layers: Sequence, inputs, labels=None, loss_fn: Optional[Call
         except BadInput as e:
             raise BadInput(f"layer {i} ({name}): {e}") from None
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = first_line(e)
             raise BadInput(f"layer {i} ({name}) failed on its sample input: {type(e).__name__}: {msg}") from None
         costs.append(c)
         on_layer(i)

@@ -35,8 +35,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.transport.direct import DirectTransport
 from ..inject.delays import DelayInjector, DelaySchedule
+from ..plan.ir.ops import Kind
+from ..runtime.transport.direct import DirectTransport
 from .distenv import sync
 from .pairs import Pair, partner, round_robin
 
@@ -69,7 +70,7 @@ def make_pair_transport(rank: int, pair: Pair, device: torch.device, timeout_s: 
     return tr
 
 
-def _exchange(tr, device, initiator: bool, out_kind: str, back_kind: str, mb: int, payload: torch.Tensor,
+def _exchange(tr, device, initiator: bool, out_kind: Kind, back_kind: Kind, mb: int, payload: torch.Tensor,
               ack: torch.Tensor, warmup: int, reps: int) -> list[float]:
     """Ping-pong ``payload`` (as message (out_kind, mb)) against a tiny answer; round trips in ms."""
     rtts = []
@@ -179,18 +180,18 @@ def measure_pairs(rank: int, world: int, device: torch.device, sizes: Sequence[i
 def _step(tr, device, is_lower: bool, kind: str, size: Optional[int], sizes: Sequence[int], ack: torch.Tensor,
           warmup: int, reps: int, rec: dict) -> None:
     """One measurement step of one link or pair, on one of its two ends (the lower end is the
-    transport's stage 0: it sends "F" to the upper end, which sends "B" back); fills ``rec``."""
+    transport's stage 0: it sends Kind.F to the upper end, which sends Kind.B back); fills ``rec``."""
     if kind == "latency":
-        rtts = _exchange(tr, device, is_lower, "F", "B", ACK_MB, ack, ack, warmup + LATENCY_EXTRA_WARMUP, 2 * reps)
+        rtts = _exchange(tr, device, is_lower, Kind.F, Kind.B, ACK_MB, ack, ack, warmup + LATENCY_EXTRA_WARMUP, 2 * reps)
         if is_lower:
             rec["latency_ms"] = [r / 2 for r in rtts]
         return
     mb = 1 + sizes.index(size)
     payload = torch.empty(size, dtype=torch.uint8, device=device)
     if kind == "down":
-        rtts = _exchange(tr, device, is_lower, "F", "B", mb, payload, ack, warmup, reps)
+        rtts = _exchange(tr, device, is_lower, Kind.F, Kind.B, mb, payload, ack, warmup, reps)
     else:
-        rtts = _exchange(tr, device, not is_lower, "B", "F", mb, payload, ack, warmup, reps)
+        rtts = _exchange(tr, device, not is_lower, Kind.B, Kind.F, mb, payload, ack, warmup, reps)
     if rtts:
         rec[kind][size] = rtts
 

@@ -29,7 +29,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..fileio import BadInput
+from ..fileio import BadInput, first_line
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def profile_stages(modules: Sequence[torch.nn.Module], inputs, labels=None, loss
         except BadInput as e:
             raise BadInput(f"stage {s}: {e}") from None
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = first_line(e)
             raise BadInput(f"stage {s} failed on its sample input: {type(e).__name__}: {msg}") from None
         on_stage(s)
     return times, split

@@ -6,7 +6,7 @@ the median F, B and W times of its stage and, per message, when its sends ended 
 started and ended (both from its op records, so nothing extra travels and a slow or delegated link
 is measured as training uses it; ``control.estimate``). The boundary's one all-gather
 (``runtime.boundary``, beside the other loops' rows) gives every rank every row, so every rank
-feeds its ``control.policy.Policy`` the identical input and gets the identical answer from
+feeds its ``control.policy.ControlPolicy`` the identical input and gets the identical answer from
 ``observe``. While the loop is ``quiet`` (the detector counts no slow or recovered link, no search
 runs, nothing was decided) the boundary lets exchanges grow apart, up to ``max_exchange_gap``
 iterations (``control.exchange``); a slow link is then seen at the next exchange, and from the
@@ -18,14 +18,14 @@ same thing on a shared host. Every rank adopts it and the engine applies it from
 iteration. Nothing here reads the injection settings.
 
 A re-plan runs off the critical path (``replan="background"``, the default): the decision at the
-boundary is the policy's first reaction (``Policy.react``: keep the plan, or Alg. 2's closed-form
-warm-up, milliseconds), and rank 0 hands the search (``Policy.refine``) to a worker process
+boundary is the policy's first reaction (``ControlPolicy.react``: keep the plan, or Alg. 2's closed-form
+warm-up, milliseconds), and rank 0 hands the search (``ControlPolicy.refine``) to a worker process
 (``control.background``). Training goes on with the plan in force; at each exchange (every
 iteration while a search runs) rank 0 says in its all-gathered row whether the search has landed,
 so every rank learns it in the same iteration, receives the refined decision by broadcast and
 switches at the same boundary. While a search runs the detector waits (measurements are still
 kept). ``replan="inline"`` runs the whole search at the boundary while every rank waits
-(``Policy.propose``).
+(``ControlPolicy.propose``).
 
 Its own cost is measured as it runs (``overhead.Overhead``, one per exchange and rank: wall time
 in each part of this code, plus the per-op timestamps of every iteration up to the next exchange at
@@ -51,9 +51,9 @@ from ..control.background import BackgroundPlanner
 from ..control.detector import DetectorConfig
 from ..control.estimate import Neighbours, RankTimes, link_delays, message_times
 from ..control.modes import DelegationMode, ReplanMode
-from ..control.policy import REPLAN_EVALS, Decision, Policy, QueueSettings
+from ..control.policy import REPLAN_EVALS, ControlPolicy, Decision, QueueSettings
 from ..plan.ir.links import DIRECT, LinkModel
-from ..plan.ir.ops import Schedule, warmup_counts, recorded_op
+from ..plan.ir.ops import KINDS, Schedule, recorded_op, warmup_counts
 from ..plan.ir.profile import Costs
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
 from .profile_export import ProfileExport
@@ -94,7 +94,7 @@ class Adapter:
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
         self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline
-        self.policy = Policy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals,
+        self.policy = ControlPolicy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals,
                              direct, units, w_share)
         self.background = replan == "background"
         self._pending: Optional[Costs] = None  # every rank: the costs a search beside training plans for
@@ -160,7 +160,7 @@ class Adapter:
         return not self._acted and self._pending is None and self.policy.settled
 
     def due_by(self) -> Optional[int]:
-        """The detector's next run when it runs every k > 1 iterations (``Policy.next_run``)."""
+        """The detector's next run when it runs every k > 1 iterations (``ControlPolicy.next_run``)."""
         return self.policy.next_run
 
     def decide(self, engine, table: torch.Tensor, sync_ms: float, exchange_ms: float) -> Optional[Decision]:
@@ -306,16 +306,16 @@ class Adapter:
     def _local(self, records, oh: Overhead, device_ms: Optional[dict[str, float]] = None) -> list[float]:
         """[stage, median F, B, W (ms; device times from CUDA events where given), upstream, downstream rank]."""
         t = time.perf_counter_ns()
-        dur = {"F": [], "B": [], "W": []}
+        dur: dict = {k: [] for k in KINDS}
         if device_ms is not None:
             for op, ms in device_ms.items():
-                dur[op[0]].append(ms)
+                dur[recorded_op(op).kind].append(ms)
         else:
             for r in records:
                 op = recorded_op(r.op)
                 if op is not None and op.kind.is_compute:
                     dur[op.kind].append((r.end_ns - r.start_ns) / 1e6)
-        med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in "FBW"]
+        med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in KINDS]
         oh.stats = _ms_since(t)
         n = self.neighbours
         return [float(self.stage_id), *med, _rank_column(n.upstream), _rank_column(n.downstream)]

@@ -26,6 +26,7 @@ import time
 from typing import Optional
 
 from ..paired import A_SIDE, CYCLE, Comparison, compare
+from ..plan.ir.lower import Dispatch
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .plans import NCCL_READY_REFUSED, build_plan
 
@@ -37,7 +38,7 @@ class Compare:
 
     def __init__(self, engine, cfg: PipeMorphConfig):
         c = cfg.compare
-        if c.dispatch == "ready" and engine.nccl_rules:  # refused at start-up, not at the first A iteration
+        if c.dispatch is Dispatch.READY and engine.nccl_rules:  # refused at start-up, not at the first A iteration
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
         self.cfg = c
         a_cfg = cfg.model_copy(update={"schedule": c.schedule})

@@ -136,7 +136,7 @@ class CompareConfig(SectionModel):
     # iteration boundaries, in the cycle A B A' B, and log B/A per pair with its 95 % interval when
     # the comparison ends (runtime/compare.py). None: no comparison.
     schedule: Optional[Literal["1f1b", "zb"]] = None
-    dispatch: Dispatch = "ordered"
+    dispatch: Dispatch = Field(Dispatch.ORDERED, strict=False)  # its text, read as a Dispatch
     # Iterations at the start that alternate but are not measured (the first ones build programs,
     # start threads and measure memory; an adaptive B re-plans in its first ones).
     warmup: int = Field(4, ge=0)
@@ -208,7 +208,7 @@ class PipeMorphConfig(SectionModel):
     plan_file: Optional[str] = None
     # ordered: each stage runs its plan's order as written; ready: the order is a hint, each stage
     # runs the first ready op in it (RRFP), holding no more activations than the plan does.
-    dispatch: Dispatch = "ordered"
+    dispatch: Dispatch = Field(Dispatch.ORDERED, strict=False)  # its text, read as a Dispatch
     # Receives of each kind posted ahead under ordered dispatch (plan.ir.lower); None: the default
     # (RECV_WINDOW). A plan file names its own (refused here with schedule "plan").
     recv_window: Optional[int] = Field(None, ge=1)
@@ -341,7 +341,7 @@ def pending_notes(cfg: PipeMorphConfig) -> list[str]:
     if cfg.profile_out and not (cfg.schedule == "adaptive" and cfg.adapt.enabled):
         notes.append(f"pipemorph.profile_out is written by the control loop, which runs with schedule 'adaptive' "
                      f"and adapt.enabled only: {cfg.profile_out} will not be written")
-    if cfg.recv_window is not None and cfg.dispatch == "ready":
+    if cfg.recv_window is not None and cfg.dispatch is Dispatch.READY:
         notes.append("pipemorph.recv_window applies to dispatch 'ordered': dispatch 'ready' posts every receive "
                      "of an iteration before the first op that needs one")
     return notes

@@ -16,6 +16,7 @@ import json
 import sys
 import types
 import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, Literal, Union
 
@@ -205,6 +206,8 @@ def type_text(t) -> str:
         return f"mapping of {type_text(_args(t)[0])} to {type_text(_args(t)[1])}"
     if isinstance(t, type) and issubclass(t, BaseModel):
         return "section"
+    if isinstance(t, type) and issubclass(t, Enum):  # a TextEnum (``Dispatch``): the texts it reads
+        return " or ".join(json.dumps(m.value) for m in t)
     return {bool: "boolean", int: "integer", float: "number", str: "string"}.get(t, getattr(t, "__name__", str(t)))
 
 

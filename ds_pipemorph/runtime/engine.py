@@ -45,9 +45,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ..plan.ir.links import DIRECT, Delegated
-from ..plan.ir.lower import DISPATCHES, BadStream, Lowering
+from ..plan.ir.lower import BadStream, Dispatch, Lowering
 from ..plan.ir.nccl import nccl_groups
-from ..plan.ir.ops import Op, Schedule
+from ..plan.ir.ops import Kind, Op, Schedule
 from . import instructions as I
 from . import wgrad_store
 from .builder import EngineBuilder
@@ -169,7 +169,7 @@ class PipeMorphEngine(PipelineEngine):
         # Plug-ins' router hooks (testing only: injection); one may put the direct path under NCCL's rules.
         router_hooks = transport_hooks(pipemorph, self.num_stages, engine=self)
         self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
-        if self.nccl_rules and pipemorph.dispatch == "ready":
+        if self.nccl_rules and pipemorph.dispatch is Dispatch.READY:
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
         refusal = out_of_order_refusal(self.nccl_rules, router_hooks)
         if refusal:
@@ -224,7 +224,7 @@ class PipeMorphEngine(PipelineEngine):
         self.reductions_skipped = 0  # ReduceGrads runs that left DeepSpeed's all-reduce out (the identity)
         self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
         # dispatch "ready": every receive of an iteration in flight, completed in worker threads
-        if pipemorph.dispatch == "ready":
+        if pipemorph.dispatch is Dispatch.READY:
             self.inbox = Inbox(self.transport, 2 * self.micro_batches, pipemorph.timeout_s, self.global_rank)
         self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
         # (stage, parameter names) DeepSpeed's gradient clipping counted before the first migration
@@ -315,7 +315,7 @@ class PipeMorphEngine(PipelineEngine):
         return DIRECT if waits else Delegated(1)
 
     def _set_plan(self, plan: Schedule, lowering: Optional[Lowering] = None,
-                  dispatch: Optional[str] = None) -> None:
+                  dispatch: Optional[Dispatch] = None) -> None:
         """Lower ``plan`` with ``lowering`` (default: the policy in force) for ``dispatch`` (default:
         the one in force; the other's stream is lowered when it is first asked for) and dry-run every
         rank's streams before this rank uses them (the same plan gives the same result on every rank,
@@ -331,31 +331,31 @@ class PipeMorphEngine(PipelineEngine):
         if hasattr(self, "transport"):  # (the first plan is set before the transport is built)
             bound_sends(self.transport.direct, sent_in_order(plan, self.stage_id))
         self._streams = streams
-        self._compiled: dict[str, tuple] = {}  # dispatch -> its program, built at the next batch
+        self._compiled: dict[Dispatch, tuple] = {}  # dispatch -> its program, built at the next batch
 
-    def _lowered(self, plan: Schedule, lowering: Lowering, dispatch: str) -> list[Op]:
+    def _lowered(self, plan: Schedule, lowering: Lowering, dispatch: Dispatch) -> list[Op]:
         """This stage's stream of ``plan`` under ``dispatch``, every stage's dry-run first."""
         try:
             return lowering.for_dispatch(dispatch).lower(plan)[self.stage_id]
         except BadStream as e:
             raise PipeMorphConfigError(f"the plan cannot run: {e}") from None
 
-    def _stream_for(self, dispatch: str) -> list[Op]:
+    def _stream_for(self, dispatch: Dispatch) -> list[Op]:
         if dispatch not in self._streams:
             self._streams[dispatch] = self._lowered(self.plan, self.lowering, dispatch)
         return self._streams[dispatch]
 
     @property
-    def dispatch(self) -> str:
-        """``"ordered"`` or ``"ready"``: how the next ``train_batch`` runs its stream."""
-        return "ready" if self.inbox is not None else "ordered"
+    def dispatch(self) -> Dispatch:
+        """``Dispatch.ORDERED`` or ``Dispatch.READY``: how the next ``train_batch`` runs its stream."""
+        return Dispatch.READY if self.inbox is not None else Dispatch.ORDERED
 
     @property
     def stream(self) -> list[Op]:
         """This stage's lowered stream under the dispatch in force (``Lowering.for_dispatch``)."""
         return self._stream_for(self.dispatch)
 
-    def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[str] = None,
+    def switch_to(self, plan: Optional[Schedule] = None, dispatch: Optional[Dispatch] = None,
                   lowering: Optional[Lowering] = None) -> None:
         """Run ``plan`` and/or ``dispatch`` ("ordered" or "ready") from the next ``train_batch``, as a
         re-plan takes effect at an iteration boundary: every rank calls it with the same arguments
@@ -363,11 +363,14 @@ class PipeMorphEngine(PipelineEngine):
         ``plan``, default the policy in force. Ready dispatch switched off keeps its receive threads for
         when it is switched on again (a paired benchmark switches every iteration). Every argument
         is checked before anything changes: a refused call leaves the plan and dispatch as they were."""
-        if dispatch is not None and dispatch not in DISPATCHES:
-            raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'")
-        if dispatch == "ready" and self.nccl_rules:
+        if dispatch is not None:  # a Dispatch or its text, read once here
+            try:
+                dispatch = Dispatch.parse(dispatch)
+            except ValueError:
+                raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'") from None
+        if dispatch is Dispatch.READY and self.nccl_rules:
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
-        if dispatch == "ready" and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
+        if dispatch is Dispatch.READY and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)
         target = dispatch or self.dispatch
         if lowering is not None and self.nccl_rules:
@@ -380,7 +383,7 @@ class PipeMorphEngine(PipelineEngine):
         if target == self.dispatch:
             self._train_schedule()  # its program is built now, not inside the next train_batch
             return
-        if dispatch == "ordered":
+        if dispatch is Dispatch.ORDERED:
             self._idle_inbox, self.inbox = self.inbox, None
         else:
             idle = getattr(self, "_idle_inbox", None)
@@ -422,7 +425,7 @@ class PipeMorphEngine(PipelineEngine):
             program = [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
                        for step in schedule.steps() for cmd in step]
             tail = len(list(schedule.steps())[-1])  # the end of the iteration: sends, reductions, step
-            ready = ReadyProgram(schedule, handlers, self.lowering.fused, self.hooks) if dispatch == "ready" else None
+            ready = ReadyProgram(schedule, handlers, self.lowering.fused, self.hooks) if dispatch is Dispatch.READY else None
             compiled = self._compiled[dispatch] = (schedule, handlers, program, tail, ready,
                                                    [str(op) for op in schedule.stream])
         self._schedule, _, self._program, self._tail, self._ready_program, self._stream_texts = compiled
@@ -673,10 +676,10 @@ class PipeMorphEngine(PipelineEngine):
             self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
 
     def _exec_send_activations(self, buffer_id, micro_batch):
-        self.transport.send("F", micro_batch, self.pipe_buffers["outputs"][buffer_id])
+        self.transport.send(Kind.F, micro_batch, self.pipe_buffers["outputs"][buffer_id])
 
     def _exec_recv_activations(self, buffer_id, micro_batch):
-        self._take_activation(buffer_id, self.transport.recv("F", micro_batch))
+        self._take_activation(buffer_id, self.transport.recv(Kind.F, micro_batch))
 
     def _take_activation(self, buffer_id, recvd) -> None:
         """A received activation becomes the input of the pipe buffer (it needs its gradient)."""
@@ -685,13 +688,13 @@ class PipeMorphEngine(PipelineEngine):
         self.pipe_buffers["inputs"][buffer_id] = recvd
 
     def _exec_recv_grads(self, buffer_id, micro_batch):
-        self._output_grads[buffer_id] = self.transport.recv("B", micro_batch)
+        self._output_grads[buffer_id] = self.transport.recv(Kind.B, micro_batch)
 
     def _exec_post_recv_activation(self, micro_batch):
-        self.transport.post_recv("F", micro_batch)
+        self.transport.post_recv(Kind.F, micro_batch)
 
     def _exec_post_recv_grad(self, micro_batch):
-        self.transport.post_recv("B", micro_batch)
+        self.transport.post_recv(Kind.B, micro_batch)
 
     def _exec_begin_p2p_group(self):
         self.transport.begin_group()
@@ -731,7 +734,7 @@ class PipeMorphEngine(PipelineEngine):
         _set(self, "_inflight", self._inflight - 1)
 
     def _exec_send_grads(self, buffer_id, micro_batch):
-        self.transport.send("B", micro_batch, self._input_grads.pop(micro_batch))
+        self.transport.send(Kind.B, micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
         held = None if self._meter is None else self._meter.live

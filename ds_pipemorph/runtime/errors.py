@@ -24,6 +24,8 @@ import atexit
 import os
 import sys
 
+from ..fileio import first_line
+
 CONFIG_EXIT, FAILURE_EXIT = 2, 1
 CONFIG_GRACE_S = 10.0  # ranks but 0 wait this long before they say a start-up error themselves
 _installed = False
@@ -38,11 +40,6 @@ def _rank() -> int:
     except Exception:  # noqa: BLE001
         pass
     return int(os.environ.get("RANK", "0"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def install() -> None:
@@ -64,7 +61,7 @@ def install() -> None:
 
             life = current()
             if life is not None:
-                life.fail(f"rank {_rank()} failed: {type(value).__name__}: {_first_line(value)}")
+                life.fail(f"rank {_rank()} failed: {type(value).__name__}: {first_line(value)}")
 
     sys.excepthook = hook
 
@@ -106,7 +103,7 @@ def _handle(e: BaseException) -> bool:
 
         exit_process(CONFIG_EXIT)
     if isinstance(e, (PipeMorphConfigError, UnsupportedDeepSpeedError, TransportError)):
-        sentence = _first_line(e)
+        sentence = first_line(e)
         first = life.claim_end(sentence) if life is not None else True
         if first:
             print(f"error: {sentence}", file=sys.stderr, flush=True)

@@ -35,6 +35,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from ..plan.ir.ops import message_op
 from .transport.protocol import TransportTimeout
 
 SETTLE_S = 0.002
@@ -77,7 +78,7 @@ class Inbox:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                payload = recorder.run_on_thread(f"RECV_{kind}{mb}", lambda: self.transport.recv(kind, mb))
+                payload = recorder.run_on_thread(str(message_op(kind, mb, False)), lambda: self.transport.recv(kind, mb))
             except BaseException as e:  # handed to the training thread at ``take``
                 self._completed.append((kind, mb))
                 fut.set_exception(e)
@@ -143,7 +144,7 @@ class Inbox:
         try:
             return self._futures.pop((kind, mb)).result(timeout=self.timeout_s)
         except FutureTimeout:
-            raise TransportTimeout(f"rank {self.rank}: RECV_{kind}{mb} was announced as in but not "
+            raise TransportTimeout(f"rank {self.rank}: {message_op(kind, mb, False)} was announced as in but not "
                                    f"handed over within {self.timeout_s:g} s") from None
 
     def wait_any(self, waiting_for: list[str]) -> bool:

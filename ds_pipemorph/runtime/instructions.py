@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule as ds
 
+from ..plan.ir.ops import Kind
+
 LoadMicroBatch = ds.LoadMicroBatch
 ForwardPass = ds.ForwardPass
 SendActivation = ds.SendActivation
@@ -79,13 +81,13 @@ class WaitSends(ds.PipeInstruction):
 
 _PREFIX = {
     LoadMicroBatch: "LOAD",
-    ForwardPass: "F",
-    BackwardInputPass: "B",
-    BackwardWeightPass: "W",
-    SendActivation: "SEND_F",
-    RecvActivation: "RECV_F",
-    SendGrad: "SEND_B",
-    RecvGrad: "RECV_B",
+    ForwardPass: Kind.F,
+    BackwardInputPass: Kind.B,
+    BackwardWeightPass: Kind.W,
+    SendActivation: Kind.SEND_F,
+    RecvActivation: Kind.RECV_F,
+    SendGrad: Kind.SEND_B,
+    RecvGrad: Kind.RECV_B,
     PostRecvActivation: "POST_F",
     PostRecvGrad: "POST_B",
 }

@@ -40,11 +40,11 @@ from typing import Optional
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from ..fileio import BadInput
+from ..fileio import BadInput, first_line
 from ..plan.partition.parts import check_parts, layer_moves
 from . import flat_optimizer, wgrad_store
 from .clip import freeze_clip_set
-from .transfer import (Purpose, Transfer, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept,
+from .transfer import (Purpose, Transfer, blob_tags, from_blob, packed_state, recv_blob, rng_kept,
                        send_blob, to_blob, unpacked_state)
 
 
@@ -126,7 +126,7 @@ class LayerMigrator:
             incoming = self._exchange(engine, group, moves, attempt, report)
             ok = 1
         except Exception as e:  # noqa: BLE001 - any failure here is a no vote, never a rank missing from the vote
-            report.reason = first_line(e)
+            report.reason = first_line(e, with_type=True)
             ok = 0
         try:
             if transfer.vote(ok):

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, NamedTuple, Optional
 from ..plan.ir.ops import KINDS, Op, recorded_op
 
 DOMAIN = "pipemorph"
-_MICRO_BATCH = re.compile(r"^(?:LOAD|F|B|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
+_LOAD = re.compile(r"^LOAD(\d+)$")  # the one micro-batch instruction that is no plan op
 
 
 class OpRecord(NamedTuple):
@@ -89,9 +89,10 @@ class OpRecorder:
         return self._domain is not None
 
     def _attributes(self, name: str):
-        m = _MICRO_BATCH.match(name)
+        op = recorded_op(name)
+        m = None if op is not None else _LOAD.match(name)
         attrs = self._domain.get_event_attributes(message=name, category=self._category,
-                                                  payload=int(m.group(1)) if m else None)
+                                                  payload=op.mb if op else int(m.group(1)) if m else None)
         self._attrs[name] = attrs
         return attrs
 

@@ -20,7 +20,7 @@ from ..plan.files.planfile import PlanFile
 from ..plan.ir.lower import RECV_WINDOW, Lowering, LoweringPolicy
 from ..plan.ir.memory import caps_within, fit_budget, peak_units, stock_units
 from ..plan.ir.nccl_lowering import NcclLowering
-from ..plan.ir.ops import Schedule, warmup_counts
+from ..plan.ir.ops import Kind, Schedule, warmup_counts
 from ..plan.ir.profile import Costs
 from ..plan.sched.baselines import deepspeed_1f1b, zb_h1_warmup
 from ..plan.sched.listsched import list_schedule
@@ -159,19 +159,19 @@ def _check_warmup(warmup: list[int]) -> None:
         raise PipeMorphConfigError(f"ds_config pipemorph.memory.max_inflight cannot be a zb warm-up: {e}") from None
 
 
-def sent_in_order(plan: Schedule, stage: int) -> set[str]:
+def sent_in_order(plan: Schedule, stage: int) -> set[Kind]:
     """The kinds of message ``stage`` sends that their receiver takes in the order sent: "F" (its
     activations) when the next stage runs its forwards in this stage's order of micro-batches, "B"
     (its input gradients) when the previous stage runs its backwards in this stage's order. Only those
     may wait for an earlier message to be received (``DirectTransport.bound_sends``)."""
-    def order(s: int, kind: str) -> list[int]:
-        return [op.mb for op in plan[s] if op.kind == kind]
+    def order(s: int, kind: Kind) -> list[int]:
+        return [op.mb for op in plan[s] if op.kind is kind]
 
     kinds = set()
-    if stage + 1 < len(plan) and order(stage, "F") == order(stage + 1, "F"):
-        kinds.add("F")
-    if stage > 0 and order(stage, "B") == order(stage - 1, "B"):
-        kinds.add("B")
+    if stage + 1 < len(plan) and order(stage, Kind.F) == order(stage + 1, Kind.F):
+        kinds.add(Kind.F)
+    if stage > 0 and order(stage, Kind.B) == order(stage - 1, Kind.B):
+        kinds.add(Kind.B)
     return kinds
 
 

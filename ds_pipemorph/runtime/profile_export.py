@@ -14,6 +14,7 @@ from collections import deque
 from typing import Optional, Sequence
 
 from ..fileio import dump, write_atomic
+from ..plan.ir.ops import KINDS, Kind
 from ..plan.ir.profile import Profile, memory_in_mb
 
 OP_WINDOW = 5
@@ -28,7 +29,7 @@ class ProfileExport:
     def __init__(self, stages: int, microbatches: int, caps: Optional[Sequence[int]] = None):
         self.S, self.N = stages, microbatches
         self.caps = list(caps) if caps is not None else None
-        self._ops = {k: [deque(maxlen=OP_WINDOW) for _ in range(stages)] for k in "FBW"}
+        self._ops = {k: [deque(maxlen=OP_WINDOW) for _ in range(stages)] for k in KINDS}
         self._links = [deque(maxlen=LINK_WINDOW) for _ in range(stages - 1)]
         self.iterations = 0
         self._memory: Optional[dict] = None  # the bytes form of ``memory``, once measured
@@ -44,7 +45,7 @@ class ProfileExport:
     def add(self, f: Sequence[float], b: Sequence[float], w: Sequence[float],
             links: Sequence[Optional[float]]) -> None:
         """One iteration: op times per stage in ms (negative: not seen) and delay per link (None: not seen)."""
-        for kind, vals in zip("FBW", (f, b, w)):
+        for kind, vals in zip(KINDS, (f, b, w)):
             for s, v in enumerate(vals):
                 if v >= 0:
                     self._ops[kind][s].append(float(v))
@@ -68,9 +69,9 @@ class ProfileExport:
         data = {
             "stages": self.S,
             "microbatches": self.N,
-            "compute_ms": {"forward": [med(q) for q in self._ops["F"]],
-                           "backward_input": [med(q) for q in self._ops["B"]],
-                           "backward_weight": [med(q) for q in self._ops["W"]]},
+            "compute_ms": {"forward": [med(q) for q in self._ops[Kind.F]],
+                           "backward_input": [med(q) for q in self._ops[Kind.B]],
+                           "backward_weight": [med(q) for q in self._ops[Kind.W]]},
             "links_ms": [med(q) if q else 0.0 for q in self._links],
         }
         if self._memory is not None:

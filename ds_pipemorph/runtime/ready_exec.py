@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Optional
 
-from ..plan.ir.ops import Op, recorded_op
+from ..plan.ir.ops import Kind, Op, message_op, recorded_op
 from ..plan.ir.ready_rule import ReadyRule
 from . import instructions as I
 from .hooks import Hooks
@@ -32,19 +32,19 @@ from .schedule import Buffers, PipeMorphSchedule
 
 
 def _post_f(engine, micro_batch):
-    engine.inbox.post("F", micro_batch, engine.recorder)
+    engine.inbox.post(Kind.F, micro_batch, engine.recorder)
 
 
 def _post_b(engine, micro_batch):
-    engine.inbox.post("B", micro_batch, engine.recorder)
+    engine.inbox.post(Kind.B, micro_batch, engine.recorder)
 
 
 def _take_f(engine, buffer_id, micro_batch):
-    engine._take_activation(buffer_id, engine.inbox.take("F", micro_batch))
+    engine._take_activation(buffer_id, engine.inbox.take(Kind.F, micro_batch))
 
 
 def _take_b(engine, buffer_id, micro_batch):
-    engine._output_grads[buffer_id] = engine.inbox.take("B", micro_batch)
+    engine._output_grads[buffer_id] = engine.inbox.take(Kind.B, micro_batch)
 
 
 # Where ready dispatch's receives differ from ordered dispatch's: posted to the inbox, whose
@@ -83,11 +83,11 @@ class ReadyProgram:
         unit = None
         for op, cmds in zip(stream, steps):
             if op.is_compute:
-                unit = self.units[op.local()] = Unit(entries(cmds), [str(op)], [], op.kind == "F", op.kind == "B")
-            elif unit is None and op.kind.startswith("RECV"):
+                unit = self.units[op.local()] = Unit(entries(cmds), [str(op)], [], op.kind is Kind.F, op.kind is Kind.B)
+            elif unit is None and op.kind.is_recv:
                 self.posts += entries(cmds)
                 self.post_texts.append(str(op))
-            elif unit is not None and op.kind.startswith("SEND"):
+            elif unit is not None and op.kind.is_send:
                 unit.entries.extend(entries(cmds))
                 unit.texts.append(str(op))
             else:
@@ -96,7 +96,7 @@ class ReadyProgram:
         if fused:  # the lowering sends B m's gradient after W m: the two run as one unit
             ops = schedule.ops
             for a, b in zip(ops, ops[1:]):
-                if a.kind == "B" and b == Op("W", a.mb):
+                if a.kind is Kind.B and b == Op(Kind.W, a.mb):
                     w = self.units.pop(b)
                     u = self.units[a]
                     u.entries.extend(w.entries)
@@ -187,15 +187,15 @@ def run_ready(engine, program: ReadyProgram) -> int:
         op = recorded_op(r.op)
         if op is None:
             continue
-        if op.kind.is_recv:  # keyed by what the message carries: "F" (activation) or "B" (gradient)
-            arrived_at[(op.kind.value[-1], op.mb)] = r.end_ns - t0
+        if op.kind.is_recv:  # keyed by what the message carries: Kind.F (activation) or Kind.B (gradient)
+            arrived_at[(op.kind.payload, op.mb)] = r.end_ns - t0
         elif op.kind.is_compute:
-            spans.setdefault(op.kind.value, []).append(r.end_ns - r.start_ns)
+            spans.setdefault(op.kind, []).append(r.end_ns - r.start_ns)
     engine._ready_expect = (arrived_at, {k: sum(v) / len(v) for k, v in spans.items()})
     if inbox.outstanding:  # every message was consumed by the op it feeds
         raise RuntimeError(f"stage {s}: {inbox.outstanding} received messages were never used")
     late = inbox.drain()  # each op's message was drained before the op ran: nothing may be left over
     if late:
         raise RuntimeError(f"stage {s}: receives announced after their op ran: "
-                           f"{', '.join(f'RECV_{k}{m}' for k, m in late)}")
+                           f"{', '.join(str(message_op(k, m, False)) for k, m in late)}")
     return choosing

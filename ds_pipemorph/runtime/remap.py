@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.module import PipelineModule
 
-from ..fileio import BadInput
+from ..fileio import BadInput, first_line
 from . import flat_optimizer
 from .clip import freeze_clip_set
 from .parts_module import PartsPipelineModule
-from .transfer import (Purpose, blob_tags, first_line, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob,
+from .transfer import (Purpose, blob_tags, from_blob, packed_state, recv_blob, rng_kept, send_blob, to_blob,
                        unpacked_state)
 
 
@@ -109,7 +109,7 @@ def remap(engine, topology):
             w.wait(transfer.timeout)
         ok = 1
     except Exception as e:  # noqa: BLE001 - any failure is a no vote, never a rank missing from the vote
-        report.reason = first_line(e)
+        report.reason = first_line(e, with_type=True)
         ok = 0
     if not transfer.vote(ok):
         report.seconds = time.perf_counter() - t0
@@ -124,7 +124,7 @@ def remap(engine, topology):
         _load_stage(fresh, state)
         ok = 1
     except Exception as e:  # noqa: BLE001
-        report.reason = first_line(e)
+        report.reason = first_line(e, with_type=True)
         ok = 0
     if not transfer.vote(ok):
         if fresh is not None:

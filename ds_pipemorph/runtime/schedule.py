@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeSchedule
 
-from ..plan.ir.ops import Op, peak_inflight
+from ..plan.ir.ops import Kind, Op, peak_inflight
 from . import instructions as I
 
 
@@ -78,23 +78,23 @@ class PipeMorphSchedule(PipeSchedule):
         closes = {g.stop - 1 for g in self.groups}
         for i, op in enumerate(self.stream):
             k, m = op.kind, op.mb
-            if k == "RECV_F":
+            if k is Kind.RECV_F:
                 cmds = [I.PostRecvActivation(micro_batch=m)]
-            elif k == "RECV_B":
+            elif k is Kind.RECV_B:
                 cmds = [I.PostRecvGrad(micro_batch=m)]
-            elif k == "F":
+            elif k is Kind.F:
                 buf = buffers.take(m)
                 cmds = [] if first else [I.RecvActivation(buf, micro_batch=m)]
                 if first or last:
                     cmds.append(I.LoadMicroBatch(buf, micro_batch=m))
                 cmds.append(I.ForwardPass(buf, micro_batch=m))
-            elif k == "SEND_F":
+            elif k is Kind.SEND_F:
                 cmds = [I.SendActivation(buffers.of[m], micro_batch=m)]
-            elif k == "B":
+            elif k is Kind.B:
                 buf = released[m] = buffers.release(m)
                 cmds = [] if last else [I.RecvGrad(buf, micro_batch=m)]
                 cmds.append(I.BackwardInputPass(buf, micro_batch=m))
-            elif k == "SEND_B":
+            elif k is Kind.SEND_B:
                 cmds = [I.SendGrad(released.pop(m), micro_batch=m)]
             else:
                 cmds = [I.BackwardWeightPass(micro_batch=m)]

@@ -3,7 +3,7 @@ gloo groups, the attempts and their message tags, the all-or-nothing vote, and s
 
 An attempt has two phases, so a failure changes nothing. Phase one: every rank sends and receives
 what it must (``send_blob``/``recv_blob``) and builds the result beside what it runs (nothing of it
-is touched); any exception there is this rank's no vote, its reason ``first_line(e)``. Phase two:
+is touched); any exception there is this rank's no vote, its reason ``fileio.first_line(e, with_type=True)``. Phase two:
 every rank votes (``Transfer.vote``: an all-reduce of "my part went well") and only if every rank
 succeeded does each one commit; otherwise every rank keeps what it had.
 
@@ -113,12 +113,6 @@ class Transfer:
                 pass
             return False
         return True
-
-
-def first_line(e: Exception) -> str:
-    """A no vote's reason: the exception's type and the first line of its message."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 # -- state as blobs --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A ring has one producer and one consumer (one thread each: pushes, or pops, must not race each other); messages are tensors of any dtype and shape with an integer
 tag, delivered in FIFO order. The creator owns the name: ``close()`` (or leaving the ``with`` block, or garbage
-collection / interpreter exit) unlinks it. Timeouts raise ``TimeoutError`` naming the ring, slot and duration.
+collection / interpreter exit) unlinks it. Timeouts raise ``TimeoutError`` naming the ring, slot and duration;
+a ring /dev/shm has no room for raises the op's ``StagingNoRoomError`` (a RuntimeError).
 """
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ import io
 from pathlib import Path
 
 from ..fileio import BadInput
-
+from ..plan.ir.ops import KINDS, Kind
 from ..plan.sim.timeline import Timeline
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-LABELS = {"F": "F (forward)", "B": "B (backward-input)", "W": "W (backward-weight)"}
+COLORS = {Kind.F: "#4C72B0", Kind.B: "#DD8452", Kind.W: "#55A868"}
+LABELS = {Kind.F: "F (forward)", Kind.B: "B (backward-input)", Kind.W: "W (backward-weight)"}
 
 
 def _matplotlib():
@@ -71,7 +71,7 @@ def gantt_image(tl: Timeline, title: str = "", links_ms: list[float] | None = No
     ax.set_xlim(0, tl.iteration_ms)
     summary = f"iteration {tl.iteration_ms:.1f} ms, bubble rate {tl.bubble_rate:.1%}"
     ax.set_title(f"{title}: {summary}" if title else summary)
-    ax.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in "FBW"] + [Patch(facecolor="white", edgecolor="grey", label="bubble (idle)")],
+    ax.legend(handles=[Patch(color=COLORS[k], label=LABELS[k]) for k in KINDS] + [Patch(facecolor="white", edgecolor="grey", label="bubble (idle)")],
               loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, frameon=False, fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()

@@ -32,14 +32,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
 
-from ..plan.ir.ops import Op, peak_inflight
+from ..plan.ir.ops import Kind, Op, peak_inflight, recorded_op
 from ..plan.sim.timeline import Slot, Timeline
 
 NS_PER_MS = 1_000_000
 
-# "F3", "SEND_B3", optionally prefixed with the stage: "stage2/F3" (see nsys.py for the convention).
-OP_NAME = re.compile(r"^(?:stage(\d+)/)?(?:(SEND|RECV)_)?([FBW])(\d+)$")
-ITER_NAME = re.compile(r"^(?:stage(\d+)/)?ITER(\d+)$")
+# A range is named by its op text ("F3", "SEND_B3": ``plan.ir.ops.recorded_op``) or ITER<k>,
+# optionally prefixed with the stage: "stage2/F3" (see nsys.py for the convention).
+STAGE_PREFIX = re.compile(r"^(?:stage(\d+)/)?(.*)$", re.DOTALL)
+ITER_NAME = re.compile(r"^ITER(\d+)$")
+_WHAT = {Kind.SEND_F: "send", Kind.SEND_B: "send", Kind.RECV_F: "recv", Kind.RECV_B: "recv"}
 
 
 @dataclass(frozen=True)
@@ -52,17 +54,15 @@ class ParsedName:
 
 def parse_range_name(text: str) -> Optional[ParsedName]:
     """``"F3"`` / ``"SEND_B3"`` / ``"ITER2"`` (optionally ``"stage1/..."``) -> ParsedName; else None."""
-    text = (text or "").strip()
-    m = OP_NAME.match(text)
+    prefix, rest = STAGE_PREFIX.match((text or "").strip()).groups()
+    stage = None if prefix is None else int(prefix)
+    op = recorded_op(rest)
+    if op is not None:
+        what = _WHAT.get(op.kind, "compute")
+        return ParsedName(stage, what, op if what == "compute" else Op(op.kind.payload, op.mb), None)
+    m = ITER_NAME.match(rest)
     if m:
-        stage = int(m.group(1)) if m.group(1) is not None else None
-        comm, kind, mb = m.group(2), m.group(3), int(m.group(4))
-        if comm and kind == "W":
-            return None  # nothing travels for a W
-        return ParsedName(stage, {"SEND": "send", "RECV": "recv", None: "compute"}[comm], Op(kind, mb), None)
-    m = ITER_NAME.match(text)
-    if m:
-        return ParsedName(int(m.group(1)) if m.group(1) is not None else None, "iter", None, int(m.group(2)))
+        return ParsedName(stage, "iter", None, int(m.group(1)))
     return None
 
 
@@ -75,8 +75,15 @@ class MeasuredOp:
     iteration: int
 
     @property
+    def kind(self) -> Kind:
+        """The kind of op that ran: ``op.kind`` for compute, its send or receive otherwise."""
+        if self.what == "compute":
+            return self.op.kind
+        return self.op.kind.send if self.what == "send" else self.op.kind.recv
+
+    @property
     def name(self) -> str:
-        return str(self.op) if self.what == "compute" else f"{self.what.upper()}_{self.op}"
+        return str(self.op if self.what == "compute" else Op(self.kind, self.op.mb, self.op.stage))
 
     @property
     def dur_ns(self) -> int:
@@ -291,7 +298,7 @@ def rank_iteration(r: RankTrace, k: int) -> Optional[RankIteration]:
     recv = sum(o.dur_ns for o in ops if o.what == "recv")
     counts: dict[str, int] = {}
     for o in ops:
-        kind = o.op.kind if o.what == "compute" else f"{o.what.upper()}_{o.op.kind}"
+        kind = str(o.kind)
         counts[kind] = counts.get(kind, 0) + 1
     return RankIteration(k, _ms(span), _ms(busy), _ms(send), _ms(recv), dict(sorted(counts.items())))
 
@@ -320,16 +327,16 @@ def message_pairs(trace: MeasuredTrace, iterations: Optional[list[int]] = None):
         n = 0
         for a, b in zip(up, down):
             for k in its:
-                for sender, receiver, kind in ((a, b, "F"), (b, a, "B")):
+                for sender, receiver, kind in ((a, b, Kind.F), (b, a, Kind.B)):
                     sends = {o.op: o for o in sender.of("send", k) if o.op.kind == kind}
                     recvs = {o.op: o for o in receiver.of("recv", k) if o.op.kind == kind}
                     for op in sorted(sends.keys() & recvs.keys(), key=lambda x: x.mb):
                         pairs.append((i, sender, sends[op], receiver, recvs[op]))
                     n += len(sends.keys() ^ recvs.keys())
         for r in up[len(down):]:
-            n += sum(1 for o in r.ops if o.iteration in its_set and ((o.what, o.op.kind) in (("send", "F"), ("recv", "B"))))
+            n += sum(1 for o in r.ops if o.iteration in its_set and o.kind in (Kind.SEND_F, Kind.RECV_B))
         for r in down[len(up):]:
-            n += sum(1 for o in r.ops if o.iteration in its_set and ((o.what, o.op.kind) in (("send", "B"), ("recv", "F"))))
+            n += sum(1 for o in r.ops if o.iteration in its_set and o.kind in (Kind.SEND_B, Kind.RECV_F))
         unmatched[i] = n
     return pairs, unmatched
 
@@ -339,8 +346,8 @@ def link_stats(trace: MeasuredTrace, iterations: list[int]) -> list[LinkStats]:
     pairs, unmatched = message_pairs(trace, iterations)
     out = []
     for i in range(trace.stages - 1):
-        fwd = [_ms(rv.end_ns - sd.start_ns) for ln, _, sd, _, rv in pairs if ln == i and sd.op.kind == "F"]
-        bwd = [_ms(rv.end_ns - sd.start_ns) for ln, _, sd, _, rv in pairs if ln == i and sd.op.kind == "B"]
+        fwd = [_ms(rv.end_ns - sd.start_ns) for ln, _, sd, _, rv in pairs if ln == i and sd.op.kind is Kind.F]
+        bwd = [_ms(rv.end_ns - sd.start_ns) for ln, _, sd, _, rv in pairs if ln == i and sd.op.kind is Kind.B]
         out.append(LinkStats(i, fwd + bwd, fwd, bwd, unmatched[i]))
     out.sort(key=lambda ln: (-(ln.median_ms if ln.median_ms is not None else -1.0), ln.link))
     return out

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from ..fileio import BadInput
+from ..fileio import BadInput, first_line
 from .measured import IterMark, MeasuredOp, MeasuredTrace, RankTrace, assign_iterations, message_pairs, parse_range_name
 
 TRACKS = ("compute", "sends", "receives", "iterations")
@@ -131,7 +131,7 @@ def read_chrome(path: str | Path) -> MeasuredTrace:
     try:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
+        raise BadInput(f"{p}: not valid JSON ({first_line(e)})") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise BadInput(f"{p}: not a Chrome trace (expected a 'traceEvents' list of event objects)")

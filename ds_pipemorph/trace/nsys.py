@@ -48,7 +48,7 @@ import re
 import sqlite3
 from collections import defaultdict
 from pathlib import Path
-from ..fileio import BadInput
+from ..fileio import BadInput, first_line
 from .measured import IterMark, MeasuredTrace, RankTrace, assign_iterations, parse_range_name
 
 DOMAIN = "pipemorph"
@@ -98,7 +98,7 @@ def read_nsys(path: str | Path) -> MeasuredTrace:
     try:
         return _read(con, p)
     except sqlite3.DatabaseError as e:
-        raise BadInput(f"{p}: unreadable SQLite export ({str(e).splitlines()[0]})") from None
+        raise BadInput(f"{p}: unreadable SQLite export ({first_line(e)})") from None
     finally:
         con.close()
 

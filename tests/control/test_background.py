@@ -7,7 +7,7 @@ import pytest
 
 from ds_pipemorph.control.background import BackgroundPlanner
 from ds_pipemorph.control.detector import DetectorConfig
-from ds_pipemorph.control.policy import Policy
+from ds_pipemorph.control.policy import ControlPolicy
 from ds_pipemorph.plan.ir.links import DIRECT
 from ds_pipemorph.plan.ir.ops import warmup_counts
 from ds_pipemorph.plan.ir.profile import Costs
@@ -21,8 +21,8 @@ S, N = 4, 12
 SLOW = Costs.uniform(S, 10.0, [0.0, 0.0, 40.0])  # link 2 at 40 ms
 
 
-def fresh(evals: int = 2000) -> Policy:
-    return Policy(list_schedule(Costs.uniform(S, 10.0), N, initial_warmup([N] * S)), Costs.uniform(S, 10.0), N,
+def fresh(evals: int = 2000) -> ControlPolicy:
+    return ControlPolicy(list_schedule(Costs.uniform(S, 10.0), N, initial_warmup([N] * S)), Costs.uniform(S, 10.0), N,
                   None, 1, "off", DetectorConfig(), search_evals=evals)
 
 
@@ -94,7 +94,7 @@ def test_a_failing_job_and_a_dead_worker_answer_with_an_error():
         status, why = wait(planner)
         assert status == "error" and "re-plan search failed" in why
         big = Costs.uniform(8, 10.0, [0, 0, 0, 30.0, 0, 0, 0])
-        p = Policy(list_schedule(Costs.uniform(8, 10.0), 64, initial_warmup([64] * 8)), Costs.uniform(8, 10.0),
+        p = ControlPolicy(list_schedule(Costs.uniform(8, 10.0), 64, initial_warmup([64] * 8)), Costs.uniform(8, 10.0),
                    64, None, 1, "off", DetectorConfig(), search_evals=10**7)
         planner.submit(p, big)  # runs for a long time: the worker is killed under it
         planner._proc.kill()

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from ds_pipemorph.control.exchange import MAX_GAP, ExchangeSchedule, exchange_iterations
-from ds_pipemorph.control.policy import Policy
+from ds_pipemorph.control.policy import ControlPolicy
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.plan.sched.warmup import initial_warmup
@@ -37,8 +37,8 @@ def test_max_gap_1_exchanges_every_iteration_and_0_is_refused():
 
 def _first_reaction(slow_from: int, max_gap: int, every: int = 1, iterations: int = 120) -> tuple[int, int]:
     """(iteration of the policy's first decision, exchanges up to it) for link 2 slow from
-    ``slow_from``, the policy fed at the exchanges only and their gaps set by ``Policy.settled``."""
-    p = Policy(list_schedule(Costs.uniform(S, 10.0), N, initial_warmup([N] * S)), Costs.uniform(S, 10.0), N,
+    ``slow_from``, the policy fed at the exchanges only and their gaps set by ``ControlPolicy.settled``."""
+    p = ControlPolicy(list_schedule(Costs.uniform(S, 10.0), N, initial_warmup([N] * S)), Costs.uniform(S, 10.0), N,
                every=every)
     schedule, exchanges = ExchangeSchedule(max_gap), 0
     for i in range(iterations):
@@ -65,7 +65,7 @@ def test_a_link_slow_from_any_iteration_is_acted_on_at_most_max_gap_minus_1_iter
 @pytest.mark.parametrize("every", range(2, 17))
 def test_a_detector_run_every_k_iterations_decides_when_it_would_with_an_exchange_every_iteration(every):
     # Fed every iteration it runs after iterations k-1, 2k-1, ...; with exchanges growing apart it is
-    # given an exchange at each of those (``Policy.next_run``), so it decides at the same iteration.
+    # given an exchange at each of those (``ControlPolicy.next_run``), so it decides at the same iteration.
     for slow_from in range(1, 50):
         reference, all_exchanges = _first_reaction(slow_from, max_gap=1, every=every)
         late, exchanges = _first_reaction(slow_from, max_gap=8, every=every)

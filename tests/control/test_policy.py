@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from ds_pipemorph.control.detector import DetectorConfig
-from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, Policy, QueueSettings
+from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, ControlPolicy, QueueSettings
 from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.bounds import lower_bound_ms
@@ -36,11 +36,11 @@ def initial_plan(caps=None):
     return list_schedule(Costs.uniform(S, 10.0), N, initial_warmup(caps or [N] * S))
 
 
-def policy(delegation="off", caps=None, queues=QueueSettings(2, 8), every=1) -> Policy:
-    return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, every, delegation, CFG, queues)
+def policy(delegation="off", caps=None, queues=QueueSettings(2, 8), every=1) -> ControlPolicy:
+    return ControlPolicy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, every, delegation, CFG, queues)
 
 
-def feed(p: Policy, series, ops=MEASURED, start=0) -> list[tuple[int, Decision]]:
+def feed(p: ControlPolicy, series, ops=MEASURED, start=0) -> list[tuple[int, Decision]]:
     out = []
     for it, links in enumerate(series, start):
         d = p.step(it, *ops, links)
@@ -49,7 +49,7 @@ def feed(p: Policy, series, ops=MEASURED, start=0) -> list[tuple[int, Decision]]
     return out
 
 
-def threshold(p: Policy, link: int) -> float:
+def threshold(p: ControlPolicy, link: int) -> float:
     """The detector's rule: a delay above this, twice in a row, is a slower link."""
     return max(CFG.floor_ms, (1 + CFG.up_margin) * max(p.detector.tolerance[link], p.detector.planned_for[link]))
 
@@ -230,8 +230,8 @@ def test_a_bad_delegation_mode_is_refused():
 FIFO = Delegated(1)
 
 
-def nonblocking(delegation="auto", caps=None) -> Policy:
-    return Policy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, 1, delegation, CFG, QueueSettings(2, 8),
+def nonblocking(delegation="auto", caps=None) -> ControlPolicy:
+    return ControlPolicy(initial_plan(caps), Costs.uniform(S, 10.0), N, caps, 1, delegation, CFG, QueueSettings(2, 8),
                   direct=FIFO)
 
 
@@ -264,4 +264,4 @@ def test_caps_are_relaxed_only_for_links_that_are_really_delegated():
 
 def test_a_direct_model_other_than_a_blocking_send_or_one_fifo_is_refused():
     with pytest.raises(ValueError, match="Direct"):
-        Policy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, QueueSettings(2, 8), direct=LATENCY)
+        ControlPolicy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, QueueSettings(2, 8), direct=LATENCY)

@@ -98,3 +98,13 @@ def test_a_signal_interrupts_an_endless_pop(staging_op, ring_name):
     finally:
         timer.cancel()
         signal.signal(signal.SIGUSR1, old)
+
+
+@pytest.mark.timeout(300)
+def test_a_ring_without_room_in_dev_shm_raises_its_own_type(staging_op, ring_name):
+    """A ring /dev/shm cannot hold is refused with ``StagingNoRoomError`` (a RuntimeError), the type
+    the delegated transport turns into advice on ``delegation.slot_mb`` / ``slots``, and leaves no file."""
+    with pytest.raises(staging_op.StagingNoRoomError, match=r"cannot size staging ring .* large enough") as e:
+        StagingRing.create(ring_name, slot_bytes=1 << 40, num_slots=64, op=staging_op)
+    assert isinstance(e.value, RuntimeError)
+    assert not os.path.exists(f"/dev/shm/{ring_name}")

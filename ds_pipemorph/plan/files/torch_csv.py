@@ -18,11 +18,12 @@ from pathlib import Path
 
 from ...fileio import BadInput
 from ..ir.lower import Stream
-from ..ir.ops import Op, Schedule, format_stage, warmup_counts
+from ..ir.ops import Kind, Op, Schedule, format_stage, warmup_counts
 from ..sim.validate import InvalidPlan, validate_schedule
 from .planfile import PlanFile
 
-_TO_TORCH = {"B": "I"}  # our backward-input is torch's BACKWARD_INPUT
+_TO_TORCH = {Kind.B: "I"}  # our backward-input is torch's BACKWARD_INPUT
+_FROM_TORCH = {"F": Kind.F, "I": Kind.B, "W": Kind.W}  # torch's action text -> our kind (its "B" is F's fused backward)
 _CELL = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD|F|I|B|W)(\d*)$")
 
 
@@ -30,7 +31,7 @@ def check_torch_runnable(schedule: Schedule) -> None:
     """Raise ValueError unless torch's runtime computes the right losses for ``schedule``: it
     appends each loss as the last stage's forwards run and reads the loss of micro-batch m at
     index m, so the last stage must run its forwards in micro-batch order."""
-    last = [op.mb for op in schedule[-1] if op.kind == "F"]
+    last = [op.mb for op in schedule[-1] if op.kind is Kind.F]
     for i, m in enumerate(last):
         if m != i:
             raise ValueError(
@@ -48,7 +49,7 @@ def torch_csv(streams: list[Stream]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     for r, stream in enumerate(streams):
-        last_w = max((i for i, op in enumerate(stream) if op.kind == "W"), default=None)
+        last_w = max((i for i, op in enumerate(stream) if op.kind is Kind.W), default=None)
         row = []
         for i, op in enumerate(stream):
             row.append(f"{op.stage}{_TO_TORCH.get(op.kind, op.kind)}{op.mb}")
@@ -88,8 +89,8 @@ def read_torch_csv(text: str, where: str = "the torch CSV") -> tuple[Schedule, b
                 raise ValueError(
                     f"{where}: rank {r}, column {c + 1}: '{cell[:40]}' is not a torch pipelining action (e.g. 0F1, 1I0)"
                 )
-            stage, kind, mb = int(m.group(1)), m.group(2), m.group(3)
-            if kind in ("UNSHARD", "RESHARD", "REDUCE_GRAD"):
+            stage, action, mb = int(m.group(1)), m.group(2), m.group(3)
+            if action in ("UNSHARD", "RESHARD", "REDUCE_GRAD"):
                 continue  # FSDP and gradient-reduction actions take no pipeline time here
             if mb == "":
                 raise ValueError(f"{where}: rank {r}, column {c + 1}: '{cell}' names no micro-batch (e.g. {cell}0)")
@@ -103,12 +104,12 @@ def read_torch_csv(text: str, where: str = "the torch CSV") -> tuple[Schedule, b
                     f"{where}: rank {r}, column {c + 1}: '{cell}' is for stage {stage}; only one stage per rank"
                     " (stage r on rank r) is supported"
                 )
-            if kind == "B":
+            if action == "B":  # torch's full backward: our B and W
                 fused = True
-                ops += [Op("B", int(mb)), Op("W", int(mb))]
-            elif kind in ("F", "I", "W"):
-                split |= kind == "I"
-                ops.append(Op("B" if kind == "I" else kind, int(mb)))
+                ops += [Op(Kind.B, int(mb)), Op(Kind.W, int(mb))]
+            elif action in _FROM_TORCH:
+                split |= action == "I"
+                ops.append(Op(_FROM_TORCH[action], int(mb)))
         schedule.append(ops)
     if fused and split:
         raise ValueError(f"{where} mixes full backwards (B) and split ones (I + W); use one of them")

@@ -31,16 +31,32 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal, Optional, Protocol, Sequence, get_args
+from typing import Optional, Protocol, Sequence, Union
 
-from .ops import Op, Schedule
+from .ops import PAYLOADS, Kind, Op, Schedule
+from .text_enum import TextEnum
 
 Stream = list[Op]  # one rank's ops, each with its stage (global form, ``2SEND_F5``)
-# How a stage runs its stream: ``ordered`` as written, ``ready`` the first ready op in it (RRFP).
-# The config's ``dispatch`` field is this type; functions that take a dispatch as a string check it
-# against ``DISPATCHES``.
-Dispatch = Literal["ordered", "ready"]
-DISPATCHES: tuple[str, ...] = get_args(Dispatch)
+
+
+class Dispatch(TextEnum):
+    """How a stage runs its stream: ``ORDERED`` as written, ``READY`` the first ready op in it (RRFP).
+    Equal to its text (``"ordered"``, ``"ready"``). The config's ``dispatch`` field is this type (read
+    from the text once, there); functions that take a dispatch from a caller ``parse`` it once."""
+
+    ORDERED = "ordered"
+    READY = "ready"
+
+    @classmethod
+    def parse(cls, value: Union["Dispatch", str]) -> "Dispatch":
+        """``value`` (a ``Dispatch`` or its text) as a ``Dispatch``; ValueError naming it otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"dispatch is 'ordered' or 'ready', not {value!r}") from None
+
+
+DISPATCHES: tuple[Dispatch, ...] = tuple(Dispatch)
 
 # Receives of each kind posted ahead of the ops that consume them. A posted receive holds its
 # buffer, so the window bounds the receive memory (two per kind) where posting every receive of
@@ -72,13 +88,13 @@ def lower(schedule: Schedule, fused_backward: bool = False, recv_window: Optiona
     out: list[Stream] = []
     for s, row in enumerate(schedule):
         pending = {  # receives not posted yet, in the order the neighbours send them
-            "F": [Op("RECV_F", op.mb, s) for op in schedule[s - 1] if op.kind == "F"] if s > 0 else [],
-            "B": [Op("RECV_B", op.mb, s) for op in schedule[s + 1] if op.kind == "B"] if s < S - 1 else [],
+            Kind.F: [Op(Kind.RECV_F, op.mb, s) for op in schedule[s - 1] if op.kind is Kind.F] if s > 0 else [],
+            Kind.B: [Op(Kind.RECV_B, op.mb, s) for op in schedule[s + 1] if op.kind is Kind.B] if s < S - 1 else [],
         }
         window = {kind: len(pending[kind]) if recv_window is None else recv_window for kind in pending}
-        outstanding = {"F": 0, "B": 0}  # posted, not consumed yet
+        outstanding = dict.fromkeys(PAYLOADS, 0)  # posted, not consumed yet
 
-        def post(kind: str, upto: Optional[int] = None) -> None:
+        def post(kind: Kind, upto: Optional[int] = None) -> None:
             """Post the next receives of ``kind``: through micro-batch ``upto``, else up to the window."""
             while pending[kind] and (upto is not None or outstanding[kind] < window[kind]):
                 recv = pending[kind].pop(0)
@@ -88,17 +104,17 @@ def lower(schedule: Schedule, fused_backward: bool = False, recv_window: Optiona
                     return
 
         stream: Stream = []
-        post("F")
-        post("B")
+        post(Kind.F)
+        post(Kind.B)
         for i, op in enumerate(row):
             consumes = consumes_message(op, s, S)
             if consumes and any(r.mb == op.mb for r in pending[op.kind]):
                 post(op.kind, upto=op.mb)
             stream.append(op.at(s))
-            if op.kind == "F" and s < S - 1:
-                stream.append(Op("SEND_F", op.mb, s))
+            if op.kind is Kind.F and s < S - 1:
+                stream.append(Op(Kind.SEND_F, op.mb, s))
             elif s > 0 and sends_gradient(row, i, fused_backward):
-                stream.append(Op("SEND_B", op.mb, s))
+                stream.append(Op(Kind.SEND_B, op.mb, s))
             if consumes:
                 outstanding[op.kind] -= 1
                 post(op.kind)
@@ -113,7 +129,7 @@ class Lowering(Protocol):
 
     fused: bool
 
-    def for_dispatch(self, dispatch: str) -> "Lowering":
+    def for_dispatch(self, dispatch: Dispatch) -> "Lowering":
         """The lowering ``dispatch`` runs; ValueError for a dispatch it cannot run."""
 
     def lower(self, schedule: Schedule) -> list[Stream]:
@@ -146,11 +162,9 @@ class LoweringPolicy:
         if self.recv_window is not None and self.recv_window < 1:
             raise ValueError(f"recv_window must be None or >= 1, got {self.recv_window}")
 
-    def for_dispatch(self, dispatch: str) -> "LoweringPolicy":
+    def for_dispatch(self, dispatch: Dispatch) -> "LoweringPolicy":
         """The policy a dispatch runs: ``ordered`` this one, ``ready`` every receive up front."""
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
-        return self if dispatch == "ordered" else replace(self, recv_window=None)
+        return self if Dispatch.parse(dispatch) is Dispatch.ORDERED else replace(self, recv_window=None)
 
     def lower(self, schedule: Schedule) -> list[Stream]:
         """The streams of ``schedule`` after a dry run with non-blocking sends and messages matched
@@ -166,16 +180,16 @@ class LoweringPolicy:
 
 def consumes_message(op: Op, s: int, S: int) -> bool:
     """Whether ``op`` on stage ``s`` consumes a received tensor (F below the first stage, B above the last)."""
-    return op.kind == "F" and s > 0 or op.kind == "B" and s < S - 1
+    return op.kind is Kind.F and s > 0 or op.kind is Kind.B and s < S - 1
 
 
 def sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:
     """Whether the input gradient leaves right after ``row[i]``: after B, or after the W that
     directly follows its B in a fused backward."""
     op = row[i]
-    if op.kind == "B":
-        return not (fused and i + 1 < len(row) and row[i + 1] == Op("W", op.mb))
-    return fused and op.kind == "W" and i > 0 and row[i - 1] == Op("B", op.mb)
+    if op.kind is Kind.B:
+        return not (fused and i + 1 < len(row) and row[i + 1] == Op(Kind.W, op.mb))
+    return fused and op.kind is Kind.W and i > 0 and row[i - 1] == Op(Kind.B, op.mb)
 
 
 def format_streams(streams: list[Stream]) -> list[str]:
@@ -183,10 +197,10 @@ def format_streams(streams: list[Stream]) -> list[str]:
     return [" ".join(str(op) for op in stream) for stream in streams]
 
 
-# What a message is: (kind of the payload "F" | "B", micro-batch, sending stage, receiving stage).
-def _message(op: Op) -> tuple[str, int, int, int]:
-    kind = op.kind[-1]
-    if op.kind.startswith("SEND"):
+# What a message is: (its payload Kind.F | Kind.B, micro-batch, sending stage, receiving stage).
+def _message(op: Op) -> tuple[Kind, int, int, int]:
+    kind = op.kind.payload
+    if op.kind.is_send:
         return kind, op.mb, op.stage, op.peer
     return kind, op.mb, op.peer, op.stage
 
@@ -229,7 +243,7 @@ def dry_run(streams: list[Stream], blocking_sends: bool = False, ordered_channel
                     computed.add(op)
                 else:
                     msg = _message(op)
-                    book, done = (channel_sends, sent) if op.kind.startswith("SEND") else (channel_recvs, posted)
+                    book, done = (channel_sends, sent) if op.kind.is_send else (channel_recvs, posted)
                     if msg in done:
                         raise BadStream(f"stage {r}: {op} appears twice in the iteration")
                     done.add(msg)
@@ -242,16 +256,16 @@ def dry_run(streams: list[Stream], blocking_sends: bool = False, ordered_channel
         kind, mb, src, dst = msg
         if msg in sent:
             raise BadStream(
-                f"stage {src}: {src}SEND_{kind}{mb} has no receive: stage {dst} never posts {dst}RECV_{kind}{mb}"
+                f"stage {src}: {Op(kind.send, mb, src)} has no receive: stage {dst} never posts {Op(kind.recv, mb, dst)}"
             )
-        raise BadStream(f"stage {dst}: {dst}RECV_{kind}{mb} is never sent: stage {src} has no {src}SEND_{kind}{mb}")
+        raise BadStream(f"stage {dst}: {Op(kind.recv, mb, dst)} is never sent: stage {src} has no {Op(kind.send, mb, src)}")
     if ordered_channels:
         for (src, dst), sends in sorted(channel_sends.items()):
             for k, (a, b) in enumerate(zip(sends, channel_recvs.get((src, dst), []))):
                 if a != b:
                     raise BadStream(
-                        f"stage {dst}: its receive #{k} from stage {src} is {dst}RECV_{b[0]}{b[1]} but stage {src}"
-                        f" sends {src}SEND_{a[0]}{a[1]} then (messages between two ranks are matched in order)"
+                        f"stage {dst}: its receive #{k} from stage {src} is {Op(b[0].recv, b[1], dst)} but stage {src}"
+                        f" sends {Op(a[0].send, a[1], src)} then (messages between two ranks are matched in order)"
                     )
 
 
@@ -259,19 +273,19 @@ def _blocked_on(op: Op, r: int, S: int, posted, sent, computed, blocking: bool):
     """What ``op`` on rank ``r`` still needs (text of the op on the peer), or None if it can run.
     Raises BadStream for an op that can never run in any interleaving."""
     k, m = op.kind, op.mb
-    if k == "F" and r > 0 or k == "B" and r < S - 1:
-        src = r - 1 if k == "F" else r + 1
+    if k is Kind.F and r > 0 or k is Kind.B and r < S - 1:
+        src = r - 1 if k is Kind.F else r + 1
         msg = (k, m, src, r)
         if msg not in posted:
-            raise BadStream(f"stage {r}: {op} consumes a tensor whose receive {r}RECV_{k}{m} is not posted before it")
+            raise BadStream(f"stage {r}: {op} consumes a tensor whose receive {Op(k.recv, m, r)} is not posted before it")
         if msg not in sent:
-            return f"{src}SEND_{k}{m}"
+            return str(Op(k.send, m, src))
         return None
-    if k.startswith("SEND"):
-        producer = Op(k[-1], m, r)
+    if k.is_send:
+        producer = Op(k.payload, m, r)
         if producer not in computed:
             raise BadStream(f"stage {r}: {op} sends before {producer} produced it")
         msg = _message(op)
         if blocking and msg not in posted:
-            return f"{op.peer}RECV_{k[-1]}{m}"
+            return str(Op(k.recv, m, op.peer))
     return None

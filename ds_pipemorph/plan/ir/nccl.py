@@ -124,7 +124,7 @@ def _pair_up(streams: Sequence[Stream]) -> tuple[dict, list[dict[int, int]]]:
             if op.stage != r:
                 raise BadStream(f"rank {r}: {op} belongs to stage {op.stage}; one stage per rank")
             if op.is_compute and consumes_message(op, r, S):
-                need = Op("RECV_" + op.kind, op.mb, r)
+                need = Op(op.kind.recv, op.mb, r)
                 if need not in have:
                     raise BadStream(f"stage {r}: {op} consumes a tensor whose receive {need} is not posted before it")
                 consumed[r][i] = have[need]
@@ -133,8 +133,8 @@ def _pair_up(streams: Sequence[Stream]) -> tuple[dict, list[dict[int, int]]]:
                     raise BadStream(f"stage {r}: {op} talks to stage {op.peer}, which does not exist")
                 if op in have:
                     raise BadStream(f"stage {r}: {op} appears twice in the iteration")
-                if op.kind.is_send and Op(op.kind[-1], op.mb, r) not in have:
-                    raise BadStream(f"stage {r}: {op} sends before {Op(op.kind[-1], op.mb, r)} produced it")
+                if op.kind.is_send and Op(op.kind.payload, op.mb, r) not in have:
+                    raise BadStream(f"stage {r}: {op} sends before {Op(op.kind.payload, op.mb, r)} produced it")
                 book, key = (sends, (r, op.peer)) if op.kind.is_send else (recvs, (op.peer, r))
                 book.setdefault(key, []).append((r, i))
             have[op] = i
@@ -143,7 +143,7 @@ def _pair_up(streams: Sequence[Stream]) -> tuple[dict, list[dict[int, int]]]:
         ss, rr = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (a, b) in enumerate(zip(ss, rr)):
             send, recv = streams[a[0]][a[1]], streams[b[0]][b[1]]
-            if (send.kind[-1], send.mb) != (recv.kind[-1], recv.mb):
+            if (send.kind.payload, send.mb) != (recv.kind.payload, recv.mb):
                 raise BadStream(
                     f"stage {dst}'s receive no. {k + 1} from stage {src} is {recv} but stage {src}'s send no."
                     f" {k + 1} to it is {send} (NCCL matches a pair's messages in issue order, whatever their tags)")

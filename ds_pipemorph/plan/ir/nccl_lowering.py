@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .lower import Deadlock, Stream, consumes_message, sends_gradient, format_streams
+from .lower import Deadlock, Dispatch, Stream, consumes_message, sends_gradient, format_streams
 from .nccl import nccl_dry_run, nccl_groups
-from .ops import Op, Schedule
+from .ops import Kind, Op, Schedule
 
 
 def lower_nccl(schedule: Schedule, fused_backward: bool = False) -> list[Stream]:
@@ -38,12 +38,12 @@ def lower_nccl(schedule: Schedule, fused_backward: bool = False) -> list[Stream]
     used: list[dict[int, Op]] = [{} for _ in range(S)]  # per stage: index of a consumer -> its receive
     for s, row in enumerate(schedule):
         for i, op in enumerate(row):
-            if op.kind == "F" and s < S - 1:
-                made[s][i] = Op("SEND_F", op.mb, s)
+            if op.kind is Kind.F and s < S - 1:
+                made[s][i] = Op(Kind.SEND_F, op.mb, s)
             elif s > 0 and sends_gradient(row, i, fused_backward):
-                made[s][i] = Op("SEND_B", op.mb, s)
+                made[s][i] = Op(Kind.SEND_B, op.mb, s)
             if consumes_message(op, s, S):
-                used[s][i] = Op("RECV_" + op.kind, op.mb, s)
+                used[s][i] = Op(op.kind.recv, op.mb, s)
     at = {op: i for s in range(S) for d in (made[s], used[s]) for i, op in d.items()}
     pairs: dict[int, list[Op]] = {}  # s -> the sends between s and s + 1, in the order the run makes them
     for send in _send_order(schedule, made, used):
@@ -58,7 +58,7 @@ def lower_nccl(schedule: Schedule, fused_backward: bool = False) -> list[Stream]
                 if send.stage == r:
                     bound = min(bound, (at[send], 1))
                 else:
-                    recv = Op("RECV_" + send.kind[-1], send.mb, r)
+                    recv = Op(send.kind.recv, send.mb, r)
                     bound = min(bound, (at.get(recv, len(row)), 0))
                     placed.append((recv, bound))
             for recv, slot in reversed(placed):
@@ -84,7 +84,7 @@ def _send_order(schedule: Schedule, made: list[dict[int, Op]], used: list[dict[i
 
     def source(s: int) -> Optional[Op]:  # the send the next op of stage s waits for, if any
         recv = used[s].get(ptr[s])
-        return None if recv is None else Op("SEND_" + recv.kind[-1], recv.mb, recv.peer)
+        return None if recv is None else Op(recv.kind.send, recv.mb, recv.peer)
 
     while any(ptr[s] < len(row) for s, row in enumerate(schedule)):
         ran = [s for s in range(S) if ptr[s] < len(schedule[s]) and (source(s) is None or source(s) in sent)]
@@ -114,10 +114,10 @@ class NcclLowering:
 
     fused: bool = False
 
-    def for_dispatch(self, dispatch: str) -> "NcclLowering":
+    def for_dispatch(self, dispatch: Dispatch) -> "NcclLowering":
         """This lowering for ``ordered`` dispatch; ValueError for any other."""
-        if dispatch != "ordered":
-            raise ValueError(f"with NCCL, dispatch is 'ordered', not {dispatch!r}: ready dispatch posts every "
+        if dispatch != Dispatch.ORDERED:
+            raise ValueError(f"with NCCL, dispatch is 'ordered', not {str(dispatch)!r}: ready dispatch posts every "
                              "receive up front, which NCCL's in-order point-to-point cannot run")
         return self
 

@@ -2,12 +2,16 @@
 
 Kinds (``Kind``): ``F`` forward, ``B`` backward-input (gradient w.r.t. the stage input), ``W``
 backward-weight; ``SEND_F`` / ``RECV_F`` carry the activation of a micro-batch from stage s to s+1,
-``SEND_B`` / ``RECV_B`` its input gradient from stage s to s-1. ``Kind`` is a ``TextEnum`` (a ``StrEnum`` that runs on Python 3.9): a kind
-equals its text (``Kind.F == "F"``), so plan files and op texts read and compare as before. Text is
-spelled like torch pipelining's ``_Action``: ``[stage]KIND[micro-batch]``, e.g. ``2SEND_F5`` (stage
-2 sends the activation of micro-batch 5 to stage 3) or ``0F1``. Without a stage the text is
-stage-local, as in plan files: ``F3``, ``B3``, ``W3``, ``SEND_F3``. (torch calls the backward-input
-``I`` and a fused backward ``B``; ``plan.files.torch_csv`` translates.)
+``SEND_B`` / ``RECV_B`` its input gradient from stage s to s-1; ``Kind.F.send``,
+``Kind.RECV_B.payload`` and the like map between them. ``Kind`` is a ``TextEnum`` (a ``StrEnum``
+that runs on Python 3.9): a kind equals its text (``Kind.F == "F"``), so plan files and op texts
+read and write as before; the package itself compares kinds, never texts
+(tests/plan/test_kind_language.py). Text is spelled like torch pipelining's ``_Action``:
+``[stage]KIND[micro-batch]``, e.g. ``2SEND_F5`` (stage 2 sends the activation of micro-batch 5 to
+stage 3) or ``0F1``. Without a stage the text is stage-local, as in plan files and op records:
+``F3``, ``B3``, ``W3``, ``SEND_F3``. ``parse_op``, ``recorded_op`` and ``str(op)`` are the one
+parser and printer of that text (plans, op records and traces all use them). (torch calls the
+backward-input ``I`` and a fused backward ``B``; ``plan.files.torch_csv`` translates.)
 
 A ``Schedule`` is one row per stage of that stage's compute ops in execution order (what a plan
 file lists); ``peak_inflight`` and ``warmup_counts`` read the two counts a plan is judged by off it.
@@ -24,7 +28,12 @@ from .text_enum import TextEnum
 
 
 class Kind(TextEnum):
-    """What an op does. Compute kinds first, in the order of their per-stage times (F, B, W)."""
+    """What an op does. Compute kinds first, in the order of their per-stage times (F, B, W).
+
+    The kinds that travel are named after what they carry: ``SEND_F`` sends the activation an ``F``
+    produced, ``RECV_B`` receives the input gradient a ``B`` produced. The mappings between them are
+    members, never text: ``Kind.F.send is Kind.SEND_F``, ``Kind.RECV_B.payload is Kind.B``,
+    ``Kind.SEND_F.recv is Kind.RECV_F`` (the receive that pairs with a send)."""
 
     F = "F"
     B = "B"
@@ -33,6 +42,10 @@ class Kind(TextEnum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+
+    code: int  # 0, 1, 2 for F, B, W (compute kinds only; set below): the kind's code in ``op_table``,
+    # the compiled replay and the position of its time in a stage's (F, B, W) times. A plain
+    # attribute, not a property: simulators read it once per op.
 
     @property
     def is_compute(self) -> bool:
@@ -47,17 +60,48 @@ class Kind(TextEnum):
         return self is Kind.RECV_F or self is Kind.RECV_B
 
     @property
-    def code(self) -> int:
-        """0, 1, 2 for F, B, W (compute kinds only): the kind's code in ``op_table`` and the
-        position of its time in a stage's (F, B, W) times."""
-        return KINDS.index(self)
+    def is_comm(self) -> bool:
+        return self.is_send or self.is_recv
+
+    @property
+    def payload(self) -> "Kind":
+        """What a message of this kind carries, as the compute kind producing it: ``F`` (an
+        activation, flowing to the next stage) or ``B`` (an input gradient, flowing to the previous
+        one). ``F`` and ``B`` are their own payload; a ``W`` sends nothing."""
+        p = _PAYLOAD.get(self)
+        if p is None:
+            raise ValueError(f"{self} carries no message")
+        return p
+
+    @property
+    def send(self) -> "Kind":
+        """The send of this kind's payload (``Kind.F.send is Kind.SEND_F``)."""
+        return _SEND[self.payload]
+
+    @property
+    def recv(self) -> "Kind":
+        """The receive of this kind's payload (``Kind.B.recv is Kind.RECV_B``)."""
+        return _RECV[self.payload]
+
+    @property
+    def downstream(self) -> bool:
+        """Whether this kind's message flows to the next stage (an activation) rather than the
+        previous one (an input gradient)."""
+        return self.payload is Kind.F
 
 
 KINDS = (Kind.F, Kind.B, Kind.W)  # compute: what a plan file lists
 COMM_KINDS = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B)
 ALL_KINDS = KINDS + COMM_KINDS
+PAYLOADS = (Kind.F, Kind.B)  # what travels between stages: activations, input gradients
+for _code, _kind in enumerate(KINDS):
+    _kind.code = _code
+_SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B}
+_RECV = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
+_PAYLOAD = {Kind.F: Kind.F, Kind.B: Kind.B, **{v: k for k, v in _SEND.items()}, **{v: k for k, v in _RECV.items()}}
 _KIND_OF = {k.value: k for k in Kind}  # text (or kind) -> kind: a dict lookup, not Enum.__call__
-_OP_RE = re.compile(r"^(\d+)?(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)$")
+# The op-text grammar, the one place it is written: [stage]KIND<micro-batch>; longest kinds first.
+_OP_RE = re.compile(r"^(\d+)?(%s)(\d+)$" % "|".join(sorted(_KIND_OF, key=len, reverse=True)))
 
 
 class _OpFields(NamedTuple):
@@ -121,6 +165,13 @@ def parse_op(text: str) -> Op:
     return tuple.__new__(Op, (_KIND_OF[m.group(2)], int(m.group(3)), None if stage is None else int(stage)))
 
 
+def message_op(kind, mb: int, sending: bool, stage: Optional[int] = None) -> Op:
+    """The send (``sending``) or receive of message ``(kind, mb)``, ``kind`` the payload (``Kind.F``,
+    ``Kind.B`` or its text): ``message_op(Kind.B, 3, True)`` prints ``SEND_B3``."""
+    k = _KIND_OF[kind]
+    return Op(k.send if sending else k.recv, mb, stage)
+
+
 _TEXTS: dict = {}  # op -> its text: plans repeat the same few thousand ops
 _CACHE_MAX = 1 << 20
 
@@ -158,11 +209,11 @@ def peak_inflight(schedule: Schedule) -> list[int]:
         cur = peak = 0
         for op in row:
             k = op.kind
-            if k == "F":
+            if k is Kind.F:
                 cur += 1
                 if cur > peak:
                     peak = cur
-            elif k == "B":
+            elif k is Kind.B:
                 cur -= 1
         out.append(peak)
     return out
@@ -174,9 +225,9 @@ def warmup_counts(schedule: Schedule) -> list[int]:
     for row in schedule:
         n = 0
         for op in row:
-            if op.kind == "B":
+            if op.kind is Kind.B:
                 break
-            n += op.kind == "F"
+            n += op.kind is Kind.F
         out.append(n)
     return out
 

@@ -11,6 +11,8 @@ from typing import Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .ops import Kind
+
 Number = Union[float, int]
 
 
@@ -184,7 +186,7 @@ class Costs:
     def __post_init__(self):
         # NaN compares false with every time, so a scheduler waiting for it would never end. (Files
         # and options refuse negative and infinite times too; code may probe with them.)
-        for what, values in (("F", self.f), ("B", self.b), ("W", self.w), ("link", self.links)):
+        for what, values in ((Kind.F, self.f), (Kind.B, self.b), (Kind.W, self.w), ("link", self.links)):
             for i, v in enumerate(values):
                 if v != v:
                     where = f"link {i}" if what == "link" else f"stage {i}'s {what}"
@@ -195,7 +197,7 @@ class Costs:
         return len(self.f)
 
     def op_time(self, stage: int, kind: str) -> float:
-        return (self.f if kind == "F" else self.b if kind == "B" else self.w)[stage]
+        return (self.f if kind == Kind.F else self.b if kind == Kind.B else self.w)[stage]
 
     def with_links(self, links: list[float]) -> "Costs":
         return Costs(self.f, self.b, self.w, list(links))

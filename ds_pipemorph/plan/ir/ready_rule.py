@@ -44,12 +44,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 from .memory import EPS as MEM_EPS
-from .ops import Op
+from .ops import Kind, Op
 
-Arrived = Callable[[str, int], bool]  # (message kind "F" or "B", micro-batch) -> is it in?
+Arrived = Callable[[Kind, int], bool]  # (message kind Kind.F or Kind.B, micro-batch) -> is it in?
 
 
-def _ANY(kind: str, mb: int) -> bool:
+def _ANY(kind: Kind, mb: int) -> bool:
     return True
 
 
@@ -87,18 +87,18 @@ class ReadyRule:
         self._at: dict[Op, list[int]] = {}  # op -> its positions not run yet, last = first in the hint
         self._after_f: dict[int, list[int]] = {}  # mb -> positions of the B ops F mb makes ready
         self._after_b: dict[int, list[int]] = {}  # mb -> positions of the other ops B mb makes ready
-        self._in: set[tuple[str, int]] = set()  # messages pushed in by ``arrive``
+        self._in: set[tuple[Kind, int]] = set()  # messages pushed in by ``arrive``
         self._f_pos: list[int] = []
         self._f_lo = 0  # every forward of _f_pos before this index has run
         self._w_pos: list[int] = []  # the W ops in hint order: they run in this order
         self._w_next = 0  # index in _w_pos of the next W to run
         for i, op in enumerate(self._ops):
             self._at.setdefault(op, []).insert(0, i)
-            if op.kind == "F":
+            if op.kind is Kind.F:
                 self._f_pos.append(i)
-            elif op.kind == "B":
+            elif op.kind is Kind.B:
                 self._after_f.setdefault(op.mb, []).append(i)
-            elif op.kind == "W":
+            elif op.kind is Kind.W:
                 self._w_pos.append(i)
             else:
                 self._after_b.setdefault(op.mb, []).append(i)
@@ -121,24 +121,24 @@ class ReadyRule:
             self.units is None or self.inflight + 1 + self.w_share * self.pend_w <= self.units + MEM_EPS)
 
     def is_ready(self, op: Op, arrived: Arrived) -> bool:
-        if op.kind == "F":
-            return self._f_ok() and (not self.needs_input or arrived("F", op.mb))
-        if op.kind == "B":
-            return op.mb in self.forwarded and (not self.needs_grad or arrived("B", op.mb))
-        if op.kind == "W":
+        if op.kind is Kind.F:
+            return self._f_ok() and (not self.needs_input or arrived(Kind.F, op.mb))
+        if op.kind is Kind.B:
+            return op.mb in self.forwarded and (not self.needs_grad or arrived(Kind.B, op.mb))
+        if op.kind is Kind.W:
             nxt = self._w_pos[self._w_next] if self._w_next < len(self._w_pos) else None
             return nxt is not None and self._ops[nxt] == op and op.mb in self.backwarded
         return op.mb in self.backwarded
 
-    def arrive(self, kind: str, mb: int) -> None:
-        """The message (kind "F" or "B", micro-batch) is in, and stays in for the iteration."""
+    def arrive(self, kind: Kind, mb: int) -> None:
+        """The message (kind Kind.F or Kind.B, micro-batch) is in, and stays in for the iteration."""
         if (kind, mb) in self._in:
             return
         self._in.add((kind, mb))
-        if kind == "F" and self.needs_input:
-            for i in self._at.get(Op("F", mb), ()):
+        if kind == Kind.F and self.needs_input:
+            for i in self._at.get(Op(Kind.F, mb), ()):
                 heapq.heappush(self._f_ready, i)
-        elif kind == "B" and self.needs_grad and mb in self.forwarded:
+        elif kind == Kind.B and self.needs_grad and mb in self.forwarded:
             for i in self._after_f.get(mb, ()):
                 if not self._done[i]:
                     del self._b_wait[bisect_left(self._b_wait, i)]
@@ -174,7 +174,7 @@ class ReadyRule:
             for i in self._b_wait:  # ascending
                 if i >= best:
                     break
-                if arrived("B", ops[i].mb):
+                if arrived(Kind.B, ops[i].mb):
                     best = i
                     break
             if f_ok and self.needs_input:
@@ -186,7 +186,7 @@ class ReadyRule:
                     i = pos[j]
                     if i >= best:
                         break
-                    if not done[i] and arrived("F", ops[i].mb):
+                    if not done[i] and arrived(Kind.F, ops[i].mb):
                         best = i
                         break
         return None if best == self._end else self._ops[best]
@@ -200,11 +200,11 @@ class ReadyRule:
         done[i] = True
         self._left -= 1
         kind, mb = op.kind, op.mb
-        if kind == "F":
+        if kind == Kind.F:
             if mb not in self.forwarded:
                 self.forwarded.add(mb)
                 after = self._after_f.get(mb, ())
-                if self.needs_grad and not (self._in and ("B", mb) in self._in):
+                if self.needs_grad and not (self._in and (Kind.B, mb) in self._in):
                     for j in after:
                         if not done[j]:
                             insort(self._b_wait, j)
@@ -215,7 +215,7 @@ class ReadyRule:
             self.inflight += 1
             if self.inflight > self.peak:
                 self.peak = self.inflight
-        elif kind == "B":
+        elif kind == Kind.B:
             w = self._b_wait
             if w:
                 k = bisect_left(w, i)
@@ -226,13 +226,13 @@ class ReadyRule:
                 for j in self._after_b.get(mb, ()):
                     if not done[j]:
                         heapq.heappush(self._ready, j)
-                for j in self._at.get(Op("W", mb), ()):
+                for j in self._at.get(Op(Kind.W, mb), ()):
                     if not done[j]:
                         insort(self._w_open, j)
                 self._push_next_w()
                 self.pend_w += 1
             self.inflight -= 1
-        elif kind == "W":  # a W fused with its B may start before the Ws ahead of it: skip it then
+        elif kind == Kind.W:  # a W fused with its B may start before the Ws ahead of it: skip it then
             k = bisect_left(self._w_open, i)
             if k < len(self._w_open) and self._w_open[k] == i:
                 del self._w_open[k]
@@ -250,7 +250,7 @@ class ReadyRule:
                 heapq.heappush(self._ready, j)
 
     def hold(self, op: Op, now: float, op_time: Optional[float],
-             expected: Callable[[tuple[str, int]], Optional[float]]) -> Optional[tuple[tuple[str, int], float]]:
+             expected: Callable[[tuple[Kind, int]], Optional[float]]) -> Optional[tuple[tuple[Kind, int], float]]:
         """Patience: ``(message, until)`` if the stage should wait for ``message`` (at most until
         ``until``) instead of starting ``op``, the op ``pick`` chose; else None.
 
@@ -273,20 +273,20 @@ class ReadyRule:
 
     def message_of(self, op: Op):
         """The message ``op`` waits for, as (kind, micro-batch), or None."""
-        if op.kind == "F" and self.needs_input:
-            return ("F", op.mb)
-        if op.kind == "B" and self.needs_grad:
-            return ("B", op.mb)
+        if op.kind is Kind.F and self.needs_input:
+            return (Kind.F, op.mb)
+        if op.kind is Kind.B and self.needs_grad:
+            return (Kind.B, op.mb)
         return None
 
     def waiting_for(self) -> list[str]:
         """The messages the ops still to run wait for (for an error message), e.g. ``['RECV_B3']``."""
         out = []
         for op in self.pending:
-            if op.kind == "F" and self.needs_input:
-                out.append(f"RECV_F{op.mb}")
-            elif op.kind == "B" and self.needs_grad:
-                out.append(f"RECV_B{op.mb}")
+            if op.kind is Kind.F and self.needs_input:
+                out.append(str(Op(Kind.RECV_F, op.mb)))
+            elif op.kind is Kind.B and self.needs_grad:
+                out.append(str(Op(Kind.RECV_B, op.mb)))
         return out
 
 

@@ -1,7 +1,7 @@
 """Baseline schedules as plans: DeepSpeed's 1F1B (its exact order), ZB-H1 and GPipe."""
 from __future__ import annotations
 
-from ..ir.ops import Op, Schedule
+from ..ir.ops import Kind, Op, Schedule
 from ..ir.profile import Costs
 from .listsched import list_schedule
 from ..sim.listsched_py import Policy
@@ -16,8 +16,8 @@ def deepspeed_1f1b(stages: int, microbatches: int) -> Schedule:
     S, N = stages, microbatches
     # On stage s, F m runs at step 2m + s and B m (with W m) at step 2m + 2S − 1 − s (of opposite
     # parity, so they never share a step): before B m come all F m' with m' <= m + S − s − 1.
-    F = [Op("F", m) for m in range(N)]
-    BW = [(Op("B", m), Op("W", m)) for m in range(N)]
+    F = [Op(Kind.F, m) for m in range(N)]
+    BW = [(Op(Kind.B, m), Op(Kind.W, m)) for m in range(N)]
     out: Schedule = []
     for s in range(S):
         row: list[Op] = []
@@ -43,9 +43,9 @@ def zb_h1(costs: Costs, microbatches: int) -> Schedule:
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
     """All forwards, then all fused backwards in micro-batch order."""
-    row = [Op("F", m) for m in range(microbatches)]
+    row = [Op(Kind.F, m) for m in range(microbatches)]
     for m in range(microbatches):
-        row += [Op("B", m), Op("W", m)]
+        row += [Op(Kind.B, m), Op(Kind.W, m)]
     return [list(row) for _ in range(stages)]
 
 

@@ -24,9 +24,11 @@ import time
 from bisect import bisect_right
 from typing import Callable, Optional
 
-from ..ir.ops import Op, Schedule
+from ..ir.ops import KINDS, Op, Schedule
 from ..sim.incremental import Evaluator, State
 from ..sim.timeline import StuckSchedule
+
+_F, _B, _W = KINDS  # module globals: looking a member up on the enum class costs more, per op
 
 EPS = 1e-9
 STALL = 400  # moves without a new best before a restart
@@ -119,19 +121,19 @@ def _critical_moves(cur: Schedule, state: State, ev: Evaluator) -> list[tuple[in
             moves.append((s, q, j))
             moves.append((s, j, q))
         for j in range(i, q + 1):
-            if row[j].kind == "W":  # into an idle gap before the run (after its B): it may fit there
+            if row[j].kind is _W:  # into an idle gap before the run (after its B): it may fit there
                 if s not in gaps:
                     gaps[s] = [g for g in range(1, len(row)) if st[s][g] > st[s][g - 1] + dur[s][row[g - 1].kind] + TOL]
                 g = gaps[s]
-                lo = bisect_right(g, row.index(Op("B", row[j].mb)))
+                lo = bisect_right(g, row.index(Op(_B, row[j].mb)))
                 moves.extend((s, j, h) for h in g[lo : bisect_right(g, i)])
         k, m, _ = row[i]
-        if k == "F":
-            sources = [(s - 1, "F", links[s - 1])] if s > 0 else []
-        elif k == "B":
-            sources = [(s, "F", 0.0)] + ([(s + 1, "B", links[s])] if s < S - 1 else [])
+        if k is _F:
+            sources = [(s - 1, _F, links[s - 1])] if s > 0 else []
+        elif k is _B:
+            sources = [(s, _F, 0.0)] + ([(s + 1, _B, links[s])] if s < S - 1 else [])
         else:
-            sources = [(s, "B", 0.0)]
+            sources = [(s, _B, 0.0)]
         for s2, k2, c in sources:  # the input this op waited for
             j = cur[s2].index(Op(k2, m))
             if abs(st[s2][j] + dur[s2][k2] + c - t) < TOL:
@@ -149,19 +151,19 @@ def _allowed(cur: Schedule, caps: list[int], move: tuple[int, int, int]) -> bool
     k, m, _ = row[i]
     if j > i:
         for k2, m2, _ in row[i + 1 : j + 1]:
-            if k2 == k or (m2 == m and (k == "F" or (k == "B" and k2 == "W"))):
+            if k2 == k or (m2 == m and (k is _F or (k is _B and k2 is _W))):
                 return False
     else:
         for k2, m2, _ in row[j:i]:
-            if k2 == k or (m2 == m and (k == "W" or (k == "B" and k2 == "F"))):
+            if k2 == k or (m2 == m and (k is _W or (k is _B and k2 is _F))):
                 return False
-    if not ((k == "F" and j < i) or (k == "B" and j > i)):
+    if not ((k is _F and j < i) or (k is _B and j > i)):
         return True  # only an earlier F or a later B holds more activations
     r = list(row)
     r.insert(j, r.pop(i))
     held = 0
     for k2, _, _ in r:
-        held += (k2 == "F") - (k2 == "B")
+        held += (k2 is _F) - (k2 is _B)
         if held > caps[s]:
             return False
     return True
@@ -180,9 +182,9 @@ def _w_move(cur: Schedule, rng: random.Random):
     row = cur[s]
     n = len(row) // 3
     m = rng.randrange(n)
-    i = row.index(Op("W", m))
-    lo = max(row.index(Op("B", m)), row.index(Op("W", m - 1)) if m else -1) + 1
-    hi = row.index(Op("W", m + 1)) - 1 if m + 1 < n else len(row) - 1  # places in the row without op i
+    i = row.index(Op(_W, m))
+    lo = max(row.index(Op(_B, m)), row.index(Op(_W, m - 1)) if m else -1) + 1
+    hi = row.index(Op(_W, m + 1)) - 1 if m + 1 < n else len(row) - 1  # places in the row without op i
     j = rng.randint(lo, hi)
     return (s, i, j) if j != i else None
 

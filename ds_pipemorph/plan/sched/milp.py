@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..ir.ops import KINDS, Op, Schedule, peak_inflight
+from ..ir.ops import KINDS, Kind, Op, Schedule, peak_inflight
 from ..ir.profile import Costs
 from ..sim.simulate import replay
 from ..sim.timeline import Timeline
@@ -52,9 +52,8 @@ from .bounds import one_machine_bound
 from .listsched import list_schedule
 from .warmup import initial_warmup
 
-_K = {k: i for i, k in enumerate(KINDS)}
 # Pairs of kinds that need binaries: (P, Q) with P_i, Q_j unordered for i > j.
-_PAIRS = (("F", "B"), ("F", "W"), ("B", "W"))
+_PAIRS = ((Kind.F, Kind.B), (Kind.F, Kind.W), (Kind.B, Kind.W))
 
 
 @dataclass
@@ -98,10 +97,10 @@ class _Index:
         self.n_times = 3 * stages * microbatches
         self.C = self.n_times
 
-    def t(self, s: int, k: str, m: int) -> int:
-        return (s * 3 + _K[k]) * self.N + m
+    def t(self, s: int, k: Kind, m: int) -> int:
+        return (s * 3 + k.code) * self.N + m
 
-    def node(self, col: int) -> tuple[int, str, int]:
+    def node(self, col: int) -> tuple[int, Kind, int]:
         sk, m = divmod(col, self.N)
         s, k = divmod(sk, 3)
         return s, KINDS[k], m
@@ -115,17 +114,17 @@ def precedences(costs: Costs, N: int, caps: list[int], ix: _Index) -> list[tuple
         f, b, w = costs.f[s], costs.b[s], costs.w[s]
         for m in range(N):
             if s > 0:
-                e.append((ix.t(s - 1, "F", m), ix.t(s, "F", m), costs.f[s - 1] + L[s - 1]))
+                e.append((ix.t(s - 1, Kind.F, m), ix.t(s, Kind.F, m), costs.f[s - 1] + L[s - 1]))
             if s < S - 1:
-                e.append((ix.t(s + 1, "B", m), ix.t(s, "B", m), costs.b[s + 1] + L[s]))
-            e.append((ix.t(s, "F", m), ix.t(s, "B", m), f))
-            e.append((ix.t(s, "B", m), ix.t(s, "W", m), b))
+                e.append((ix.t(s + 1, Kind.B, m), ix.t(s, Kind.B, m), costs.b[s + 1] + L[s]))
+            e.append((ix.t(s, Kind.F, m), ix.t(s, Kind.B, m), f))
+            e.append((ix.t(s, Kind.B, m), ix.t(s, Kind.W, m), b))
             if m + 1 < N:
-                for k, d in (("F", f), ("B", b), ("W", w)):
+                for k, d in ((Kind.F, f), (Kind.B, b), (Kind.W, w)):
                     e.append((ix.t(s, k, m), ix.t(s, k, m + 1), d))
             c = caps[s]
             if m >= c:
-                e.append((ix.t(s, "B", m - c), ix.t(s, "F", m), b))
+                e.append((ix.t(s, Kind.B, m - c), ix.t(s, Kind.F, m), b))
     return e
 
 
@@ -236,12 +235,12 @@ def build_model(costs: Costs, N: int, caps: list[int], upper_bound: float) -> _M
     per_stage = [[ix.t(s, k, m) for k in KINDS for m in range(N)] for s in range(S)]
     lb = head + [max(max(head[v] + tail[v] for v in range(ix.n_times)), one_machine_bound(per_stage, head, tail, dur))]
     ub = lst + [upper_bound]
-    ub[ix.t(0, "F", 0)] = 0.0
+    ub[ix.t(0, Kind.F, 0)] = 0.0
     model = _Model(ix, ix.n_times + 1, lb, ub, [], depth, dur)
     for a, b, lag in edges:
         model.row({b: 1.0, a: -1.0}, lag)
     for s in range(S):
-        model.row({ix.C: 1.0, ix.t(s, "W", N - 1): -1.0}, costs.w[s])
+        model.row({ix.C: 1.0, ix.t(s, Kind.W, N - 1): -1.0}, costs.w[s])
         zs = _add_disjunctions(model, s, N, caps[s], head, lst, dur)
         _add_energy_cuts(model, s, N, caps[s], zs)
     return model
@@ -279,28 +278,28 @@ def _add_disjunctions(model: _Model, s: int, N: int, cap: int, head, lst, dur) -
     return zs
 
 
-def _fixed_before(a: tuple[str, int], b: tuple[str, int], cap: int) -> bool | None:
+def _fixed_before(a: tuple[Kind, int], b: tuple[Kind, int], cap: int) -> bool | None:
     """Whether op b runs before op a on a stage by FIFO, dependencies or the cap; None: a binary decides."""
     (ka, ma), (kb, mb) = a, b
     if ka == kb:
         return mb < ma
-    if _K[ka] > _K[kb]:
+    if ka.code > kb.code:
         r = _fixed_before(b, a, cap)
         return None if r is None else not r
     # a = P_i, b = Q_j with P earlier in F, B, W: P_i runs first if i <= j; the cap puts B_j first.
     if ma <= mb:
         return False
-    if ka == "F" and kb == "B" and mb <= ma - cap:
+    if ka is Kind.F and kb is Kind.B and mb <= ma - cap:
         return True
     return None
 
 
-def _before(a: tuple[str, int], b: tuple[str, int], cap: int, zs: dict) -> tuple[float, int | None, float]:
+def _before(a: tuple[Kind, int], b: tuple[Kind, int], cap: int, zs: dict) -> tuple[float, int | None, float]:
     """[b runs before a] on one stage as ``const + sign * z`` -> (const, z column or None, sign)."""
     fixed = _fixed_before(a, b, cap)
     if fixed is not None:
         return float(fixed), None, 0.0
-    if _K[a[0]] < _K[b[0]]:  # a = P_i, b = Q_j: z = 1 means Q_j first
+    if a[0].code < b[0].code:  # a = P_i, b = Q_j: z = 1 means Q_j first
         return 0.0, zs[a[0], a[1], b[0], b[1]], 1.0
     return 1.0, zs[b[0], b[1], a[0], a[1]], -1.0
 
@@ -312,7 +311,7 @@ def _add_energy_cuts(model: _Model, s: int, N: int, cap: int, zs: dict) -> None:
     """
     ix = model.ix
     ops = [(k, m) for k in KINDS for m in range(N)]
-    f0 = ix.t(s, "F", 0)
+    f0 = ix.t(s, Kind.F, 0)
     for a in ops:
         ta, da = ix.t(s, *a), model.dur[ix.t(s, *a)]
         pred: dict[int, float] = {ta: 1.0, f0: -1.0}
@@ -328,7 +327,7 @@ def _add_energy_cuts(model: _Model, s: int, N: int, cap: int, zs: dict) -> None:
             if col is not None and db:
                 pred[col] = pred.get(col, 0.0) - db * sign
                 succ[col] = succ.get(col, 0.0) + db * sign
-        if a != ("F", 0):
+        if a != (Kind.F, 0):
             model.row(pred, pred_rhs)
         model.row(succ, succ_rhs)
 
@@ -454,7 +453,7 @@ def extract_schedule(model: _Model, x: list[float], N: int) -> Schedule:
 
         def key(c):
             _, k, m = ix.node(c)
-            return (round(x[c], 6), round(x[c] + model.dur[c], 6), model.depth[c], _K[k], m)
+            return (round(x[c], 6), round(x[c] + model.dur[c], 6), model.depth[c], k.code, m)
 
         out.append([Op(*ix.node(c)[1:]) for c in sorted(cols, key=key)])
     return out

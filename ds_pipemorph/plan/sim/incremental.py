@@ -22,11 +22,13 @@ from collections import deque
 from typing import Optional, Sequence, Union
 
 from ..ir.links import LATENCY, Latency, LinkModel, per_link
-from ..ir.ops import Schedule, op_table
+from ..ir.ops import KINDS, Schedule, op_table
 from ..ir.profile import Costs
 from . import native
 from .simulate import makespan, replay
 from .timeline import StuckSchedule, stuck_message
+
+_F, _B, _W = KINDS  # module globals: looking a member up on the enum class costs more, per op
 
 INF = float("inf")
 SLACK = 1e-6  # ms: the early stop's sum of remaining work may round above the replay's own sum
@@ -50,7 +52,7 @@ class Evaluator:
         S, N = costs.stages, microbatches
         self.costs, self.S, self.N = costs, S, N
         self.link_model = per_link(link_model, S - 1)
-        self.dur = [{"F": costs.f[s], "B": costs.b[s], "W": costs.w[s]} for s in range(S)]
+        self.dur = [{_F: costs.f[s], _B: costs.b[s], _W: costs.w[s]} for s in range(S)]
         self.links = list(costs.links)
         self.total = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
         latency_only = all(isinstance(h, Latency) or c <= 0 for h, c in zip(self.link_model, costs.links))
@@ -154,9 +156,9 @@ class Evaluator:
             end_b.append(eb)
             free.append(st[p - 1] + self.dur[x][row[p - 1][0]] if p else 0.0)
             for k, m, _ in row[p:]:  # to be run again
-                if k == "F":
+                if k is _F:
                     ef[m] = INF
-                elif k == "B":
+                elif k is _B:
                     eb[m] = INF
         return self._run(sched, starts, cum, end_f, end_b, ptr, free, limit)
 
@@ -175,9 +177,9 @@ class Evaluator:
             ds, st, cs, ef, eb = dur[s], starts[s], cum[s], end_f[s], end_b[s]
             while p < n:
                 k, m, _ = row[p]
-                if k == "F":
+                if k is _F:
                     ready = end_f[s - 1][m] + links[s - 1] if s else 0.0
-                elif k == "B":
+                elif k is _B:
                     ready = ef[m]
                     if s < last:
                         r = end_b[s + 1][m] + links[s]
@@ -194,9 +196,9 @@ class Evaluator:
                     return None
                 st.append(start)
                 cs.append(c)
-                if k == "F":
+                if k is _F:
                     ef[m] = fr
-                elif k == "B":
+                elif k is _B:
                     eb[m] = fr
                 p += 1
             if p > p0:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..ir.memory import EPS as MEM_EPS
-from ..ir.ops import Schedule, op_table
+from ..ir.ops import Kind, Schedule, op_table
 from ..ir.profile import Costs
 
 
@@ -24,7 +24,7 @@ from ..ir.profile import Costs
 class Policy:
     """Knobs of the greedy pass; the default is the paper's Alg. 3."""
 
-    priority: str = "BFW"  # steady-phase order of kinds
+    priority: str = "BFW"  # steady-phase order of kinds, as their texts (each a Kind)
     # Only start a W if it ends before the next B or F is expected to arrive (W fills gaps only).
     w_fits_gap: bool = False
     # Stages that keep their W for when they have no forward left (the rest fill gaps with W).
@@ -80,7 +80,7 @@ def list_schedule_py(costs: Costs, microbatches: int, warmup: list[int], policy:
     ops = op_table(N)[0] if N > 0 else ()
     total = 3 * N
     remaining = total * S
-    pri = [0 if k == "F" else 1 if k == "B" else 2 for k in policy.priority]
+    pri = [Kind(k).code for k in policy.priority]  # "BFW" -> [1, 0, 2]
     late = [s in policy.late_w for s in range(S)]
     w_fits_gap = policy.w_fits_gap
     default = pri == [1, 0, 2] and not w_fits_gap  # B > F > W: the loop below in one expression

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..ir.links import DIRECT, LATENCY, Delegated
-from ..ir.ops import op_table, peak_inflight, warmup_counts
+from ..ir.ops import Kind, op_table, peak_inflight, warmup_counts
 from ..ir.profile import Costs
 from ..ir.memory import EPS as MEM_EPS
 from .listsched_py import Policy, list_schedule_py
@@ -310,7 +310,7 @@ def list_schedule(costs, n: int, warmup: list[int], priority: str, w_fits_gap: b
                 raise ValueError(f"stage {s}: warm-up {warmup[s]} exceeds its memory of {units[s]:.6g} micro-batches")
     out = array("i", bytes(4 * S * 3 * n))
     stall = ctypes.c_double(0.0)
-    pri = array("i", [0 if k == "F" else 1 if k == "B" else 2 for k in priority])
+    pri = array("i", [Kind(k).code for k in priority])
     late = (ctypes.c_ubyte * S)(*[1 if s in late_w else 0 for s in range(S)])
     keep = (dbl(costs.f), dbl(costs.b), dbl(costs.w), dbl(list(costs.links) + [0.0]), array("i", warmup),
             None if units is None else dbl(units))

@@ -31,8 +31,8 @@ from typing import Callable, Optional, Sequence, Union
 
 from ...fileio import check_ordered
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
-from ..ir.lower import DISPATCHES
-from ..ir.ops import KINDS, Op, Schedule
+from ..ir.lower import Dispatch
+from ..ir.ops import KINDS, Kind, Op, Schedule
 from ..ir.profile import Costs
 from ..ir.ready_rule import ReadyRule
 from .timeline import Slot, StuckSchedule, Timeline, stuck_message
@@ -40,7 +40,6 @@ from .timeline import Slot, StuckSchedule, Timeline, stuck_message
 OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
 Breakpoints = Sequence[tuple[float, float]]  # (time_ms, delay_ms), sorted by time
 LinkDelays = Sequence[Union[float, Breakpoints]]  # one entry per link
-_K = {k: i for i, k in enumerate(KINDS)}
 _INF = float("inf")
 
 
@@ -54,7 +53,7 @@ def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional
                           link_model, patience, units, w_share)
 
 
-def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: str = "ordered",
+def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: Union[Dispatch, str] = Dispatch.ORDERED,
                    caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
                    link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
                    link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
@@ -71,8 +70,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     ``units`` and ``w_share``: the memory budget per stage under ready dispatch (``plan.ir.memory``).
     """
     S, N = len(schedule), microbatches
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch is 'ordered' or 'ready', not {dispatch!r}")
+    dispatch = Dispatch.parse(dispatch)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
     _check_rows(schedule, N)
@@ -81,7 +79,7 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     # N*(tF+tB+tW) per stage, the same floats as simulate.replay when the times are the costs'
     work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
             else [sum(map(sum, dur[s])) for s in range(S)])
-    return _Run(schedule, N, dispatch == "ready", cap, dur, _curves(link_delays, costs, S),
+    return _Run(schedule, N, dispatch is Dispatch.READY, cap, dur, _curves(link_delays, costs, S),
                 per_link(link_model, S - 1), fused_backward, work, patience, units, w_share).run()
 
 
@@ -97,7 +95,7 @@ def _check_rows(schedule: Schedule, N: int) -> None:
                 raise ValueError(f"stage {s}: {op} appears twice")
             seen.add(op)
         if len(seen) != len(want):
-            missing = min(want - seen, key=lambda o: (o.mb, _K[o.kind]))
+            missing = min(want - seen, key=lambda o: (o.mb, o.kind.code))
             raise ValueError(f"stage {s}: {missing} is missing")
 
 
@@ -175,13 +173,13 @@ class _Run:
         self.lane_free = [[[0.0] * max(q, 1) for q in self.queues] for _ in range(2)]  # [dir][link][fifo]
         self.lane_next = [[0] * (S - 1) for _ in range(2)]
         self.fifo_free = [[0.0, 0.0] for _ in range(S)]  # per sender stage: [down, up]
-        self.pos = [{(_K[op.kind], op.mb): i for i, op in enumerate(row)} for row in schedule]
+        self.pos = [{(op.kind.code, op.mb): i for i, op in enumerate(row)} for row in schedule]
         # fused[s][m]: B m runs fused with W m (the W right after it in the order / hint)
         self.fused = [[False] * N for _ in range(S)]
         if fused:
             for s, row in enumerate(schedule):
                 for i, op in enumerate(row[:-1]):
-                    if op.kind == "B" and row[i + 1] == Op("W", op.mb):
+                    if op.kind is Kind.B and row[i + 1] == Op(Kind.W, op.mb):
                         self.fused[s][op.mb] = True
         self.end = [[[_INF] * N for _ in range(3)] for _ in range(S)]
         self.arr_f = [[_INF] * N for _ in range(S)]  # arrival at s+1 of the activation F m on s sent
@@ -220,7 +218,7 @@ class _Run:
     # -- readiness ------------------------------------------------------------------------------
 
     def _deliver(self, s: int, kind: str, m: int, t: float) -> None:
-        """A message (kind "F" or "B", micro-batch m) lands on stage s at ``t``; s wakes up then."""
+        """A message (kind Kind.F or Kind.B, micro-batch m) lands on stage s at ``t``; s wakes up then."""
         if self.is_ready:
             heapq.heappush(self.on_way[s], (t, kind, m))
             self.lands[s][(kind, m)] = t
@@ -251,7 +249,7 @@ class _Run:
             else:
                 i = self.ptr[s]
                 op = row[i]
-                if self._ready_at(s, _K[op.kind], op.mb) > t:
+                if self._ready_at(s, op.kind.code, op.mb) > t:
                     return
             self._start(s, i, t)
 
@@ -266,17 +264,17 @@ class _Run:
         op = rule.pick()
         if op is None:
             return None
-        k = _K[op.kind]
+        k = op.kind.code
         if self.patience and rule.hold(op, t, self.dur[s][k][op.mb], lands.get) is not None:
             return None
         rule.started(op)
         if k == 1 and self.fused[s][op.mb]:  # W m runs with it (``_start``)
-            rule.started(Op("W", op.mb))
+            rule.started(Op(Kind.W, op.mb))
         return self.pos[s][(k, op.mb)]
 
     def _start(self, s: int, i: int, t: float) -> None:
         op = self.rows[s][i]
-        k, m = _K[op.kind], op.mb
+        k, m = op.kind.code, op.mb
         fin = self._slot(s, i, t)
         blocked = fin
         last = self.S - 1
@@ -287,7 +285,7 @@ class _Run:
             if s < last:
                 arr, blocked = self._send(s, 0, fin)
                 self.arr_f[s][m] = arr
-                self._deliver(s + 1, "F", m, arr)
+                self._deliver(s + 1, Kind.F, m, arr)
         elif k == 1:
             self.inflight[s] -= 1
             if self.fused[s][m]:  # W m runs right after, the gradient leaves when it ends
@@ -301,14 +299,14 @@ class _Run:
                 arr, blocked = self._send(s, 1, fin)
             if s > 0:
                 self.arr_b[s][m] = arr
-                self._deliver(s - 1, "B", m, arr)
+                self._deliver(s - 1, Kind.B, m, arr)
         self.free[s] = blocked if blocked > fin else fin
         heapq.heappush(self.wake, (self.free[s], s))
 
     def _slot(self, s: int, i: int, start: float) -> float:
         """Run the op at hint position i of stage s from ``start``; its end."""
         op = self.rows[s][i]
-        k = _K[op.kind]
+        k = op.kind.code
         d = self.dur[s][k][op.mb]
         fin = start + d
         self.end[s][k][op.mb] = fin

@@ -15,9 +15,11 @@ from collections import deque
 from typing import Optional, Sequence, Union
 
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
-from ..ir.ops import Kind, Op, Schedule
+from ..ir.ops import KINDS, Op, Schedule
 from ..ir.profile import Costs
 from .timeline import Slot, StuckSchedule, stuck_message
+
+_F, _B, _W = KINDS  # module globals: looking a member up on the enum class costs more, per op
 
 
 def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
@@ -80,7 +82,7 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
         while ptr[s] < len(row):
             op = row[ptr[s]]
             k, m = op.kind, op.mb
-            if k == "F":
+            if k is _F:
                 ki = 0
                 if s > 0:
                     ready = arr_f[s - 1][m]
@@ -88,7 +90,7 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
                         break
                 else:
                     ready = 0.0
-            elif k == "B":
+            elif k is _B:
                 ki = 1
                 ready = es[0][m]
                 if ready == inf:
@@ -109,16 +111,16 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
             fin = start + dur
             es[ki][m] = fin
             blocked_until = fin
-            if k == "F" and s < last:
+            if k is _F and s < last:
                 arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
-            elif k == "B" and s > 0:
+            elif k is _B and s > 0:
                 nxt = ptr[s] + 1
-                if fused_backward and nxt < len(row) and row[nxt] == Op(Kind.W, m):
+                if fused_backward and nxt < len(row) and row[nxt] == Op(_W, m):
                     arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
                     hold[s] = (m, depart)
                 else:
                     arr_b[s][m], blocked_until = send(s, 1, fin, links[s - 1])
-            elif k == "W" and hold[s] is not None and hold[s][0] == m:
+            elif k is _W and hold[s] is not None and hold[s][0] == m:
                 blocked_until = max(fin, hold[s][1])
                 hold[s] = None
             free[s] = blocked_until if blocked_until > fin else fin

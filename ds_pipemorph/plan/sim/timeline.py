@@ -59,10 +59,10 @@ def stuck_message(schedule: Schedule, ptr: list[int], S: int) -> str:
             continue
         op = schedule[s][ptr[s]]
         m = op.mb
-        if op.kind == "W" or (op.kind == "B" and Op(Kind.F, m) in schedule[s][ptr[s]:]):
-            need = "B" if op.kind == "W" else "F"
-            return f"stage {s}: {op} before {need}{m}"
-        if op.kind == "F":
+        if op.kind is Kind.W or (op.kind is Kind.B and Op(Kind.F, m) in schedule[s][ptr[s]:]):
+            need = Op(Kind.B if op.kind is Kind.W else Kind.F, m)
+            return f"stage {s}: {op} before {need}"
+        if op.kind is Kind.F:
             src, what = s - 1, f"F{m} from stage {s - 1}"
         elif s == S - 1:  # pragma: no cover - covered by the local check above
             return f"stage {s}: {op} before F{m}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir.ops import KINDS, Op, Schedule, op_table, parse_op, peak_inflight
+from ..ir.ops import KINDS, Kind, Op, Schedule, op_table, parse_op, peak_inflight
 from ..ir.profile import Costs
 from .simulate import replay
 from .timeline import StuckSchedule
@@ -96,9 +96,9 @@ def _check_rows(schedule: Schedule, N: int) -> None:
             if op in seen:
                 raise InvalidPlan(f"stage {s}: {op} appears twice")
             seen.add(op)
-            if op.kind == "B" and Op("F", op.mb) not in seen:
+            if op.kind is Kind.B and Op(Kind.F, op.mb) not in seen:
                 raise InvalidPlan(f"stage {s}: {op} before F{op.mb}")
-            if op.kind == "W" and Op("B", op.mb) not in seen:
+            if op.kind is Kind.W and Op(Kind.B, op.mb) not in seen:
                 raise InvalidPlan(f"stage {s}: {op} before B{op.mb}")
         for m in range(N):
             for k in KINDS:

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...fileio import BadInput, check_ordered, load_model
-from ..ir.ops import KINDS
+from ..ir.ops import KINDS, Kind
 from ..ir.profile import Costs, check_delays
 
 Rows = tuple[tuple[float, ...], ...]  # rows[s][m]
@@ -48,7 +48,7 @@ class OpTable:
     w: Rows
 
     def __call__(self, stage: int, kind: str, mb: int) -> float:
-        return (self.f if kind == "F" else self.b if kind == "B" else self.w)[stage][mb]
+        return (self.f if kind == Kind.F else self.b if kind == Kind.B else self.w)[stage][mb]
 
     @staticmethod
     def constant(costs: Costs, microbatches: int) -> "OpTable":

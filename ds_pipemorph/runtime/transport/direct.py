@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...fileio import first_line
+from ...plan.ir.ops import message_op
 from .header import HEADER_INTS, decode_header, encode_header, tag
 from .protocol import TransportError, TransportTimeout, link_of, peer_of
 
@@ -235,9 +236,9 @@ class DirectTransport:
     def _describe(self, kind: str, mb: int, sending: bool) -> str:
         name = self._names.get((kind, mb, sending))
         if name is None:
-            verb, prep = ("SEND", "to") if sending else ("RECV", "from")
+            prep = "to" if sending else "from"
             name = self._names[(kind, mb, sending)] = (
-                f"{verb}_{kind}{mb} on link {link_of(self.stage_id, kind, sending)} {prep} "
+                f"{message_op(kind, mb, sending)} on link {link_of(self.stage_id, kind, sending)} {prep} "
                 f"stage {self._peer(kind, sending)}")
         return name
 

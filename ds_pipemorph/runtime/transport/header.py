@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...plan.ir.ops import Kind
 from .protocol import TransportError
 
 DTYPES = [
@@ -20,11 +21,11 @@ DTYPES = [
 ]
 _DTYPE_ID = {d: i for i, d in enumerate(DTYPES)}
 HEADER_INTS = 64
-KINDS = {"F": 1, "B": 2}  # wire ids: activation, input gradient
+KINDS = {Kind.F: 1, Kind.B: 2}  # wire ids: activation, input gradient
 PARTS = 64  # header + up to 63 tensors per message
 
 
-def tag(kind: str, micro_batch: int, part: int) -> int:
+def tag(kind: Kind, micro_batch: int, part: int) -> int:
     """The torch.distributed tag of part ``part`` (0: the header, 1..: the tensors) of message (kind, mb)."""
     return (KINDS[kind] << 24) | (micro_batch * PARTS + part)
 

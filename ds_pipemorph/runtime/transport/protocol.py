@@ -36,6 +36,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union, runtime_checkable
 
+from ...plan.ir.links import Route
+from ...plan.ir.ops import PAYLOADS, Kind
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
 else:
     Payload = Any
 
-KIND_NAMES = ("F", "B")  # activation (flows to the next stage), input gradient (flows to the previous one)
+KIND_NAMES = PAYLOADS  # Kind.F: an activation (flows to the next stage); Kind.B: an input gradient (to the previous one)
 
 
 class TransportError(RuntimeError):
@@ -60,29 +63,29 @@ class DeliveryError(TransportError):
     """The real send of a deferred message failed in its delivery thread: ``message`` = (kind, mb, payload)
     was not delivered; ``recovered`` is set once it went through another path (the delegates)."""
 
-    def __init__(self, text: str, kind: str, mb: int, payload):
+    def __init__(self, text: str, kind: Kind, mb: int, payload):
         super().__init__(text)
         self.message = (kind, mb, payload)
         self.recovered = False
 
 
-def _downstream(kind: str, sending: bool) -> bool:
+def _downstream(kind: Kind, sending: bool) -> bool:
     """True if the message travels from stage s to s+1 as seen from its sender or receiver."""
-    if kind == "F":
+    if kind == Kind.F:
         return sending
-    if kind == "B":
+    if kind == Kind.B:
         return not sending
-    raise ValueError(f"message kind must be one of {KIND_NAMES}, not {kind!r}")
+    raise ValueError(f"message kind must be one of {tuple(map(str, KIND_NAMES))}, not {kind!r}")
 
 
-def link_of(stage_id: int, kind: str, sending: bool) -> int:
+def link_of(stage_id: int, kind: Kind, sending: bool) -> int:
     """The link (link i joins stage i and stage i+1) that stage ``stage_id`` sends (``sending``) or
     receives a ``kind`` message on: activations "F" flow s -> s+1 over link s, input gradients "B" flow
     s -> s-1 over link s-1; so a receiver of F on stage s uses link s-1 and a receiver of B link s."""
     return stage_id if _downstream(kind, sending) else stage_id - 1
 
 
-def peer_of(stage_id: int, kind: str, sending: bool) -> int:
+def peer_of(stage_id: int, kind: Kind, sending: bool) -> int:
     """The stage at the other end of that link."""
     return stage_id + 1 if _downstream(kind, sending) else stage_id - 1
 
@@ -98,13 +101,13 @@ def directions_on(stage_id: int, link: int) -> tuple[tuple[str, bool], ...]:
 class Transport(Protocol):
     """Messages between neighbouring stages; the contract is in this module's docstring."""
 
-    def post_recv(self, kind: str, mb: int) -> None:
+    def post_recv(self, kind: Kind, mb: int) -> None:
         """Announce the receive of message (kind, mb) ahead of time (idempotent, never blocks)."""
 
-    def send(self, kind: str, mb: int, payload: Payload) -> None:
+    def send(self, kind: Kind, mb: int, payload: Payload) -> None:
         """Post message (kind, mb) and return without waiting for the receiver."""
 
-    def recv(self, kind: str, mb: int) -> Payload:
+    def recv(self, kind: Kind, mb: int) -> Payload:
         """Wait for message (kind, mb) and return it in fresh tensors."""
 
     def wait_sends(self) -> None:
@@ -126,23 +129,24 @@ class Transport(Protocol):
 
 @runtime_checkable
 class LinkControl(Protocol):
-    """The router's surface for the control loop: each direction ("F", "B") of each link has a path,
-    ``"direct"`` or ``"delegated"``. ``events`` holds one line per path change forced by a failure or
+    """The router's surface for the control loop: each direction (``Kind.F``, ``Kind.B``) of each link
+    has a path, a ``Route`` (``Route.DIRECT`` or ``Route.DELEGATED``; ``set_link_mode`` takes a route's
+    text too). ``events`` holds one line per path change forced by a failure or
     fault (each is also logged)."""
 
     events: list
 
-    def link_mode(self, link: int, kind: str = "F") -> str:
-        """The path of direction ``kind`` of ``link`` ("direct" unless moved)."""
+    def link_mode(self, link: int, kind: Kind = Kind.F) -> Route:
+        """The path of direction ``kind`` of ``link`` (``Route.DIRECT`` unless moved)."""
 
-    def set_link_mode(self, link: int, mode: str, queues: Optional[int] = None) -> None:
+    def set_link_mode(self, link: int, mode: Route, queues: Optional[int] = None) -> None:
         """Move both directions of ``link`` to ``mode`` at an iteration boundary, on both of its ends, after
         ``wait_sends``; ``queues``: delegate FIFOs per direction of a delegated link (grows, never shrinks)."""
 
     def queues_of(self, link: int) -> int:
         """Delegate FIFOs per direction that ``link`` uses when delegated."""
 
-    def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
+    def delegate_pid(self, link: int, kind: Kind, sending: bool, queue: int) -> int:
         """Process id of the delegate serving ``queue`` of that direction of ``link`` on this rank (started)."""
 
     def prewarm(self) -> None:

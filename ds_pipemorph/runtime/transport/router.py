@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ...plan.ir.links import Route
+from ...plan.ir.ops import PAYLOADS, Kind, message_op
 from .. import hooks as plugins
 from .delegated.transport import DelegatedTransport
 from .direct import DirectTransport
@@ -43,22 +45,22 @@ from .protocol import (DeferredSends, DeliveryError, TransportError, TransportTi
 
 log = logging.getLogger("ds_pipemorph.transports")
 
-MODES = ("direct", "delegated")
+MODES = tuple(Route)  # the paths a link direction can take
 
 
 class LinkRouter:
     """A ``Transport`` and ``LinkControl``; each (link, kind) goes through its current path."""
 
     def __init__(self, rank: int, stage_id: int, direct, delegated: DelegatedTransport,
-                 link_mode: dict[int, str], failover: bool = True, delays: plugins.DelaySource | None = None):
+                 link_mode: dict[int, Route], failover: bool = True, delays: plugins.DelaySource | None = None):
         self.rank, self.stage_id = rank, stage_id
         self.direct, self.delegated = direct, delegated
         self.failover = failover
         self.events: list[str] = []
-        self._mode: dict[tuple[int, str], str] = {}
-        self._failed: set[tuple[int, str]] = set()  # directions whose direct path failed: delegated for good
+        self._mode: dict[tuple[int, Kind], Route] = {}
+        self._failed: set[tuple[int, Kind]] = set()  # directions whose direct path failed: delegated for good
         self._links = {(kind, sending): link_of(stage_id, kind, sending)  # (kind, sending) -> link
-                       for kind in ("F", "B") for sending in (True, False)}
+                       for kind in PAYLOADS for sending in (True, False)}
         self._lock = threading.RLock()
         self._delays = delays  # injected: started at the first message (a trace's t = 0)
         if failover and isinstance(direct, DeferredSends):
@@ -66,21 +68,22 @@ class LinkRouter:
         for link, mode in link_mode.items():
             self.set_link_mode(link, mode)
 
-    def link_mode(self, link: int, kind: str = "F") -> str:
-        return self._mode.get((link, kind), "direct")
+    def link_mode(self, link: int, kind: Kind = Kind.F) -> Route:
+        return self._mode.get((link, kind), Route.DIRECT)
 
-    def set_link_mode(self, link: int, mode: str, queues: int | None = None) -> None:
+    def set_link_mode(self, link: int, mode: Route, queues: int | None = None) -> None:
         """Move both directions of ``link`` to ``mode`` (call on both ends, at the same iteration boundary,
         after ``wait_sends``: every earlier message is then held by its receiver, so none is lost or reordered).
         ``queues``: delegate FIFOs per direction of a delegated link (grows a running link's, never shrinks)."""
         if mode not in MODES:
-            raise ValueError(f"rank {self.rank}: link {link} mode must be one of {MODES}, not '{mode}'")
+            raise ValueError(f"rank {self.rank}: link {link} mode must be one of {tuple(map(str, MODES))}, not '{mode}'")
+        mode = Route(mode)  # a route given as its text ("direct") is the route
         if link < 0 or not directions_on(self.stage_id, link):
             return  # not an end of this link: nothing to route
-        if mode == "delegated":
+        if mode is Route.DELEGATED:
             self.delegated.start_link(link, queues)
         with self._lock:
-            for kind in ("F", "B"):
+            for kind in PAYLOADS:
                 if (link, kind) not in self._failed:
                     self._mode[(link, kind)] = mode
 
@@ -103,26 +106,26 @@ class LinkRouter:
     def prewarm(self) -> None:
         self.delegated.prewarm()
 
-    def delegate_pid(self, link: int, kind: str, sending: bool, queue: int) -> int:
+    def delegate_pid(self, link: int, kind: Kind, sending: bool, queue: int) -> int:
         return self.delegated.delegate_pid(link, kind, sending, queue)
 
-    def _path(self, kind: str, sending: bool):
+    def _path(self, kind: Kind, sending: bool):
         if self._delays is not None:
             self._delays.start()
         with self._lock:  # orders a delivery thread's failover re-send before this rank's later sends
-            mode = self._mode.get((self._links[kind, sending], kind), "direct")
-        return self.delegated if mode == "delegated" else self.direct
+            mode = self._mode.get((self._links[kind, sending], kind), Route.DIRECT)
+        return self.delegated if mode is Route.DELEGATED else self.direct
 
-    def _fail_over(self, kind: str, sending: bool, mb: int, err: TransportError) -> None:
+    def _fail_over(self, kind: Kind, sending: bool, mb: int, err: TransportError) -> None:
         link = link_of(self.stage_id, kind, sending)
         with self._lock:
             if (link, kind) in self._failed:
                 return
-            line = (f"rank {self.rank}: link {link} direct path failed at {'SEND' if sending else 'RECV'}_{kind}{mb} "
+            line = (f"rank {self.rank}: link {link} direct path failed at {message_op(kind, mb, sending)} "
                     f"({err}); this and every later {kind} message of link {link} go through the delegates")
             self.events.append(line)
             log.warning(line)
-            self._mode[(link, kind)] = "delegated"
+            self._mode[(link, kind)] = Route.DELEGATED
             self._failed.add((link, kind))
 
     def _recover(self, err: DeliveryError) -> None:
@@ -139,13 +142,13 @@ class LinkRouter:
             self._fail_over(kind, True, mb, err)
             err.recovered = True
 
-    def _failing_over(self, err: TransportError, kind: str, sending: bool) -> bool:
+    def _failing_over(self, err: TransportError, kind: Kind, sending: bool) -> bool:
         if not self.failover or isinstance(err, TransportTimeout):
             return False
         self._refuse_for_dead_peer(kind, sending, err)
         return True
 
-    def _refuse_for_dead_peer(self, kind: str, sending: bool, err: TransportError) -> None:
+    def _refuse_for_dead_peer(self, kind: Kind, sending: bool, err: TransportError) -> None:
         """A direct path that failed because the peer rank died is no link to fail over."""
         from .. import lifeline
 
@@ -158,10 +161,10 @@ class LinkRouter:
             raise TransportError(f"rank {self.rank}: rank {ranks[stage]} (stage {stage}) died: its process is gone "
                                  f"({err})") from err
 
-    def post_recv(self, kind: str, mb: int) -> None:
+    def post_recv(self, kind: Kind, mb: int) -> None:
         self._path(kind, False).post_recv(kind, mb)
 
-    def send(self, kind: str, mb: int, payload) -> None:
+    def send(self, kind: Kind, mb: int, payload) -> None:
         path = self._path(kind, True)
         if path is self.delegated:
             return path.send(kind, mb, payload)
@@ -176,7 +179,7 @@ class LinkRouter:
                 self._fail_over(kind, True, mb, e)
             self.delegated.send(kind, mb, payload)
 
-    def recv(self, kind: str, mb: int):
+    def recv(self, kind: Kind, mb: int):
         path = self._path(kind, False)
         if path is self.delegated:
             return path.recv(kind, mb)
@@ -217,7 +220,7 @@ class LinkRouter:
 
 
 def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], device: torch.device | None,
-                    link_mode: dict[int, str] | None = None, static_shapes: bool = True,
+                    link_mode: dict[int, Route] | None = None, static_shapes: bool = True,
                     hooks: Sequence[plugins.TransportHooks] | None = None, **delegated_kw):
     """A ``LinkRouter`` for ``cfg`` (a ``PipeMorphConfig``): see the module docstring for the modes.
 
@@ -242,17 +245,18 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
                                    **{"slot_bytes": cfg.delegation.slot_mb << 20, "num_slots": cfg.delegation.slots,
                                       **delegated_kw})
     mode = cfg.delegation.mode
+    asked = {i: Route(m) for i, m in (link_mode or {}).items()}
     if mode == "off":
-        if any(m == "delegated" for m in (link_mode or {}).values()):
+        if Route.DELEGATED in asked.values():
             raise ValueError("delegation.mode 'off' refuses delegated links; use 'auto' or 'always'")
         modes = {}
     elif mode == "always":
-        modes = {i: "delegated" for i in range(links)}
+        modes = dict.fromkeys(range(links), Route.DELEGATED)
     else:
-        modes = dict(link_mode or {})
+        modes = asked
     router = LinkRouter(rank, stage_id, direct, delegated, modes, delays=delays)
     if mode != "off":  # the op now; the fork server too if a link starts delegated, else when one may need it
-        delegated.prepare(start_server=any(m == "delegated" for m in modes.values()))
+        delegated.prepare(start_server=Route.DELEGATED in modes.values())
     for h in hooks:
         router = h.wrap_router(router)
     return router

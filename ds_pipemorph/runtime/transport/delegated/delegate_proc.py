@@ -72,6 +72,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ....fileio import first_line
+
 PIECE_BITS = 12  # a tag is (message seq << 24) | (pieces << 12) | piece
 MAX_PIECES = (1 << PIECE_BITS) - 1
 SLICE_S = 0.2  # waits on a ring are cut into slices so stop/parent death are noticed
@@ -566,10 +568,6 @@ def run_receiver(spec: DelegateSpec, op, pair: _Pair, published) -> None:
         raise PeerLost(str(e)) from e
 
 
-def _why(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
 def main(spec: DelegateSpec, gen, stop, acked, ready, delays=None) -> None:
     """Entry point of the spawned process; ``ready`` is set once the pair's group is formed (``PEER_CLOSED``
     once the peer closed in order); ``delays`` (sender only) = (origin, static delays) shared with the
@@ -607,10 +605,10 @@ def main(spec: DelegateSpec, gen, stop, acked, ready, delays=None) -> None:
         if stop.value or _parent_gone(spec):
             os._exit(0)
         g = gen.value = max(gen.value, pair.connected_gen + 1)
-        print(f"{spec.what()}: peer lost ({_why(e) or 'closed'}); "
+        print(f"{spec.what()}: peer lost ({first_line(e) or 'closed'}); "
               f"exiting to meet its replacement as generation {g}", file=sys.stderr, flush=True)
         os._exit(PEER_LOST)
     except Exception as e:  # noqa: BLE001
         if not stop.value and not _parent_gone(spec):
-            print(f"{spec.what()} failed: {_why(e)}", file=sys.stderr, flush=True)
+            print(f"{spec.what()} failed: {first_line(e)}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ....plan.ir.ops import Kind
 from ..header import HEADER_INTS, KINDS
 
 PREFIX_INTS = 8  # [magic, seq, kind, mb, total bytes, pieces, 0, 0] before header.encode_header's ints
@@ -76,7 +77,7 @@ def read_head(flat: torch.Tensor) -> tuple[tuple[int, int, str, int, int, int], 
     """``(magic, seq, kind, mb, total bytes, pieces)`` and the layout header, from a message's first piece."""
     head = flat[:HEAD_BYTES].clone().view(torch.int64)
     magic, seq, kind_id, mb, total, pieces = head[:6].tolist()
-    kind = "F" if kind_id == KINDS["F"] else "B"
+    kind = Kind.F if kind_id == KINDS[Kind.F] else Kind.B
     return (magic, seq, kind, mb, total, pieces), head[PREFIX_INTS:]
 
 

@@ -136,9 +136,7 @@ class Supervision:
         try:
             ring = StagingRing.create(self._ring_name(link, kind, sending, q, gen_value),
                                       slot_bytes=self.slot_bytes, num_slots=self.num_slots, op=op)
-        except RuntimeError as e:
-            if "large enough" not in str(e):
-                raise
+        except op.StagingNoRoomError as e:  # /dev/shm has no room for the ring
             raise TransportError(f"rank {self.rank}: link {link}: {e}; or lower ds_config "
                                  f"pipemorph.delegation.slot_mb / slots") from None
         self.staging_path.pin(ring)  # CUDA: page-lock it now, at link start, not inside the first copy

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ....plan.ir.ops import message_op
 from ....staging.device_path import select_path
 from ...config import DelegationConfig
 from ..protocol import link_of, peer_of
@@ -125,9 +126,9 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         _live.add(self)
 
     def _describe(self, kind: str, mb: int, sending: bool, queue: int | None = None) -> str:
-        verb, prep = ("SEND", "to") if sending else ("RECV", "from")
+        prep = "to" if sending else "from"
         q = "" if queue is None else f" queue {queue}"
-        return (f"{verb}_{kind}{mb} on link {link_of(self.stage_id, kind, sending)}{q} {prep} "
+        return (f"{message_op(kind, mb, sending)} on link {link_of(self.stage_id, kind, sending)}{q} {prep} "
                 f"stage {peer_of(self.stage_id, kind, sending)}")
 
     def _ring_name(self, link: int, kind: str, sending: bool, q: int, gen: int) -> str:
