@@ -11,21 +11,7 @@ from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
 from ds_pipemorph.runtime.plans import sent_in_order
 from ds_pipemorph.runtime.transport.direct import DirectTransport, bound_sends
 from ds_pipemorph.runtime.transport.header import untag
-
-
-class _Work:
-    """Completes only when waited for (gloo's send work)."""
-
-    def __init__(self, log: list, name: str):
-        self.log, self.name, self.done = log, name, False
-
-    def is_completed(self) -> bool:
-        return self.done
-
-    def wait(self, timeout=None) -> bool:
-        self.log.append(f"wait {self.name}")
-        self.done = True
-        return True
+from test_direct_groups import _Work  # completes only when waited for, as gloo's send work does
 
 
 class Gloo:
