@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ds_pipemorph.control.exchange import MAX_GAP
-from ds_pipemorph.control.policy import Policy
+from ds_pipemorph.control.policy import ControlPolicy
 from ds_pipemorph.plan.ir.links import DIRECT
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sim.simulate import replay
@@ -168,7 +168,7 @@ def test_a_search_longer_than_an_iteration_runs_beside_training_and_all_ranks_sw
     # (the measured op times and link delays the rank recorded).
     costs = Costs(**react["costs"])
     assert refined["costs"] == react["costs"]
-    policy = Policy(build_plan(parse_config(SECTION), 4, 8), Costs.uniform(4, 10.0, [0.0] * 3), 8,
+    policy = ControlPolicy(build_plan(parse_config(SECTION), 4, 8), Costs.uniform(4, 10.0, [0.0] * 3), 8,
                     [8, 6, 4, 2], search_evals=EVALS)
     policy.adopt(policy.react(costs))
     assert parse_schedule(refined["plan"]) == policy.refine(costs).plan
