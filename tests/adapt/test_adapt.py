@@ -114,8 +114,10 @@ def test_no_delay_means_zero_replans_over_50_iterations(job):
     res = results(job, "no_delay")
     assert len(res[0]["adaptive"]["losses"]) == 50
     assert res[0]["adaptive"]["replans"] == []
-    # Gloo's isend does not hold the training process: the engine models its direct links as one FIFO
-    # whose sender never waits; the delay injector's lanes block their sender, and the model follows.
+    # Gloo's isend returns without waiting for the receiver: the engine models its direct links as one
+    # FIFO whose sender never waits (the send window's wait, once 2 messages of one kind to a peer are
+    # sent and not yet received, is left out of the model); the delay injector's lanes block their
+    # sender, and the model follows.
     assert res[0]["adaptive"]["direct_model"] == {"at_start": "delegated(1)", "injected": "direct"}
     # Measured at every exchange, and with nothing changing exchanges grow up to MAX_GAP apart.
     exchanges = res[0]["adaptive"]["exchanges"]

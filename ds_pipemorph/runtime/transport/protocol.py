@@ -9,10 +9,12 @@ The contract (``Transport``), for every transport of this package and every wrap
   tensors that share no buffer with the transport.
 - Ordering: sends and receives match by ``(kind, mb)``, not by issue order, so a stage's op order never
   has to agree with its neighbour's.
-- Blocking: ``send`` returns without waiting for the receiver (it may wait while the link's queue is
-  full: back-pressure, never the peer's progress); the caller must not change the payload until
-  ``wait_sends`` returned. ``post_recv`` announces a receive ahead of time and never blocks (calling it
-  twice for one message is harmless; ``recv`` does not need it). ``recv`` blocks until the message is in.
+- Blocking: ``send`` returns without waiting for the receiver unless the messages in flight are
+  bounded and the bound is reached: it may wait while the link's queue is full, and on the direct path
+  under ``send_window`` (gloo) for the oldest message of its kind to that peer to be received once the
+  window is full; the caller must not change the payload until ``wait_sends`` returned. ``post_recv``
+  announces a receive ahead of time and never blocks (calling it twice for one message is harmless;
+  ``recv`` does not need it). ``recv`` blocks until the message is in.
   ``wait_sends`` blocks until the peers hold every message this rank sent so far (call it once per
   iteration, before anything that assumes delivery, such as switching a link's path).
 - Timeouts: every wait on another process ends after the transport's ``timeout_s`` with
@@ -105,7 +107,8 @@ class Transport(Protocol):
         """Announce the receive of message (kind, mb) ahead of time (idempotent, never blocks)."""
 
     def send(self, kind: Kind, mb: int, payload: Payload) -> None:
-        """Post message (kind, mb) and return without waiting for the receiver."""
+        """Post message (kind, mb); return without waiting for the receiver unless the messages in flight
+        to that peer are bounded and the bound is reached (a full queue, ``send_window``)."""
 
     def recv(self, kind: Kind, mb: int) -> Payload:
         """Wait for message (kind, mb) and return it in fresh tensors."""
