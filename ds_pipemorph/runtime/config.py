@@ -213,8 +213,8 @@ class PipeMorphConfig(SectionModel):
     # (RECV_WINDOW). A plan file names its own (refused here with schedule "plan").
     recv_window: Optional[int] = Field(None, ge=1)
     # Messages a stage keeps sent but not known received, per peer, on a direct link where a send
-    # does not block (gloo); each holds its tensors, so the window bounds that memory. None: the
-    # default (SEND_WINDOW), unbounded with memory.budget null.
+    # completes only when waited for (gloo); each holds its tensors, so the window bounds that memory. None: the
+    # default (SEND_WINDOW), unbounded where no memory budget is in force.
     send_window: Optional[int] = Field(None, ge=1)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     adapt: AdaptConfig = Field(default_factory=AdaptConfig)
@@ -239,12 +239,12 @@ class PipeMorphConfig(SectionModel):
 
     @property
     def send_window_in_force(self) -> Optional[int]:
-        """The direct path's send window: ``send_window``, else ``SEND_WINDOW``; none (no bound) when
-        ``memory.budget`` is given as null and ``send_window`` is not."""
+        """The direct path's send window: ``send_window``, else ``SEND_WINDOW``; none (no bound) when no
+        memory budget is in force (``memory.budget: null``, a ``max_inflight`` grant, a plan file) and
+        ``send_window`` is not set."""
         if self.send_window is not None:
             return self.send_window
-        lifted = "budget" in self.memory.model_fields_set and self.memory.budget is None
-        return None if lifted else SEND_WINDOW
+        return None if self.memory.budget_in_force is None else SEND_WINDOW
 
     @field_validator("profile_out")
     @classmethod

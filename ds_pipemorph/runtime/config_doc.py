@@ -121,12 +121,12 @@ DESCRIPTIONS: dict[str, str] = {
                    "it); each holds its buffer, so the window bounds that memory; "
                    "at least the micro-batch count posts every receive of an iteration up front, the fewest "
                    "calls between ops; `null`: 2; a plan file names its own (refused with `schedule: plan`)",
-    "send_window": "messages a stage keeps sent but not known received, per peer, on a direct link whose sends "
-                   "do not block the training process (gloo): the next send waits for the oldest once the window "
-                   "is full, so the window bounds the memory of sends in flight (a gloo send's tensors are kept "
-                   "until it is known received); it applies to activations or gradients only where the peer "
-                   "receives them in the order sent (the plan says so), and under NCCL's rules, where a send's "
-                   "tensors go as it completes, never; `null`: 2, and no bound with `memory.budget: null`",
+    "send_window": "messages of one kind a stage keeps sent but not known received, per peer, where a send "
+                   "completes only when waited for (gloo; NCCL's go as they complete): the next send, once "
+                   "issued, waits for the oldest, so the window bounds the memory of sends in flight; applied "
+                   "to a kind only where the peer receives it in the order sent and a dry run of the plan with "
+                   "the window finds no deadlock (`docs/memory.md`); `null`: 2, and none where no memory budget "
+                   "is in force (`memory.budget: null`, a `max_inflight` grant, a plan file)",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
             "(`F3`, `SEND_F3`, `RECV_B3`, …; under ready dispatch each receive is a range on its receive thread); "
             "nothing is emitted while no profiler is attached",

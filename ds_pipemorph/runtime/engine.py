@@ -72,7 +72,7 @@ from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
 from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
-from .plans import (DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for, sent_in_order, w_share,
+from .plans import (DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for, w_share, window_kinds,
                     within_budget)
 from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
 from .oprecords import OpRecorder
@@ -199,7 +199,7 @@ class PipeMorphEngine(PipelineEngine):
         self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
                                          static_shapes=not self.dynamic_shape,
                                          hooks=router_hooks)
-        bound_sends(self.transport.direct, sent_in_order(self.plan, self.stage_id))
+        self._bound_sends()
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
             self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
                                    Costs.uniform(self.num_stages, DEFAULT_OP_MS),
@@ -306,7 +306,8 @@ class PipeMorphEngine(PipelineEngine):
     def _direct_link_model(self):
         """The control loop's model of a direct link, the same on every rank (each plans from the same
         table): one message in flight with a blocked sender if any rank's direct sends block (NCCL,
-        a delay injector), else one FIFO whose sender never waits (gloo's isend)."""
+        a delay injector), else one FIFO whose sender never waits (gloo's isend; the model leaves out
+        the ``send_window``'s wait once that many messages to the peer are not received)."""
         waits = bool(getattr(self.transport.direct, "sender_waits", True))
         if dist.get_backend() == "gloo":  # NCCL: every rank's sends block; no host collective needed
             flag = torch.tensor([int(waits)], dtype=torch.int32)
@@ -329,9 +330,20 @@ class PipeMorphEngine(PipelineEngine):
         self.plan, self.lowering = plan, lowering
         self.stage_plan: list[Op] = list(plan[self.stage_id])
         if hasattr(self, "transport"):  # (the first plan is set before the transport is built)
-            bound_sends(self.transport.direct, sent_in_order(plan, self.stage_id))
+            self._bound_sends()
         self._streams = streams
         self._compiled: dict[Dispatch, tuple] = {}  # dispatch -> its program, built at the next batch
+
+    def _bound_sends(self) -> None:
+        """Name the kinds the direct path's send window bounds under the plan in force (none under
+        NCCL's rules, where no send waits): ``plans.window_kinds``, cached for the last plan."""
+        key = (id(self.plan), id(self.lowering))
+        cached = getattr(self, "_window_cache", None)
+        if cached is None or cached[0] != key:
+            kinds = [] if self.nccl_rules else window_kinds(self.plan, self.lowering,
+                                                              self.pipemorph.send_window_in_force)[self.stage_id]
+            self._window_cache = cached = (key, kinds, self.plan, self.lowering)  # (plan, lowering kept alive)
+        bound_sends(self.transport.direct, cached[1])
 
     def _lowered(self, plan: Schedule, lowering: Lowering, dispatch: Dispatch) -> list[Op]:
         """This stage's stream of ``plan`` under ``dispatch``, every stage's dry-run first."""

@@ -15,9 +15,11 @@ the faster plan with no latency wins, ties going to the one less hurt by ``HOP_L
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
-from ..plan.ir.lower import RECV_WINDOW, Lowering, LoweringPolicy
+from ..plan.ir.lower import RECV_WINDOW, Dispatch, Lowering, LoweringPolicy, window_deadlock
 from ..plan.ir.memory import caps_within, fit_budget, peak_units, stock_units
 from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Kind, Schedule, warmup_counts
@@ -173,6 +175,24 @@ def sent_in_order(plan: Schedule, stage: int) -> set[Kind]:
     if stage > 0 and order(stage, Kind.B) == order(stage - 1, Kind.B):
         kinds.add(Kind.B)
     return kinds
+
+
+def window_kinds(plan: Schedule, lowering: Lowering, window: Optional[int]) -> list[set[Kind]]:
+    """Per stage, the kinds whose sends ``window`` may bound (``DirectTransport.bound_sends``): those
+    its receiver takes in the order sent (``sent_in_order``), if a dry run of every stage's ordered
+    stream with the window bounding them all finds no deadlock (``plan.ir.lower.window_deadlock``);
+    else activations only, if that passes; else none. The same on every rank (it reads the plan only).
+    Ready dispatch receives every message as it arrives, so what is safe in order is safe there too."""
+    S = len(plan)
+    none: list[set[Kind]] = [set() for _ in range(S)]
+    if window is None:
+        return none
+    streams = lowering.for_dispatch(Dispatch.ORDERED).lower(plan)
+    in_order = [sent_in_order(plan, s) for s in range(S)]
+    for kinds in (in_order, [k & {Kind.F} for k in in_order]):
+        if window_deadlock(streams, kinds, window) is None:
+            return kinds
+    return none
 
 
 def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatches: int,

@@ -37,6 +37,9 @@ JOBS += [
     _job("adaptive_replans", _section("adaptive", inject={"links": {"0": {"delay_ms": 20}}}, delegation={"mode": "auto"})),
     _job("zb_budget2", _section("zb", memory={"budget": 2.0})),
     _job("zb_unlimited", _section("zb", memory={"budget": None})),
+    # a grant deep enough that the send window, bounding both directions, would deadlock its plan
+    _job("adaptive_budget3_n12", _section("adaptive", memory={"budget": 3.0}, adapt={"enabled": False}),
+         micro_batches=12),
 ]
 
 
@@ -85,3 +88,18 @@ def test_a_budget_is_kept_and_without_one_zb_holds_more_than_stock(run):
     assert all(granted[s] <= 2 * stock[s] for s in range(S)), (granted, stock)
     assert any(granted[s] > stock[s] for s in range(S)), (granted, stock)  # the grant is used
     assert any(unlimited[s] > 2 * stock[s] for s in range(S)), (unlimited, stock)  # what the default prevents
+
+
+@pytest.mark.timeout(1800)
+def test_a_plan_the_send_window_would_deadlock_in_both_directions_trains_within_its_grant(run):
+    from ds_pipemorph.plan.ir.lower import Dispatch, window_deadlock
+    from ds_pipemorph.runtime.config import parse_config
+    from ds_pipemorph.runtime.plans import build_plan, lowering_for, sent_in_order
+
+    cfg = parse_config(_section("adaptive", memory={"budget": 3.0}, adapt={"enabled": False}))
+    plan = build_plan(cfg, S, 12)
+    streams = lowering_for(cfg).for_dispatch(Dispatch.ORDERED).lower(plan)
+    both = [sent_in_order(plan, s) for s in range(S)]
+    assert window_deadlock(streams, both, cfg.send_window_in_force), "the case no longer needs the guard"
+    stock, ours = _peaks(run, "stock"), _peaks(run, "adaptive_budget3_n12")  # every step ran (a hang: a timeout)
+    assert all(ours[s] <= 3 * stock[s] for s in range(S)), (ours, stock)

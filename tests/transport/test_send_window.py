@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds_pipemorph.plan.ir.lower import Dispatch, window_deadlock
+from ds_pipemorph.plan.ir.ops import Kind
 from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
-from ds_pipemorph.runtime.plans import sent_in_order
-from ds_pipemorph.runtime.transport.direct import DirectTransport, bound_sends
+from ds_pipemorph.plan.sim.validate import validate_schedule
+from ds_pipemorph.runtime.config import parse_config
+from ds_pipemorph.runtime.plans import build_plan, lowering_for, sent_in_order, window_kinds
+from ds_pipemorph.runtime.transport.direct import DirectTransport, EarlierSendFailed, bound_sends
+from ds_pipemorph.runtime.transport.protocol import TransportError
 from ds_pipemorph.runtime.transport.header import untag
 from test_direct_groups import _Work  # completes only when waited for, as gloo's send work does
 
@@ -113,8 +118,99 @@ def test_kinds_are_bounded_only_where_the_receiver_takes_them_in_the_order_sent(
     # stage 2's gradients out of the order sent, so stage 2's gradient sends stay unbounded, and
     # stage 1's own (to stage 0) keep their order.
     swapped = [list(r) for r in plan]
-    bs = [i for i, op in enumerate(swapped[2]) if op.kind == "B"]
-    swapped[2][bs[0]], swapped[2][bs[1]] = swapped[2][bs[1]], swapped[2][bs[0]]
+    for kind in (Kind.B, Kind.W):  # each backward with its W: still a valid plan
+        at = [i for i, op in enumerate(swapped[2]) if op.kind is kind and op.mb in (0, 1)]
+        swapped[2][at[0]], swapped[2][at[1]] = swapped[2][at[1]], swapped[2][at[0]]
+    validate_schedule(swapped, 4, 6)
     assert sent_in_order(swapped, 2) == {"F"}  # its activations still go in stage 3's order
     assert sent_in_order(swapped, 3) == set()  # stage 2 now takes stage 3's gradients out of order
     assert sent_in_order(swapped, 1) == {"F", "B"}  # stages 1 and 0 still run B in one order
+
+
+def _plan(section: dict, stages: int, microbatches: int):
+    cfg = parse_config(section)
+    plan = build_plan(cfg, stages, microbatches)
+    return plan, lowering_for(cfg), lowering_for(cfg).for_dispatch(Dispatch.ORDERED).lower(plan)
+
+
+def test_the_engine_bounds_only_kinds_whose_plan_passes_the_dry_run():
+    # A grant of 3x stock's on 2 stages x 6: stage 0 warms up with all six forwards. With both
+    # directions bounded the dry run finds stage 0 waiting after an activation send for stage 1 and
+    # stage 1 after a gradient send for stage 0 (on gloo, two ranks running this plan's first
+    # iteration that way timed out at those two sends); the engine then bounds activations alone.
+    plan, lowering, streams = _plan({"schedule": "adaptive", "memory": {"budget": 3.0}}, 2, 6)
+    found = window_deadlock(streams, [sent_in_order(plan, s) for s in range(2)], 2)
+    assert found is not None and "stage 0 waits for stage 1" in found and "stage 1 waits for stage 0" in found
+    chosen = window_kinds(plan, lowering, 2)
+    assert chosen == [{Kind.F}, set()] and window_deadlock(streams, chosen, 2) is None
+    default_plan, default_lowering, _ = _plan({}, 4, 12)  # the default: both directions, every stage
+    assert window_kinds(default_plan, default_lowering, 2) == [sent_in_order(default_plan, s) for s in range(4)]
+    assert window_kinds(default_plan, default_lowering, None) == [set()] * 4
+
+
+def test_a_window_wait_that_would_starve_is_found_by_the_dry_run():
+    # Window 1. Stage 0 warms up with F0..F3; stage 1 runs 1F1B. Stage 0 sends F1 and waits until
+    # stage 1 takes F0; sends F2, waits for F1; sends F3 and waits for stage 1 to take F2. Stage 1
+    # took F0, sent B0, took F1 and sent B1: two gradients not taken, so it waits for stage 0 to take
+    # B0 before its F2. Stage 0 takes B0 only after its F3's wait: each waits for the other.
+    from ds_pipemorph.plan.ir.lower import lower
+    from ds_pipemorph.plan.ir.ops import Op
+
+    f, b, w = Kind.F, Kind.B, Kind.W
+    plan = [[Op(f, 0), Op(f, 1), Op(f, 2), Op(f, 3)] + [Op(k, m) for m in range(4) for k in (b, w)],
+            [Op(k, m) for m in range(4) for k in (f, b, w)]]
+    validate_schedule(plan, 2, 4)
+    streams = lower(plan, False, 2)
+    found = window_deadlock(streams, [{f}, {b}], 1)
+    assert found is not None and "stage 0 waits for stage 1 to receive" in found and "stage 1 waits for stage 0" in found
+    assert window_deadlock(streams, [{f}, set()], 1) is None  # one direction alone: no cycle of waits
+    assert window_deadlock(streams, [set(), {b}], 1) is None
+    assert window_deadlock(streams, [{f}, {b}], 3) is None  # a window as deep as the warm-up never waits
+
+
+def test_a_send_waits_for_older_messages_outside_the_lock_and_a_failed_one_is_not_failed_over():
+    import threading
+
+    class Slow(Gloo):
+        def __init__(self):
+            super().__init__()
+            self.release = threading.Event()
+
+        def isend(self, t, dst, tag):
+            work = super().isend(t, dst, tag)
+            if dst == 2:  # sends to stage 2 complete only once released
+                release, wait = self.release, work.wait
+
+                def slow_wait(timeout=None):
+                    release.wait(5)
+                    return wait(timeout)
+                work.wait = slow_wait
+            return work
+
+    p2p = Slow()
+    t = _stage1(p2p, 1)
+    t.bound_sends({Kind.F, Kind.B})
+    t.send("F", 0, torch.ones(2))
+    waiting = threading.Thread(target=t.send, args=("F", 1, torch.ones(2)))  # waits for F0
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive()
+    t.send("B", 0, torch.ones(2))  # another peer: not held by the waiting send's lock
+    p2p.release.set()
+    waiting.join(5)
+    assert not waiting.is_alive()
+
+    class Failing(Gloo):
+        def isend(self, t, dst, tag):
+            work = super().isend(t, dst, tag)
+
+            def fail(timeout=None):
+                raise TransportError("the peer went away")
+            work.wait = fail
+            return work
+
+    t = _stage1(Failing(), 1)
+    t.bound_sends({Kind.F})
+    t.send("F", 0, torch.ones(2))
+    with pytest.raises(EarlierSendFailed, match="SEND_F0.*SEND_F1"):
+        t.send("F", 1, torch.ones(2))

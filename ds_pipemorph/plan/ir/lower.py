@@ -269,6 +269,62 @@ def dry_run(streams: list[Stream], blocking_sends: bool = False, ordered_channel
                     )
 
 
+def window_deadlock(streams: list[Stream], bounded: list, window: int) -> Optional[str]:
+    """Run ``streams`` symbolically with a send window (``DirectTransport.send_window``): after rank r
+    issues a message of a kind in ``bounded[r]``, it waits until at most ``window`` of its messages to
+    that peer are not yet received. A message counts as received only when the op consuming it ran
+    (the most waiting there can be: a receive whose layout is not known yet, as in a job's first
+    iteration or with dynamic shapes, posts its tensors only then); a later receive can only shorten
+    a wait. None when every rank reaches its end, else who waits where (one sentence)."""
+    S = len(streams)
+    ptr = [0] * S
+    issued: set[tuple] = set()
+    consumed: set[tuple] = set()
+    queues: dict[tuple[int, int], list[tuple]] = {}  # (src, dst) -> messages not known received
+    waits: list[Optional[tuple]] = [None] * S  # the message a rank waits for after a send
+    progress = True
+    while progress:
+        progress = False
+        for r in range(S):
+            while True:
+                if waits[r] is not None:
+                    if waits[r] not in consumed:
+                        break
+                    waits[r] = None
+                    progress = True
+                if ptr[r] >= len(streams[r]):
+                    break
+                op = streams[r][ptr[r]]
+                k = op.kind
+                if k is Kind.F and r > 0 or k is Kind.B and r < S - 1:
+                    msg = (k, op.mb, r - 1 if k is Kind.F else r + 1, r)
+                    if msg not in issued:
+                        break
+                    consumed.add(msg)
+                elif k.is_send:
+                    msg = (k.payload, op.mb, r, op.peer)
+                    issued.add(msg)
+                    if k.payload in bounded[r]:
+                        queue = queues.setdefault((r, op.peer), [])
+                        queue.append(msg)
+                        queue[:] = [m for m in queue if m not in consumed]
+                        if len(queue) > window:
+                            waits[r] = queue[len(queue) - window - 1]  # the newest of those over the window
+                ptr[r] += 1
+                progress = True
+    stuck = [r for r in range(S) if ptr[r] < len(streams[r]) or waits[r] is not None]
+    if not stuck:
+        return None
+    where = []
+    for r in stuck:
+        if waits[r] is not None:
+            kind, mb, _, dst = waits[r]
+            where.append(f"stage {r} waits for stage {dst} to receive {Op(kind.send, mb, r)}")
+        else:
+            where.append(f"stage {r} waits at {streams[r][ptr[r]]}")
+    return "with the send window: " + ", ".join(where)
+
+
 def _blocked_on(op: Op, r: int, S: int, posted, sent, computed, blocking: bool):
     """What ``op`` on rank ``r`` still needs (text of the op on the peer), or None if it can run.
     Raises BadStream for an op that can never run in any interleaving."""

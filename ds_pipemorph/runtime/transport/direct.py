@@ -2,9 +2,10 @@
 
 Each tensor of a message is its own non-blocking point-to-point message (``isend``/``irecv``), preceded
 by the layout header (``header``) whenever the receiver cannot know the layout yet, all tagged with
-(kind, micro-batch, part) so that sends and receives issued in any order match. Sends never block
-(completion is waited for once per iteration, in ``wait_sends``); receives wait with the transport's
-timeout. The contract is ``protocol.Transport``'s.
+(kind, micro-batch, part) so that sends and receives issued in any order match. A send returns
+without waiting for its receiver (completion is waited for once per iteration, in ``wait_sends``),
+unless ``send_window`` messages to that peer are not known received yet; receives wait with the
+transport's timeout. The contract is ``protocol.Transport``'s.
 
 The messages go through a point-to-point layer (``P2P``: ``isend``/``irecv`` returning works):
 ``TorchP2P`` is torch.distributed's. A layer with ``in_order`` set (NCCL, or a test double with its
@@ -176,13 +177,11 @@ class DirectTransport:
     exchanged once and later receives are posted with their buffers ahead of time; a send whose
     layout changed is refused naming the op. Without it every message carries its header.
 
-    ``send_window``: where a send does not block (gloo), how many messages to one peer may be sent and
-    not known received before a send waits for the oldest; each holds its tensors until then (a gloo
-    send tells it completed only when waited for), so the window bounds that memory. It applies to
-    the kinds ``bound_sends`` names (the engine names those its peer receives in the order sent, so
-    that the message waited for has its receive posted or coming: see ``bound_sends``). None: no
-    bound (the tensors of an iteration's sends are then kept until ``wait_sends``). Under NCCL's
-    rules a send's tensors go as its work completes, and no send waits here.
+    ``send_window``: where a send completes only when waited for (gloo), how many messages to one
+    peer may be sent and not known received before a send, once issued, waits for the oldest; each
+    holds its tensors until then, so the window bounds that memory. It applies to the kinds
+    ``bound_sends`` names. None: no bound (the tensors of an iteration's sends are then kept until
+    ``wait_sends``). Under NCCL's rules a send's tensors go as its work completes, and no send waits.
     """
 
     def __init__(self, rank: int, stage_id: int, stage_ranks: Sequence[int], timeout_s: float = 300.0,
@@ -214,18 +213,17 @@ class DirectTransport:
 
     def with_p2p(self, p2p: P2P) -> "DirectTransport":
         """A new direct path like this one (nothing sent yet) whose messages go through ``p2p``."""
-        return DirectTransport(self.rank, self.stage_id, self.stage_ranks, self.timeout_s, self.device,
+        path = DirectTransport(self.rank, self.stage_id, self.stage_ranks, self.timeout_s, self.device,
                                self.static_shapes, p2p, self.send_window)
+        path.bound_sends(self._bounded)
+        return path
 
     def bound_sends(self, kinds) -> None:
-        """Apply ``send_window`` to the sends of ``kinds`` ("F": activations, "B": input gradients).
-
-        Waiting for a message the peer has not received cannot deadlock when the peer receives this
-        kind in the order it was sent: every message sent before the one waited for is then received
-        first, so the peer's ops up to that receive need only messages already sent, and its receive
-        windows post it once it gets there. (Ready dispatch posts every receive up front: there each
-        send's receive is posted already.) The engine names the kinds for which its plan has that
-        order (``runtime.engine``); the others stay unbounded."""
+        """Apply ``send_window`` to the sends of ``kinds`` (``Kind.F``: activations, ``Kind.B``: input
+        gradients). Waiting for an earlier message can deadlock where the peer is itself waiting for
+        this rank: the engine names only kinds its peer receives in the order sent, and only where a
+        dry run of every stage's stream with the window finds no deadlock (``runtime.plans.window_kinds``).
+        ``close`` and the other paths never wait for these sends."""
         self._bounded = frozenset(kinds)
 
     # -- naming -------------------------------------------------------------------------------
@@ -369,9 +367,16 @@ class DirectTransport:
         every message when shapes are dynamic.
         """
         with self._sends_lock:
-            self._send(kind, mb, payload)
+            older = self._send(kind, mb, payload)
+        for p in older:  # outside the lock: a send of another thread (a delay lane) is not held by it
+            try:
+                self._wait(p.work, self._describe(p.kind, p.mb, True) + " to be received")
+            except TransportError as e:
+                raise EarlierSendFailed(f"rank {self.rank}: {self._describe(p.kind, p.mb, True)}, waited for after "
+                                        f"{self._describe(kind, mb, True)} (send window), failed: {e}") from e
 
-    def _send(self, kind: str, mb: int, payload) -> None:
+    def _send(self, kind: str, mb: int, payload) -> list:
+        """Issue message (kind, mb); returns the works of older messages to wait for (``send_window``)."""
         dst = self.stage_ranks[self._peer(kind, sending=True)]
         sends = self._sends.get(dst)
         if sends is None:
@@ -399,20 +404,24 @@ class DirectTransport:
         except RuntimeError as e:
             raise self._broken(self._describe(kind, mb, True), e) from e
         if self.send_window is not None and kind in self._bounded and not self.p2p.in_order:
-            self._within_window(sends)
+            return self._beyond_window(sends)
+        return []
 
-    def _within_window(self, sends: deque) -> None:
-        """Wait for the oldest messages to one peer until at most ``send_window`` are not known received."""
+    def _beyond_window(self, sends: deque) -> list:
+        """Take the oldest messages to one peer off its queue until at most ``send_window`` are not known
+        received: their works, for the caller to wait for."""
         if sum(p.last for p in sends) <= self.send_window:
-            return
+            return []
         _reap(sends)
+        out = []
         while sum(p.last for p in sends) > self.send_window:
             self.sends_waited += 1
             while True:
                 p = sends.popleft()
-                self._wait(p.work, self._describe(p.kind, p.mb, True) + " to be received")
+                out.append(p)
                 if p.last:
                     break
+        return out
 
     def recv(self, kind: str, mb: int) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Wait for message (kind, mb); its tensors are freshly allocated, never shared buffers."""
@@ -460,6 +469,12 @@ class DirectTransport:
             raise TransportError(f"rank {self.rank}: cannot reset shapes while receives are posted")
         self._sent_layout.clear()
         self._recv_layout.clear()
+
+
+class EarlierSendFailed(TransportError):
+    """A send waiting for an earlier message to the same peer (``send_window``) saw that message fail.
+    Its own message went out: failing over would send it twice, so the link is not failed over here
+    (as a failure found by ``wait_sends`` is not)."""
 
 
 def bound_sends(path, kinds) -> None:

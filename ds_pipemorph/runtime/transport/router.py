@@ -39,7 +39,7 @@ from ...plan.ir.links import Route
 from ...plan.ir.ops import PAYLOADS, Kind, message_op
 from .. import hooks as plugins
 from .delegated.transport import DelegatedTransport
-from .direct import DirectTransport
+from .direct import DirectTransport, EarlierSendFailed
 from .protocol import (DeferredSends, DeliveryError, TransportError, TransportTimeout, directions_on, link_of,
                        peer_of)
 
@@ -171,7 +171,7 @@ class LinkRouter:
         try:
             path.send(kind, mb, payload)
         except TransportError as e:
-            if not self._failing_over(e, kind, True):
+            if isinstance(e, EarlierSendFailed) or not self._failing_over(e, kind, True):
                 raise
             if isinstance(e, DeliveryError):  # an earlier message of this direction: it goes first
                 self._recover(e)
