@@ -163,6 +163,15 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: --rows: unknown row {unknown[0]!r}; choose from {', '.join(ROWS)}", file=sys.stderr)
         return 2
+    for name, value, least in (("--act-mib", args.act_mib, 0.001), ("--op-ms", args.op_ms, 0.5),
+                                ("--iterations", args.iterations, 1), ("--warmup", args.warmup, 0),
+                                ("--delay-ms", args.delay_ms, 0)):
+        if value < least:
+            print(f"error: {name} must be at least {least:g}, not {value:g}", file=sys.stderr)
+            return 2
+    if args.mmap_threshold_mib is not None and args.mmap_threshold_mib <= 0:
+        print(f"error: --mmap-threshold-mib must be positive, not {args.mmap_threshold_mib:g}", file=sys.stderr)
+        return 2
     check_out(args.out)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -232,7 +232,7 @@ def describe_memory(cfg: PipeMorphConfig, plan: Schedule, share: float = W_SHARE
     grant = f"memory.budget {factor:g}x" if factor is not None else "no memory.budget"
     window = cfg.send_window_in_force
     sends = f"at most {window} per peer" if window is not None else "unbounded"
-    posted = ("every receive of an iteration posted up front" if cfg.dispatch == "ready"
+    posted = ("every receive of an iteration posted up front" if cfg.dispatch is Dispatch.READY
               else f"{cfg.recv_window or RECV_WINDOW} receives posted per kind")
     rings = ("" if cfg.delegation.mode == "off" else
              f"; a delegated link's staging ring: {cfg.delegation.slots} slots of up to "

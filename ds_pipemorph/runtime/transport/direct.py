@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ...fileio import first_line
-from ...plan.ir.ops import message_op
+from ...plan.ir.ops import Kind, message_op
 from .header import HEADER_INTS, decode_header, encode_header, tag
 from .protocol import TransportError, TransportTimeout, link_of, peer_of
 
@@ -191,8 +191,8 @@ class DirectTransport:
         if send_window is not None and send_window < 1:
             raise ValueError(f"send_window must be at least 1 (or None), not {send_window}")
         self.send_window = send_window
-        self._bounded: frozenset[str] = frozenset()  # kinds whose sends the window bounds (``bound_sends``)
-        self.sends_waited = 0  # sends the window made wait for an earlier message (a count, for reports)
+        self._bounded: frozenset[Kind] = frozenset()  # kinds whose sends the window bounds (``bound_sends``)
+        self.sends_waited = 0  # sends the window made wait for an earlier message
         self.p2p = p2p or TorchP2P()
         self.stage_ranks = list(stage_ranks)
         self.timeout_s = float(timeout_s)
