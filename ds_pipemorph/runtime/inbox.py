@@ -74,19 +74,25 @@ class Inbox:
             job = self._jobs.get()
             if job is None:
                 return
-            fut, kind, mb, recorder = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                payload = recorder.run_on_thread(str(message_op(kind, mb, False)), lambda: self.transport.recv(kind, mb))
-            except BaseException as e:  # handed to the training thread at ``take``
-                self._completed.append((kind, mb))
-                fut.set_exception(e)
-            else:
-                # Announced before the future is done, never after: a stage that saw the future done
-                # must find it in ``drain`` too (``take`` waits the microseconds in between).
-                self._completed.append((kind, mb))  # deque.append: atomic
-                fut.set_result(payload)
+            self._receive(*job)
+            del job  # a worker waiting for its next receive holds nothing of its last one
+
+    def _receive(self, fut: Future, kind: str, mb: int, recorder) -> None:
+        """One receive, on a worker. Its message is referenced by the future only (this frame ends
+        with it): a worker's local would keep an iteration's tensors alive until the worker's next
+        receive, one message per worker thread, well after the op that consumed it."""
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            payload = recorder.run_on_thread(str(message_op(kind, mb, False)), lambda: self.transport.recv(kind, mb))
+        except BaseException as e:  # handed to the training thread at ``take``
+            self._completed.append((kind, mb))
+            fut.set_exception(e)
+        else:
+            # Announced before the future is done, never after: a stage that saw the future done
+            # must find it in ``drain`` too (``take`` waits the microseconds in between).
+            self._completed.append((kind, mb))  # deque.append: atomic
+            fut.set_result(payload)
 
     def drain(self) -> list[tuple[str, int]]:
         """The receives that ended since the last call (a failed one too: ``take`` raises its error),

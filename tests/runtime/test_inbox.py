@@ -2,10 +2,13 @@
 readiness events, and nothing waits without a bound."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
+import torch
 
 from ds_pipemorph.runtime.inbox import Inbox
 from ds_pipemorph.runtime.oprecords import OpRecorder
@@ -139,4 +142,42 @@ def test_ready_dispatch_refuses_an_iteration_after_one_that_stopped_with_receive
     assert _drained_until(inbox, 1) == [("F", 3)]
     inbox.take("F", 3)
     refuse_after_a_failed_iteration(engine)  # nothing posted: an iteration may start
+    inbox.close()
+
+
+class TensorTransport(GatedTransport):
+    """Like ``GatedTransport``, but each message is a fresh tensor the test can watch (a weak reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent: list = []
+
+    def recv(self, kind: str, mb: int):
+        self.gates[(kind, mb)].wait()
+        t = torch.ones(4)
+        self.sent.append(weakref.ref(t))
+        return t
+
+
+def test_a_message_taken_and_dropped_is_freed_while_its_worker_waits_for_the_next():
+    """A worker waiting for its next receive holds nothing of its last: once the op that consumed a
+    message drops it, its tensors are freed (one message per worker would otherwise stay alive, the
+    whole iteration's received tensors with one worker per receive)."""
+    t = TensorTransport()
+    inbox = Inbox(t, workers=4, timeout_s=5, rank=0)
+    recorder = OpRecorder(nvtx_enabled=False)
+    for mb in range(3):
+        inbox.post("F", mb, recorder)
+    for mb in range(3):
+        t.open("F", mb)
+    assert sorted(_drained_until(inbox, 3)) == [("F", 0), ("F", 1), ("F", 2)]
+    for mb in range(3):
+        got = inbox.take("F", mb)
+        assert got.shape == (4,)
+        del got
+    gc.collect()
+    assert len(t.sent) == 3 and all(ref() is None for ref in t.sent), "a received tensor outlived its consumer"
+    inbox.post("F", 3, recorder)  # the workers are alive and take new receives
+    t.open("F", 3)
+    assert _drained_until(inbox, 1) == [("F", 3)] and inbox.take("F", 3).shape == (4,)
     inbox.close()
