@@ -13,6 +13,11 @@
 #                   delegation.mode "always" (CUDA staging rings, gloo delegates) against stock DeepSpeed:
 #                   losses and parameters within 1e-5; fp16 (ZeRO-1, overflowing first scale) and bf16 + ZeRO-1
 #                   on 2 stages x 2 replicas, bit-identical to stock;
+#   memory          4 ranks on cuda:0 as one_gpu_job (scripts/gpu_check/memory_job.py, peak_memory.py): stock
+#                   DeepSpeed 1F1B, zb, adaptive and adaptive with memory.budget 1.5; per rank, an iteration's
+#                   torch.cuda.max_memory_allocated less what was allocated at its start, against stock's (the
+#                   default settings within 1.10x) and against the engine's prediction (peak activation
+#                   micro-batches x the bytes it measured per micro-batch, plus what else the figure counts);
 #   nccl_job        with 2 GPUs or more (otherwise recorded as skipped: NCCL wants one GPU per rank): one rank
 #                   per GPU on the NCCL backend (scripts/gpu_check/nccl_job.py), PipeMorphEngine with direct
 #                   links under NCCL's rules (delegation.mode "auto", the GPU recipe's, and "off") against
@@ -33,7 +38,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a directory" >&2; exit 2; }; OUT=$2; shift 2 ;;
     --out=*) OUT=${1#--out=}; shift ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (only --out DIR)" >&2; exit 2 ;;
   esac
 done
@@ -101,6 +106,7 @@ step cuda_tests "$OUT/cuda_tests.xml" -- "$PYTHON" -m pytest -q -rs -p no:cachep
 step op_timing "$OUT/op_timing.json" -- "$PYTHON" scripts/gpu_check/op_timing.py "$OUT/op_timing.json"
 step one_gpu_job "$OUT/one_gpu_job.json" -- env DS_ACCELERATOR=cuda \
   "$PYTHON" scripts/gpu_check/one_gpu_job.py "$OUT/one_gpu_job" "$OUT/one_gpu_job.json"
+step memory "$OUT/memory.json" -- "$PYTHON" scripts/gpu_check/memory_job.py "$OUT/memory" "$OUT/memory.json"
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1) || gpus=0
 if [ "${gpus:-0}" -ge 2 ] 2>/dev/null; then
   step nccl_job "$OUT/nccl_job.json" -- "$PYTHON" scripts/gpu_check/nccl_job.py "$OUT/nccl_job" "$OUT/nccl_job.json"

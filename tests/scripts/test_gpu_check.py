@@ -2,7 +2,8 @@
 
 Nothing here runs on a GPU: the GPU steps themselves have not run on this machine. The script's own
 logic runs with a stand-in interpreter that claims CUDA and fails every GPU step; the host-staging shim
-of the GPU jobs runs on CPU tensors, forced to stage them.
+of the GPU jobs runs on CPU tensors, forced to stage them; the NCCL step's jobs and checks run on the
+gloo double of NCCL's rules, the memory step's on CPU ranks with the activation meter's figure.
 """
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def test_a_spent_budget_leaves_steps_unrun_an_incomplete_verdict_and_a_relative_
     data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
     assert data["verdict"] == "INCOMPLETE"
     assert {s["name"]: s["status"] for s in data["steps"]} == {
-        "cuda_tests": "incomplete", "op_timing": "incomplete", "one_gpu_job": "incomplete",
+        "cuda_tests": "incomplete", "op_timing": "incomplete", "one_gpu_job": "incomplete", "memory": "incomplete",
         "nccl_job": "skipped", "staging_bench": "incomplete", "nsight": "skipped"}
     nccl = next(s for s in data["steps"] if s["name"] == "nccl_job")  # one GPU: NCCL wants one per rank
     assert nccl["note"].startswith("needs 2 CUDA devices or more")
@@ -219,7 +220,7 @@ def test_with_time_left_failing_steps_fail_the_check(tmp_path):
     p = _run_stubbed(tmp_path, "100", STUB_EXT=str(tmp_path / "ext"), STUB_GPUS="2")
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
-    assert data["verdict"] == "FAILED" and data["failed"] == 5  # with 2 GPUs the NCCL step runs too
+    assert data["verdict"] == "FAILED" and data["failed"] == 6  # with 2 GPUs the NCCL step runs too
     assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"] if s["name"] != "nsight")
 
 
@@ -282,3 +283,95 @@ def test_the_nccl_step_runs_its_jobs_and_checks_on_the_cpu_double_of_nccls_rules
         k = got["key_numbers"][job]
         assert k["max_loss_diff"] <= 1e-5 and k["max_param_diff"] <= 1e-5 and k["p2p"] == ["NcclRules"]
 
+
+
+def _peak_memory_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_peak_memory", ROOT / "scripts" / "gpu_check" / "peak_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _derived_bytes(pm) -> tuple[int, list[int], int]:
+    """(one message, F's bytes per micro-batch per stage, what B leaves for W = the output gradients it
+    keeps) of the CPU sizes: a block saves its input, fc1's output and the GELU's (1 + 4 + 4 messages),
+    the last stage's loss its prediction and target (2 more); W keeps each Linear's input (1 + 4) and
+    the gradient of each Linear's output (4 + 1)."""
+    width, rows, blocks = pm.SIZES["cpu"]
+    m = rows * width * 4
+    f = [9 * blocks * m + (2 * m if s == pm.S - 1 else 0) for s in range(pm.S)]
+    return m, f, 5 * blocks * m
+
+
+@pytest.mark.timeout(480)
+def test_the_memory_step_on_cpu_measures_what_the_engine_predicted(tmp_path):
+    """memory_job.py --device cpu: the memory step's 4 jobs on 4 CPU ranks in one launch, its checks,
+    and the numbers against values derived from the model (the figure: the engine's activation meter)."""
+    pm = _peak_memory_module()
+    keys = tmp_path / "memory.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check" / "memory_job.py"), str(tmp_path / "work"),
+                        str(keys), "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, timeout=460,
+                       env={**os.environ, "GPU_CHECK_STEP_S": "440"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    got = json.loads(keys.read_text())
+    assert got["ok"] and got["failures"] == []
+    assert got["key_numbers"]["device"] == "cpu" and "one B's transient" in got["key_numbers"]["what_else"]
+    m, f, kept = _derived_bytes(pm)
+    S = pm.S
+    assert got["key_numbers"]["profile_out_activation_mb"] == pytest.approx([x / 2**20 for x in f], rel=1e-6)
+    rows = json.loads((tmp_path / "work" / "peak_memory.json").read_text())["rows"]
+    assert len(rows) == len(pm.JOBS) * S * pm.MEASURED
+    by = {(r["job"], r["stage"], r["iteration"]): r for r in rows}
+    for (job, s, i), r in by.items():
+        stock = by[("stock", s, i)]["measured"]
+        if job == "stock":  # S - s micro-batches of F's bytes, as the engine predicts stock's
+            assert r["measured"] == (S - s) * f[s], (s, r)
+            continue
+        assert (r["f"], r["w"], r["grads"]) == (f[s], kept, kept), (job, s, r)
+        if job == "zb":  # the default: 1F1B's order, each W right after its B while a forward remains
+            assert r["units"] == r["held_f"] == S - s and r["measured"] == (S - s) * f[s] == stock, (s, r)
+        elif job == "adaptive":  # re-plans stay within stock's memory
+            assert r["units"] <= S - s and r["held_f"] * f[s] <= r["measured"] <= stock, (s, r)
+        else:  # adaptive_1.5: within the grant, every micro-batch between F and B counted
+            assert r["units"] <= 1.5 * (S - s) and r["held_f"] * f[s] <= r["measured"] <= 1.5 * stock, (s, r)
+            assert r["measured"] <= r["units"] * f[s], (s, r)  # W's share (5 of 9 messages a block) counted as 1
+    assert any(by[("adaptive_1.5", s, 1)]["measured"] > by[("stock", s, 1)]["measured"] for s in range(S))
+
+
+def _ideal_result(pm) -> dict:
+    """A result file as a CPU run of the memory step writes it, with the derived numbers."""
+    m, f, kept = _derived_bytes(pm)
+    rows = []
+    for job, section in pm.JOBS.items():
+        for s in range(pm.S):
+            for i in range(1, 1 + pm.MEASURED):
+                row = {"job": job, "rank": s, "stage": s, "iteration": i, "measured": (pm.S - s) * f[s], "saved": 0,
+                       "start": 0, "params": 1000, "in": m if s else 0, "out": m if s < pm.S - 1 else 0}
+                if section is not None:
+                    row.update(units=pm.S - s, held_f=pm.S - s, held_w=1, f=f[s], w=kept, grads=kept,
+                               stock_units=pm.S - s, recv_window=2, send_window=2)
+                rows.append(row)
+    profile = "memory:\n  activation_mb: [" + ", ".join(f"{x / 2**20:.9g}" for x in f) + "]\n"
+    return {"device": "cpu", "sizes": {}, "rows": rows, "profile_out": profile}
+
+
+def test_the_memory_steps_checks_fail_a_rank_above_stock_or_outside_the_predictions_bounds():
+    pm = _peak_memory_module()
+    m, f, kept = _derived_bytes(pm)
+    result = _ideal_result(pm)
+    assert pm.compare(result)[1] == []
+    row = next(r for r in result["rows"] if (r["job"], r["rank"], r["iteration"]) == ("zb", 1, 1))
+    # the device's bound: the prediction, one B's transient and the output gradients of a pending W; on
+    # CUDA also the held outputs, the windows' messages and the parameters' gradients and optimizer step
+    lower, predicted, upper = pm.bounds(row, f[1], "cpu")
+    assert (lower, predicted, upper) == (3 * f[1], 3 * f[1], 4 * f[1] + kept)
+    assert pm.bounds(row, f[1], "cuda")[2] - upper == 3 * m + (2 + 2) * 2 * m + pm.OPTIMIZER_FACTOR * 1000
+    row["measured"] = int(1.2 * row["measured"])  # within the bounds, above stock's x 1.10: (a)
+    other = next(r for r in result["rows"] if (r["job"], r["rank"], r["iteration"]) == ("adaptive", 0, 2))
+    other["measured"] = 3 * f[0]  # fewer bytes than the 4 micro-batches held between F and B: (b)
+    result["profile_out"] = None
+    failures = pm.compare(result)[1]
+    assert len(failures) == 3, failures
+    assert failures[0].startswith("zb: rank 1 (stage 1) iteration 1 held") and "1.200x stock's" in failures[0]
+    assert failures[1].startswith("adaptive: rank 0 (stage 0) iteration 2 measured") and "outside" in failures[1]
+    assert failures[2] == "adaptive: profile_out was not written"
