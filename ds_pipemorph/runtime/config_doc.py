@@ -75,7 +75,8 @@ DESCRIPTIONS: dict[str, str] = {
     "delegation.slot_mb": "staging slot size in MiB; a larger message travels in pieces, each costing the "
                           "delegates round trips; on CPU only the pages messages reach are allocated, on a GPU the "
                           "whole ring is pinned",
-    "delegation.slots": "slots per staging ring (one ring per delegate queue and end): messages a queue holds ahead",
+    "delegation.slots": "slots per staging ring (one ring per delegate queue and end): messages a queue holds ahead "
+                        "(pieces of them where `send_window` is in force)",
     "rebalance": "compute stragglers: layers move away from a stage that runs slower than its layers should "
                  "(`docs/rebalance.md`)",
     "rebalance.enabled": "compare each stage's F + B + W with what its layers should cost every iteration; when a "
@@ -125,7 +126,9 @@ DESCRIPTIONS: dict[str, str] = {
                    "completes only when waited for (gloo; NCCL's go as they complete): the next send, once "
                    "issued, waits for the oldest, so the window bounds the memory of sends in flight; applied "
                    "to a kind only where the peer receives it in the order sent and a dry run of the plan with "
-                   "the window finds no deadlock (`docs/memory.md`); `null`: 2, and none where no memory budget "
+                   "the window finds no deadlock (`docs/memory.md`); a delegated link's staging rings then hold at "
+                   "most this many messages' bytes per direction and end (messages cut into pieces to fit); "
+                   "`null`: 2, and none where no memory budget "
                    "is in force (`memory.budget: null`, a `max_inflight` grant, a plan file)",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "
             "(`F3`, `SEND_F3`, `RECV_B3`, …; under ready dispatch each receive is a range on its receive thread); "

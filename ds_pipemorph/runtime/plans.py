@@ -234,8 +234,13 @@ def describe_memory(cfg: PipeMorphConfig, plan: Schedule, share: float = W_SHARE
     sends = f"at most {window} per peer" if window is not None else "unbounded"
     posted = ("every receive of an iteration posted up front" if cfg.dispatch is Dispatch.READY
               else f"{cfg.recv_window or RECV_WINDOW} receives posted per kind")
-    rings = ("" if cfg.delegation.mode == "off" else
-             f"; a delegated link's staging ring: {cfg.delegation.slots} slots of up to "
-             f"{cfg.delegation.slot_mb} MiB per queue and end")
+    if cfg.delegation.mode == "off":
+        rings = ""
+    elif window is not None:
+        rings = (f"; a delegated link's staging rings hold at most {window} messages' bytes per direction and end "
+                 f"(messages cut to fit {cfg.delegation.queue_cap} queues x {cfg.delegation.slots} slots)")
+    else:
+        rings = (f"; a delegated link's staging ring: {cfg.delegation.slots} slots of up to "
+                 f"{cfg.delegation.slot_mb} MiB per queue and end")
     return (f"activations held at most [{', '.join(peak)}] micro-batches per stage (stock 1F1B: "
             f"{stock_units(S)}; {grant}); messages: sends not known received {sends}, {posted}{rings}")

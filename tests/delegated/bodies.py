@@ -260,3 +260,30 @@ def _running(pid: int) -> bool:
             return not any(line.startswith("State:") and "Z" in line for line in f)
     except FileNotFoundError:
         return False
+
+
+def _shmem_kib() -> int:
+    """This process's resident shared memory (the staging rings' pages it touched), KiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def ring_residency(rank, world, held_messages, n, mib):
+    """Stage 0 sends n messages of ``mib`` MiB (F), stage 1 receives them; each reports how much of the
+    staging rings became resident in it (its send rings on stage 0, its receive rings on stage 1)."""
+    before = _shmem_kib()
+    tr = DelegatedTransport(rank, rank, list(range(world)), timeout_s=60.0, queues=2, max_queues=4,
+                            num_slots=4, slot_bytes=64 << 20, held_messages=held_messages)
+    ok = []
+    try:
+        for m in range(n):
+            if rank == 0:
+                tr.send("F", m, torch.full((mib << 18,), float(m)))
+            else:
+                got = tr.recv("F", m)
+                ok.append(got.shape == (mib << 18,) and bool((got == float(m)).all()))
+        tr.wait_sends()
+        resident = _shmem_kib() - before
+    finally:
+        tr.close()
+    return dict(ok=ok, resident_kib=resident)

@@ -1,9 +1,11 @@
 """How one delegated message is laid out as bytes and cut into staging slots.
 
 A message is one flat byte stream: a head of ``HEAD_BYTES`` (``PREFIX_INTS`` ints: magic, message seq,
-kind id, micro-batch, total bytes, pieces, 0, 0; then the layout header of ``header.encode_header``)
-followed by each tensor's bytes, each tensor starting at a multiple of ``ALIGN``. The stream is cut into
-pieces of at most one slot: piece p holds bytes [p * slot_bytes, (p + 1) * slot_bytes). The sender
+kind id, micro-batch, total bytes, pieces, piece bytes, 0; then the layout header of
+``header.encode_header``) followed by each tensor's bytes, each tensor starting at a multiple of
+``ALIGN``. The stream is cut into pieces of at most one slot: piece p holds bytes
+[p * piece_bytes, (p + 1) * piece_bytes), ``piece_bytes`` chosen by the sender (``piece_bytes``) and
+named in the head. The sender
 keeps the message (``Message``) until the receiving side acknowledged it; ``copy_range`` moves the bytes
 of one piece between the message's tensors and a slot, in either direction.
 """
@@ -18,10 +20,11 @@ import torch
 from ....plan.ir.ops import Kind
 from ..header import HEADER_INTS, KINDS
 
-PREFIX_INTS = 8  # [magic, seq, kind, mb, total bytes, pieces, 0, 0] before header.encode_header's ints
+PREFIX_INTS = 8  # [magic, seq, kind, mb, total bytes, pieces, piece bytes, 0] before header.encode_header's ints
 HEAD_BYTES = (PREFIX_INTS + HEADER_INTS) * 8  # 576, a multiple of the 64-byte alignment
 MAGIC = 0x504D444C  # "PMDL"
 ALIGN = 64
+MIN_PIECE_BYTES = 256 << 10  # a message is cut no finer than this to bound its rings' bytes (``piece_bytes``)
 
 
 def _align(n: int) -> int:
@@ -41,6 +44,7 @@ class Message:
     head: torch.Tensor  # int64 header
     tensors: list  # contiguous tensors (kept until acknowledged)
     what: str
+    piece_bytes: int = 0  # the cut (``piece_bytes``), also in the head
     ready: Any = None  # the staging path's mark that the tensors are computed (a CUDA event), or None
 
 
@@ -60,25 +64,38 @@ def tensor_segments(tensors: Sequence[torch.Tensor]) -> tuple[list[tuple[int, to
     return segs[1:], total
 
 
-def pieces_of(total: int, slot_bytes: int) -> int:
-    """Slots a message of ``total`` bytes takes (at least one)."""
-    return max(1, -(-total // slot_bytes))
+def pieces_of(total: int, piece_bytes: int) -> int:
+    """Pieces a message of ``total`` bytes is cut into (at least one)."""
+    return max(1, -(-total // piece_bytes))
 
 
-def make_head(seq: int, kind: str, mb: int, total: int, pieces: int, meta: torch.Tensor) -> torch.Tensor:
-    """The int64 head of a message: the prefix, then the layout header ``meta``."""
+def piece_bytes(total: int, slot_bytes: int, ring_slots: int, held_messages: int | None) -> int:
+    """Where a message of ``total`` bytes is cut: whole slots, or, with ``held_messages``, pieces small
+    enough that ``ring_slots`` slots (every slot a link direction's rings have at one end) hold at most
+    ``held_messages`` such messages' bytes. A ring's pages are resident only as far as pieces reach
+    (on CPU), so this bounds what a delegated link holds as ``send_window`` bounds a direct one; a
+    piece is never smaller than ``MIN_PIECE_BYTES`` nor larger than a slot."""
+    if held_messages is None:
+        return slot_bytes
+    share = _align(-(-total * held_messages // ring_slots))
+    return min(slot_bytes, max(MIN_PIECE_BYTES, share))
+
+
+def make_head(seq: int, kind: str, mb: int, total: int, pieces: int, cut: int, meta: torch.Tensor) -> torch.Tensor:
+    """The int64 head of a message: the prefix (``cut``: its piece bytes), then the layout header ``meta``."""
     head = torch.zeros(PREFIX_INTS + HEADER_INTS, dtype=torch.int64)
-    head[:6] = torch.tensor([MAGIC, seq, KINDS[kind], mb, total, pieces])
+    head[:7] = torch.tensor([MAGIC, seq, KINDS[kind], mb, total, pieces, cut])
     head[PREFIX_INTS:] = meta
     return head
 
 
-def read_head(flat: torch.Tensor) -> tuple[tuple[int, int, str, int, int, int], torch.Tensor]:
-    """``(magic, seq, kind, mb, total bytes, pieces)`` and the layout header, from a message's first piece."""
+def read_head(flat: torch.Tensor) -> tuple[tuple[int, int, str, int, int, int, int], torch.Tensor]:
+    """``(magic, seq, kind, mb, total bytes, pieces, piece bytes)`` and the layout header, from a
+    message's first piece."""
     head = flat[:HEAD_BYTES].clone().view(torch.int64)
-    magic, seq, kind_id, mb, total, pieces = head[:6].tolist()
+    magic, seq, kind_id, mb, total, pieces, cut = head[:7].tolist()
     kind = Kind.F if kind_id == KINDS[Kind.F] else Kind.B
-    return (magic, seq, kind, mb, total, pieces), head[PREFIX_INTS:]
+    return (magic, seq, kind, mb, total, pieces, cut), head[PREFIX_INTS:]
 
 
 def copy_range(segs, a: int, b: int, piece: torch.Tensor, into_piece: bool, spans: list | None = None) -> None:

@@ -139,14 +139,14 @@ class Receiving:
         flat = view.reshape(-1).view(torch.uint8) if view.numel() else view.reshape(-1)
         part = d.partial
         if piece == 0:  # (again, if a delegate died in the middle of a message)
-            (magic, hseq, kind, mb, total, npieces), meta = framing.read_head(flat)
+            (magic, hseq, kind, mb, total, npieces, cut), meta = framing.read_head(flat)
             if magic != framing.MAGIC or hseq != seq:
                 raise TransportError(f"rank {self.rank}: {what}: corrupt header in link {d.link} message {seq}")
             bare, metas = decode_header(meta)
             dev = self.staging_path.recv_device
             tensors = [torch.empty(shape, dtype=dtype, device=dev) for dtype, shape in metas]
             segs, _ = framing.tensor_segments(tensors)
-            part = d.partial = dict(seq=seq, next=0, pieces=npieces, total=total, segs=segs,
+            part = d.partial = dict(seq=seq, next=0, pieces=npieces, cut=cut, total=total, segs=segs,
                                     key=(kind, mb), bare=bare, tensors=tensors)
         elif part is None or part["seq"] != seq or piece < part["next"]:
             d.duplicates += 1
@@ -154,7 +154,7 @@ class Receiving:
         if piece != part["next"]:
             raise TransportError(f"rank {self.rank}: {what}: piece {piece} of link {d.link} message {seq} "
                                  f"arrived while piece {part['next']} was due")
-        a = piece * self.slot_bytes
+        a = piece * part["cut"]
         framing.copy_range(part["segs"], a, a + flat.numel(), flat, False, spans)
         part["next"] = piece + 1
         if part["next"] < part["pieces"]:

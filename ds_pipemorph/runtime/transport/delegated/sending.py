@@ -37,15 +37,16 @@ class Sending:
         tensors = [self.staging_path.outgoing(t) for t in ([payload] if bare else payload)]
         meta = encode_header(tensors, bare)
         _, total = framing.tensor_segments(tensors)
-        pieces = framing.pieces_of(total, self.slot_bytes)
+        cut = framing.piece_bytes(total, self.slot_bytes, self.max_k * self.num_slots, self.held_messages)
+        pieces = framing.pieces_of(total, cut)
         if pieces > MAX_PIECES:
             raise TransportError(f"rank {self.rank}: {self._describe(kind, mb, True)}: a message of {total} bytes "
                                  f"needs {pieces} staging slots of {self.slot_bytes} bytes (at most {MAX_PIECES})")
-        head = framing.make_head(d.next_seq, kind, mb, total, pieces, meta)
+        head = framing.make_head(d.next_seq, kind, mb, total, pieces, cut, meta)
         q = d.queue_for(d.next_seq)
         self._check_alive(d, q, "sending")  # a waitpid(WNOHANG): microseconds
         msg = framing.Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index),
-                              self.staging_path.sent(tensors))
+                              cut, self.staging_path.sent(tensors))
         d.next_seq += 1
         self._prune(q)
         q.unacked.append(msg)
@@ -59,10 +60,11 @@ class Sending:
 
     def _push(self, d: Direction, q: DelegateQueue, msg: framing.Message) -> None:
         segs, total = framing.layout(msg.head, msg.tensors)
-        pieces = framing.pieces_of(total, self.slot_bytes)
+        cut = msg.piece_bytes
+        pieces = framing.pieces_of(total, cut)
         ring, path = q.ring, self.staging_path
         for p in range(pieces):
-            a, b = p * self.slot_bytes, min(total, (p + 1) * self.slot_bytes)
+            a, b = p * cut, min(total, (p + 1) * cut)
             deadline = time.monotonic() + self.timeout_s
             while True:
                 try:
