@@ -14,7 +14,7 @@ from ds_pipemorph.plan.files.kinds import load_kind
 from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
 from ds_pipemorph.plan.ir.profile import Costs, Profile
 from ds_pipemorph.plan.place.predict import Job, PlaceResult, Prediction, place as place_ranks
-from ds_pipemorph.plan.place.search import placements_modulo_renaming
+from ds_pipemorph.plan.place.placement_search import placements_modulo_renaming
 
 from .common import announce, check_outputs, console, parse_compute, parse_floats, print_json, user_errors, write_outputs
 

@@ -1,5 +1,5 @@
 """``pipemorph profile-links`` and ``pipemorph profile-stages``: measure a profile's ``links_ms`` and
-``compute_ms`` (methods: ``ds_pipemorph.profiling.links`` and ``ds_pipemorph.profiling.stages``)."""
+``compute_ms`` (methods: ``ds_pipemorph.profiling.linkmeasure`` and ``ds_pipemorph.profiling.stages``)."""
 from __future__ import annotations
 
 import json
@@ -93,7 +93,7 @@ def _run_links(env, size_list, reps, warmup, slow_factor, absolute, inject, time
     from ds_pipemorph.profiling.distenv import close_group, init_group
     from ds_pipemorph.profiling.linkfit import human_bytes
     from ds_pipemorph.profiling.linkreport import build_report
-    from ds_pipemorph.profiling.links import make_transport, measure_links, steps
+    from ds_pipemorph.profiling.linkmeasure import make_transport, measure_links, steps
     from ds_pipemorph.profiling.profileparts import merged, render
     from ds_pipemorph.runtime.transport.protocol import TransportError
 
@@ -151,7 +151,7 @@ def _run_pairs(env, size_list, reps, warmup, slow_factor, inject, timeout, out, 
     from ds_pipemorph.profiling.distenv import close_group, init_group
     from ds_pipemorph.profiling.linkfit import human_bytes
     from ds_pipemorph.profiling.linkreport import build_pair_report, link_matrix
-    from ds_pipemorph.profiling.links import measure_pairs, steps
+    from ds_pipemorph.profiling.linkmeasure import measure_pairs, steps
     from ds_pipemorph.profiling.pairs import round_robin
     from ds_pipemorph.runtime.transport.protocol import TransportError
 

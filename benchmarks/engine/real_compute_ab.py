@@ -8,7 +8,7 @@ Each row is one training job of ``recipes/gpt/train.py --stages 2`` (the recipe'
 4 blocks, 64-byte windows, 4 windows per micro-batch; fp32, no ZeRO, no checkpointing, so that
 the split backward is the one measured; ``OMP_NUM_THREADS=1``, one rank per core) with
 ``pipemorph.compare`` set to ``1f1b``: the job's schedule is B, the engine's 1F1B order is A, and
-the engine's own comparison (``runtime.compare``: the cycle A B A' B, 4 unmeasured iterations,
+the engine's own comparison (``runtime.ab_compare``: the cycle A B A' B, 4 unmeasured iterations,
 B/A per pair with its bootstrap 95 % interval) is the row. ``--budgets``: each B schedule runs under
 each ``memory.budget`` given (``null``: no limit; the default 1 keeps stock 1F1B's memory, which
 leaves ``zb`` little to reorder). The ``adaptive`` job of each row group runs first and writes the

@@ -62,14 +62,14 @@ def scenarios_for(stages: int, delays: list[float], sets: list[list[int]]) -> li
 def trace_scenarios(stages: int, traces: list[Path]) -> list[Scenario]:
     """One scenario per trace file, named after it; ``links_ms`` is its time-weighted mean (what the
     predicted column plans for). A trace that does not fit the pipeline is one sentence."""
-    from ..inject.delays import DelayTrace  # the runtime imports torch: only when a trace is given
+    from ..inject.delays import DelayTraceFile  # the runtime imports torch: only when a trace is given
 
     out: list[Scenario] = []
     for p in traces:
         if not p.is_file():
             raise BadInput(f"--trace: cannot read '{p}'")
         try:
-            tr = load_model(p, DelayTrace)
+            tr = load_model(p, DelayTraceFile)
         except BadInput as e:
             raise BadInput(f"--trace {e}") from None
         tr.check_links(stages - 1, f"--trace {p}")

@@ -18,7 +18,7 @@ import yaml
 from ..fileio import write_atomic
 
 if TYPE_CHECKING:  # the runtime imports torch; this module only reads a trace's points
-    from ..inject.delays import DelayTrace
+    from ..inject.delays import DelayTraceFile
 
 RATES = {"A": (50.0, 100.0), "B": (100.0, 200.0), "C": (200.0, 400.0)}
 
@@ -74,7 +74,7 @@ def write_paper_traces(out_dir: Path, stages: int, duration_s: float, seed: int 
     return paths
 
 
-def mean_delays(trace: DelayTrace, until_s: float | None = None) -> list[float]:
+def mean_delays(trace: DelayTraceFile, until_s: float | None = None) -> list[float]:
     """Per link, the time-weighted mean delay from t = 0 to ``until_s`` (default: the last change;
     a trace of one point is that point's delays). The delay before the first point is the first one's."""
     pts = trace.points

@@ -39,7 +39,7 @@ PLAN_EVALS = 200
 
 
 @dataclass
-class Remap:
+class RemapDecision:
     ranks: list[list[int]]  # ranks[stage][replica]
     current_ms: float  # the placement in force, predicted
     predicted_ms: float  # the new one
@@ -64,7 +64,7 @@ class Orchestrator:
     iteration: int = 0
     done: bool = False
     history: list[list[float]] = field(default_factory=list)
-    decisions: list[Remap] = field(default_factory=list)
+    decisions: list[RemapDecision] = field(default_factory=list)
     _floor: Optional[list[float]] = None  # per stage: the all-reduce of the best placement
     overheads: list[float] = field(default_factory=list)  # the fixed cost read from each iteration in history
 
@@ -92,7 +92,7 @@ class Orchestrator:
         last, o = self.history[-1], self.overheads[-1]
         return all(last[s] <= (1.0 + self.noise) * (self._floor[s] + o) + 1e-9 for s in range(self.placement.pp))
 
-    def observe(self, allreduce: Sequence[float], stage_ms: Sequence[Sequence[float]]) -> Optional[Remap]:
+    def observe(self, allreduce: Sequence[float], stage_ms: Sequence[Sequence[float]]) -> Optional[RemapDecision]:
         """One iteration: ``allreduce[s]`` = ms of stage s's all-reduce, ``stage_ms[s]`` = its (F, B, W)."""
         k, self.iteration = self.iteration, self.iteration + 1
         if self.done or k == 0:  # the first iteration carries start-up work
@@ -117,7 +117,7 @@ class Orchestrator:
         if best.placement == self.placement or not best.iteration_ms < now.iteration_ms * (1.0 - self.min_gain):
             return None
         measured = [sum(h[s] for h in self.history) / len(self.history) for s in range(P)]
-        d = Remap(best.placement.as_lists(), now.iteration_ms, best.iteration_ms, measured,
+        d = RemapDecision(best.placement.as_lists(), now.iteration_ms, best.iteration_ms, measured,
                   [allreduce_ms(self.matrix, best.placement.dp_group(s), self.grad_mb[s], self.chunk_mb)
                    for s in range(P)], k, self.overheads[-1], time.perf_counter() - t0)
         self.decisions.append(d)

@@ -2,10 +2,10 @@
 
 Never part of a normal training run's decisions: the runtime does not import this package. Importing
 it registers ``plugin.PLUGIN`` with the runtime (``runtime.hooks.register_plugin``), which then
-validates the ``pipemorph.inject`` section with ``config.InjectConfig`` and builds the hooks the
+validates the ``pipemorph.inject`` section with ``section.InjectConfig`` and builds the hooks the
 section asks for; ``ds_pipemorph/__init__`` imports it, so every entry point honours the section.
 
-- ``config``: the ``pipemorph.inject`` section's models;
+- ``section``: the ``pipemorph.inject`` section's models;
 - ``plugin``: the plug-in (the section -> transport and engine hooks);
 - ``wrapping``: explicit forwarding bases for transport wrappers (``Transport``, ``LinkControl``);
 - ``delays``: injected link delays (static or a trace) as a transport wrapper, and the delay schedule

@@ -38,7 +38,7 @@ from ..fileio import BadInput, check_ordered, load_model
 from ..runtime import instructions as I
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks, follow
-from .config import StageFactors
+from .section import StageFactors
 from .emulated import sleep_until
 
 

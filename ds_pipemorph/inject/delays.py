@@ -7,7 +7,7 @@ A ``Lane`` is that FIFO: a thread that holds one message for c ms and then hands
 send. Delays are static per link or replayed from a trace in wall-clock time.
 
 ``DelaySchedule`` is the ``runtime.hooks.DelaySource`` the delegated path receives: its sender
-delegates apply the same delays, and a ``DelayTrace`` travels to them by pickling.
+delegates apply the same delays, and a ``DelayTraceFile`` travels to them by pickling.
 
 When the real send fails in the lane's thread, the message was not delivered: ``DelayInjector``
 (a ``protocol.DeferredSends``) hands a ``DeliveryError`` (a ``TransportError`` carrying that message)
@@ -31,7 +31,7 @@ from ..runtime.transport.protocol import DeliveryError, TransportError, Transpor
 from .wrapping import TransportWrapper
 
 
-class DelayTrace(LinkTraceFile):
+class DelayTraceFile(LinkTraceFile):
     """A delay trace file: ``points: [{t: 0.0, links_ms: [0, 0, 30]}, {t: 1.5, ...}]`` (the format of
     ``plan.sim.variation.LinkTraceFile``, which the simulator replays), looked up by time as it runs."""
 
@@ -48,10 +48,10 @@ class DelayTrace(LinkTraceFile):
         return list(self.points[max(i, 0)].links_ms)
 
 
-def load_trace(path: str, links: int) -> DelayTrace:
+def load_trace(path: str, links: int) -> DelayTraceFile:
     if not Path(path).is_file():
         raise BadInput(f"inject.trace: cannot read '{path}'")
-    tr = load_model(path, DelayTrace)
+    tr = load_model(path, DelayTraceFile)
     tr.check_links(links, f"inject.trace {path}")
     return tr
 
@@ -61,10 +61,10 @@ class DelaySchedule:
 
     The trace's clock starts at the first ``start()`` or ``delay_ms()``: in training, the router's first
     message operation (the start of the rank's first iteration). Delegate processes read the origin
-    and the static delays that their training process last published (``transport.delegated.delays``).
+    and the static delays that their training process last published (``transport.delegated.delay_publishing``).
     """
 
-    def __init__(self, static_ms: Sequence[float], trace: Optional[DelayTrace] = None):
+    def __init__(self, static_ms: Sequence[float], trace: Optional[DelayTraceFile] = None):
         self.static = list(static_ms)
         self.trace = trace
         self._t0: Optional[float] = None

@@ -1,7 +1,7 @@
 """The injection plug-in: how ``pipemorph.inject`` reaches the runtime's hooks (``runtime.hooks``).
 
 ``ds_pipemorph.inject`` registers ``PLUGIN`` when it is imported (``ds_pipemorph/__init__`` imports
-it). The runtime then validates the ``inject`` section with ``InjectConfig`` (``inject.config``), asks
+it). The runtime then validates the ``inject`` section with ``InjectConfig`` (``inject.section``), asks
 ``check``/``check_job`` to refuse what a job cannot use, and builds per rank:
 
 - ``InjectTransport`` (a ``TransportHooks``): the direct path under NCCL's point-to-point rules
@@ -25,7 +25,7 @@ from ..fileio import BadInput
 from ..plan.ir.lower import Dispatch
 from ..runtime.config import PipeMorphConfigError
 from ..runtime.hooks import EngineHooks, Plugin, TransportHooks
-from .config import InjectConfig
+from .section import InjectConfig
 
 READY_REFUSED = "inject.faults cannot be combined with dispatch 'ready'"
 

@@ -15,7 +15,7 @@ import statistics
 from typing import Optional, Sequence
 
 from .linkfit import fit_latency_bandwidth, link_delays, slow_links
-from .links import __doc__ as METHOD
+from .linkmeasure import __doc__ as METHOD
 
 DIRECTIONS = {"down": "stage r -> r+1 (activations)", "up": "stage r+1 -> r (input gradients)"}
 PAIR_DIRECTIONS = {"down": "rank a -> rank b (a < b)", "up": "rank b -> rank a"}

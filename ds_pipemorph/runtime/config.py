@@ -26,7 +26,7 @@ class PipeMorphConfigError(ValueError):
 
 
 class SectionModel(BaseModel):
-    """The base of every model of the section, a plug-in's included (``inject.config``): unknown keys
+    """The base of every model of the section, a plug-in's included (``inject.section``): unknown keys
     are refused, and types are checked, not converted. A JSON config's ``"7"`` is no integer, ``true``
     no integer or number and ``"yes"`` no boolean; an integer stands for a number (``30`` for 30.0),
     as JSON writes whole numbers."""
@@ -134,7 +134,7 @@ class RebalanceConfig(SectionModel):
 class CompareConfig(SectionModel):
     # Alternate the job's own schedule and dispatch (B) with this schedule and dispatch (A) at
     # iteration boundaries, in the cycle A B A' B, and log B/A per pair with its 95 % interval when
-    # the comparison ends (runtime/compare.py). None: no comparison.
+    # the comparison ends (runtime/ab_compare.py). None: no comparison.
     schedule: Optional[Literal["1f1b", "zb"]] = None
     dispatch: Dispatch = Field(Dispatch.ORDERED, strict=False)  # its text, read as a Dispatch
     # Iterations at the start that alternate but are not measured (the first ones build programs,

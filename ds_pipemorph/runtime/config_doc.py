@@ -95,7 +95,8 @@ DESCRIPTIONS: dict[str, str] = {
     "rebalance.timeout_s": "seconds a migration's transfer may take; past it every rank keeps its layers and the "
                            "next detection tries again",
     "compare": "A/B inside the job: the job's own schedule and dispatch (B) alternate with these (A) at iteration "
-               "boundaries, A B A' B, and rank 0 logs B/A per pair with its 95 % interval (README, `runtime/compare.py`)",
+               "boundaries, A B A' B, and rank 0 logs B/A per pair with its 95 % interval "
+               "(README, `runtime/ab_compare.py`)",
     "compare.schedule": "A's schedule; `null`: no comparison",
     "compare.dispatch": "A's dispatch",
     "compare.warmup": "iterations at the start that alternate but are not measured",

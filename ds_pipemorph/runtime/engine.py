@@ -50,7 +50,7 @@ from ..plan.ir.nccl import nccl_groups
 from ..plan.ir.ops import Kind, Op, Schedule
 from . import instructions as I
 from . import wgrad_store
-from .builder import EngineBuilder
+from .engine_builder import EngineBuilder
 from .bw_split import backward_input, forget_parameters
 from .flat_optimizer import is_flat
 from .precision import GradPath
@@ -67,7 +67,7 @@ from .adapt import Adapter
 from .boundary import Boundary, Migration, Remap
 from .clip import clip_as_built
 from .clocks import estimate_clock_offsets
-from .compare import Compare
+from .ab_compare import Compare
 from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
@@ -80,7 +80,7 @@ from .act_meter import SavedBytes, tensor_bytes
 from .act_bytes import ActivationBytes, describe_activation_bytes, gather_activation_bytes
 from .schedule import PipeMorphSchedule
 from .shutdown import release_at_exit
-from .timeline import TimelineWriter
+from .timeline_writer import TimelineWriter
 from .train_loss import EarlyLoss, broadcasts_early, sum_in_order
 from .transfer import Transfer
 from .transport.router import build_transport

@@ -67,7 +67,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     from .config import PipeMorphConfigError, parse_config, pending_notes, resolve_paths
     from .cpu_shm import remove_allreduce_buffer_at_exit
     from .cpu_threads import apply_cpu_threads
-    from .builder import EngineBuilder
+    from .engine_builder import EngineBuilder
     from .engine import PipeMorphEngine
     from .plans import build_plan, describe_start, w_share
     from ..staging.builder import announce_adam_build, announce_comm_build

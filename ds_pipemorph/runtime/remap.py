@@ -15,7 +15,7 @@ DeepSpeed ``ProcessTopology`` of the same pipeline and data-parallel sizes). No 
 3. **Rebuild.** Every rank builds the new engine together, through DeepSpeed's own construction: a
    ``PartsPipelineModule`` on the current partition (so migrated layers stay where they are) and the
    new topology, whose ``PipelineParallelGrid`` forms the new data-parallel, pipeline and tied-weight
-   groups, and the engine's builder (``runtime.builder``: what ``ds_pipemorph.initialize`` was
+   groups, and the engine's builder (``runtime.engine_builder``: what ``ds_pipemorph.initialize`` was
    given) with the same config, optimizer and scheduler settings.
    Loading the state follows, and a second vote: if a rank failed, every rank closes the new engine
    and keeps the old one (DeepSpeed's module-level pipeline state is pointed back at it). A rank

@@ -51,7 +51,7 @@ class Lateness:
 
 
 @dataclass
-class Comparison:
+class TraceComparison:
     iteration: int
     planned_ms: float
     measured_ms: float
@@ -82,7 +82,8 @@ class Comparison:
         }
 
 
-def compare(schedule: Schedule, planned: Timeline, trace: MeasuredTrace, iteration: int, plan_name: str) -> Comparison:
+def compare(schedule: Schedule, planned: Timeline, trace: MeasuredTrace, iteration: int,
+            plan_name: str) -> TraceComparison:
     """Compare iteration ``iteration`` of ``trace`` with the replayed plan; BadInput on a shape mismatch."""
     S = len(schedule)
     if trace.stages != S:
@@ -124,4 +125,4 @@ def compare(schedule: Schedule, planned: Timeline, trace: MeasuredTrace, iterati
             lateness.append(Lateness(r.rank, r.stage, statistics.fmean(x.late_ms for x in late), worst.late_ms,
                                      str(worst.op), len(mine) - len(late)))
     measured_ms = (max(o.end_ns for o in all_ops) - t0) / NS_PER_MS
-    return Comparison(iteration, planned.iteration_ms, measured_ms, rows, divergences, lateness)
+    return TraceComparison(iteration, planned.iteration_ms, measured_ms, rows, divergences, lateness)

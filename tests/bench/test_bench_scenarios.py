@@ -10,7 +10,7 @@ from ds_pipemorph.plan.ir.links import DIRECT
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sim.simulate import replay
 from ds_pipemorph.runtime.config import parse_config
-from ds_pipemorph.inject.delays import DelayTrace, load_trace
+from ds_pipemorph.inject.delays import DelayTraceFile, load_trace
 from ds_pipemorph.runtime.plans import build_plan
 from ds_pipemorph_cli.app import app
 from ds_pipemorph.bench.scenarios import dynamic_traces, link_sets, scenarios_for, trace_scenarios
@@ -65,7 +65,7 @@ def test_trace_text_round_trips_through_the_injector_model(tmp_path):
     p = tmp_path / "t.yaml"
     p.write_text(trace_text(make_trace(2, [1], 2.0, RATES["A"], seed=1), "a test"))
     assert p.read_text().startswith("# a test\n")
-    assert isinstance(load_trace(str(p), 2), DelayTrace)
+    assert isinstance(load_trace(str(p), 2), DelayTraceFile)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from ds_pipemorph.inject.delays import DelaySchedule, DelayTrace
+from ds_pipemorph.inject.delays import DelaySchedule, DelayTraceFile
 from ds_pipemorph.inject.stock import install
 
 
@@ -20,7 +20,7 @@ def test_stock_injection_reads_the_trace_at_send_time_from_the_shared_epoch(monk
     delivered = []
     monkeypatch.setattr(p2p, "send", lambda tensor, dest, async_op=False: delivered.append(time.monotonic()))
     monkeypatch.setattr(p2p, "_grid", _Grid())
-    trace = DelayTrace.model_validate({"points": [{"t": 0.0, "links_ms": [0.0]}, {"t": 0.3, "links_ms": [120.0]},
+    trace = DelayTraceFile.model_validate({"points": [{"t": 0.0, "links_ms": [0.0]}, {"t": 0.3, "links_ms": [120.0]},
                                                   {"t": 0.6, "links_ms": [0.0]}]})
     delays = DelaySchedule([0.0], trace)
     patch = install(delays)

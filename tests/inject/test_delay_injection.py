@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from ds_pipemorph.fileio import BadInput
 from ds_pipemorph.runtime.transport.direct import DirectTransport
-from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule, DelayTrace, load_trace
+from ds_pipemorph.inject.delays import DelayInjector, DelaySchedule, DelayTraceFile, load_trace
 
 DELAY_MS = 40.0
 MESSAGES = 6
@@ -76,7 +76,7 @@ def test_direct_link_with_delay_blocks_the_sender_per_message_and_delays_deliver
 
 
 def test_trace_replays_delays_in_wall_clock_time(tmp_path):
-    tr = DelayTrace(points=[{"t": 0.0, "links_ms": [0, 0]}, {"t": 0.05, "links_ms": [0, 30]}])
+    tr = DelayTraceFile(points=[{"t": 0.0, "links_ms": [0, 0]}, {"t": 0.05, "links_ms": [0, 30]}])
     assert tr.at(0.0) == [0, 0] and tr.at(0.049) == [0, 0] and tr.at(1.0) == [0, 30]
     sched = DelaySchedule([0, 0], tr)
     assert sched.delay_ms(1) == 0

@@ -10,7 +10,7 @@ from ds_pipemorph.plan.files.linkmatrix import LinkMatrix
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.place.placement import Placement, TopologyFile, allreduce_ms, ring_links
 from ds_pipemorph.plan.place.predict import Job, Planner, place, predict
-from ds_pipemorph.plan.place.search import best_placements
+from ds_pipemorph.plan.place.placement_search import best_placements
 
 EVALS = 300  # planner search effort per planned pipeline: reached long before the time budget
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from ds_pipemorph.inject.config import InjectConfig
+from ds_pipemorph.inject.section import InjectConfig
 from ds_pipemorph.inject.delays import load_trace
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
 from ds_pipemorph.runtime.engine import nccl_rules

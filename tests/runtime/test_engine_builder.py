@@ -1,11 +1,11 @@
-"""What an engine can be rebuilt from (``runtime.builder.EngineBuilder``): re-mapping refuses, in one
+"""What an engine can be rebuilt from (``runtime.engine_builder.EngineBuilder``): re-mapping refuses, in one
 sentence, the inputs it cannot make anew for new parameters. The rebuild itself runs in
 test_remap.py and test_orchestrate.py, on real ranks."""
 from __future__ import annotations
 
 import torch
 
-from ds_pipemorph.runtime.builder import EngineBuilder
+from ds_pipemorph.runtime.engine_builder import EngineBuilder
 from ds_pipemorph.runtime.initialize import build_engine
 
 

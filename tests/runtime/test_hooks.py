@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ds_pipemorph.inject.config import InjectConfig
+from ds_pipemorph.inject.section import InjectConfig
 from ds_pipemorph.inject.plugin import PLUGIN
 from ds_pipemorph.inject.wrapping import TransportWrapper
 from ds_pipemorph.runtime import hooks

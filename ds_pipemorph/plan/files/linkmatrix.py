@@ -3,7 +3,7 @@
 The placement search (``plan.place.predict``) reads it to decide which ranks share a data-parallel ring
 and which pairs carry pipeline traffic. Links are symmetric: a pair ``(a, b)`` is the same link
 as ``(b, a)``, since an all-reduce ring and a pipeline link both carry traffic both ways and a
-one-way latency cannot be split by direction without synchronised clocks (``profiling.links``).
+one-way latency cannot be split by direction without synchronised clocks (``profiling.linkmeasure``).
 
 Values come from ``default`` (every pair), then the optional dense ``latency_ms`` /
 ``bandwidth_gbs`` matrices (W x W, symmetric, diagonal ignored), then the ``pairs`` list, each

@@ -1,3 +1,3 @@
 """Placing ranks on the pipeline x data-parallel grid: a placement and its all-reduce cost
-(``placement``), the search over placements (``search``) and what each way of placing a job
+(``placement``), the search over placements (``placement_search``) and what each way of placing a job
 predicts (``predict``); docs/placement.md."""

@@ -48,7 +48,7 @@ from ..sched.warmup import adapted_warmup, initial_warmup
 from ..sim import native
 from ..sim.simulate import replay
 from .placement import Placement, allreduce_ms
-from .search import EXACT_MAX_PLACEMENTS, best_placements, placements_modulo_renaming
+from .placement_search import EXACT_MAX_PLACEMENTS, best_placements, placements_modulo_renaming
 
 FINALISTS = 5  # placements the orchestrator plans fully (the best by the quick planner)
 DELEGATED = Delegated(queues=2)

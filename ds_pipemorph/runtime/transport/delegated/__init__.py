@@ -5,7 +5,7 @@
 - ``directions``: the state kept per link direction and per delegate queue;
 - ``sending`` / ``receiving``: the data path into and out of the rings;
 - ``supervision``: spawning delegates from a fork server, health checks, restarts by generation;
-- ``delays``: the injected delays shared with sender delegates (testing);
+- ``delay_publishing``: the injected delays shared with sender delegates (testing);
 - ``copier``: the copy thread that moves bytes into the rings beside the training thread;
 - ``delegate_proc``: the main loop of one delegate process (imports torch only).
 

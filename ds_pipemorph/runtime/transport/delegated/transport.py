@@ -48,7 +48,7 @@ from ....staging.device_path import select_path
 from ...config import DelegationConfig
 from ..protocol import link_of, peer_of
 from .copier import Copier
-from .delays import DelayPublishing
+from .delay_publishing import DelayPublishing
 from .delegate_proc import SLICE_S, liveness_for
 from .directions import Direction
 from .receiving import Receiving
