@@ -256,7 +256,7 @@ class PipeMorphEngine(PipelineEngine):
         self._meter: Optional[SavedBytes] = None
         self._mem_ops: dict[str, dict[int, int]] = {}  # "F"/"G"/"W" -> micro-batch -> bytes
         self.activation_bytes: Optional[list[ActivationBytes]] = None
-        # A/B inside this job: the job's own schedule against pipemorph.compare's (runtime.compare).
+        # A/B inside this job: the job's own schedule against pipemorph.compare's (runtime.ab_compare).
         self.compare = Compare(self, pipemorph) if pipemorph.compare.schedule is not None else None
         self._destroyed = False
         release_at_exit(self)  # a script that just returns exits in order too (runtime.shutdown)
@@ -447,7 +447,7 @@ class PipeMorphEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         """DeepSpeed's train_batch inside one NVTX range ``ITER<k>`` (k: this engine's batches so far).
         The first one also measures the activation memory (``runtime.act_meter``); with
-        ``pipemorph.compare`` each one runs and is timed on its side (``runtime.compare``)."""
+        ``pipemorph.compare`` each one runs and is timed on its side (``runtime.ab_compare``)."""
         if self.compare is None or self.compare.done:
             return self._train_batch(data_iter)
         self.compare.before(self)
