@@ -55,8 +55,8 @@ REGISTRY: dict[str, Here | Node | Options] = {
         "the commands it runs, recorded without reinstalling torch"),
     "PIPEMORPH_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh": Here("dry run"),
     "PIPEMORPH_SKIP_TORCH=1 bash scripts/setup.sh": Here("dry run"),
-    "pipemorph demo": Node((f"{RUNS}::test_demo_prints_the_table_of_three_schedules_with_and_without_delay",),
-                           "the same demo with one measured iteration per schedule"),
+    "pipemorph demo": Node(("tests/bench/test_demo_end_to_end.py::test_short_demo_shows_progress_prints_the_table_and_writes_results",),
+                           "the same demo with two measured iterations per schedule"),
     "pipemorph demo --budget 2": Options("the demo again, with twice stock's activation memory"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/memory_budget.py": Options("six engines on the GPT recipe, minutes"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/rank_memory.py": Node(
