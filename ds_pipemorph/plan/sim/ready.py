@@ -30,6 +30,7 @@ from math import isfinite
 from typing import Callable, Optional, Sequence, Union
 
 from ...fileio import check_ordered
+from ..ir.fused import fused_at
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
 from ..ir.lower import Dispatch
 from ..ir.ops import KINDS, Kind, Op, Schedule
@@ -178,8 +179,8 @@ class _Run:
         self.fused = [[False] * N for _ in range(S)]
         if fused:
             for s, row in enumerate(schedule):
-                for i, op in enumerate(row[:-1]):
-                    if op.kind is Kind.B and row[i + 1] == Op(Kind.W, op.mb):
+                for i, op in enumerate(row):
+                    if fused_at(row, i):
                         self.fused[s][op.mb] = True
         self.end = [[[_INF] * N for _ in range(3)] for _ in range(S)]
         self.arr_f = [[_INF] * N for _ in range(S)]  # arrival at s+1 of the activation F m on s sent

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence, Union
 
+from ..ir.fused import fused_at
 from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
-from ..ir.ops import KINDS, Op, Schedule
+from ..ir.ops import KINDS, Schedule
 from ..ir.profile import Costs
 from .timeline import Slot, StuckSchedule, stuck_message
 
@@ -114,8 +115,7 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
             if k is _F and s < last:
                 arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
             elif k is _B and s > 0:
-                nxt = ptr[s] + 1
-                if fused_backward and nxt < len(row) and row[nxt] == Op(_W, m):
+                if fused_backward and fused_at(row, ptr[s]):
                     arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
                     hold[s] = (m, depart)
                 else:
