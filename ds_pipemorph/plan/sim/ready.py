@@ -31,11 +31,12 @@ from typing import Callable, Optional, Sequence, Union
 
 from ...fileio import check_ordered
 from ..ir.fused import fused_at
-from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ..ir.links import LATENCY, LinkModel, per_link
 from ..ir.lower import Dispatch
 from ..ir.ops import KINDS, Kind, Op, Schedule
 from ..ir.profile import Costs
 from ..ir.ready_rule import ReadyRule
+from .link_queues import LinkQueues
 from .timeline import Slot, StuckSchedule, Timeline, stuck_message
 
 OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
@@ -169,11 +170,7 @@ class _Run:
         self.curves = curves
         self.const = [c[0][1] if len(c) == 1 else None for c in curves]  # constant delay, if one
         self.times = [[p[0] for p in c] for c in curves]
-        self.fifo = [isinstance(h, Direct) for h in model]
-        self.queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]
-        self.lane_free = [[[0.0] * max(q, 1) for q in self.queues] for _ in range(2)]  # [dir][link][fifo]
-        self.lane_next = [[0] * (S - 1) for _ in range(2)]
-        self.fifo_free = [[0.0, 0.0] for _ in range(S)]  # per sender stage: [down, up]
+        self.net = LinkQueues(model, S)
         self.pos = [{(op.kind.code, op.mb): i for i, op in enumerate(row)} for row in schedule]
         # fused[s][m]: B m runs fused with W m (the W right after it in the order / hint)
         self.fused = [[False] * N for _ in range(S)]
@@ -322,24 +319,8 @@ class _Run:
 
     def _send(self, s: int, d: int, t_send: float) -> tuple[float, float]:
         """(arrival, the time the sender is free again) of a message stage s sends at ``t_send``
-        in direction d (0: activation down, 1: gradient up), as ``simulate`` queues it."""
-        link = s - d
-        c = self.const[link]
-        if self.fifo[link] and c != 0:
-            depart = max(t_send, self.fifo_free[s][d])
-            c = self._delay(link, depart)
-            self.fifo_free[s][d] = depart + c
-            return depart + c, depart
-        if self.queues[link] and c != 0:
-            n = self.lane_next[d][link]
-            self.lane_next[d][link] = n + 1
-            lane = self.lane_free[d][link]
-            j = n % self.queues[link]
-            depart = max(t_send, lane[j])
-            c = self._delay(link, depart)
-            lane[j] = depart + c
-            return depart + c, t_send
-        return t_send + self._delay(link, t_send), t_send
+        in direction d (0: activation down, 1: gradient up), through the link queues."""
+        return self.net.send(s, d, t_send, self.const[s - d], self._delay)
 
     def _delay(self, link: int, t: float) -> float:
         c = self.const[link]

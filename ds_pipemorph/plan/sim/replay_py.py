@@ -15,9 +15,10 @@ from collections import deque
 from typing import Optional, Sequence, Union
 
 from ..ir.fused import fused_at
-from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ..ir.links import LATENCY, LinkModel, per_link
 from ..ir.ops import KINDS, Schedule
 from ..ir.profile import Costs
+from .link_queues import LinkQueues
 from .timeline import Slot, StuckSchedule, stuck_message
 
 _F, _B, _W = KINDS  # module globals: looking a member up on the enum class costs more, per op
@@ -27,26 +28,18 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
            link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
     """The replay's event-driven core: (first start, last end, busy ms per stage).
 
-    ``link_model`` (one, or one per link; ``plan.ir.links``): ``Direct()`` is one FIFO holding one
-    message in flight: a message departs when the previous one has arrived, and its sender is
-    blocked until then. ``Delegated(k)`` is k independent FIFOs (message n of a direction travels
-    in FIFO n % k, as the delegated transport sends them), and the sender never waits.
-    ``Latency()``: a message arrives c after it was sent.
+    ``link_model`` (one, or one per link; ``plan.ir.links``) says how messages queue on a link
+    (``link_queues.LinkQueues``).
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    model = per_link(link_model, S - 1)
-    fifo = [isinstance(h, Direct) for h in model]  # direct: one message in flight, the sender blocks
-    queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]  # delegated: k FIFOs
-    qfree = [[[0.0] * max(q, 1) for q in queues] for _ in range(2)]  # [direction][link][fifo]
-    qnext = [[0] * (S - 1) for _ in range(2)]  # [direction][link]: the next message's number
+    send = LinkQueues(per_link(link_model, S - 1), S).send  # (arrival, sender free) of a message
     inf = float("inf")
     first, last_end = inf, 0.0
     end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
     arr_f = [[inf] * N for _ in range(S)]  # arrival at stage s+1 of the activation of F m on s
     arr_b = [[inf] * N for _ in range(S)]  # arrival at stage s-1 of the gradient of B m on s
-    link_free = [[0.0, 0.0] for _ in range(S)]  # per stage: [downstream, upstream] FIFO free at
     hold = [None] * S  # fused backward: (m, departure) blocking the stage after its W m
     times = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
     links = costs.links
@@ -56,23 +49,6 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
     queue = deque(range(S))
     queued = [True] * S
     last = S - 1
-
-    def send(s: int, d: int, t_send: float, c: float) -> tuple[float, float]:
-        """(arrival, departure) of a message stage s sends at t_send in direction d (0 down, 1 up)."""
-        link = s - d
-        if c > 0 and fifo[link]:
-            depart = t_send if t_send > link_free[s][d] else link_free[s][d]
-            link_free[s][d] = depart + c
-            return depart + c, depart
-        if c > 0 and queues[link]:
-            n = qnext[d][link]
-            qnext[d][link] = n + 1
-            lane = qfree[d][link]
-            i = n % queues[link]
-            depart = t_send if t_send > lane[i] else lane[i]
-            lane[i] = depart + c
-            return depart + c, t_send
-        return t_send + c, t_send
 
     while queue:
         s = queue.popleft()
