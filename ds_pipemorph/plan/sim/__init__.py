@@ -2,4 +2,4 @@
 core ``native`` with its C source ``plancore.c``), the event-driven list scheduler the compiled core
 is checked against (``listsched_py``), its timeline, the link queues the Python replays send through
 (``link_queues``), the readiness replay (``ready``), incremental re-evaluation, varied op times
-(``variation``) and the validity check (``validate``)."""
+(``variation``), what every row must hold (``rows``) and the validity check (``validate``)."""

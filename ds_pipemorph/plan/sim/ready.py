@@ -37,6 +37,7 @@ from ..ir.ops import KINDS, Kind, Op, Schedule
 from ..ir.profile import Costs
 from ..ir.ready_rule import ReadyRule
 from .link_queues import LinkQueues
+from .rows import row_problem
 from .timeline import Slot, StuckSchedule, Timeline, stuck_message
 
 OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
@@ -75,7 +76,9 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     dispatch = Dispatch.parse(dispatch)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    _check_rows(schedule, N)
+    problem = row_problem(schedule, N, ordered=False)  # a hint need not respect dependencies
+    if problem is not None:
+        raise ValueError(problem)
     cap = _caps(caps, S, N)
     dur = _durations(op_times, costs, S, N)
     # N*(tF+tB+tW) per stage, the same floats as simulate.replay when the times are the costs'
@@ -83,22 +86,6 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
             else [sum(map(sum, dur[s])) for s in range(S)])
     return _Run(schedule, N, dispatch is Dispatch.READY, cap, dur, _curves(link_delays, costs, S),
                 per_link(link_model, S - 1), fused_backward, work, patience, units, w_share).run()
-
-
-def _check_rows(schedule: Schedule, N: int) -> None:
-    """Every stage lists each of F m, B m, W m exactly once (a hint need not respect dependencies)."""
-    want = {Op(k, m) for k in KINDS for m in range(N)}
-    for s, row in enumerate(schedule):
-        seen: set = set()
-        for op in row:
-            if op not in want:
-                raise ValueError(f"stage {s}: {op} is not a compute op of micro-batches 0..{N - 1}")
-            if op in seen:
-                raise ValueError(f"stage {s}: {op} appears twice")
-            seen.add(op)
-        if len(seen) != len(want):
-            missing = min(want - seen, key=lambda o: (o.mb, o.kind.code))
-            raise ValueError(f"stage {s}: {missing} is missing")
 
 
 def _caps(caps: Optional[Sequence[int]], S: int, N: int) -> list[int]:
