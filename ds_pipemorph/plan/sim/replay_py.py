@@ -5,7 +5,8 @@ This is what a runtime that follows a plan order experiences: each op starts whe
 free and its inputs have arrived (upstream F + link delay, downstream B + link delay, own B for W).
 Event-driven over the dependency graph, so there is no time step and no discretisation error.
 ``plan.sim.native`` computes the same floats in C and checks itself against ``run_py``;
-``plan.sim.simulate`` picks one of the two.
+``plan.sim.simulate`` picks one of the two. ``run_orders`` is the core, with op times per op and
+link delays that may change over time: ordered dispatch in ``plan.sim.ready`` runs on it too.
 
 Pure Python: no torch, no deepspeed, no numpy.
 """
@@ -26,7 +27,7 @@ _F, _B, _W = KINDS  # module globals: looking a member up on the enum class cost
 
 def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
            link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
-    """The replay's event-driven core: (first start, last end, busy ms per stage).
+    """The replay under ``costs``: (first start, last end, busy ms per stage); ``run_orders``.
 
     ``link_model`` (one, or one per link; ``plan.ir.links``) says how messages queue on a link
     (``link_queues.LinkQueues``).
@@ -34,15 +35,26 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    send = LinkQueues(per_link(link_model, S - 1), S).send  # (arrival, sender free) of a message
+    dur = [[[costs.f[s]] * N, [costs.b[s]] * N, [costs.w[s]] * N] for s in range(S)]
+    net = LinkQueues(per_link(link_model, S - 1), S, costs.links)
+    return run_orders(schedule, dur, N, fused_backward, net, slots)
+
+
+def run_orders(schedule: Schedule, dur: list, N: int, fused_backward: bool, net: LinkQueues,
+               slots: Optional[list]):
+    """The replay's event-driven core: (first start, last end, busy ms per stage); ``slots``, if a
+    list, gets each op's ``Slot`` in the order the replay runs them (each stage's in its order). ``dur[s][kind code][m]``: op times
+    in ms; ``net``: the link queues messages go through. ``fused_backward``: a B whose W follows it
+    (``plan.ir.fused``) sends its gradient when that W ends, and the stage waits for the send after
+    the W."""
+    S = len(schedule)
+    send = net.send  # (arrival, sender free) of a message
     inf = float("inf")
     first, last_end = inf, 0.0
     end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
     arr_f = [[inf] * N for _ in range(S)]  # arrival at stage s+1 of the activation of F m on s
     arr_b = [[inf] * N for _ in range(S)]  # arrival at stage s-1 of the gradient of B m on s
     hold = [None] * S  # fused backward: (m, departure) blocking the stage after its W m
-    times = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
-    links = costs.links
     ptr = [0] * S
     free = [0.0] * S
     busy = [0.0] * S
@@ -54,7 +66,7 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
         s = queue.popleft()
         queued[s] = False
         row = schedule[s]
-        es = end[s]
+        es, ds = end[s], dur[s]
         progressed = False
         while ptr[s] < len(row):
             op = row[ptr[s]]
@@ -84,23 +96,23 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
                 if ready == inf:
                     break
             start = free[s] if free[s] > ready else ready
-            dur = times[s][ki]
-            fin = start + dur
+            d = ds[ki][m]
+            fin = start + d
             es[ki][m] = fin
             blocked_until = fin
             if k is _F and s < last:
-                arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
+                arr_f[s][m], blocked_until = send(s, 0, fin)
             elif k is _B and s > 0:
                 if fused_backward and fused_at(row, ptr[s]):
-                    arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
+                    arr_b[s][m], depart = send(s, 1, fin + ds[2][m])
                     hold[s] = (m, depart)
                 else:
-                    arr_b[s][m], blocked_until = send(s, 1, fin, links[s - 1])
+                    arr_b[s][m], blocked_until = send(s, 1, fin)
             elif k is _W and hold[s] is not None and hold[s][0] == m:
                 blocked_until = max(fin, hold[s][1])
                 hold[s] = None
             free[s] = blocked_until if blocked_until > fin else fin
-            busy[s] += dur
+            busy[s] += d
             if start < first:
                 first = start
             if fin > last_end:
