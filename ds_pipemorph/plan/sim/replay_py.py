@@ -40,24 +40,52 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
     return run_orders(schedule, dur, N, fused_backward, net, slots)
 
 
+class Progress:
+    """How far a replay of fixed orders got, what ``run_orders`` starts from and leaves behind.
+
+    Per stage: the next position (``ptr``), when the stage is free, its busy ms, when each of its
+    ops ended (``end[s][kind code][m]``), when the messages it sent arrive (``arr_f[s][m]``: the
+    activation of F m at stage s+1; ``arr_b[s][m]``: the gradient of B m at stage s-1), and the
+    fused backward holding it (``hold[s]``: (m, departure) of the gradient its W m waits for).
+    With ``keep``, also per stage the start of the op at each position (``starts``) and the busy ms
+    before each position and after the last (``cum``), from which a replay can be resumed.
+    """
+
+    __slots__ = ("ptr", "free", "busy", "end", "arr_f", "arr_b", "hold", "starts", "cum")
+
+    def __init__(self, ptr, free, busy, end, arr_f, arr_b, hold, starts=None, cum=None):
+        self.ptr, self.free, self.busy, self.end, self.arr_f, self.arr_b = ptr, free, busy, end, arr_f, arr_b
+        self.hold, self.starts, self.cum = hold, starts, cum
+
+    @classmethod
+    def start(cls, S: int, N: int, keep: bool = False) -> "Progress":
+        """Nothing run yet; ``keep``: with ``starts`` and ``cum``."""
+        inf = float("inf")
+        return cls([0] * S, [0.0] * S, [0.0] * S, [[[inf] * N for _ in range(3)] for _ in range(S)],
+                   [[inf] * N for _ in range(S)], [[inf] * N for _ in range(S)], [None] * S,
+                   [[] for _ in range(S)] if keep else None, [[0.0] for _ in range(S)] if keep else None)
+
+
 def run_orders(schedule: Schedule, dur: list, N: int, fused_backward: bool, net: LinkQueues,
-               slots: Optional[list]):
-    """The replay's event-driven core: (first start, last end, busy ms per stage); ``slots``, if a
-    list, gets each op's ``Slot`` in the order the replay runs them (each stage's in its order). ``dur[s][kind code][m]``: op times
-    in ms; ``net``: the link queues messages go through. ``fused_backward``: a B whose W follows it
-    (``plan.ir.fused``) sends its gradient when that W ends, and the stage waits for the send after
-    the W."""
+               slots: Optional[list], at: Optional[Progress] = None, bound: Optional[float] = None,
+               work: Optional[list[float]] = None):
+    """The replay's event-driven core: (first start, last end, busy ms per stage) of the ops it
+    runs; ``slots``, if a list, gets each op's ``Slot`` in the order the replay runs them (each
+    stage's in its order). ``dur[s][kind code][m]``: op times in ms; ``net``: the link queues
+    messages go through. ``fused_backward``: a B whose W follows it (``plan.ir.fused``) sends its
+    gradient when that W ends, and the stage waits for the send after the W.
+
+    ``at``: the ``Progress`` to go on from (left where the replay ends); default: from the start.
+    ``bound`` with ``work`` (per stage the ms of all its ops): None as soon as a stage's free time
+    plus its work not run yet exceeds ``bound``.
+    """
     S = len(schedule)
     send = net.send  # (arrival, sender free) of a message
     inf = float("inf")
     first, last_end = inf, 0.0
-    end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
-    arr_f = [[inf] * N for _ in range(S)]  # arrival at stage s+1 of the activation of F m on s
-    arr_b = [[inf] * N for _ in range(S)]  # arrival at stage s-1 of the gradient of B m on s
-    hold = [None] * S  # fused backward: (m, departure) blocking the stage after its W m
-    ptr = [0] * S
-    free = [0.0] * S
-    busy = [0.0] * S
+    at = at or Progress.start(S, N)
+    end, arr_f, arr_b, hold, ptr, free, busy = at.end, at.arr_f, at.arr_b, at.hold, at.ptr, at.free, at.busy
+    starts, cum = at.starts, at.cum
     queue = deque(range(S))
     queued = [True] * S
     last = S - 1
@@ -113,6 +141,11 @@ def run_orders(schedule: Schedule, dur: list, N: int, fused_backward: bool, net:
                 hold[s] = None
             free[s] = blocked_until if blocked_until > fin else fin
             busy[s] += d
+            if bound is not None and free[s] + work[s] - busy[s] > bound:  # this stage alone runs past it
+                return None
+            if starts is not None:
+                starts[s].append(start)
+                cum[s].append(busy[s])
             if start < first:
                 first = start
             if fin > last_end:
