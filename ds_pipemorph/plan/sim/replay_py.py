@@ -5,8 +5,9 @@ This is what a runtime that follows a plan order experiences: each op starts whe
 free and its inputs have arrived (upstream F + link delay, downstream B + link delay, own B for W).
 Event-driven over the dependency graph, so there is no time step and no discretisation error.
 ``plan.sim.native`` computes the same floats in C and checks itself against ``run_py``;
-``plan.sim.simulate`` picks one of the two. ``run_orders`` is the core, with op times per op and
-link delays that may change over time: ordered dispatch in ``plan.sim.ready`` runs on it too.
+``plan.sim.simulate`` picks one of the two. ``run_orders`` is the core, with op times per op, link
+delays that may change over time and a ``Progress`` to resume from: ordered dispatch in
+``plan.sim.ready`` and the search's evaluator (``plan.sim.incremental``) run on it too.
 
 Pure Python: no torch, no deepspeed, no numpy.
 """
