@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple, Optional
 
+from ..plan.ir.fused import fused_at
 from ..plan.ir.ops import Kind, Op, message_op, recorded_op
 from ..plan.ir.ready_rule import ReadyRule
 from . import instructions as I
@@ -95,8 +96,9 @@ class ReadyProgram:
                                  f"compute op and each send after its producer, not {op} there")
         if fused:  # the lowering sends B m's gradient after W m: the two run as one unit
             ops = schedule.ops
-            for a, b in zip(ops, ops[1:]):
-                if a.kind is Kind.B and b == Op(Kind.W, a.mb):
+            for i, a in enumerate(ops):
+                if fused_at(ops, i):
+                    b = ops[i + 1]
                     w = self.units.pop(b)
                     u = self.units[a]
                     u.entries.extend(w.entries)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Protocol, Sequence, Union
 
+from .fused import fused_at
 from .ops import PAYLOADS, Kind, Op, Schedule
 from .text_enum import TextEnum
 
@@ -185,11 +186,11 @@ def consumes_message(op: Op, s: int, S: int) -> bool:
 
 def sends_gradient(row: Sequence[Op], i: int, fused: bool) -> bool:
     """Whether the input gradient leaves right after ``row[i]``: after B, or after the W that
-    directly follows its B in a fused backward."""
+    directly follows its B in a fused backward (``fused.fused_at``)."""
     op = row[i]
     if op.kind is Kind.B:
-        return not (fused and i + 1 < len(row) and row[i + 1] == Op(Kind.W, op.mb))
-    return fused and op.kind is Kind.W and i > 0 and row[i - 1] == Op(Kind.B, op.mb)
+        return not (fused and fused_at(row, i))
+    return fused and op.kind is Kind.W and i > 0 and fused_at(row, i - 1)
 
 
 def format_streams(streams: list[Stream]) -> list[str]:

@@ -6,9 +6,9 @@ none of the reordered ops did (they all start at T0 or later), by induction over
 long as op times are positive. So ``delta`` keeps the replay up to T0, runs the rest, and gives up
 as soon as some stage cannot finish within ``limit`` (its free time plus its remaining work).
 
-Same arithmetic as ``simulate.replay`` with pure-latency links (``links.Latency``), so the same
-times. Link models that queue messages (``Direct``, ``Delegated``) or zero op times fall back to
-full replays.
+It runs on the replay's own core (``replay_py.run_orders``), resumed from a ``Progress``, so the
+same times as ``simulate.replay``. Link models that queue messages (``Direct``, ``Delegated``) or
+zero op times fall back to full replays.
 
 With the compiled core (``plan.sim.native``) every replay is a full one in C, faster than the Python
 resumption: the same times, starts and verdicts (above ``limit`` or not). Rows are encoded for it
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections import deque
 from typing import Optional, Sequence, Union
 
 from ..ir.links import LATENCY, Latency, LinkModel, per_link
 from ..ir.ops import KINDS, Schedule, op_table
 from ..ir.profile import Costs
 from . import native
+from .link_queues import LinkQueues
+from .replay_py import Progress, run_orders
 from .simulate import makespan, replay
 from .timeline import StuckSchedule, stuck_message
 
@@ -36,12 +37,12 @@ SLACK = 1e-6  # ms: the early stop's sum of remaining work may round above the r
 
 class State:
     """A replayed order: iteration time ``t`` and, per stage, the start of the op at each position
-    (``Evaluator.starts``), plus what ``delta`` resumes from."""
+    (``Evaluator.starts``), plus the ``Progress`` ``delta`` resumes from (None: it replays in full)."""
 
-    __slots__ = ("t", "starts", "cum", "end_f", "end_b")
+    __slots__ = ("t", "starts", "progress")
 
-    def __init__(self, t: float, starts, cum=None, end_f=None, end_b=None):
-        self.t, self.starts, self.cum, self.end_f, self.end_b = t, starts, cum, end_f, end_b
+    def __init__(self, t: float, starts, progress: Optional[Progress] = None):
+        self.t, self.starts, self.progress = t, starts, progress
 
 
 class Evaluator:
@@ -55,6 +56,8 @@ class Evaluator:
         self.dur = [{_F: costs.f[s], _B: costs.b[s], _W: costs.w[s]} for s in range(S)]
         self.links = list(costs.links)
         self.total = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
+        self.times = [[[costs.f[s]] * N, [costs.b[s]] * N, [costs.w[s]] * N] for s in range(S)]  # [s][kind code][m]
+        self.net = LinkQueues(self.link_model, S, self.links)  # keeps no state under pure latency
         latency_only = all(isinstance(h, Latency) or c <= 0 for h, c in zip(self.link_model, costs.links))
         self.incremental = latency_only and min(costs.f + costs.b + costs.w) > 0  # else full replays
         self.evals = 0
@@ -126,8 +129,7 @@ class Evaluator:
         if not self.incremental:
             t = self.time(sched)
             return State(t, None) if t <= limit else None  # starts on demand: ``starts``
-        return self._run(sched, [[] for _ in range(S)], [[0.0] for _ in range(S)], [[INF] * N for _ in range(S)],
-                         [[INF] * N for _ in range(S)], [0] * S, [0.0] * S, limit)
+        return self._run(sched, Progress.start(S, N, keep=True), limit)
 
     def starts(self, state: State, sched: Schedule) -> list[list[float]]:
         """Per stage, the start of the op at each position of ``sched`` (replayed as ``state``)."""
@@ -142,72 +144,34 @@ class Evaluator:
               limit: float = INF) -> Optional[State]:
         """The replay of ``sched``, which is ``old`` (replayed as ``state``) with stage ``s``
         reordered from position ``lo`` on; None if it takes longer than ``limit``."""
-        if not self.incremental or state.cum is None:  # full replays (in C when state came from there)
+        if not self.incremental or state.progress is None:  # full replays (in C when state came from there)
             return self.full(sched, limit)
+        was, N = state.progress, self.N
         t0 = state.starts[s][lo]
-        ptr, starts, cum, end_f, end_b, free = [], [], [], [], [], []
+        ptr, free, busy, end, arr_f, arr_b, starts, cum = [], [], [], [], [], [], [], []
         for x, st in enumerate(state.starts):
             p, row = bisect_left(st, t0), old[x]
             ptr.append(p)
             starts.append(st[:p])
-            cum.append(state.cum[x][: p + 1])
-            ef, eb = state.end_f[x][:], state.end_b[x][:]
-            end_f.append(ef)
-            end_b.append(eb)
+            cum.append(was.cum[x][: p + 1])
+            busy.append(cum[x][p])
             free.append(st[p - 1] + self.dur[x][row[p - 1][0]] if p else 0.0)
+            ef, eb, af, ab = was.end[x][0][:], was.end[x][1][:], was.arr_f[x][:], was.arr_b[x][:]
+            end.append([ef, eb, [INF] * N])  # W ends are never waited for
+            arr_f.append(af)
+            arr_b.append(ab)
             for k, m, _ in row[p:]:  # to be run again
                 if k is _F:
-                    ef[m] = INF
+                    ef[m] = af[m] = INF
                 elif k is _B:
-                    eb[m] = INF
-        return self._run(sched, starts, cum, end_f, end_b, ptr, free, limit)
+                    eb[m] = ab[m] = INF
+        at = Progress(ptr, free, busy, end, arr_f, arr_b, [None] * self.S, starts, cum)
+        return self._run(sched, at, limit)
 
-    def _run(self, sched, starts, cum, end_f, end_b, ptr, free, limit) -> Optional[State]:
-        """``replay_py.run_py`` for pure-latency links, resumed from ``ptr`` with the given state."""
+    def _run(self, sched: Schedule, at: Progress, limit: float) -> Optional[State]:
+        """``replay_py.run_orders`` for pure-latency links, resumed from ``at``; None above ``limit``."""
         self.evals += 1
-        S, dur, links, total = self.S, self.dur, self.links, self.total
-        last = S - 1
-        queue = deque(range(S))
-        queued = [True] * S
-        while queue:
-            s = queue.popleft()
-            queued[s] = False
-            row, p = sched[s], ptr[s]
-            n, p0, fr = len(row), p, free[s]
-            ds, st, cs, ef, eb = dur[s], starts[s], cum[s], end_f[s], end_b[s]
-            while p < n:
-                k, m, _ = row[p]
-                if k is _F:
-                    ready = end_f[s - 1][m] + links[s - 1] if s else 0.0
-                elif k is _B:
-                    ready = ef[m]
-                    if s < last:
-                        r = end_b[s + 1][m] + links[s]
-                        if r > ready:
-                            ready = r
-                else:
-                    ready = eb[m]
-                if ready == INF:
-                    break
-                start = fr if fr > ready else ready
-                fr = start + ds[k]
-                c = cs[-1] + ds[k]
-                if fr + total[s] - c > limit + SLACK:  # this stage alone already runs past the limit
-                    return None
-                st.append(start)
-                cs.append(c)
-                if k is _F:
-                    ef[m] = fr
-                elif k is _B:
-                    eb[m] = fr
-                p += 1
-            if p > p0:
-                ptr[s], free[s] = p, fr
-                for nb in (s - 1, s + 1):
-                    if 0 <= nb < S and not queued[nb] and ptr[nb] < len(sched[nb]):
-                        queued[nb] = True
-                        queue.append(nb)
-        if any(ptr[s] < len(sched[s]) for s in range(S)):
-            raise StuckSchedule("the stage orders wait on each other in a cycle")
-        t = max(free)
-        return State(t, starts, cum, end_f, end_b) if t <= limit else None
+        if run_orders(sched, self.times, self.N, False, self.net, None, at, limit + SLACK, self.total) is None:
+            return None
+        t = max(at.free)
+        return State(t, at.starts, at) if t <= limit else None

@@ -1,9 +1,9 @@
 """Readiness-driven dispatch (RRFP): a plan's order taken as a hint, replayed under varying times.
 
-Two dispatch rules share one event-driven core (no time step):
+Two dispatch rules, each event-driven (no time step):
 
-- ``ordered``: each stage runs its order as written; the next op waits until it is ready. With
-  constant times this is ``simulate.replay``, to the last bit.
+- ``ordered``: each stage runs its order as written; the next op waits until it is ready. This is
+  the replay's own core (``replay_py.run_orders``), so with constant times it is ``simulate.replay``.
 - ``ready``: the order is a non-binding hint. Whenever a stage is idle it starts, among its ops
   that are ready at that moment, the one listed first in its hint. ``F m`` is ready once its
   activation has arrived (stage 0: at once) and the stage holds fewer activations than its cap
@@ -24,23 +24,24 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
 from collections.abc import Mapping
 from math import isfinite
 from typing import Callable, Optional, Sequence, Union
 
 from ...fileio import check_ordered
-from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
+from ..ir.fused import fused_at
+from ..ir.links import LATENCY, LinkModel, per_link
 from ..ir.lower import Dispatch
-from ..ir.ops import KINDS, Kind, Op, Schedule
+from ..ir.ops import KINDS, Kind, Op, Schedule, peak_inflight
 from ..ir.profile import Costs
 from ..ir.ready_rule import ReadyRule
-from .timeline import Slot, StuckSchedule, Timeline, stuck_message
+from .link_queues import Breakpoints, LinkQueues
+from .replay_py import run_orders
+from .rows import row_problem
+from .timeline import Slot, StuckSchedule, Timeline
 
 OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
-Breakpoints = Sequence[tuple[float, float]]  # (time_ms, delay_ms), sorted by time
 LinkDelays = Sequence[Union[float, Breakpoints]]  # one entry per link
-_INF = float("inf")
 
 
 def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
@@ -73,30 +74,20 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     dispatch = Dispatch.parse(dispatch)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    _check_rows(schedule, N)
+    problem = row_problem(schedule, N, ordered=False)  # a hint need not respect dependencies
+    if problem is not None:
+        raise ValueError(problem)
     cap = _caps(caps, S, N)
     dur = _durations(op_times, costs, S, N)
     # N*(tF+tB+tW) per stage, the same floats as simulate.replay when the times are the costs'
     work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
             else [sum(map(sum, dur[s])) for s in range(S)])
-    return _Run(schedule, N, dispatch is Dispatch.READY, cap, dur, _curves(link_delays, costs, S),
-                per_link(link_model, S - 1), fused_backward, work, patience, units, w_share).run()
-
-
-def _check_rows(schedule: Schedule, N: int) -> None:
-    """Every stage lists each of F m, B m, W m exactly once (a hint need not respect dependencies)."""
-    want = {Op(k, m) for k in KINDS for m in range(N)}
-    for s, row in enumerate(schedule):
-        seen: set = set()
-        for op in row:
-            if op not in want:
-                raise ValueError(f"stage {s}: {op} is not a compute op of micro-batches 0..{N - 1}")
-            if op in seen:
-                raise ValueError(f"stage {s}: {op} appears twice")
-            seen.add(op)
-        if len(seen) != len(want):
-            missing = min(want - seen, key=lambda o: (o.mb, o.kind.code))
-            raise ValueError(f"stage {s}: {missing} is missing")
+    net = LinkQueues(per_link(link_model, S - 1), S, _curves(link_delays, costs, S))
+    if dispatch is Dispatch.ORDERED:
+        slots: list[Slot] = []
+        first, last, busy = run_orders(schedule, dur, N, fused_backward, net, slots)
+        return Timeline(S, N, slots, last - first, busy, peak_inflight(schedule), work)
+    return _Run(schedule, N, cap, dur, net, fused_backward, work, patience, units, w_share).run()
 
 
 def _caps(caps: Optional[Sequence[int]], S: int, N: int) -> list[int]:
@@ -153,7 +144,8 @@ def _curves(link_delays: Optional[LinkDelays], costs: Costs, S: int) -> list[Bre
 
 
 class _Run:
-    """One replay: per-stage state, the link queues, and a heap of (time, stage) wake-ups.
+    """One replay under ready dispatch: per-stage state, the link queues, and a heap of (time,
+    stage) wake-ups.
 
     A stage is looked at only when something of its own happens: it becomes free, or a message
     for it arrives (its own op ends never come later than it becomes free). At each wake-up an
@@ -161,42 +153,30 @@ class _Run:
     next free time are known when it starts, and are pushed as wake-ups.
     """
 
-    def __init__(self, schedule, N, ready, cap, dur, curves, model, fused, work, patience=True, units=None,
-                 w_share=1.0):
+    def __init__(self, schedule, N, cap, dur, net, fused, work, patience=True, units=None, w_share=1.0):
         S = len(schedule)
-        self.rows, self.S, self.N, self.is_ready, self.cap, self.dur = schedule, S, N, ready, cap, dur
-        self.curves = curves
-        self.const = [c[0][1] if len(c) == 1 else None for c in curves]  # constant delay, if one
-        self.times = [[p[0] for p in c] for c in curves]
-        self.fifo = [isinstance(h, Direct) for h in model]
-        self.queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]
-        self.lane_free = [[[0.0] * max(q, 1) for q in self.queues] for _ in range(2)]  # [dir][link][fifo]
-        self.lane_next = [[0] * (S - 1) for _ in range(2)]
-        self.fifo_free = [[0.0, 0.0] for _ in range(S)]  # per sender stage: [down, up]
+        self.rows, self.S, self.N, self.cap, self.dur, self.net = schedule, S, N, cap, dur, net
         self.pos = [{(op.kind.code, op.mb): i for i, op in enumerate(row)} for row in schedule]
         # fused[s][m]: B m runs fused with W m (the W right after it in the order / hint)
         self.fused = [[False] * N for _ in range(S)]
         if fused:
             for s, row in enumerate(schedule):
-                for i, op in enumerate(row[:-1]):
-                    if op.kind is Kind.B and row[i + 1] == Op(Kind.W, op.mb):
+                for i, op in enumerate(row):
+                    if fused_at(row, i):
                         self.fused[s][op.mb] = True
-        self.end = [[[_INF] * N for _ in range(3)] for _ in range(S)]
-        self.arr_f = [[_INF] * N for _ in range(S)]  # arrival at s+1 of the activation F m on s sent
-        self.arr_b = [[_INF] * N for _ in range(S)]  # arrival at s-1 of the gradient B m on s sent
         self.free = [0.0] * S
         self.started = [[False] * (3 * N) for _ in range(S)]  # by hint position
-        self.ptr = [0] * S  # ordered: next position; ready: first position not started
+        self.ptr = [0] * S  # the first position not started
         self.inflight = [0] * S
         self.peak = [0] * S
         self.busy = [0.0] * S
         self.slots: list[Slot] = []
         self.left = 3 * N * S
         self.wake: list[tuple[float, int]] = []
-        # ready dispatch: per stage the engine's rule, a heap of (arrival, kind, mb) of the
-        # messages on their way to it and their arrival times by (kind, mb)
+        # per stage the engine's rule, a heap of (arrival, kind, mb) of the messages on their way
+        # to it and their arrival times by (kind, mb)
         self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1, None if units is None else units[s], w_share)
-                      for s, row in enumerate(schedule)] if ready else []
+                      for s, row in enumerate(schedule)]
         self.patience = patience
         self.on_way = [[] for _ in range(S)]
         self.lands = [{} for _ in range(S)]
@@ -219,22 +199,9 @@ class _Run:
 
     def _deliver(self, s: int, kind: str, m: int, t: float) -> None:
         """A message (kind Kind.F or Kind.B, micro-batch m) lands on stage s at ``t``; s wakes up then."""
-        if self.is_ready:
-            heapq.heappush(self.on_way[s], (t, kind, m))
-            self.lands[s][(kind, m)] = t
+        heapq.heappush(self.on_way[s], (t, kind, m))
+        self.lands[s][(kind, m)] = t
         heapq.heappush(self.wake, (t, s))
-
-    def _ready_at(self, s: int, k: int, m: int) -> float:
-        """Ordered dispatch: when op (k, m) of stage s is ready (inf: not known yet)."""
-        if k == 0:
-            return 0.0 if s == 0 else self.arr_f[s - 1][m]
-        if k == 2:
-            return self.end[s][1][m]
-        r = self.end[s][0][m]
-        if s < self.S - 1:
-            g = self.arr_b[s + 1][m]
-            r = g if g > r else r
-        return r
 
     # -- dispatch -------------------------------------------------------------------------------
 
@@ -242,15 +209,9 @@ class _Run:
         """Start what stage s may start at ``t`` (more than one op only when an op takes 0 ms)."""
         row = self.rows[s]
         while self.free[s] <= t and self.ptr[s] < len(row):
-            if self.is_ready:
-                i = self._pick(s, t)
-                if i is None:
-                    return
-            else:
-                i = self.ptr[s]
-                op = row[i]
-                if self._ready_at(s, op.kind.code, op.mb) > t:
-                    return
+            i = self._pick(s, t)
+            if i is None:
+                return
             self._start(s, i, t)
 
     def _pick(self, s: int, t: float) -> Optional[int]:
@@ -283,8 +244,7 @@ class _Run:
             if self.inflight[s] > self.peak[s]:
                 self.peak[s] = self.inflight[s]
             if s < last:
-                arr, blocked = self._send(s, 0, fin)
-                self.arr_f[s][m] = arr
+                arr, blocked = self.net.send(s, 0, fin)
                 self._deliver(s + 1, Kind.F, m, arr)
         elif k == 1:
             self.inflight[s] -= 1
@@ -293,12 +253,11 @@ class _Run:
                 fin = self._slot(s, j, fin)
                 blocked = fin
                 if s > 0:
-                    arr, depart = self._send(s, 1, fin)
+                    arr, depart = self.net.send(s, 1, fin)
                     blocked = depart if depart > fin else fin
             elif s > 0:
-                arr, blocked = self._send(s, 1, fin)
+                arr, blocked = self.net.send(s, 1, fin)
             if s > 0:
-                self.arr_b[s][m] = arr
                 self._deliver(s - 1, Kind.B, m, arr)
         self.free[s] = blocked if blocked > fin else fin
         heapq.heappush(self.wake, (self.free[s], s))
@@ -309,7 +268,6 @@ class _Run:
         k = op.kind.code
         d = self.dur[s][k][op.mb]
         fin = start + d
-        self.end[s][k][op.mb] = fin
         self.busy[s] += d
         self.slots.append(Slot(s, op, start, fin))
         self.started[s][i] = True
@@ -319,37 +277,7 @@ class _Run:
             self.ptr[s] += 1
         return fin
 
-    def _send(self, s: int, d: int, t_send: float) -> tuple[float, float]:
-        """(arrival, the time the sender is free again) of a message stage s sends at ``t_send``
-        in direction d (0: activation down, 1: gradient up), as ``simulate`` queues it."""
-        link = s - d
-        c = self.const[link]
-        if self.fifo[link] and c != 0:
-            depart = max(t_send, self.fifo_free[s][d])
-            c = self._delay(link, depart)
-            self.fifo_free[s][d] = depart + c
-            return depart + c, depart
-        if self.queues[link] and c != 0:
-            n = self.lane_next[d][link]
-            self.lane_next[d][link] = n + 1
-            lane = self.lane_free[d][link]
-            j = n % self.queues[link]
-            depart = max(t_send, lane[j])
-            c = self._delay(link, depart)
-            lane[j] = depart + c
-            return depart + c, t_send
-        return t_send + self._delay(link, t_send), t_send
-
-    def _delay(self, link: int, t: float) -> float:
-        c = self.const[link]
-        if c is not None:
-            return c
-        i = bisect_right(self.times[link], t) - 1
-        return self.curves[link][max(i, 0)][1]
-
     def _stuck(self) -> str:
-        if not self.is_ready:
-            return stuck_message(self.rows, self.ptr, self.S)
         for s in range(self.S):  # pragma: no cover - docs/ready_dispatch.md: cannot happen
             if self.ptr[s] < len(self.rows[s]):
                 return (f"stage {s}: no op is ready and nothing is in flight "

@@ -5,7 +5,9 @@ This is what a runtime that follows a plan order experiences: each op starts whe
 free and its inputs have arrived (upstream F + link delay, downstream B + link delay, own B for W).
 Event-driven over the dependency graph, so there is no time step and no discretisation error.
 ``plan.sim.native`` computes the same floats in C and checks itself against ``run_py``;
-``plan.sim.simulate`` picks one of the two.
+``plan.sim.simulate`` picks one of the two. ``run_orders`` is the core, with op times per op, link
+delays that may change over time and a ``Progress`` to resume from: ordered dispatch in
+``plan.sim.ready`` and the search's evaluator (``plan.sim.incremental``) run on it too.
 
 Pure Python: no torch, no deepspeed, no numpy.
 """
@@ -14,9 +16,11 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence, Union
 
-from ..ir.links import LATENCY, Delegated, Direct, LinkModel, per_link
-from ..ir.ops import KINDS, Op, Schedule
+from ..ir.fused import fused_at
+from ..ir.links import LATENCY, LinkModel, per_link
+from ..ir.ops import KINDS, Schedule
 from ..ir.profile import Costs
+from .link_queues import LinkQueues
 from .timeline import Slot, StuckSchedule, stuck_message
 
 _F, _B, _W = KINDS  # module globals: looking a member up on the enum class costs more, per op
@@ -24,60 +28,74 @@ _F, _B, _W = KINDS  # module globals: looking a member up on the enum class cost
 
 def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
            link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
-    """The replay's event-driven core: (first start, last end, busy ms per stage).
+    """The replay under ``costs``: (first start, last end, busy ms per stage); ``run_orders``.
 
-    ``link_model`` (one, or one per link; ``plan.ir.links``): ``Direct()`` is one FIFO holding one
-    message in flight: a message departs when the previous one has arrived, and its sender is
-    blocked until then. ``Delegated(k)`` is k independent FIFOs (message n of a direction travels
-    in FIFO n % k, as the delegated transport sends them), and the sender never waits.
-    ``Latency()``: a message arrives c after it was sent.
+    ``link_model`` (one, or one per link; ``plan.ir.links``) says how messages queue on a link
+    (``link_queues.LinkQueues``).
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    model = per_link(link_model, S - 1)
-    fifo = [isinstance(h, Direct) for h in model]  # direct: one message in flight, the sender blocks
-    queues = [h.queues if isinstance(h, Delegated) else 0 for h in model]  # delegated: k FIFOs
-    qfree = [[[0.0] * max(q, 1) for q in queues] for _ in range(2)]  # [direction][link][fifo]
-    qnext = [[0] * (S - 1) for _ in range(2)]  # [direction][link]: the next message's number
+    dur = [[[costs.f[s]] * N, [costs.b[s]] * N, [costs.w[s]] * N] for s in range(S)]
+    net = LinkQueues(per_link(link_model, S - 1), S, costs.links)
+    return run_orders(schedule, dur, N, fused_backward, net, slots)
+
+
+class Progress:
+    """How far a replay of fixed orders got, what ``run_orders`` starts from and leaves behind.
+
+    Per stage: the next position (``ptr``), when the stage is free, its busy ms, when each of its
+    ops ended (``end[s][kind code][m]``), when the messages it sent arrive (``arr_f[s][m]``: the
+    activation of F m at stage s+1; ``arr_b[s][m]``: the gradient of B m at stage s-1), and the
+    fused backward holding it (``hold[s]``: (m, departure) of the gradient its W m waits for).
+    With ``keep``, also per stage the start of the op at each position (``starts``) and the busy ms
+    before each position and after the last (``cum``), from which a replay can be resumed.
+    """
+
+    __slots__ = ("ptr", "free", "busy", "end", "arr_f", "arr_b", "hold", "starts", "cum")
+
+    def __init__(self, ptr, free, busy, end, arr_f, arr_b, hold, starts=None, cum=None):
+        self.ptr, self.free, self.busy, self.end, self.arr_f, self.arr_b = ptr, free, busy, end, arr_f, arr_b
+        self.hold, self.starts, self.cum = hold, starts, cum
+
+    @classmethod
+    def start(cls, S: int, N: int, keep: bool = False) -> "Progress":
+        """Nothing run yet; ``keep``: with ``starts`` and ``cum``."""
+        inf = float("inf")
+        return cls([0] * S, [0.0] * S, [0.0] * S, [[[inf] * N for _ in range(3)] for _ in range(S)],
+                   [[inf] * N for _ in range(S)], [[inf] * N for _ in range(S)], [None] * S,
+                   [[] for _ in range(S)] if keep else None, [[0.0] for _ in range(S)] if keep else None)
+
+
+def run_orders(schedule: Schedule, dur: list, N: int, fused_backward: bool, net: LinkQueues,
+               slots: Optional[list], at: Optional[Progress] = None, bound: Optional[float] = None,
+               work: Optional[list[float]] = None):
+    """The replay's event-driven core: (first start, last end, busy ms per stage) of the ops it
+    runs; ``slots``, if a list, gets each op's ``Slot`` in the order the replay runs them (each
+    stage's in its order). ``dur[s][kind code][m]``: op times in ms; ``net``: the link queues
+    messages go through. ``fused_backward``: a B whose W follows it (``plan.ir.fused``) sends its
+    gradient when that W ends, and the stage waits for the send after the W.
+
+    ``at``: the ``Progress`` to go on from (left where the replay ends); default: from the start.
+    ``bound`` with ``work`` (per stage the ms of all its ops): None as soon as a stage's free time
+    plus its work not run yet exceeds ``bound``.
+    """
+    S = len(schedule)
+    send = net.send  # (arrival, sender free) of a message
     inf = float("inf")
     first, last_end = inf, 0.0
-    end = [[[inf] * N for _ in range(3)] for _ in range(S)]  # end[s][kind][m]
-    arr_f = [[inf] * N for _ in range(S)]  # arrival at stage s+1 of the activation of F m on s
-    arr_b = [[inf] * N for _ in range(S)]  # arrival at stage s-1 of the gradient of B m on s
-    link_free = [[0.0, 0.0] for _ in range(S)]  # per stage: [downstream, upstream] FIFO free at
-    hold = [None] * S  # fused backward: (m, departure) blocking the stage after its W m
-    times = [(costs.f[s], costs.b[s], costs.w[s]) for s in range(S)]
-    links = costs.links
-    ptr = [0] * S
-    free = [0.0] * S
-    busy = [0.0] * S
+    at = at or Progress.start(S, N)
+    end, arr_f, arr_b, hold, ptr, free, busy = at.end, at.arr_f, at.arr_b, at.hold, at.ptr, at.free, at.busy
+    starts, cum = at.starts, at.cum
     queue = deque(range(S))
     queued = [True] * S
     last = S - 1
-
-    def send(s: int, d: int, t_send: float, c: float) -> tuple[float, float]:
-        """(arrival, departure) of a message stage s sends at t_send in direction d (0 down, 1 up)."""
-        link = s - d
-        if c > 0 and fifo[link]:
-            depart = t_send if t_send > link_free[s][d] else link_free[s][d]
-            link_free[s][d] = depart + c
-            return depart + c, depart
-        if c > 0 and queues[link]:
-            n = qnext[d][link]
-            qnext[d][link] = n + 1
-            lane = qfree[d][link]
-            i = n % queues[link]
-            depart = t_send if t_send > lane[i] else lane[i]
-            lane[i] = depart + c
-            return depart + c, t_send
-        return t_send + c, t_send
 
     while queue:
         s = queue.popleft()
         queued[s] = False
         row = schedule[s]
-        es = end[s]
+        es, ds = end[s], dur[s]
         progressed = False
         while ptr[s] < len(row):
             op = row[ptr[s]]
@@ -107,24 +125,28 @@ def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots
                 if ready == inf:
                     break
             start = free[s] if free[s] > ready else ready
-            dur = times[s][ki]
-            fin = start + dur
+            d = ds[ki][m]
+            fin = start + d
             es[ki][m] = fin
             blocked_until = fin
             if k is _F and s < last:
-                arr_f[s][m], blocked_until = send(s, 0, fin, links[s])
+                arr_f[s][m], blocked_until = send(s, 0, fin)
             elif k is _B and s > 0:
-                nxt = ptr[s] + 1
-                if fused_backward and nxt < len(row) and row[nxt] == Op(_W, m):
-                    arr_b[s][m], depart = send(s, 1, fin + times[s][2], links[s - 1])
+                if fused_backward and fused_at(row, ptr[s]):
+                    arr_b[s][m], depart = send(s, 1, fin + ds[2][m])
                     hold[s] = (m, depart)
                 else:
-                    arr_b[s][m], blocked_until = send(s, 1, fin, links[s - 1])
+                    arr_b[s][m], blocked_until = send(s, 1, fin)
             elif k is _W and hold[s] is not None and hold[s][0] == m:
                 blocked_until = max(fin, hold[s][1])
                 hold[s] = None
             free[s] = blocked_until if blocked_until > fin else fin
-            busy[s] += dur
+            busy[s] += d
+            if bound is not None and free[s] + work[s] - busy[s] > bound:  # this stage alone runs past it
+                return None
+            if starts is not None:
+                starts[s].append(start)
+                cum[s].append(busy[s])
             if start < first:
                 first = start
             if fin > last_end:

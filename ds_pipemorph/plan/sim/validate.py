@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir.ops import KINDS, Kind, Op, Schedule, op_table, parse_op, peak_inflight
+from ..ir.ops import Op, Schedule, parse_op, peak_inflight
 from ..ir.profile import Costs
+from .rows import row_problem
 from .simulate import replay
 from .timeline import StuckSchedule
 
@@ -53,8 +54,9 @@ def validate_schedule(
     S, N = stages, microbatches
     if len(schedule) != S:
         raise InvalidPlan(f"schedule has {len(schedule)} stage lists, the plan says {S} stages")
-    if not _valid_rows(schedule, N):  # the slow loop below only to name what is wrong
-        _check_rows(schedule, N)
+    problem = row_problem(schedule, N, ordered=True)
+    if problem is not None:
+        raise InvalidPlan(problem)
     if caps is not None:
         for s, (peak, cap) in enumerate(zip(peak_inflight(schedule), caps)):
             if peak > cap:
@@ -63,44 +65,3 @@ def validate_schedule(
         replay(schedule, Costs.uniform(S, 1.0), N)
     except StuckSchedule as e:
         raise InvalidPlan(str(e)) from None
-
-
-def _valid_rows(schedule: Schedule, N: int) -> bool:
-    """True if every row holds F m, B m, W m exactly once for each m < N, each B after its F and
-    each W after its B (what ``_check_rows`` checks, without naming an op)."""
-    if N < 1:
-        return False
-    idx = op_table(N)[1]
-    get = idx.get
-    for row in schedule:
-        if len(row) != 3 * N:
-            return False
-        try:
-            pos = {c: i for i, c in enumerate(map(get, row))}  # a None (unknown op) is one key
-        except TypeError:  # unhashable
-            return False
-        if len(pos) != 3 * N or None in pos:
-            return False
-        for m in range(N):
-            if not pos[m] < pos[N + m] < pos[2 * N + m]:
-                return False
-    return True
-
-
-def _check_rows(schedule: Schedule, N: int) -> None:
-    for s, row in enumerate(schedule):
-        seen: set[Op] = set()
-        for op in row:
-            if op.mb >= N:
-                raise InvalidPlan(f"stage {s}: {op} names micro-batch {op.mb}, but there are only {N} (0..{N - 1})")
-            if op in seen:
-                raise InvalidPlan(f"stage {s}: {op} appears twice")
-            seen.add(op)
-            if op.kind is Kind.B and Op(Kind.F, op.mb) not in seen:
-                raise InvalidPlan(f"stage {s}: {op} before F{op.mb}")
-            if op.kind is Kind.W and Op(Kind.B, op.mb) not in seen:
-                raise InvalidPlan(f"stage {s}: {op} before B{op.mb}")
-        for m in range(N):
-            for k in KINDS:
-                if Op(k, m) not in seen:
-                    raise InvalidPlan(f"stage {s}: {k}{m} is missing")
