@@ -141,3 +141,31 @@ def test_costs_refuse_a_time_that_is_not_a_number(field, needle):
     parts[field][1] = float("nan")
     with pytest.raises(ValueError, match=needle):
         Costs(parts["f"], parts["b"], parts["w"], parts["links"])
+
+
+def test_link_delays_given_as_numpy_numbers_replay_like_floats_in_every_replay():
+    """A profile's link delays often come out of numpy: each replay (C, Python, the search's
+    evaluator) reads a numpy number as the constant delay it is. 4 stages, 8 micro-batches, 10 ms
+    per op, 20 ms on link 0: ZB-H1's plan takes the same time as with plain floats."""
+    import os
+
+    import numpy as np
+
+    from ds_pipemorph.plan.sched.baselines import zb_h1
+    from ds_pipemorph.plan.sim.incremental import Evaluator
+
+    floats = Costs.uniform(4, 10.0, links=[20.0, 0.0, 0.0])
+    numpys = Costs.uniform(4, 10.0, links=list(np.array([20, 0, 0])))
+    plan = zb_h1(floats, 8)
+    want = replay(plan, floats, 8).iteration_ms
+    assert replay(plan, numpys, 8).iteration_ms == want
+    assert Evaluator(numpys, 8).time(plan) == Evaluator(floats, 8).time(plan)
+    old = os.environ.get("DS_PIPEMORPH_NATIVE")
+    os.environ["DS_PIPEMORPH_NATIVE"] = "0"
+    try:
+        assert replay(plan, numpys, 8).iteration_ms == want
+    finally:
+        if old is None:
+            del os.environ["DS_PIPEMORPH_NATIVE"]
+        else:
+            os.environ["DS_PIPEMORPH_NATIVE"] = old

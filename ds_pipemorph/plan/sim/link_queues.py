@@ -7,6 +7,7 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from bisect import bisect_right
+from numbers import Real
 from typing import Sequence, Union
 
 from ..ir.links import Delegated, Direct, LinkModel
@@ -28,7 +29,7 @@ class LinkQueues:
     __slots__ = ("const", "times", "curves", "fifo", "queues", "fifo_free", "lane_free", "lane_next")
 
     def __init__(self, models: Sequence[LinkModel], stages: int, delays: Sequence[Union[float, Breakpoints]]):
-        curves = [None if isinstance(c, (int, float)) else c for c in delays]
+        curves = [None if isinstance(c, Real) else c for c in delays]  # a number (numpy's too), else breakpoints
         # per link its constant delay, None where it changes over time
         self.const = [c if curve is None else curve[0][1] if len(curve) == 1 else None
                       for c, curve in zip(delays, curves)]
