@@ -76,7 +76,7 @@ DESCRIPTIONS: dict[str, str] = {
                           "delegates round trips; on CPU only the pages messages reach are allocated, on a GPU the "
                           "whole ring is pinned",
     "delegation.slots": "slots per staging ring (one ring per delegate queue and end): messages a queue holds ahead "
-                        "(pieces of them where `send_window` is in force)",
+                        "(pieces of one where `send_window` is in force, on CPU)",
     "rebalance": "compute stragglers: layers move away from a stage that runs slower than its layers should "
                  "(`docs/rebalance.md`)",
     "rebalance.enabled": "compare each stage's F + B + W with what its layers should cost every iteration; when a "
@@ -127,8 +127,8 @@ DESCRIPTIONS: dict[str, str] = {
                    "completes only when waited for (gloo; NCCL's go as they complete): the next send, once "
                    "issued, waits for the oldest, so the window bounds the memory of sends in flight; applied "
                    "to a kind only where the peer receives it in the order sent and a dry run of the plan with "
-                   "the window finds no deadlock (`docs/memory.md`); a delegated link's staging rings then hold at "
-                   "most this many messages' bytes per direction and end (messages cut into pieces to fit); "
+                   "the window finds no deadlock (`docs/memory.md`); while it is in force, a delegated link's "
+                   "messages are cut to fit one queue's staging ring on CPU (one message per queue and end); "
                    "`null`: 2, and none where no memory budget "
                    "is in force (`memory.budget: null`, a `max_inflight` grant, a plan file)",
     "nvtx": "NVTX ranges in domain `pipemorph`: `ITER<k>` around each `train_batch` and one nested range per op "

@@ -237,8 +237,9 @@ def describe_memory(cfg: PipeMorphConfig, plan: Schedule, share: float = W_SHARE
     if cfg.delegation.mode == "off":
         rings = ""
     elif window is not None:
-        rings = (f"; a delegated link's staging rings hold at most {window} messages' bytes per direction and end "
-                 f"(messages cut to fit {cfg.delegation.queue_cap} queues x {cfg.delegation.slots} slots)")
+        rings = (f"; a delegated link's staging rings hold at most one message per queue and end on CPU "
+                 f"(each message cut into at most {cfg.delegation.slots} pieces; up to {cfg.delegation.queue_cap} queues "
+                 f"per direction)")
     else:
         rings = (f"; a delegated link's staging ring: {cfg.delegation.slots} slots of up to "
                  f"{cfg.delegation.slot_mb} MiB per queue and end")

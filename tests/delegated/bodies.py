@@ -6,6 +6,7 @@ import torch.distributed as dist
 from workers import payload, same
 
 from ds_pipemorph.runtime.transport.delegated.transport import DelegatedTransport
+from ds_pipemorph.runtime.transport.protocol import TransportTimeout
 
 
 def roundtrip(rank, world, queues, order, slot_bytes):
@@ -268,12 +269,12 @@ def _shmem_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
 
 
-def ring_residency(rank, world, held_messages, n, mib):
+def ring_residency(rank, world, fit_ring, n, mib):
     """Stage 0 sends n messages of ``mib`` MiB (F), stage 1 receives them; each reports how much of the
     staging rings became resident in it (its send rings on stage 0, its receive rings on stage 1)."""
     before = _shmem_kib()
     tr = DelegatedTransport(rank, rank, list(range(world)), timeout_s=60.0, queues=2, max_queues=4,
-                            num_slots=4, slot_bytes=64 << 20, held_messages=held_messages)
+                            num_slots=4, slot_bytes=64 << 20, fit_ring=fit_ring)
     ok = []
     try:
         for m in range(n):
@@ -287,3 +288,33 @@ def ring_residency(rank, world, held_messages, n, mib):
     finally:
         tr.close()
     return dict(ok=ok, resident_kib=resident)
+
+
+def copies_beside_a_delay(rank, world, mib, delay_ms):
+    """With the link delayed by ``delay_ms`` per message (the delegates apply it) and the default memory
+    budget (messages cut to fit one queue's ring), stage 0 sends two messages of ``mib`` MiB, one per
+    queue, and reports whether both copies into the rings ended within half the delay, while the
+    delegates still hold the first message for its delay; stage 1 checks what arrives."""
+    from ds_pipemorph.runtime.transport.router import build_transport
+
+    tr = build_transport(_cfg("always", delay_ms), rank, rank, list(range(world)), None, {})
+    res = dict(fit_ring=tr.delegated.fit_ring, copied_in_time=None, ok=[])
+    try:
+        tr.delegated.wait_ready(60.0)
+        dist.barrier()
+        if rank == 0:
+            for m in range(2):
+                tr.send("F", m, torch.full((mib << 18,), float(m)))
+            try:
+                tr.delegated._copier.drain(delay_ms / 2000.0)
+                res["copied_in_time"] = True
+            except TransportTimeout:
+                res["copied_in_time"] = False
+        else:
+            for m in range(2):
+                got = tr.recv("F", m)
+                res["ok"].append(bool((got == float(m)).all()))
+        tr.wait_sends()
+    finally:
+        tr.close()
+    return res

@@ -1,10 +1,11 @@
-"""What a delegated link's staging rings hold, measured as the resident shared memory of each end.
+"""What a delegated link's staging rings hold, measured as the resident shared memory of each end, and
+that cutting messages to fit a queue's ring keeps the queues of a delayed link working side by side.
 
-With whole slots, each message takes a slot of its own, so the rings' pages grow with every slot
-that messages reached: 8 messages of 4 MiB over 2 queues of 4 slots touch 32 MiB at each end. With
-``held_messages`` (the send window, under a memory budget) a message is cut into pieces small enough
-that every slot of the direction's rings (up to 4 queues x 4 slots) holds at most that many messages'
-bytes: one 4 MiB message's worth, in pieces of 256 KiB, whatever the number of messages sent.
+With whole slots each message takes a slot of its own, so the rings' pages grow with every slot
+messages reached: 8 messages of 4 MiB over 2 queues of 4 slots touch 32 MiB at each end. Cut to fit
+one queue's ring (``fit_ring``, what a memory budget asks for on CPU), a message travels in 4 pieces of
+1 MiB and a queue's ring holds one message's bytes: 2 queues, 8 MiB at each end, however many
+messages pass.
 """
 import bodies
 import pytest
@@ -14,14 +15,24 @@ MIB = 1024
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("held", [None, 1])
-def test_rings_hold_a_window_of_messages_when_a_budget_asks_for_it(held):
-    n, mib = 8, 4
-    res = launch(2, bodies.ring_residency, held, n, mib)
+@pytest.mark.parametrize("fit_ring", [False, True])
+def test_rings_hold_one_message_per_queue_when_cut_to_fit(fit_ring):
+    n, mib, queues = 8, 4, 2
+    res = launch(2, bodies.ring_residency, fit_ring, n, mib)
     for r in (0, 1):
         assert res[r]["ok"] == ([] if r == 0 else [True] * n), res[r]
     resident = [res[r]["resident_kib"] for r in (0, 1)]
-    if held is None:  # every message in a slot of its own: 8 x 4 MiB at each end
+    if not fit_ring:  # every message in a slot of its own: 8 x 4 MiB at each end
         assert all(kib >= 0.9 * n * mib * MIB for kib in resident), resident
-    else:  # 16 slots x 256 KiB at most: 4 MiB, one message (and a little for the rings' own headers)
-        assert all(kib <= held * mib * MIB + 256 for kib in resident), resident
+    else:  # 4 slots x 1 MiB per queue, 2 queues: 8 MiB (and a little for the rings' own headers)
+        assert all(kib <= queues * mib * MIB + 256 for kib in resident), resident
+
+
+@pytest.mark.timeout(150)
+def test_a_cut_message_never_holds_the_next_queue_behind_a_delayed_one():
+    """Link 0 delayed 2 s per message, two messages of 4 MiB, one per queue: both are copied into their
+    rings within 1 s, while the first queue's delegate still holds its message for the delay (a
+    message cut finer than a ring would wait there for that delegate, and the second behind it)."""
+    res = launch(2, bodies.copies_beside_a_delay, 4, 2000.0)
+    assert res[0]["fit_ring"] and res[0]["copied_in_time"] is True, res[0]
+    assert res[1]["ok"] == [True, True], res[1]

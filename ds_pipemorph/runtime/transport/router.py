@@ -241,7 +241,7 @@ def build_transport(cfg, rank: int, stage_id: int, stage_ranks: Sequence[int], d
         delays = delays if h.delays is None else h.delays
     delegated = DelegatedTransport(rank, stage_id, stage_ranks, timeout_s=timeout, device=device,
                                    queues=cfg.delegation.queues, max_queues=cfg.delegation.queue_cap, delays=delays,
-                                   interfaces=cfg.delegation.interfaces, held_messages=cfg.send_window_in_force,
+                                   interfaces=cfg.delegation.interfaces, fit_ring=cfg.send_window_in_force is not None,
                                    **{"slot_bytes": cfg.delegation.slot_mb << 20, "num_slots": cfg.delegation.slots,
                                       **delegated_kw})
     mode = cfg.delegation.mode

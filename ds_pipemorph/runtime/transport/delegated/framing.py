@@ -24,7 +24,7 @@ PREFIX_INTS = 8  # [magic, seq, kind, mb, total bytes, pieces, piece bytes, 0] b
 HEAD_BYTES = (PREFIX_INTS + HEADER_INTS) * 8  # 576, a multiple of the 64-byte alignment
 MAGIC = 0x504D444C  # "PMDL"
 ALIGN = 64
-MIN_PIECE_BYTES = 256 << 10  # a message is cut no finer than this to bound its rings' bytes (``piece_bytes``)
+MIN_PIECE_BYTES = 256 << 10  # a message is cut no finer than this (``piece_bytes``)
 
 
 def _align(n: int) -> int:
@@ -44,7 +44,7 @@ class Message:
     head: torch.Tensor  # int64 header
     tensors: list  # contiguous tensors (kept until acknowledged)
     what: str
-    piece_bytes: int = 0  # the cut (``piece_bytes``), also in the head
+    piece_bytes: int  # where it is cut (``piece_bytes``), also in its head
     ready: Any = None  # the staging path's mark that the tensors are computed (a CUDA event), or None
 
 
@@ -69,16 +69,17 @@ def pieces_of(total: int, piece_bytes: int) -> int:
     return max(1, -(-total // piece_bytes))
 
 
-def piece_bytes(total: int, slot_bytes: int, ring_slots: int, held_messages: int | None) -> int:
-    """Where a message of ``total`` bytes is cut: whole slots, or, with ``held_messages``, pieces small
-    enough that ``ring_slots`` slots (every slot a link direction's rings have at one end) hold at most
-    ``held_messages`` such messages' bytes. A ring's pages are resident only as far as pieces reach
-    (on CPU), so this bounds what a delegated link holds as ``send_window`` bounds a direct one; a
-    piece is never smaller than ``MIN_PIECE_BYTES`` nor larger than a slot."""
-    if held_messages is None:
+def piece_bytes(total: int, slot_bytes: int, ring_slots: int, fit_ring: bool) -> int:
+    """Where a message of ``total`` bytes is cut: whole slots, or, with ``fit_ring``, into at most
+    ``ring_slots`` pieces, so that one message fills at most one queue's ring. A ring's pages are
+    resident only as far as pieces reach (on CPU): a queue's ring then holds at most one message's
+    bytes, where whole slots let it hold ``ring_slots`` messages. The whole message still fits an
+    empty ring, so the copy into it never waits for a delegate that holds the queue's previous
+    message for the link's delay, and k queues keep k messages in flight. A piece is never smaller
+    than ``MIN_PIECE_BYTES`` nor larger than a slot."""
+    if not fit_ring:
         return slot_bytes
-    share = _align(-(-total * held_messages // ring_slots))
-    return min(slot_bytes, max(MIN_PIECE_BYTES, share))
+    return min(slot_bytes, max(MIN_PIECE_BYTES, _align(-(-total // ring_slots))))
 
 
 def make_head(seq: int, kind: str, mb: int, total: int, pieces: int, cut: int, meta: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ class Receiving:
         part = d.partial
         if piece == 0:  # (again, if a delegate died in the middle of a message)
             (magic, hseq, kind, mb, total, npieces, cut), meta = framing.read_head(flat)
-            if magic != framing.MAGIC or hseq != seq:
+            if magic != framing.MAGIC or hseq != seq or cut < 1 or npieces != framing.pieces_of(total, cut):
                 raise TransportError(f"rank {self.rank}: {what}: corrupt header in link {d.link} message {seq}")
             bare, metas = decode_header(meta)
             dev = self.staging_path.recv_device

@@ -37,11 +37,12 @@ class Sending:
         tensors = [self.staging_path.outgoing(t) for t in ([payload] if bare else payload)]
         meta = encode_header(tensors, bare)
         _, total = framing.tensor_segments(tensors)
-        cut = framing.piece_bytes(total, self.slot_bytes, self.max_k * self.num_slots, self.held_messages)
+        cut = framing.piece_bytes(total, self.slot_bytes, self.num_slots, self.fit_ring)
         pieces = framing.pieces_of(total, cut)
         if pieces > MAX_PIECES:
             raise TransportError(f"rank {self.rank}: {self._describe(kind, mb, True)}: a message of {total} bytes "
-                                 f"needs {pieces} staging slots of {self.slot_bytes} bytes (at most {MAX_PIECES})")
+                                 f"needs {pieces} pieces of {cut} bytes (at most {MAX_PIECES}); raise "
+                                 f"pipemorph.delegation.slot_mb")
         head = framing.make_head(d.next_seq, kind, mb, total, pieces, cut, meta)
         q = d.queue_for(d.next_seq)
         self._check_alive(d, q, "sending")  # a waitpid(WNOHANG): microseconds

@@ -78,7 +78,7 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
                  slot_bytes: int | None = None, num_slots: int | None = None, session: str | None = None,
                  store_addr: str | None = None, store_port: int | None = None,
                  interfaces: Sequence[str] | None = None, liveness_s: float | None = None,
-                 fault_at: dict | None = None, held_messages: int | None = None):
+                 fault_at: dict | None = None, fit_ring: bool = False):
         if queues < 1:
             raise ValueError(f"rank {rank}: delegated transport needs at least 1 queue, got {queues}")
         if slot_bytes is None or num_slots is None:  # the ds_config's defaults (delegation.slot_mb, slots)
@@ -96,11 +96,10 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         self.max_k = max(queues, max_queues or queues)  # delegates started per direction (growing needs no start)
         self.delays = delays
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
-        if held_messages is not None and held_messages < 1:
-            raise ValueError(f"rank {rank}: held_messages must be at least 1 (or None), not {held_messages}")
-        # Messages' bytes a link direction's rings hold at most at each end (``framing.piece_bytes``); None:
-        # whole slots, every slot of every queue.
-        self.held_messages = held_messages
+        # Cut each message so that it fills at most one queue's ring (``framing.piece_bytes``): a ring then
+        # holds one message's bytes, not one per slot. On CPU only, where a ring's pages are resident as far
+        # as pieces reach; a GPU's rings are pinned whole, and more pieces would only cost round trips.
+        self.fit_ring = bool(fit_ring) and self.device.type == "cpu"
         self.session = session or f"t{next(_instances)}"
         self.store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = store_port or os.environ.get("MASTER_PORT")
