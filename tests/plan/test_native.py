@@ -130,7 +130,7 @@ def random_model(rng: random.Random, S: int):
 
 def _replayed(fn, sched, costs, N, fused, model):
     try:
-        tl = fn(sched, costs, N, fused, model)
+        tl = fn(sched, costs, N, fused_backward=fused, link_model=model)
     except StuckSchedule as e:
         return ("stuck", str(e))
     return ("ok", tl.iteration_ms, tl.busy_ms, tl.peak_inflight, tl.work_ms,
@@ -175,10 +175,10 @@ def test_replay_gives_the_reference_timelines(impl, seed):
                 mp.setattr(native, "lib", lambda: None)
                 _same(got, _replayed(sim.replay, sched, costs, N, fused, model), in_order=True)
         if want[0] == "ok":
-            assert abs(sim.makespan(sched, costs, N, fused, model) - want[1]) <= 1e-9
+            assert abs(sim.makespan(sched, costs, N, fused_backward=fused, link_model=model) - want[1]) <= 1e-9
         else:
             with pytest.raises(StuckSchedule, match="stage"):
-                sim.makespan(sched, costs, N, fused, model)
+                sim.makespan(sched, costs, N, fused_backward=fused, link_model=model)
 
 
 def test_replay_rejects_what_the_reference_rejects(impl):

@@ -116,7 +116,7 @@ def test_baselines_replay_equals_critical_path_fused_and_split(case):
     S = costs.stages
     for sched, fused in ((deepspeed_1f1b(S, n), True), (gpipe(S, n), True), (zb_h1(costs, n), False)):
         validate_schedule(sched, S, n)
-        assert abs(replay(sched, costs, n, fused).iteration_ms - critical_path_ms(sched, costs, n, fused)) < 1e-6
+        assert abs(replay(sched, costs, n, fused_backward=fused).iteration_ms - critical_path_ms(sched, costs, n, fused)) < 1e-6
 
 
 def test_uniform_profiles_without_delay_or_cap_reach_the_bound_exactly():

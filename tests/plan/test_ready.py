@@ -70,7 +70,7 @@ PLANS = {  # name -> (planner, fused backward): the project's own planners
 def test_ordered_with_constant_times_equals_simulate_replay_exactly(name, model):
     make, fused = PLANS[name]
     sched = make()
-    want = replay(sched, COSTS, N, fused, model)
+    want = replay(sched, COSTS, N, fused_backward=fused, link_model=model)
     for got in (
         replay_varying(sched, COSTS, N, "ordered", fused_backward=fused, link_model=model),
         # the same times given per op, and the same delays given as one breakpoint per link
@@ -273,7 +273,8 @@ def held_at(got, s, n, t):
 @given(replay_cases(), st.booleans())
 def test_ready_dispatch_never_deadlocks_keeps_caps_and_dependencies(case, fused):
     costs, n, hint, caps, table, delays, model = case
-    tl = replay_ready(hint, costs, n, caps, table, delays, fused, model)
+    tl = replay_ready(hint, costs, n, caps=caps, op_times=table, link_delays=delays, fused_backward=fused,
+                      link_model=model)
     got = check_timeline(tl, costs, n, table, delays)
     S = costs.stages
     for s in range(S):
@@ -294,7 +295,7 @@ def test_ready_dispatch_follows_its_rule(case):
     stage may run was ready."""
     costs, n, hint, caps, table, delays, _ = case
     S = costs.stages
-    tl = replay_ready(hint, costs, n, caps, table, delays, patience=False)
+    tl = replay_ready(hint, costs, n, caps=caps, op_times=table, link_delays=delays, patience=False)
     got = check_timeline(tl, costs, n, table, delays)
     curves = delays if delays is not None else [[(0.0, c)] for c in costs.links]
 
@@ -340,7 +341,7 @@ def test_ready_dispatch_follows_its_rule(case):
 @given(replay_cases(any_hint=False, curves=False))
 def test_ordered_with_constant_times_equals_replay_for_random_plans(case):
     costs, n, plan, _, _, _, model = case
-    want = replay(plan, costs, n, False, model)
+    want = replay(plan, costs, n, link_model=model)
     got = replay_varying(plan, costs, n, "ordered", link_model=model)
     assert got.iteration_ms == want.iteration_ms and slot_map(got) == slot_map(want)
 
@@ -511,8 +512,8 @@ def test_bad_link_traces_raise_bad_input(tmp_path, data, needle):
 def test_replay_under_jitter_is_deterministic_and_never_shorter_than_a_stage_busy_time():
     sched = zb_h1(BASE, 8)
     tab = parse_vary("jitter:0.4,seed=9", BASE, 8)
-    a = replay_ready(sched, BASE, 8, peak_inflight(sched), tab)
-    b = replay_ready(sched, BASE, 8, peak_inflight(sched), tab)
+    a = replay_ready(sched, BASE, 8, caps=peak_inflight(sched), op_times=tab)
+    b = replay_ready(sched, BASE, 8, caps=peak_inflight(sched), op_times=tab)
     assert slot_map(a) == slot_map(b)
     assert a.iteration_ms >= max(sum(tab(s, k, m) for k in "FBW" for m in range(8)) for s in range(3)) - 1e-9
     assert not math.isnan(a.bubble_rate)

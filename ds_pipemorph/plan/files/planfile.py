@@ -81,7 +81,7 @@ class PlanFile(BaseModel):
 
     @classmethod
     def build(cls, schedule: Schedule, profile: Profile, fused: bool = False) -> "PlanFile":
-        tl = replay(schedule, profile.costs(), profile.microbatches, fused)
+        tl = replay(schedule, profile.costs(), profile.microbatches, fused_backward=fused)
         return cls(
             stages=profile.stages,
             microbatches=profile.microbatches,

@@ -161,6 +161,7 @@ def search(
     costs: Costs,
     microbatches: int,
     caps: Optional[list[int]] = None,
+    *,
     budget_s: float = 1.0,
     seed: int = 0,
     exact: Optional[bool] = None,
@@ -189,14 +190,15 @@ def search(
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
-    queueing = any(not isinstance(h, Latency) and c > 0 for h, c in zip(per_link(link_model, S - 1), costs.links))
+    models = per_link(link_model, S - 1)
+    queueing = any(not isinstance(h, Latency) and c > 0 for h, c in zip(models, costs.links))
     auto = S * N <= EXACT_MAX_OPS and budget_s >= EXACT_MIN_BUDGET_S and milp_available() and not queueing
     use_exact = auto if exact is None else exact
     if use_exact and not milp_available():
         raise ImportError("the exact planner needs highspy: pip install 'ds_pipemorph[milp]'")
     end = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
     deadline = t0 + 0.7 * budget_s if use_exact else end
-    ev = Evaluator(costs, N, link_model)  # every replay of the search, counted for ``max_evals``
+    ev = Evaluator(costs, N, models)  # every replay of the search, counted for ``max_evals``
     score = ev.time
     trace: list[tuple[float, float]] = []
 
