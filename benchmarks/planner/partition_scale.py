@@ -122,7 +122,7 @@ def run_case(name: str, lp: LayerProfile, limit, rows: list, slowdown=None) -> d
             planned[k] = None
             continue
         prof = lp.stage_profile(p, slowdown)
-        planned[k] = search(prof.costs(), N, prof.caps(), budget_s=PLAN_BUDGET_S, seed=0).iteration_ms
+        planned[k] = search(prof.costs(), N, caps=prof.caps(), budget_s=PLAN_BUDGET_S, seed=0).iteration_ms
     at_limit = None
     if limit is None and wall > TARGET_S:  # what ``pipemorph partition``'s default 1 s limit returns
         at_limit = partition(lp, time_limit_s=TARGET_S, slowdown=slowdown)

@@ -46,7 +46,7 @@ def measure(S: int, N: int, repeats: int) -> dict:
     costs = Costs.uniform(S, 10.0, [0.0] * (S - 2) + [30.0])
     x = [min(N, S - s + 2) for s in range(S)]
     pol = Policy()
-    sched = list_schedule(costs, N, x, pol)
+    sched = list_schedule(costs, N, x, policy=pol)
     models = per_link(LATENCY, S - 1)
     row = {"stages": S, "microbatches": N}
     row["replay_c_us"] = best_of_three(lambda: sim.makespan(sched, costs, N), repeats) * 1e6

@@ -105,7 +105,7 @@ def latency_robust_schedule(costs: Costs, microbatches: int, warmup: list[int],
     link: whichever is faster under ``costs``, then under the latency (deterministic)."""
     N = microbatches
     slow = costs.with_links([max(c, latency_ms) for c in costs.links])
-    candidates = [list_schedule(costs, N, warmup, policy), list_schedule(slow, N, warmup, policy)]
+    candidates = [list_schedule(costs, N, warmup, policy=policy), list_schedule(slow, N, warmup, policy=policy)]
     return min(candidates, key=lambda p: (makespan(p, costs, N), makespan(p, slow, N)))
 
 

@@ -31,7 +31,7 @@ def test_the_rule_picks_what_the_readiness_replay_started(seed):
     rng = random.Random(seed)
     for _ in range(50):
         S, N, costs, hint, caps, table = _case(rng)
-        tl = replay_varying(hint, costs, N, "ready", caps=caps, op_times=table)
+        tl = replay_varying(hint, costs, N, dispatch="ready", caps=caps, op_times=table)
         end = {(x.stage, x.op.kind, x.op.mb): x.end for x in tl.slots}
         # a message arrives its link's delay after the op that produced it ends (latency links)
         arrival = {}

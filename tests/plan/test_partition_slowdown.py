@@ -42,7 +42,7 @@ def test_branch_and_bound_equals_exhaustive_search_with_random_slowdowns():
         assert res.iteration_ms == pytest.approx(best_t, abs=1e-6), (lp, slow, best_parts, res)
         assert evaluate(lp, res.parts, slow) == pytest.approx(res.iteration_ms, abs=1e-6)
         # The bound holds for every feasible partition of the scaled stage times under any plan.
-        every = [max(lower_bound_ms(lp.costs(p, slow), lp.microbatches, lp.caps(p)),
+        every = [max(lower_bound_ms(lp.costs(p, slow), lp.microbatches, caps=lp.caps(p)),
                      cap_bound_ms(lp.costs(p, slow), lp.microbatches, lp.caps(p)))
                  for p in compositions(lp.num_layers, lp.stages) if None not in lp.caps(p)]
         assert res.lower_bound_ms <= min(every) + 1e-9

@@ -60,8 +60,8 @@ PLANS = {  # name -> (planner, fused backward): the project's own planners
     "gpipe": (lambda: gpipe(4, N), True),
     "zb-h1": (lambda: zb_h1(COSTS, N), False),
     "adaptive-greedy": (lambda: list_schedule(COSTS, N, initial_warmup(CAPS)), False),
-    "adaptive-alg2": (lambda: list_schedule(COSTS, N, adapted_warmup(COSTS, N, CAPS)), False),
-    "adaptive-search": (lambda: search(COSTS, N, CAPS, budget_s=10, max_evals=150, exact=False).schedule, False),
+    "adaptive-alg2": (lambda: list_schedule(COSTS, N, adapted_warmup(COSTS, N, caps=CAPS)), False),
+    "adaptive-search": (lambda: search(COSTS, N, caps=CAPS, budget_s=10, max_evals=150, exact=False).schedule, False),
 }
 
 
@@ -72,16 +72,17 @@ def test_ordered_with_constant_times_equals_simulate_replay_exactly(name, model)
     sched = make()
     want = replay(sched, COSTS, N, fused_backward=fused, link_model=model)
     for got in (
-        replay_varying(sched, COSTS, N, "ordered", fused_backward=fused, link_model=model),
+        replay_varying(sched, COSTS, N, dispatch="ordered", fused_backward=fused, link_model=model),
         # the same times given per op, and the same delays given as one breakpoint per link
-        replay_varying(sched, COSTS, N, "ordered", op_times=OpTable.constant(COSTS, N),
+        replay_varying(sched, COSTS, N, dispatch="ordered", op_times=OpTable.constant(COSTS, N),
                        link_delays=[[(0.0, c)] for c in COSTS.links], fused_backward=fused, link_model=model),
     ):
         assert got.iteration_ms == want.iteration_ms
         assert slot_map(got) == slot_map(want)
         assert got.busy_ms == want.busy_ms
         assert got.peak_inflight == want.peak_inflight == peak_inflight(sched)
-    assert replay_varying(sched, COSTS, N, "ordered", fused_backward=fused, link_model=model).bubble_rate == want.bubble_rate
+    got = replay_varying(sched, COSTS, N, dispatch="ordered", fused_backward=fused, link_model=model)
+    assert got.bubble_rate == want.bubble_rate
 
 
 def test_ordered_stuck_order_raises_like_simulate():
@@ -109,7 +110,7 @@ def test_ready_lets_a_ready_w_overtake_a_late_b():
     hint = rows("F0 F1 B0 B1 W0 W1", "F0 B0 F1 B1 W0 W1")
     costs = Costs.uniform(2, 1.0)
     times = {(1, "F", 1): 5.0}
-    ordered = replay_varying(hint, costs, 2, "ordered", op_times=times)
+    ordered = replay_varying(hint, costs, 2, dispatch="ordered", op_times=times)
     ready = replay_ready(hint, costs, 2, caps=peak_inflight(hint), op_times=times)
     assert ordered.iteration_ms == 12.0 and ready.iteration_ms == 11.0
     assert stage_order(ready, 0) == ["F0", "F1", "B0", "W0", "B1", "W1"]
@@ -131,7 +132,7 @@ def test_the_bare_rule_can_be_slower_than_the_order_and_patience_waits_for_the_m
     hint = rows("F0 F1 B0 W0 B1 W1", "F0 B0 F1 B1 W0 W1")
     costs = Costs.uniform(2, 1.0, [2.0])
     times = {(0, "F", 1): 3.0, (1, "W", 0): 3.0}
-    ordered = replay_varying(hint, costs, 2, "ordered", op_times=times)
+    ordered = replay_varying(hint, costs, 2, dispatch="ordered", op_times=times)
     assert ordered.iteration_ms == 12.0
     bare = replay_ready(hint, costs, 2, caps=[2, 1], op_times=times, patience=False)
     assert bare.iteration_ms == 14.0
@@ -177,7 +178,7 @@ def test_a_message_takes_the_delay_in_force_when_it_departs():
     """
     sched = rows("F0 B0 W0", "F0 B0 W0")
     for how in ("ordered", "ready"):
-        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, how, link_delays=[[(0.0, 0.0), (1.0, 10.0)]])
+        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, dispatch=how, link_delays=[[(0.0, 0.0), (1.0, 10.0)]])
         assert tl.iteration_ms == 25.0
         assert slot_map(tl)[(1, "F", 0)] == (11.0, 12.0)
 
@@ -186,7 +187,8 @@ def test_fused_backward_sends_the_gradient_after_w_under_both_rules():
     """2 stages, 1 micro-batch, B0 W0 fused, W takes 4 ms on stage 1: the gradient leaves at 7."""
     sched = rows("F0 B0 W0", "F0 B0 W0")
     for how in ("ordered", "ready"):
-        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, how, op_times={(1, "W", 0): 4.0}, fused_backward=True)
+        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, dispatch=how, op_times={(1, "W", 0): 4.0},
+                            fused_backward=True)
         assert slot_map(tl)[(0, "B", 0)] == (7.0, 8.0) and tl.iteration_ms == 9.0
 
 
@@ -194,7 +196,7 @@ def test_bad_arguments_raise_value_errors():
     sched = rows("F0 B0 W0", "F0 B0 W0")
     costs = Costs.uniform(2, 1.0)
     with pytest.raises(ValueError, match="dispatch is 'ordered' or 'ready'"):
-        replay_varying(sched, costs, 1, "eager")
+        replay_varying(sched, costs, 1, dispatch="eager")
     with pytest.raises(ValueError, match="at least 1 activation"):
         replay_ready(sched, costs, 1, caps=[1, 0])
     with pytest.raises(ValueError, match="stage 1: W0 is missing"):
@@ -228,7 +230,7 @@ def replay_cases(draw, any_hint=True, models=True, curves=True):
         hint = [draw(st.permutations(ops)) for _ in range(S)]
     else:
         x = [draw(st.integers(1, n)) for _ in range(S)]
-        hint = list_schedule(costs, n, initial_warmup(x), draw(st.sampled_from(POLICIES)))
+        hint = list_schedule(costs, n, initial_warmup(x), policy=draw(st.sampled_from(POLICIES)))
     caps = [draw(st.integers(1, n + 1)) for _ in range(S)]
     delays = None
     if curves and draw(st.booleans()):
@@ -342,7 +344,7 @@ def test_ready_dispatch_follows_its_rule(case):
 def test_ordered_with_constant_times_equals_replay_for_random_plans(case):
     costs, n, plan, _, _, _, model = case
     want = replay(plan, costs, n, link_model=model)
-    got = replay_varying(plan, costs, n, "ordered", link_model=model)
+    got = replay_varying(plan, costs, n, dispatch="ordered", link_model=model)
     assert got.iteration_ms == want.iteration_ms and slot_map(got) == slot_map(want)
 
 
@@ -353,7 +355,7 @@ def test_ordered_with_varying_times_equals_the_longest_path(case, fused):
     predecessor and its inputs (plus the link delay), computed here in plan order."""
     costs, n, plan, _, table, _, _ = case
     S = costs.stages
-    tl = replay_varying(plan, costs, n, "ordered", op_times=table, fused_backward=fused)
+    tl = replay_varying(plan, costs, n, dispatch="ordered", op_times=table, fused_backward=fused)
     check_timeline(tl, costs, n, table, None)
     end = {}
     pending = [list(r) for r in plan]

@@ -45,7 +45,7 @@ def test_incremental_replays_equal_the_simulator_and_stop_only_above_the_limit(c
     costs, n, caps = case
     rng = random.Random(seed)
     ev = Evaluator(costs, n, per_link(LATENCY, costs.stages - 1))
-    cur = list_schedule(costs, n, initial_warmup(caps), Policy("BWF"))
+    cur = list_schedule(costs, n, initial_warmup(caps), policy=Policy("BWF"))
     state = ev.full(cur)
     assert state.t == makespan(cur, costs, n)
     for s, i, j in _moves(cur, rng, 40):
@@ -108,9 +108,9 @@ def test_move_check_is_the_per_stage_validity_check(case, seed):
 @given(cases(), st.sampled_from([Policy("BFW"), Policy("FBW"), Policy("BWF")]))
 def test_justified_plans_are_valid_within_caps_and_never_slower(case, policy):
     costs, n, caps = case
-    sched = list_schedule(costs, n, initial_warmup(caps), policy)
+    sched = list_schedule(costs, n, initial_warmup(caps), policy=policy)
     out = justify(sched, costs, n, caps)
-    validate_schedule(out, costs.stages, n, caps)
+    validate_schedule(out, costs.stages, n, caps=caps)
     assert makespan(out, costs, n) <= makespan(sched, costs, n) + 1e-6
 
 
@@ -128,6 +128,6 @@ def test_search_is_deterministic_under_an_evaluation_bound():
     # Seed 1, case 28 of benchmarks/planner/planner_vs_milp.py: the optimum (300.9 ms) is above the bound,
     # so the search spends every evaluation it is given.
     costs = Costs([8.7, 19.5, 9.4, 5.3], [15.8, 7.3, 16.7, 11.0], [9.1, 7.7, 6.1, 16.6], [0.0, 0.0, 0.0])
-    runs = [search(costs, 8, [6, 5, 8, 7], budget_s=60, exact=False, max_evals=3000) for _ in range(2)]
+    runs = [search(costs, 8, caps=[6, 5, 8, 7], budget_s=60, exact=False, max_evals=3000) for _ in range(2)]
     assert runs[0].schedule == runs[1].schedule and runs[0].evaluated == runs[1].evaluated == 3000
     assert runs[0].iteration_ms == makespan(runs[0].schedule, costs, 8) < 310.6  # the portfolio's best

@@ -101,7 +101,7 @@ def quick_ms(costs: Costs, microbatches: int, caps: list[int], floor: float = 0.
             continue
         seen.append(x)
         for pol in pols:
-            best = min(best, makespan(list_schedule(costs, n, x, pol), costs, n))
+            best = min(best, makespan(list_schedule(costs, n, x, policy=pol), costs, n))
             if best <= floor + EPS:
                 return best
     return best
@@ -282,7 +282,7 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
         got = bound_memo.get(key)
         if got is None:
             costs = stage_costs(p)
-            got = bound_memo[key] = max(lower_bound_ms(costs, N, kcaps), cap_bound_ms(costs, N, kcaps))
+            got = bound_memo[key] = max(lower_bound_ms(costs, N, caps=kcaps), cap_bound_ms(costs, N, kcaps))
         return got
 
     def score(p: list[int], kcaps: list[int], floor: float = 0.0) -> float:

@@ -121,10 +121,10 @@ class Planner:
             out = [self.static]
             if self.model != self.static[1]:
                 out.append((self.static[0], self.model, ()))
-            for x in (initial_warmup(caps), adapted_warmup(costs, n, caps)):
+            for x in (initial_warmup(caps), adapted_warmup(costs, n, caps=caps)):
                 out.append((list_schedule(costs, n, x), self.model, links))
             if self.kind == "full":
-                res = search(costs, n, caps, budget_s=self.budget_s, seed=self.seed, exact=False,
+                res = search(costs, n, caps=caps, budget_s=self.budget_s, seed=self.seed, exact=False,
                              max_evals=self.max_evals, link_model=self.model)
                 out.append((res.schedule, self.model, links))
             self._cands[links] = out
@@ -220,7 +220,7 @@ def check(matrix: LinkMatrix, pp: int, dp: int, job: Job) -> None:
         raise ValueError("gradient and activation sizes must be >= 0 MB and the all-reduce message size positive")
 
 
-def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, budget_s: float = 1.0, max_evals: Optional[int] = None,
+def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, *, budget_s: float = 1.0, max_evals: Optional[int] = None,
           exact: Optional[bool] = None, seed: int = 0, search_budget_s: float = 10.0,
           replacement: bool = True) -> PlaceResult:
     """Baseline, re-placement only and the full orchestrator for ``matrix`` (module docstring).

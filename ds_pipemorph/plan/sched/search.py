@@ -132,7 +132,7 @@ def warmup_candidates(costs: Costs, n: int, caps: list[int]) -> list[list[int]]:
     base = [
         ramp_warmup(costs, n, caps),
         initial_warmup(caps),
-        adapted_warmup(costs, n, caps),
+        adapted_warmup(costs, n, caps=caps),
         zb_h1_warmup(S, n),
         tight,
         [min(2 * (S - s) - 1, n) for s in range(S)],
@@ -160,8 +160,8 @@ def _neighbours(x: list[int], caps: list[int], n: int) -> list[list[int]]:
 def search(
     costs: Costs,
     microbatches: int,
-    caps: Optional[list[int]] = None,
     *,
+    caps: Optional[list[int]] = None,
     budget_s: float = 1.0,
     seed: int = 0,
     exact: Optional[bool] = None,
@@ -232,7 +232,7 @@ def search(
 
     source = "greedy"
     trace.append((time.perf_counter() - t0, best_t))
-    lb = lower_bound_ms(costs, N, caps)
+    lb = lower_bound_ms(costs, N, caps=caps)
 
     # Portfolio, then ±1 neighbourhoods of the best warm-up while they help. Ties in time go to the
     # more resilient, then the leaner plan, so the search goes on at the bound.
@@ -298,7 +298,7 @@ def search(
 
         # The solver overruns its limit by its model build and read-out (~10 % of a 1 s budget).
         limit = max(0.05, end - time.perf_counter() - 0.1 * budget_s)
-        res = solve_exact(costs, N, caps, time_limit_s=limit, warm_start=best)
+        res = solve_exact(costs, N, caps=caps, time_limit_s=limit, warm_start=best)
         exact_plan, exact_t = refit(res.schedule, res.iteration_ms)
         if exact_t < best_t - 1e-9:
             best, best_t, source = exact_plan, exact_t, "milp"

@@ -47,16 +47,16 @@ def replay_ready(hint: Schedule, costs: Costs, microbatches: int, *, caps: Optio
                  link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
                  units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
     """Ready dispatch with ``hint`` ranking the ready ops; ``caps`` per stage (default: no cap)."""
-    return replay_varying(hint, costs, microbatches, Dispatch.READY, caps=caps, op_times=op_times,
+    return replay_varying(hint, costs, microbatches, dispatch=Dispatch.READY, caps=caps, op_times=op_times,
                           link_delays=link_delays, fused_backward=fused_backward, link_model=link_model,
                           patience=patience, units=units, w_share=w_share)
 
 
-def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: Union[Dispatch, str] = Dispatch.ORDERED,
-                   *, caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
-                   link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
-                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
-                   units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
+def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, *,
+                   dispatch: Union[Dispatch, str] = Dispatch.ORDERED, caps: Optional[Sequence[int]] = None,
+                   op_times: Union[OpTimes, Mapping, None] = None, link_delays: Optional[LinkDelays] = None,
+                   fused_backward: bool = False, link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
+                   patience: bool = True, units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
     """Replay ``schedule`` under ``dispatch`` ("ordered" or "ready"); raise StuckSchedule if it cannot run.
 
     ``op_times``: a callable ``(stage, kind, mb) -> ms`` or a mapping ``{(stage, kind, mb): ms}``
