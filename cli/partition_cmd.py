@@ -44,7 +44,7 @@ def partition(
     """Choose pipeline stage boundaries that minimise the planned iteration time, within memory."""
     with user_errors():
         check_outputs({"--output": output, "--plan": plan_out})
-        lp = read_layer_profile(profile, stages, microbatches)
+        lp = read_layer_profile(profile, stages=stages, microbatches=microbatches)
         L, S, N = lp.num_layers, lp.stages, lp.microbatches
         factors = parse_slowdown(slowdown, S)
         with budget_bar(f"searching partitions of {L} layers into {S} stages", time_limit):
@@ -141,7 +141,7 @@ def _row(lp: LayerProfile, parts: list[int], budget: float, planned: dict, slowd
     res, prof = planned[key]
     costs, caps = prof.costs(), prof.caps()
     lb = max(lower_bound_ms(costs, prof.microbatches, caps=caps), cap_bound_ms(costs, prof.microbatches, caps))
-    row.update(search_ms=evaluate(lp, parts, slowdown), iteration_ms=res.iteration_ms, lower_bound_ms=lb,
+    row.update(search_ms=evaluate(lp, parts, slowdown=slowdown), iteration_ms=res.iteration_ms, lower_bound_ms=lb,
                gap=0.0 if lb <= 0 else (res.iteration_ms - lb) / lb)
     return row
 

@@ -115,7 +115,7 @@ def run_case(name: str, lp: LayerProfile, limit, rows: list, slowdown=None) -> d
     res = partition(lp, time_limit_s=limit, slowdown=slowdown)
     wall = time.perf_counter() - t
     base = {"uniform": uniform_parts(L, S), "parameters": balanced_parts(lp.layers.param_count, S)}
-    greedy = {k: evaluate(lp, p, slowdown) for k, p in base.items()}
+    greedy = {k: evaluate(lp, p, slowdown=slowdown) for k, p in base.items()}
     planned = {}
     for k, p in (("chosen", res.parts), *base.items()):
         if any(c is None for c in lp.caps(p)):

@@ -98,7 +98,7 @@ def workloads(costs: Costs):
             for factor in HEAVY_FACTORS:
                 yield ("heavy", f"frac={frac:g} factor={factor:g} stages={stages}",
                        {"frac": frac, "heavy_microbatches": round(frac * N + 1e-9), "factor": factor, "stages": stages},
-                       lambda seed, f=frac, x=factor, k=stages: heavy(costs, N, f, x, k, seed=seed))
+                       lambda seed, f=frac, x=factor, k=stages: heavy(costs, N, frac=f, factor=x, stages=k, seed=seed))
     for kinds in JITTER_KINDS:
         for shape, spreads in JITTER.items():
             for spread in spreads:

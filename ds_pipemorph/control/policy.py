@@ -239,7 +239,7 @@ class ControlPolicy:
     def _replan(self, costs: Costs, plan: Schedule, reason: str) -> Decision:
         """The decision that adopts ``plan`` for ``costs``: its queues, tolerances and replayed time."""
         if self.units is not None:
-            plan = fit_budget(plan, self.units, self.w_share)
+            plan = fit_budget(plan, self.units, ratio=self.w_share)
         target = list(costs.links)
         queues = self._size_queues(plan, costs, self._direct(target))
         model = self._model(target, queues)

@@ -67,7 +67,7 @@ def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", 
     if units is None:
         return plan
     try:
-        return fit_budget(plan, units, share)
+        return fit_budget(plan, units, ratio=share)
     except ValueError as e:
         raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget "
                                    f"({cfg.memory.budget_in_force:g}x stock 1F1B) allows: {e}; raise memory.budget "

@@ -119,7 +119,7 @@ def test_fit_budget_moves_only_ws_earlier_and_keeps_any_valid_plan_within_the_bu
                   [rng.uniform(1, 5) for _ in range(S)], [0.0] * (S - 1))
     plan = list_schedule(costs, N, initial_warmup([N] * S), policy=Policy(late_w=frozenset(range(S))))  # every W last
     units = [float(max(x, 1)) for x in warmup_counts(plan)]  # the forwards fit, the deferred Ws do not
-    fitted = fit_budget(plan, units, share)
+    fitted = fit_budget(plan, units, ratio=share)
     validate_schedule(fitted, S, N)
     assert over(fitted, share, units) == []
     for old, new in zip(plan, fitted):
@@ -128,7 +128,7 @@ def test_fit_budget_moves_only_ws_earlier_and_keeps_any_valid_plan_within_the_bu
         for k, op in enumerate(new):  # a W never moves later than it was
             if op.kind == "W":
                 assert len([o for o in new[:k] if o.kind != "W"]) <= len([o for o in old[:old.index(op)] if o.kind != "W"])
-    assert fit_budget(fitted, units, share) == fitted
+    assert fit_budget(fitted, units, ratio=share) == fitted
 
 
 def test_fit_budget_refuses_a_warm_up_deeper_than_the_budget():

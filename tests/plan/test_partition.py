@@ -250,4 +250,4 @@ def test_parts_that_do_not_cover_the_layers_are_one_sentence(parts, match):
         lp.stage_profile(parts)
     assert "\n" not in str(e.value)
     with pytest.raises(BadInput):
-        check_parts(parts, 3, 2)
+        check_parts(parts, layers=3, stages=2)

@@ -426,7 +426,7 @@ def test_heavy_picks_round_frac_n_microbatches_half_up(frac, n, count):
 def test_heavy_slows_those_microbatches_on_the_first_k_stages_only():
     n = 12
     tab = parse_vary("heavy:frac=0.25,factor=3,stages=2,seed=4", BASE, n)
-    assert tab == heavy(BASE, n, 0.25, 3.0, 2, 4)
+    assert tab == heavy(BASE, n, frac=0.25, factor=3.0, stages=2, seed=4)
     picked = set(heavy_microbatches(n, 0.25, 4))
     assert len(picked) == 3
     for s in range(3):

@@ -69,8 +69,6 @@ class Delegated:
 LinkModel = Union[Latency, Direct, Delegated]
 LATENCY, DIRECT = Latency(), Direct()
 _MODELS = (Latency, Direct, Delegated)
-
-
 LinkModels = tuple[LinkModel, ...]  # one per link
 Breakpoints = tuple[tuple[float, float], ...]  # (time_ms, delay_ms), sorted by time
 LinkCurves = tuple[Breakpoints, ...]  # one per link

@@ -107,7 +107,7 @@ def quick_ms(costs: Costs, microbatches: int, caps: list[int], floor: float = 0.
     return best
 
 
-def evaluate(lp: LayerProfile, parts: list[int], slowdown: Optional[Sequence[float]] = None) -> float:
+def evaluate(lp: LayerProfile, parts: list[int], *, slowdown: Optional[Sequence[float]] = None) -> float:
     """``quick_ms`` of a partition (stage times scaled by ``slowdown``, as in ``LayerProfile.costs``),
     or inf if a stage does not fit its memory."""
     caps = lp.caps(parts)
@@ -122,14 +122,14 @@ def compositions(layers: int, stages: int) -> Iterator[list[int]]:
         yield [0, *cuts, layers]
 
 
-def exhaustive(lp: LayerProfile, objective: Optional[Callable[[LayerProfile, list[int]], float]] = None,
+def exhaustive(lp: LayerProfile, *, objective: Optional[Callable[[LayerProfile, list[int]], float]] = None,
                slowdown: Optional[Sequence[float]] = None) -> tuple[Optional[list[int]], float]:
     """The best partition by trying all of them (small cases only): (parts, objective), first found
     on ties; (None, inf) if none fits memory. ``slowdown`` scales the stage times of the default
     objective (``evaluate``); a given objective scores ``(lp, parts)`` as it likes."""
     if objective is None:
         factors = check_slowdown(slowdown, lp.stages)
-        objective = lambda prof, parts: evaluate(prof, parts, factors)  # noqa: E731
+        objective = lambda prof, parts: evaluate(prof, parts, slowdown=factors)  # noqa: E731
     elif slowdown is not None:
         raise ValueError("exhaustive: slowdown applies to the default objective; scale the costs in your objective")
     best, best_t = None, INF
@@ -197,7 +197,7 @@ def block_shifts(parts: list[int]) -> Iterator[list[int]]:
                     yield parts[:i] + [x + d for x in parts[i:j + 1]] + parts[j + 1:]
 
 
-def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
+def partition(lp: LayerProfile, *, time_limit_s: Optional[float] = None,
               slowdown: Optional[Sequence[float]] = None) -> PartitionResult:
     """The feasible partition with the least ``quick_ms`` (branch and bound, module docstring);
     with ``time_limit_s``, the best found by then (``complete`` says which; the starting points

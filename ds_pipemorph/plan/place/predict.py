@@ -98,7 +98,7 @@ class Planner:
     """One way of planning (``static``, ``quick`` or ``full``); proposed orders and their replays
     are cached by link delays."""
 
-    def __init__(self, job: Job, kind: str, budget_s: float = 1.0, max_evals: Optional[int] = None, seed: int = 0):
+    def __init__(self, job: Job, kind: str, *, budget_s: float = 1.0, max_evals: Optional[int] = None, seed: int = 0):
         if kind not in ("static", "quick", "full"):
             raise ValueError(f"a planner is static, quick or full, not {kind!r}")
         self.job, self.kind, self.budget_s, self.max_evals, self.seed = job, kind, budget_s, max_evals, seed
@@ -176,7 +176,7 @@ def predict(placement: Placement, matrix: LinkMatrix, planner: Planner) -> Predi
     P, D = placement.pp, placement.dp
     per_replica = [tuple(placement.link_delays(matrix, r, job.activation_mb)) for r in range(D)]
     planned = tuple(max(v[i] for v in per_replica) for i in range(P - 1))
-    ar = [allreduce_ms(matrix, placement.dp_group(s), job.grad_mb[s], job.chunk_mb) for s in range(P)]
+    ar = [allreduce_ms(matrix, placement.dp_group(s), job.grad_mb[s], chunk_mb=job.chunk_mb) for s in range(P)]
     best = None
     for i in range(len(planner.candidates(planned))):
         ends = [planner.stage_ends(planned, i, v) for v in per_replica]
@@ -233,7 +233,7 @@ def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, *, budget_s: float = 1
     check(matrix, pp, dp, job)
     is_exact = placements_modulo_renaming(pp, dp) <= EXACT_MAX_PLACEMENTS if exact is None else exact
     static, quick = Planner(job, "static"), Planner(job, "quick")
-    full = Planner(job, "full", budget_s, max_evals, seed)
+    full = Planner(job, "full", budget_s=budget_s, max_evals=max_evals, seed=seed)
 
     def best(planner: Planner, top: int) -> list[Placement]:
         found = best_placements(pp, dp, lambda p: predict(p, matrix, planner).iteration_ms, top=top,

@@ -210,7 +210,7 @@ def search(
         """``sched`` kept within the memory (re-encoded if it moved); (sched, enc)."""
         if memory is None or fits(sched, units, w_share):
             return sched, enc
-        sched = fit_budget(sched, units, w_share)
+        sched = fit_budget(sched, units, ratio=w_share)
         return sched, (ev.encode(sched) if ev.native else None)
 
     def refit(sched, t: float):
