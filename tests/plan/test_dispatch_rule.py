@@ -59,7 +59,7 @@ def test_the_rule_names_what_a_stuck_stage_waits_for():
     edge = ReadyRule([Op("F", 0), Op("B", 0), Op("W", 0)], 1, needs_input=False, needs_grad=False)
     assert [edge.message_of(op) for op in edge.pending] == [None, None, None]  # a one-stage pipeline
     with pytest.raises(ValueError, match="at least 1"):
-        ReadyRule([], 0, True, True)
+        ReadyRule([], 0, needs_input=True, needs_grad=True)
 
 
 def test_patience_holds_for_the_hints_first_op_only_when_its_message_lands_before_the_other_op_ends():

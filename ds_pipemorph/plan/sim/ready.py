@@ -135,7 +135,8 @@ class _Run:
         self.wake: list[tuple[float, int]] = []
         # per stage the engine's rule, a heap of (arrival, kind, mb) of the messages on their way
         # to it and their arrival times by (kind, mb)
-        self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1, None if units is None else units[s], w_share)
+        self.rules = [ReadyRule(row, cap[s], needs_input=s > 0, needs_grad=s < S - 1,
+                                units=None if units is None else units[s], w_share=w_share)
                       for s, row in enumerate(schedule)]
         self.patience = patience
         self.on_way = [[] for _ in range(S)]
