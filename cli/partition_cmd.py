@@ -44,7 +44,7 @@ def partition(
     """Choose pipeline stage boundaries that minimise the planned iteration time, within memory."""
     with user_errors():
         check_outputs({"--output": output, "--plan": plan_out})
-        lp = read_layer_profile(profile, stages, microbatches)
+        lp = read_layer_profile(profile, stages=stages, microbatches=microbatches)
         L, S, N = lp.num_layers, lp.stages, lp.microbatches
         factors = parse_slowdown(slowdown, S)
         with budget_bar(f"searching partitions of {L} layers into {S} stages", time_limit):
@@ -137,11 +137,11 @@ def _row(lp: LayerProfile, parts: list[int], budget: float, planned: dict, slowd
     key = tuple(parts)
     if key not in planned:
         prof = lp.stage_profile(parts, slowdown)
-        planned[key] = (search(prof.costs(), prof.microbatches, prof.caps(), budget_s=budget, seed=0), prof)
+        planned[key] = (search(prof.costs(), prof.microbatches, caps=prof.caps(), budget_s=budget, seed=0), prof)
     res, prof = planned[key]
     costs, caps = prof.costs(), prof.caps()
-    lb = max(lower_bound_ms(costs, prof.microbatches, caps), cap_bound_ms(costs, prof.microbatches, caps))
-    row.update(search_ms=evaluate(lp, parts, slowdown), iteration_ms=res.iteration_ms, lower_bound_ms=lb,
+    lb = max(lower_bound_ms(costs, prof.microbatches, caps=caps), cap_bound_ms(costs, prof.microbatches, caps))
+    row.update(search_ms=evaluate(lp, parts, slowdown=slowdown), iteration_ms=res.iteration_ms, lower_bound_ms=lb,
                gap=0.0 if lb <= 0 else (res.iteration_ms - lb) / lb)
     return row
 

@@ -51,10 +51,10 @@ def plan(
         units, share = prof.units(), prof.w_share()
         if greedy:
             within = Policy() if units is None else Policy(units=tuple(units), w_share=share)
-            sched, lb, note = list_schedule(costs, n, initial_warmup(caps), within), None, "paper's greedy pass"
+            sched, lb, note = list_schedule(costs, n, initial_warmup(caps), policy=within), None, "paper's greedy pass"
         else:
             with budget_bar(f"searching plans for {prof.stages} stages x {n} micro-batches", budget):
-                res = search(costs, n, caps, budget_s=budget, seed=seed, exact=exact, units=units, w_share=share)
+                res = search(costs, n, caps=caps, budget_s=budget, seed=seed, exact=exact, units=units, w_share=share)
             sched, lb = res.schedule, res.lower_bound_ms
             note = f"searched {res.seconds:.2f} s, {res.evaluated} candidates, best from {res.source}"
         pf = PlanFile.build(sched, prof)

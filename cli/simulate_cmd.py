@@ -88,8 +88,9 @@ def simulate(
 
         def run(order, fused, how="ordered", caps=None):
             if not varied and how == "ordered":
-                return replay(order, costs, N, fused, model)
-            return replay_varying(order, costs, N, how, caps, op_times, curves, fused, model)
+                return replay(order, costs, N, fused_backward=fused, link_model=model)
+            return replay_varying(order, costs, N, dispatch=how, caps=caps, op_times=op_times, link_delays=curves,
+                                  fused_backward=fused, link_model=model)
 
         caps = peak_inflight(sched)  # ready dispatch holds no more activations than the plan does
         rows = {"plan": run(sched, pf.fused)}

@@ -106,7 +106,7 @@ def compare(
         costs = pf.costs()
         if costs is None:
             raise BadInput(f"{plan_path} carries no profile, so its planned op times are unknown")
-        planned = replay(sched, costs, pf.microbatches, pf.fused)
+        planned = replay(sched, costs, pf.microbatches, fused_backward=pf.fused)
         trace = load_measured(timeline)
         k = check_iteration(trace, iteration)
         cmp = compare_timelines(sched, planned, trace, k, str(plan_path))

@@ -216,8 +216,8 @@ def predict(workload: str, plan_text, dispatch: str, ks, args) -> float:
     table_of, _ = tables(workload, args.seed)
     costs = Costs.uniform(STAGES, OP_MS)
     caps = peak_inflight(plan)
-    return statistics.mean(replay_varying(plan, costs, MICROBATCHES, dispatch, caps, table_of(k // 2)).iteration_ms
-                           for k in ks)
+    return statistics.mean(replay_varying(plan, costs, MICROBATCHES, dispatch=dispatch, caps=caps,
+                                          op_times=table_of(k // 2)).iteration_ms for k in ks)
 
 
 def main() -> int:

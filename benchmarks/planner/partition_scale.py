@@ -115,14 +115,14 @@ def run_case(name: str, lp: LayerProfile, limit, rows: list, slowdown=None) -> d
     res = partition(lp, time_limit_s=limit, slowdown=slowdown)
     wall = time.perf_counter() - t
     base = {"uniform": uniform_parts(L, S), "parameters": balanced_parts(lp.layers.param_count, S)}
-    greedy = {k: evaluate(lp, p, slowdown) for k, p in base.items()}
+    greedy = {k: evaluate(lp, p, slowdown=slowdown) for k, p in base.items()}
     planned = {}
     for k, p in (("chosen", res.parts), *base.items()):
         if any(c is None for c in lp.caps(p)):
             planned[k] = None
             continue
         prof = lp.stage_profile(p, slowdown)
-        planned[k] = search(prof.costs(), N, prof.caps(), budget_s=PLAN_BUDGET_S, seed=0).iteration_ms
+        planned[k] = search(prof.costs(), N, caps=prof.caps(), budget_s=PLAN_BUDGET_S, seed=0).iteration_ms
     at_limit = None
     if limit is None and wall > TARGET_S:  # what ``pipemorph partition``'s default 1 s limit returns
         at_limit = partition(lp, time_limit_s=TARGET_S, slowdown=slowdown)

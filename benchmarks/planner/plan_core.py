@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the 
 
 from _util import print_table, write_json
 
+from ds_pipemorph.plan.ir.links import LATENCY, per_link
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.listsched import list_schedule
 from ds_pipemorph.plan.sim.listsched_py import Policy, list_schedule_py
@@ -45,10 +46,11 @@ def measure(S: int, N: int, repeats: int) -> dict:
     costs = Costs.uniform(S, 10.0, [0.0] * (S - 2) + [30.0])
     x = [min(N, S - s + 2) for s in range(S)]
     pol = Policy()
-    sched = list_schedule(costs, N, x, pol)
+    sched = list_schedule(costs, N, x, policy=pol)
+    models = per_link(LATENCY, S - 1)
     row = {"stages": S, "microbatches": N}
     row["replay_c_us"] = best_of_three(lambda: sim.makespan(sched, costs, N), repeats) * 1e6
-    row["replay_py_us"] = best_of_three(lambda: run_py(sched, costs, N, False, None), repeats) * 1e6
+    row["replay_py_us"] = best_of_three(lambda: run_py(sched, costs, N, False, None, models), repeats) * 1e6
     row["list_c_us"] = best_of_three(
         lambda: native.list_schedule(costs, N, x, pol.priority, pol.w_fits_gap, pol.late_w), repeats) * 1e6
     row["list_py_us"] = best_of_three(lambda: list_schedule_py(costs, N, x, pol), repeats) * 1e6

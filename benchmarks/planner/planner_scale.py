@@ -91,7 +91,7 @@ def searched(seed: int, quick: bool) -> tuple[list, list]:
         t = time.perf_counter()
         greedy = replay(list_schedule(costs, n, initial_warmup(capv)), costs, n).iteration_ms
         greedy_s = time.perf_counter() - t
-        res = search(costs, n, caps, budget_s=budget, seed=seed)
+        res = search(costs, n, caps=caps, budget_s=budget, seed=seed)
         results.append(
             {
                 "case": name, "stages": costs.stages, "microbatches": n, "budget_s": budget,
@@ -122,7 +122,7 @@ def fast_paths(seed: int) -> list:
         links[i] += rng.uniform(20.0, 60.0)
         slow = costs.with_links(links)
         t = time.perf_counter()
-        res = search(slow, n, caps, budget_s=REPLAN_BUDGET_S, seed=seed)
+        res = search(slow, n, caps=caps, budget_s=REPLAN_BUDGET_S, seed=seed)
         replan_s = time.perf_counter() - t
         ok = greedy_s <= GREEDY_TARGET_S and replan_s <= REPLAN_TARGET_S and res.gap_to_bound <= GAP_TARGET
         results.append({
@@ -156,9 +156,9 @@ def bound_tightness(seed: int, count: int, limit_s: float) -> dict:
         for _ in range(count):
             case = random_case(rng)
             costs = case.costs()
-            res = solve_exact(costs, case.microbatches, case.caps, time_limit_s=limit_s)
+            res = solve_exact(costs, case.microbatches, caps=case.caps, time_limit_s=limit_s)
             if res.optimal:
-                lb = lower_bound_ms(costs, case.microbatches, case.caps)
+                lb = lower_bound_ms(costs, case.microbatches, caps=case.caps)
                 out["milp"].append({"stages": case.stages, "microbatches": case.microbatches, "bound_ms": lb,
                                     "optimum_ms": res.iteration_ms, "gap": (res.iteration_ms - lb) / res.iteration_ms})
     gaps = [r["gap"] for r in out["milp"]]

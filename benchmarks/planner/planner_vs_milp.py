@@ -82,7 +82,7 @@ def run_search(costs: Costs, N: int, caps: list[int], budget_s: float, exact: bo
     """Our planner; by default its heuristic part only (``search`` would otherwise spend half of the
     budget on this very MILP for small cases, and we want the heuristic's own gap)."""
     kwargs = {} if exact or "exact" not in inspect.signature(search).parameters else {"exact": False}
-    return search(costs, N, caps, budget_s=budget_s, seed=0, **kwargs)
+    return search(costs, N, caps=caps, budget_s=budget_s, seed=0, **kwargs)
 
 
 def run_case(case: Case, budget_s: float, milp_limit_s: float, search_exact: bool = False) -> Row:
@@ -92,12 +92,12 @@ def run_case(case: Case, budget_s: float, milp_limit_s: float, search_exact: boo
     t0 = time.perf_counter()
     ours = run_search(costs, N, caps, budget_s, search_exact)
     ours_s = time.perf_counter() - t0
-    validate_schedule(ours.schedule, case.stages, N, caps)
-    exact = solve_exact(costs, N, caps, time_limit_s=milp_limit_s, warm_start=ours.schedule)
-    validate_schedule(exact.schedule, case.stages, N, caps)
+    validate_schedule(ours.schedule, case.stages, N, caps=caps)
+    exact = solve_exact(costs, N, caps=caps, time_limit_s=milp_limit_s, warm_start=ours.schedule)
+    validate_schedule(exact.schedule, case.stages, N, caps=caps)
     return Row(
         case, greedy_ms, ours.iteration_ms, ours_s, exact.iteration_ms, exact.lower_bound_ms,
-        exact.optimal, exact.status, exact.seconds, lower_bound_ms(costs, N, caps),
+        exact.optimal, exact.status, exact.seconds, lower_bound_ms(costs, N, caps=caps),
     )
 
 

@@ -98,7 +98,7 @@ def workloads(costs: Costs):
             for factor in HEAVY_FACTORS:
                 yield ("heavy", f"frac={frac:g} factor={factor:g} stages={stages}",
                        {"frac": frac, "heavy_microbatches": round(frac * N + 1e-9), "factor": factor, "stages": stages},
-                       lambda seed, f=frac, x=factor, k=stages: heavy(costs, N, f, x, k, seed=seed))
+                       lambda seed, f=frac, x=factor, k=stages: heavy(costs, N, frac=f, factor=x, stages=k, seed=seed))
     for kinds in JITTER_KINDS:
         for shape, spreads in JITTER.items():
             for spread in spreads:
@@ -126,12 +126,14 @@ def measure(plans: dict, costs: Costs, table_of, seeds) -> dict:
     bound = statistics.mean(bound_ms(t) for t in tables)
     out = {}
     for h, plan in plans.items():
-        ordered = [replay_varying(plan, costs, MICROBATCHES, "ordered", None, t).iteration_ms for t in tables]
+        ordered = [replay_varying(plan, costs, MICROBATCHES, dispatch="ordered", op_times=t).iteration_ms
+                   for t in tables]
         row = {"ordered_ms": statistics.mean(ordered), "bound_ms": bound, "ceiling": statistics.mean(ordered) / bound,
                "caps": {}}
         for cap in CAPS:
             c = caps_of(plan, cap)
-            ready = [replay_varying(plan, costs, MICROBATCHES, "ready", c, t).iteration_ms for t in tables]
+            ready = [replay_varying(plan, costs, MICROBATCHES, dispatch="ready", caps=c, op_times=t).iteration_ms
+                     for t in tables]
             per = sorted(o / r for o, r in zip(ordered, ready))
             row["caps"][cap] = {"caps": c, "ready_ms": statistics.mean(ready),
                                 "speedup": statistics.mean(ordered) / statistics.mean(ready),

@@ -154,11 +154,11 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch:
         ks = range(spec.warmup, spec.warmup + spec.iterations)
         if schedule == "stock-1f1b":  # DeepSpeed's order, its backward fused
             plan = deepspeed_1f1b(S, N)
-            return sum(replay_varying(plan, costs, N, Dispatch.ORDERED, None, tables(k), fused_backward=True,
-                                      link_model=DIRECT).iteration_ms for k in ks) / len(ks)
+            return sum(replay_varying(plan, costs, N, dispatch=Dispatch.ORDERED, op_times=tables(k),
+                                      fused_backward=True, link_model=DIRECT).iteration_ms for k in ks) / len(ks)
         model = _link_model(schedule, engine)
-        return sum(replay_varying(engine.plan, costs, N, dispatch, peak_inflight(engine.plan), tables(k),
-                                  link_model=model).iteration_ms for k in ks) / len(ks)
+        return sum(replay_varying(engine.plan, costs, N, dispatch=dispatch, caps=peak_inflight(engine.plan),
+                                  op_times=tables(k), link_model=model).iteration_ms for k in ks) / len(ks)
     if schedule == "stock-1f1b":
         return replay(deepspeed_1f1b(S, N), costs, N, fused_backward=True, link_model=DIRECT).iteration_ms
     if schedule == "zb-delegated":  # every link: k FIFOs served by delegates, the sender never blocks

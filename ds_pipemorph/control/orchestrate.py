@@ -70,7 +70,7 @@ class Orchestrator:
 
     def in_force_ms(self) -> list[float]:
         """Per stage: the ring model's all-reduce of the placement in force."""
-        return [allreduce_ms(self.matrix, self.placement.dp_group(s), self.grad_mb[s], self.chunk_mb)
+        return [allreduce_ms(self.matrix, self.placement.dp_group(s), self.grad_mb[s], chunk_mb=self.chunk_mb)
                 for s in range(self.placement.pp)]
 
     def overhead_ms(self, allreduce: Sequence[float]) -> float:
@@ -112,13 +112,13 @@ class Orchestrator:
             return None
         res, job = placed if placed is not None else self._place(stage_ms)  # the same costs: place once
         best = res.orchestrator
-        now = predict(self.placement, self.matrix, Planner(job, "full", 3600.0, PLAN_EVALS))
+        now = predict(self.placement, self.matrix, Planner(job, "full", budget_s=3600.0, max_evals=PLAN_EVALS))
         self.done = True  # acted on (or found nothing better): not again for this matrix
         if best.placement == self.placement or not best.iteration_ms < now.iteration_ms * (1.0 - self.min_gain):
             return None
         measured = [sum(h[s] for h in self.history) / len(self.history) for s in range(P)]
         d = RemapDecision(best.placement.as_lists(), now.iteration_ms, best.iteration_ms, measured,
-                  [allreduce_ms(self.matrix, best.placement.dp_group(s), self.grad_mb[s], self.chunk_mb)
+                  [allreduce_ms(self.matrix, best.placement.dp_group(s), self.grad_mb[s], chunk_mb=self.chunk_mb)
                    for s in range(P)], k, self.overheads[-1], time.perf_counter() - t0)
         self.decisions.append(d)
         return d

@@ -189,8 +189,8 @@ class ControlPolicy:
         kept = self._keep(costs)
         if isinstance(kept, Decision):
             return kept
-        warmup = adapted_warmup(costs, self.N, self._caps_for(list(costs.links)))
-        plan = list_schedule(costs, self.N, warmup, ListPolicy(units=self.units, w_share=self.w_share))
+        warmup = adapted_warmup(costs, self.N, caps=self._caps_for(list(costs.links)))
+        plan = list_schedule(costs, self.N, warmup, policy=ListPolicy(units=self.units, w_share=self.w_share))
         return self._replan(costs, plan, f"closed-form warm-up: {kept}")
 
     def refine(self, costs: Costs) -> Decision:
@@ -217,7 +217,7 @@ class ControlPolicy:
             return f"slow links {old_slow} -> {new_slow}"
         model = self._model(target, self.link_queues)
         kept = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
-        bound = lower_bound_ms(costs, self.N, self._caps_for(target))
+        bound = lower_bound_ms(costs, self.N, caps=self._caps_for(target))
         if kept > (1 + KEEP_WITHIN) * bound:
             return (f"the plan in force would take {kept:.1f} ms, more than {KEEP_WITHIN:.0%} above the "
                     f"lower bound {bound:.1f} ms")
@@ -231,7 +231,7 @@ class ControlPolicy:
     def _searched(self, costs: Costs) -> Schedule:
         """The deterministic search's plan for ``costs`` (``search_evals`` replays at most)."""
         target = list(costs.links)
-        return search(costs, self.N, self._caps_for(target), budget_s=600.0, seed=0, exact=False,
+        return search(costs, self.N, caps=self._caps_for(target), budget_s=600.0, seed=0, exact=False,
                       max_evals=self.search_evals,
                       link_model=[self.direct_model if d else LATENCY for d in self._direct(target)],
                       units=self.units, w_share=self.w_share).schedule
@@ -239,7 +239,7 @@ class ControlPolicy:
     def _replan(self, costs: Costs, plan: Schedule, reason: str) -> Decision:
         """The decision that adopts ``plan`` for ``costs``: its queues, tolerances and replayed time."""
         if self.units is not None:
-            plan = fit_budget(plan, self.units, self.w_share)
+            plan = fit_budget(plan, self.units, ratio=self.w_share)
         target = list(costs.links)
         queues = self._size_queues(plan, costs, self._direct(target))
         model = self._model(target, queues)

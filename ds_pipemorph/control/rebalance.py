@@ -178,7 +178,7 @@ class Rebalancer:
             return None
         costs = lp.costs(step, slowdown=predicted)
         caps = [c if c is not None else self.microbatches for c in lp.caps(step)]
-        plan = search(costs, self.microbatches, caps, budget_s=3600.0, max_evals=PLAN_EVALS).schedule
+        plan = search(costs, self.microbatches, caps=caps, budget_s=3600.0, max_evals=PLAN_EVALS).schedule
         decision = Rebalance(step, predicted, now_ms, step_ms, plan, k)
         self.decisions.append(decision)
         return decision

@@ -67,7 +67,7 @@ def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", 
     if units is None:
         return plan
     try:
-        return fit_budget(plan, units, share)
+        return fit_budget(plan, units, ratio=share)
     except ValueError as e:
         raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget "
                                    f"({cfg.memory.budget_in_force:g}x stock 1F1B) allows: {e}; raise memory.budget "
@@ -105,7 +105,7 @@ def latency_robust_schedule(costs: Costs, microbatches: int, warmup: list[int],
     link: whichever is faster under ``costs``, then under the latency (deterministic)."""
     N = microbatches
     slow = costs.with_links([max(c, latency_ms) for c in costs.links])
-    candidates = [list_schedule(costs, N, warmup, policy), list_schedule(slow, N, warmup, policy)]
+    candidates = [list_schedule(costs, N, warmup, policy=policy), list_schedule(slow, N, warmup, policy=policy)]
     return min(candidates, key=lambda p: (makespan(p, costs, N), makespan(p, slow, N)))
 
 

@@ -55,7 +55,7 @@ def test_refine_gives_the_search_plan_when_faster_and_keeps_a_plan_it_cannot_bea
     p = fresh()
     quick = p.react(SLOW)
     p.adopt(quick)
-    found = search(SLOW, N, None, budget_s=600.0, seed=0, exact=False, max_evals=2000, link_model=DIRECT).schedule
+    found = search(SLOW, N, caps=None, budget_s=600.0, seed=0, exact=False, max_evals=2000, link_model=DIRECT).schedule
     t_found = replay(found, SLOW, N, link_model=DIRECT).iteration_ms
     assert t_found < quick.predicted_ms  # here the search beats Alg. 2's warm-up ...
     refined = p.refine(SLOW)

@@ -200,7 +200,7 @@ def test_the_plan_in_force_is_kept_when_within_2_percent_of_the_lower_bound():
     [(_, kept)] = feed(p, [[0.3, 0.2, 34.0]] * 2, start=5, ops=UNIFORM)
     model = [DIRECT, DIRECT, Delegated(2)]
     t = replay(plan, kept.costs, N, link_model=model).iteration_ms
-    bound = lower_bound_ms(kept.costs, N, [8, 6, N, N])
+    bound = lower_bound_ms(kept.costs, N, caps=[8, 6, N, N])
     assert t <= (1 + KEEP_WITHIN) * bound
     assert kept.plan is None and not kept.replans and "kept the plan in force" in kept.reason
     assert kept.target_ms == [0.0, 0.0, 34.0] and kept.predicted_ms == t
@@ -209,7 +209,7 @@ def test_the_plan_in_force_is_kept_when_within_2_percent_of_the_lower_bound():
     # 61 ms: the plan in force is now more than 2 % above the bound: re-planned
     [(_, again)] = feed(p, [[0.3, 0.2, 61.0]] * 2, start=7, ops=UNIFORM)
     t = replay(plan, again.costs, N, link_model=model).iteration_ms
-    assert t > (1 + KEEP_WITHIN) * lower_bound_ms(again.costs, N, [8, 6, N, N])
+    assert t > (1 + KEEP_WITHIN) * lower_bound_ms(again.costs, N, caps=[8, 6, N, N])
     assert again.plan is not None and "more than 2% above the lower bound" in again.reason
 
 

@@ -42,7 +42,7 @@ def export(tmp_path: Path, plan: Path) -> Path:
 def zb_plan():
     """The planner's Alg. 1 warm-up for 30 ms on link 0 (micro-batches in order on every stage)."""
     costs = Costs.uniform(S, 10.0, [30.0, 0.0, 0.0])
-    return list_schedule(costs, N, adapted_warmup(costs, N, [N] * S))
+    return list_schedule(costs, N, adapted_warmup(costs, N, caps=[N] * S))
 
 
 def shuffled_plan():

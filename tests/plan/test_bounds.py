@@ -57,9 +57,9 @@ def test_never_above_the_milp_optimum_and_never_below_the_old_bound(seed):
     rng = random.Random(seed)
     for _ in range(5):
         costs, N, caps = _case(rng)
-        lb = lower_bound_ms(costs, N, caps)
+        lb = lower_bound_ms(costs, N, caps=caps)
         assert lb >= old_bound(costs, N, caps) - 1e-9
-        res = solve_exact(costs, N, caps, time_limit_s=30.0)
+        res = solve_exact(costs, N, caps=caps, time_limit_s=30.0)
         assert res.optimal
         assert lb <= res.iteration_ms + 1e-6, (costs, N, caps, lb, res.iteration_ms)
 

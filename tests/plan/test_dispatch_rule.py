@@ -31,7 +31,7 @@ def test_the_rule_picks_what_the_readiness_replay_started(seed):
     rng = random.Random(seed)
     for _ in range(50):
         S, N, costs, hint, caps, table = _case(rng)
-        tl = replay_varying(hint, costs, N, "ready", caps, table)
+        tl = replay_varying(hint, costs, N, dispatch="ready", caps=caps, op_times=table)
         end = {(x.stage, x.op.kind, x.op.mb): x.end for x in tl.slots}
         # a message arrives its link's delay after the op that produced it ends (latency links)
         arrival = {}
@@ -59,7 +59,7 @@ def test_the_rule_names_what_a_stuck_stage_waits_for():
     edge = ReadyRule([Op("F", 0), Op("B", 0), Op("W", 0)], 1, needs_input=False, needs_grad=False)
     assert [edge.message_of(op) for op in edge.pending] == [None, None, None]  # a one-stage pipeline
     with pytest.raises(ValueError, match="at least 1"):
-        ReadyRule([], 0, True, True)
+        ReadyRule([], 0, needs_input=True, needs_grad=True)
 
 
 def test_patience_holds_for_the_hints_first_op_only_when_its_message_lands_before_the_other_op_ends():

@@ -68,7 +68,7 @@ def _drive(seed: int) -> None:
     rng.shuffle(messages)
     mode = rng.choice(["ask", "push", "both"])
     ref = ScanRule(hint, cap, needs_input, needs_grad)
-    rule = ReadyRule(hint, cap, needs_input, needs_grad)
+    rule = ReadyRule(hint, cap, needs_input=needs_input, needs_grad=needs_grad)
     came: set = set()
 
     def arrived(kind, mb):

@@ -28,7 +28,7 @@ def streams_of(lines):
 def check_lowering(sched, fused=False):
     """Structure the module promises, checked on the streams, then both dry runs."""
     S = len(sched)
-    streams = lower(sched, fused)
+    streams = lower(sched, fused_backward=fused)
     for s, (row, stream) in enumerate(zip(sched, streams)):
         assert [op.local() for op in stream if op.is_compute] == row  # the plan's order, untouched
         n_recv = (s > 0) * sum(op.kind == "F" for op in row) + (s < S - 1) * sum(op.kind == "B" for op in row)
@@ -68,9 +68,9 @@ def test_baselines_and_planned_warmups_lower_deadlock_free(S, N):
     check_lowering(gpipe(S, N), fused=True)
     check_lowering(zb_h1(costs, N))
     caps = [max(1, N - s) for s in range(S)]
-    check_lowering(list_schedule(costs, N, adapted_warmup(costs, N, caps)))
+    check_lowering(list_schedule(costs, N, adapted_warmup(costs, N, caps=caps)))
     slow = Costs.uniform(S, 10.0, [30.0] + [0.0] * (S - 2))
-    check_lowering(list_schedule(slow, N, adapted_warmup(slow, N, caps)))
+    check_lowering(list_schedule(slow, N, adapted_warmup(slow, N, caps=caps)))
 
 
 @st.composite
@@ -87,14 +87,14 @@ def cases(draw):
 @given(cases(), st.sampled_from(POLICIES))
 def test_every_list_schedule_lowers_deadlock_free(case, policy):
     costs, n, caps = case
-    check_lowering(list_schedule(costs, n, initial_warmup(caps), policy))
+    check_lowering(list_schedule(costs, n, initial_warmup(caps), policy=policy))
 
 
 @settings(max_examples=15, deadline=None)
 @given(cases())
 def test_every_searched_plan_lowers_deadlock_free(case):
     costs, n, caps = case
-    check_lowering(search(costs, n, caps, budget_s=5.0, max_evals=40, exact=False).schedule)
+    check_lowering(search(costs, n, caps=caps, budget_s=5.0, max_evals=40, exact=False).schedule)
 
 
 @settings(max_examples=100, deadline=None)

@@ -84,7 +84,7 @@ def test_the_list_scheduler_keeps_within_any_budget_compiled_and_python_alike(S,
     units = budget_units(S, factor)
     warm = initial_warmup([min(c, N) for c in caps_within(units)])
     within = Policy(pol.priority, pol.w_fits_gap, pol.late_w, tuple(units), share)
-    plan = list_schedule(costs, N, warm, within)
+    plan = list_schedule(costs, N, warm, policy=within)
     assert plan == list_schedule_py(costs, N, warm, within)
     validate_schedule(plan, S, N)
     assert over(plan, share, units) == []
@@ -105,10 +105,10 @@ def test_with_more_memory_the_list_scheduler_approaches_zero_bubble():
     for factor in (1.0, 1.5, 2.0, 3.0):
         units = budget_units(S, factor)
         warm = initial_warmup([min(c, N) for c in caps_within(units)])
-        times.append(makespan(list_schedule(costs, N, warm, Policy(units=tuple(units))), costs, N))
+        times.append(makespan(list_schedule(costs, N, warm, policy=Policy(units=tuple(units))), costs, N))
     assert times[0] == one
     assert times == sorted(times, reverse=True) and times[-1] < one
-    assert list_schedule(costs, N, [4, 3, 2, 1], Policy(units=tuple(peak_units(zb, 1.0)))) == zb
+    assert list_schedule(costs, N, [4, 3, 2, 1], policy=Policy(units=tuple(peak_units(zb, 1.0)))) == zb
 
 
 @settings(max_examples=40, deadline=None)
@@ -117,9 +117,9 @@ def test_fit_budget_moves_only_ws_earlier_and_keeps_any_valid_plan_within_the_bu
     rng = random.Random(seed)
     costs = Costs([rng.uniform(1, 5) for _ in range(S)], [rng.uniform(1, 5) for _ in range(S)],
                   [rng.uniform(1, 5) for _ in range(S)], [0.0] * (S - 1))
-    plan = list_schedule(costs, N, initial_warmup([N] * S), Policy(late_w=frozenset(range(S))))  # every W last
+    plan = list_schedule(costs, N, initial_warmup([N] * S), policy=Policy(late_w=frozenset(range(S))))  # every W last
     units = [float(max(x, 1)) for x in warmup_counts(plan)]  # the forwards fit, the deferred Ws do not
-    fitted = fit_budget(plan, units, share)
+    fitted = fit_budget(plan, units, ratio=share)
     validate_schedule(fitted, S, N)
     assert over(fitted, share, units) == []
     for old, new in zip(plan, fitted):
@@ -128,7 +128,7 @@ def test_fit_budget_moves_only_ws_earlier_and_keeps_any_valid_plan_within_the_bu
         for k, op in enumerate(new):  # a W never moves later than it was
             if op.kind == "W":
                 assert len([o for o in new[:k] if o.kind != "W"]) <= len([o for o in old[:old.index(op)] if o.kind != "W"])
-    assert fit_budget(fitted, units, share) == fitted
+    assert fit_budget(fitted, units, ratio=share) == fitted
 
 
 def test_fit_budget_refuses_a_warm_up_deeper_than_the_budget():
@@ -145,7 +145,7 @@ def test_the_search_keeps_within_the_budget_and_beats_or_ties_the_greedy_pass():
     from ds_pipemorph.plan.sim.simulate import makespan
 
     warm = initial_warmup([min(c, N) for c in caps_within(units)])
-    greedy = list_schedule(costs, N, warm, Policy(units=tuple(units)))
+    greedy = list_schedule(costs, N, warm, policy=Policy(units=tuple(units)))
     assert res.iteration_ms <= makespan(greedy, costs, N) + 1e-9
 
 
@@ -155,7 +155,7 @@ def test_ready_dispatch_keeps_within_the_budget_even_when_the_hint_defers_every_
     early enough that the executed order does, and never stalls."""
     S, N = 4, 8
     costs = Costs([4.0, 6.0, 5.0, 3.0], [8.0, 9.0, 7.0, 6.0], [3.0, 4.0, 3.0, 2.0], [1.0, 12.0, 1.0])
-    hint = list_schedule(costs, N, [4, 3, 2, 1], Policy(late_w=frozenset(range(S))))
+    hint = list_schedule(costs, N, [4, 3, 2, 1], policy=Policy(late_w=frozenset(range(S))))
     units = budget_units(S, 1.0)
     assert any(p > u for p, u in zip(held(hint, share), units))
     tl = replay_ready(hint, costs, N, caps=[4, 3, 2, 1], units=units, w_share=share)

@@ -27,8 +27,8 @@ needs_highs = pytest.mark.skipif(not HAVE_HIGHS, reason="highspy not installed (
 def solve(costs, n, caps=None, **kw):
     from ds_pipemorph.plan.sched.milp import solve_exact
 
-    res = solve_exact(costs, n, caps, **kw)
-    validate_schedule(res.schedule, costs.stages, n, caps)
+    res = solve_exact(costs, n, caps=caps, **kw)
+    validate_schedule(res.schedule, costs.stages, n, caps=caps)
     assert res.iteration_ms == pytest.approx(replay(res.schedule, costs, n).iteration_ms)
     return res
 
@@ -214,9 +214,9 @@ def test_rejects_bad_caps():
     from ds_pipemorph.plan.sched.milp import solve_exact
 
     with pytest.raises(ValueError, match="stage 1: cap 0"):
-        solve_exact(Costs.uniform(2), 2, [1, 0])
+        solve_exact(Costs.uniform(2), 2, caps=[1, 0])
     with pytest.raises(ValueError, match="expected 2"):
-        solve_exact(Costs.uniform(2), 2, [1])
+        solve_exact(Costs.uniform(2), 2, caps=[1])
 
 
 @needs_highs
@@ -227,7 +227,7 @@ def test_the_solver_prints_nothing_on_standard_output(tmp_path):
 
     code = ("from ds_pipemorph.plan.sched.milp import solve_exact\n"
             "from ds_pipemorph.plan.ir.profile import Costs\n"
-            "solve_exact(Costs.uniform(2), 2, None, time_limit_s=5)\n")
+            "solve_exact(Costs.uniform(2), 2, time_limit_s=5)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout == ""

@@ -76,9 +76,9 @@ def random_case(rng: random.Random):
     return S, N, random_costs(rng, S)
 
 
-def _outcome(fn, *args):
+def _outcome(fn, costs, N, x, pol):
     try:
-        return fn(*args), None
+        return fn(costs, N, x, policy=pol), None
     except (RuntimeError, ValueError) as e:
         return None, f"{type(e).__name__}: {e}"
 
@@ -130,7 +130,7 @@ def random_model(rng: random.Random, S: int):
 
 def _replayed(fn, sched, costs, N, fused, model):
     try:
-        tl = fn(sched, costs, N, fused, model)
+        tl = fn(sched, costs, N, fused_backward=fused, link_model=model)
     except StuckSchedule as e:
         return ("stuck", str(e))
     return ("ok", tl.iteration_ms, tl.busy_ms, tl.peak_inflight, tl.work_ms,
@@ -175,10 +175,10 @@ def test_replay_gives_the_reference_timelines(impl, seed):
                 mp.setattr(native, "lib", lambda: None)
                 _same(got, _replayed(sim.replay, sched, costs, N, fused, model), in_order=True)
         if want[0] == "ok":
-            assert abs(sim.makespan(sched, costs, N, fused, model) - want[1]) <= 1e-9
+            assert abs(sim.makespan(sched, costs, N, fused_backward=fused, link_model=model) - want[1]) <= 1e-9
         else:
             with pytest.raises(StuckSchedule, match="stage"):
-                sim.makespan(sched, costs, N, fused, model)
+                sim.makespan(sched, costs, N, fused_backward=fused, link_model=model)
 
 
 def test_replay_rejects_what_the_reference_rejects(impl):
@@ -199,8 +199,8 @@ def test_large_cases_match_the_reference(impl):
                   [rng.uniform(5, 20) for _ in range(S)], [rng.choice([0.0, rng.uniform(0, 40)]) for _ in range(S - 1)])
     x = random_warmup(rng, S, N, wild=False)
     for pol in policies(costs):
-        sched = list_schedule(costs, N, x, pol)
-        assert sched == reference.list_schedule(costs, N, x, pol)
+        sched = list_schedule(costs, N, x, policy=pol)
+        assert sched == reference.list_schedule(costs, N, x, policy=pol)
         for model in (LATENCY, DIRECT, Delegated(2)):
             _same(_replayed(sim.replay, sched, costs, N, False, model),
                   _replayed(reference.replay, sched, costs, N, False, model))
@@ -356,7 +356,7 @@ def test_native_tolerances_are_the_exact_ones(seed):
         S, N = rng.randint(2, 6), rng.randint(2, 12)
         costs = Costs([rng.uniform(2, 20) for _ in range(S)], [rng.uniform(2, 20) for _ in range(S)],
                       [rng.uniform(2, 20) for _ in range(S)], [rng.choice([0.0, 0.0, rng.uniform(1, 30)]) for _ in range(S - 1)])
-        sched = list_schedule(costs, N, random_warmup(rng, S, N, wild=False), rng.choice(policies(costs)))
+        sched = list_schedule(costs, N, random_warmup(rng, S, N, wild=False), policy=rng.choice(policies(costs)))
         fused = rng.random() < 0.3
         got = tolerance.link_tolerances(sched, costs, N, resolution_ms=0.01, fused=fused)
         for t in got:

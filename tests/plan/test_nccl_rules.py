@@ -56,10 +56,10 @@ def test_two_ranks_that_each_send_first_without_a_group_deadlock():
 def test_a_group_on_either_rank_resolves_the_exchange():
     # Rank 0 grouping 0SEND_F1 with 0RECV_B0 (indices 3, 4): 0RECV_B0 is at the head with it and
     # meets 1SEND_B0, then 1RECV_F1 reaches rank 1's head and meets 0SEND_F1: F0, B0, F1, B1.
-    assert texts(nccl_dry_run(streams_of(EXCHANGE), [[range(3, 5)], []])) == [
+    assert texts(nccl_dry_run(streams_of(EXCHANGE), groups=[[range(3, 5)], []])) == [
         "0SEND_F0 1RECV_F0", "1SEND_B0 0RECV_B0", "0SEND_F1 1RECV_F1", "1SEND_B1 0RECV_B1"]
     # Rank 1 grouping 1SEND_B0 with 1RECV_F1 (indices 3, 4): 0SEND_F1 meets 1RECV_F1 first.
-    assert texts(nccl_dry_run(streams_of(EXCHANGE), [[], [range(3, 5)]])) == [
+    assert texts(nccl_dry_run(streams_of(EXCHANGE), groups=[[], [range(3, 5)]])) == [
         "0SEND_F0 1RECV_F0", "0SEND_F1 1RECV_F1", "1SEND_B0 0RECV_B0", "1SEND_B1 0RECV_B1"]
     # nccl_groups finds both runs: the only adjacent send/receive pairs with one peer
     assert nccl_groups(streams_of(EXCHANGE)) == [[range(3, 5)], [range(3, 5)]]
@@ -151,7 +151,7 @@ def test_malformed_streams_are_named(lines, match):
 ])
 def test_malformed_groups_are_named(groups, match):
     with pytest.raises(BadStream, match=match):
-        nccl_dry_run(streams_of(["0F0 0SEND_F0 0F1 0SEND_F1", "1RECV_F0 1RECV_F1 1F0 1F1"]), groups)
+        nccl_dry_run(streams_of(["0F0 0SEND_F0 0F1 0SEND_F1", "1RECV_F0 1RECV_F1 1F0 1F1"]), groups=groups)
 
 
 # --- the lowering for NCCL ----------------------------------------------------------------------
@@ -177,7 +177,7 @@ def test_two_stage_1f1b_lowers_to_the_streams_written_out():
     for streams in (split, lower_nccl(sched, True)):  # in the pair's order, with or without groups
         order = ["0SEND_F0 1RECV_F0", "0SEND_F1 1RECV_F1", "1SEND_B0 0RECV_B0", "1SEND_B1 0RECV_B1"]
         assert texts(nccl_dry_run(streams)) == order
-        assert texts(nccl_dry_run(streams, nccl_groups(streams))) == order
+        assert texts(nccl_dry_run(streams, groups=nccl_groups(streams))) == order
 
 
 def test_a_plan_that_cannot_run_is_refused():
@@ -223,7 +223,7 @@ def check_nccl_lowering(sched, fused):
             sent = [op.mb for op in streams[s + 1] if op.kind == "SEND_B"]
             assert [op.mb for op in stream if op.kind == "RECV_B"] == sent
     nccl_dry_run(streams)
-    nccl_dry_run(streams, nccl_groups(streams))
+    nccl_dry_run(streams, groups=nccl_groups(streams))
     dry_run(streams, blocking_sends=True, ordered_channels=True)
 
 

@@ -83,8 +83,8 @@ def test_plan_files_accept_only_stage_local_compute_ops():
 
 
 def test_one_model_applies_to_every_link_and_a_list_needs_one_per_link():
-    assert per_link(DIRECT, 3) == [Direct()] * 3
-    assert per_link([LATENCY, Delegated(3)], 2) == [Latency(), Delegated(queues=3)]
+    assert per_link(DIRECT, 3) == (Direct(),) * 3
+    assert per_link([LATENCY, Delegated(3)], 2) == (Latency(), Delegated(queues=3))
     with pytest.raises(ValueError, match="2 link models given for 3 links"):
         per_link([LATENCY, DIRECT], 3)
     with pytest.raises(ValueError, match="link 1: a link model is"):

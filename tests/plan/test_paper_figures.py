@@ -62,7 +62,7 @@ def test_replanned_knowing_20ms_on_link0_takes_at_most_410ms():
     # the slow link (3·10 + 20 = 50 ms), and stage 3 still has 3·N·t = 360 ms of work.
     replanned = list_schedule(with_link0(20), N, [7, 5, 3, 1])
     assert replay(replanned, with_link0(20), N).iteration_ms <= 410.0
-    best = search(with_link0(20), N, [7, 5, 3, 1], budget_s=10, max_evals=300)
+    best = search(with_link0(20), N, caps=[7, 5, 3, 1], budget_s=10, max_evals=300)
     assert best.iteration_ms <= 410.0
 
 

@@ -45,7 +45,7 @@ def test_branch_and_bound_equals_exhaustive_search_on_small_random_cases():
         assert all(c is not None for c in lp.caps(res.parts))
         # The bound is below every feasible partition under every plan, so below the optimum.
         assert res.lower_bound_ms <= best_t + 1e-9
-        every = [max(lower_bound_ms(lp.costs(p), lp.microbatches, lp.caps(p)),
+        every = [max(lower_bound_ms(lp.costs(p), lp.microbatches, caps=lp.caps(p)),
                      cap_bound_ms(lp.costs(p), lp.microbatches, lp.caps(p)))
                  for p in compositions(lp.num_layers, lp.stages) if None not in lp.caps(p)]
         assert res.lower_bound_ms <= min(every) + 1e-9
@@ -119,7 +119,7 @@ def test_cap_bound_by_hand_and_never_above_a_schedule_or_the_milp_optimum():
     # 97 ms. The planner's bound counts one round trip only.
     c = Costs([1, 1], [1, 1], [1, 1], [10])
     assert cap_bound_ms(c, 4, [1, 1]) == 97.0 == quick_ms(c, 4, [1, 1])
-    assert lower_bound_ms(c, 4, [1, 1]) < 97.0
+    assert lower_bound_ms(c, 4, caps=[1, 1]) < 97.0
     rng = random.Random(5)
     for _ in range(400):
         S, N = rng.randint(1, 5), rng.randint(1, 10)
@@ -136,7 +136,7 @@ def test_cap_bound_by_hand_and_never_above_a_schedule_or_the_milp_optimum():
         c = Costs([rng.choice([1, 2, 3]) for _ in range(S)], [rng.choice([1, 2, 4]) for _ in range(S)],
                   [rng.choice([0, 1, 2]) for _ in range(S)], [rng.choice([0, 1, 5, 20]) for _ in range(S - 1)])
         caps = [rng.randint(1, N) for _ in range(S)]
-        res = solve_exact(c, N, caps, time_limit_s=20.0)
+        res = solve_exact(c, N, caps=caps, time_limit_s=20.0)
         if res.optimal:
             proven += 1
             assert cap_bound_ms(c, N, caps) <= res.iteration_ms + 1e-6, (c, N, caps)
@@ -250,4 +250,4 @@ def test_parts_that_do_not_cover_the_layers_are_one_sentence(parts, match):
         lp.stage_profile(parts)
     assert "\n" not in str(e.value)
     with pytest.raises(BadInput):
-        check_parts(parts, 3, 2)
+        check_parts(parts, layers=3, stages=2)

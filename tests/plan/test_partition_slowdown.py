@@ -40,9 +40,9 @@ def test_branch_and_bound_equals_exhaustive_search_with_random_slowdowns():
         res = partition(lp, slowdown=slow)
         assert res.complete
         assert res.iteration_ms == pytest.approx(best_t, abs=1e-6), (lp, slow, best_parts, res)
-        assert evaluate(lp, res.parts, slow) == pytest.approx(res.iteration_ms, abs=1e-6)
+        assert evaluate(lp, res.parts, slowdown=slow) == pytest.approx(res.iteration_ms, abs=1e-6)
         # The bound holds for every feasible partition of the scaled stage times under any plan.
-        every = [max(lower_bound_ms(lp.costs(p, slow), lp.microbatches, lp.caps(p)),
+        every = [max(lower_bound_ms(lp.costs(p, slow), lp.microbatches, caps=lp.caps(p)),
                      cap_bound_ms(lp.costs(p, slow), lp.microbatches, lp.caps(p)))
                  for p in compositions(lp.num_layers, lp.stages) if None not in lp.caps(p)]
         assert res.lower_bound_ms <= min(every) + 1e-9
@@ -68,12 +68,12 @@ def test_hand_derived_a_slow_stage_gets_fewer_layers():
     # [0, 1, 4]: stage 0 holds 1 layer at 3x (3 ms per op), stage 1 holds 3 layers (3 ms per op):
     # two equal stages of t = 3 ms, the even case: 3·N·t + (S−1)·t = 36 + 3 = 39 ms, which is also
     # stage 1's bound (F0 arrives at 3, then N·(f + b + w) = 36 of work).
-    assert evaluate(lp, [0, 1, 4], slow) == 39.0
+    assert evaluate(lp, [0, 1, 4], slowdown=slow) == 39.0
     # [0, 2, 4]: stage 0 runs 6 ms per op, 4·18 = 72 ms of work from time 0; every gradient is back
     # 4 ms after its forward ends (2 + 2 on stage 1), within the op stage 0 runs next, so it never
     # idles: 72 ms. [0, 3, 4]: 4·27 = 108 ms on stage 0 at least.
-    assert evaluate(lp, [0, 2, 4], slow) == 72.0
-    assert evaluate(lp, [0, 3, 4], slow) >= 108.0
+    assert evaluate(lp, [0, 2, 4], slowdown=slow) == 72.0
+    assert evaluate(lp, [0, 3, 4], slowdown=slow) >= 108.0
     res = partition(lp, slowdown=slow)
     assert res.parts == [0, 1, 4] and res.iteration_ms == 39.0 and res.lower_bound_ms == 39.0
     assert exhaustive(lp, slowdown=slow) == ([0, 1, 4], 39.0)
@@ -92,7 +92,7 @@ def test_costs_and_stage_profile_scale_stage_times_not_links():
     assert c.links == lp.costs([0, 2, 3]).links == [1.5 + (30 + 50) / 2 / 2]  # latency + mean transfer
     prof = lp.stage_profile([0, 2, 3], slowdown=[2.0, 0.5])
     assert prof.compute_ms.forward == [6.0, 1.5] and prof.links_ms == [21.5]
-    assert evaluate(lp, [0, 2, 3], [2.0, 0.5]) == quick_ms(c, 4, [4, 4])
+    assert evaluate(lp, [0, 2, 3], slowdown=[2.0, 0.5]) == quick_ms(c, 4, [4, 4])
 
 
 def test_block_shifts_move_one_layer_between_two_stages():
@@ -121,7 +121,7 @@ def test_block_shifts_move_one_layer_between_two_stages():
 def test_bad_slowdown_is_one_sentence(slowdown, match):
     lp = layer_profile(stages=2, microbatches=4,
                        layers={"forward_ms": [1, 1, 1], "backward_input_ms": 1, "backward_weight_ms": 1})
-    for call in (lambda: partition(lp, slowdown=slowdown), lambda: evaluate(lp, [0, 1, 3], slowdown),
+    for call in (lambda: partition(lp, slowdown=slowdown), lambda: evaluate(lp, [0, 1, 3], slowdown=slowdown),
                  lambda: exhaustive(lp, slowdown=slowdown), lambda: lp.costs([0, 1, 3], slowdown),
                  lambda: lp.stage_profile([0, 1, 3], slowdown), lambda: check_slowdown(slowdown, 2)):
         with pytest.raises(BadInput) as e:

@@ -83,7 +83,7 @@ def test_ring_allreduce_cost_matches_a_hand_derivation_and_a_step_by_step_ring()
             for a, b in itertools.combinations(range(W), 2)]})
         group = rng.sample(range(W), rng.randint(1, W))
         g, chunk = rng.uniform(1, 500), rng.choice([None, 1.0, 7.5])
-        assert allreduce_ms(m, group, g, chunk) == pytest.approx(ring_allreduce_by_steps(m, group, g, chunk))
+        assert allreduce_ms(m, group, g, chunk_mb=chunk) == pytest.approx(ring_allreduce_by_steps(m, group, g, chunk))
 
 
 # --- the link matrix and the topology file --------------------------------------------------------
@@ -168,7 +168,7 @@ def test_a_slow_host_in_dp_rings_moves_onto_a_pipeline_link_at_the_first_stage()
             assert max(pred.allreduce_ms) < 2
             assert [row[0] for row in pred.links_ms] == [30.0, 30.0] and all(v[1:] == [0.0, 0.0] for v in pred.links_ms)
         # every stage that could hold the slow ring, predicted: the first is best for both ways
-        planners = {k: Planner(j, k, 1.0, EVALS) for k in ("static", "full")}
+        planners = {k: Planner(j, k, budget_s=1.0, max_evals=EVALS) for k in ("static", "full")}
         at = {}
         for stage in range(4):
             rest = iter([0, 2, 4, 5, 6, 7])

@@ -87,20 +87,20 @@ def test_list_schedules_are_valid_within_caps_and_replay_equals_critical_path(ca
     costs, n, caps = case
     x = initial_warmup(caps)
     check_lemma1(x)
-    sched = list_schedule(costs, n, x, policy)
-    validate_schedule(sched, costs.stages, n, caps)
+    sched = list_schedule(costs, n, x, policy=policy)
+    validate_schedule(sched, costs.stages, n, caps=caps)
     assert all(p <= c for p, c in zip(peak_inflight(sched), caps))
     tl = replay(sched, costs, n)
     assert abs(tl.iteration_ms - critical_path_ms(sched, costs, n)) < 1e-6
-    assert tl.iteration_ms >= lower_bound_ms(costs, n, caps) - 1e-6
+    assert tl.iteration_ms >= lower_bound_ms(costs, n, caps=caps) - 1e-6
 
 
 @settings(max_examples=40, deadline=None)
 @given(cases())
 def test_search_plans_are_valid_no_slower_than_greedy_and_above_the_bound(case):
     costs, n, caps = case
-    res = search(costs, n, caps, budget_s=10, max_evals=60)
-    validate_schedule(res.schedule, costs.stages, n, caps)
+    res = search(costs, n, caps=caps, budget_s=10, max_evals=60)
+    validate_schedule(res.schedule, costs.stages, n, caps=caps)
     assert abs(res.iteration_ms - critical_path_ms(res.schedule, costs, n)) < 1e-6
     greedy = replay(list_schedule(costs, n, initial_warmup(caps)), costs, n).iteration_ms
     assert res.iteration_ms <= greedy + 1e-9
@@ -116,7 +116,7 @@ def test_baselines_replay_equals_critical_path_fused_and_split(case):
     S = costs.stages
     for sched, fused in ((deepspeed_1f1b(S, n), True), (gpipe(S, n), True), (zb_h1(costs, n), False)):
         validate_schedule(sched, S, n)
-        assert abs(replay(sched, costs, n, fused).iteration_ms - critical_path_ms(sched, costs, n, fused)) < 1e-6
+        assert abs(replay(sched, costs, n, fused_backward=fused).iteration_ms - critical_path_ms(sched, costs, n, fused)) < 1e-6
 
 
 def test_uniform_profiles_without_delay_or_cap_reach_the_bound_exactly():

@@ -60,8 +60,8 @@ PLANS = {  # name -> (planner, fused backward): the project's own planners
     "gpipe": (lambda: gpipe(4, N), True),
     "zb-h1": (lambda: zb_h1(COSTS, N), False),
     "adaptive-greedy": (lambda: list_schedule(COSTS, N, initial_warmup(CAPS)), False),
-    "adaptive-alg2": (lambda: list_schedule(COSTS, N, adapted_warmup(COSTS, N, CAPS)), False),
-    "adaptive-search": (lambda: search(COSTS, N, CAPS, budget_s=10, max_evals=150, exact=False).schedule, False),
+    "adaptive-alg2": (lambda: list_schedule(COSTS, N, adapted_warmup(COSTS, N, caps=CAPS)), False),
+    "adaptive-search": (lambda: search(COSTS, N, caps=CAPS, budget_s=10, max_evals=150, exact=False).schedule, False),
 }
 
 
@@ -70,18 +70,19 @@ PLANS = {  # name -> (planner, fused backward): the project's own planners
 def test_ordered_with_constant_times_equals_simulate_replay_exactly(name, model):
     make, fused = PLANS[name]
     sched = make()
-    want = replay(sched, COSTS, N, fused, model)
+    want = replay(sched, COSTS, N, fused_backward=fused, link_model=model)
     for got in (
-        replay_varying(sched, COSTS, N, "ordered", fused_backward=fused, link_model=model),
+        replay_varying(sched, COSTS, N, dispatch="ordered", fused_backward=fused, link_model=model),
         # the same times given per op, and the same delays given as one breakpoint per link
-        replay_varying(sched, COSTS, N, "ordered", op_times=OpTable.constant(COSTS, N),
+        replay_varying(sched, COSTS, N, dispatch="ordered", op_times=OpTable.constant(COSTS, N),
                        link_delays=[[(0.0, c)] for c in COSTS.links], fused_backward=fused, link_model=model),
     ):
         assert got.iteration_ms == want.iteration_ms
         assert slot_map(got) == slot_map(want)
         assert got.busy_ms == want.busy_ms
         assert got.peak_inflight == want.peak_inflight == peak_inflight(sched)
-    assert replay_varying(sched, COSTS, N, "ordered", fused_backward=fused, link_model=model).bubble_rate == want.bubble_rate
+    got = replay_varying(sched, COSTS, N, dispatch="ordered", fused_backward=fused, link_model=model)
+    assert got.bubble_rate == want.bubble_rate
 
 
 def test_ordered_stuck_order_raises_like_simulate():
@@ -109,7 +110,7 @@ def test_ready_lets_a_ready_w_overtake_a_late_b():
     hint = rows("F0 F1 B0 B1 W0 W1", "F0 B0 F1 B1 W0 W1")
     costs = Costs.uniform(2, 1.0)
     times = {(1, "F", 1): 5.0}
-    ordered = replay_varying(hint, costs, 2, "ordered", op_times=times)
+    ordered = replay_varying(hint, costs, 2, dispatch="ordered", op_times=times)
     ready = replay_ready(hint, costs, 2, caps=peak_inflight(hint), op_times=times)
     assert ordered.iteration_ms == 12.0 and ready.iteration_ms == 11.0
     assert stage_order(ready, 0) == ["F0", "F1", "B0", "W0", "B1", "W1"]
@@ -131,7 +132,7 @@ def test_the_bare_rule_can_be_slower_than_the_order_and_patience_waits_for_the_m
     hint = rows("F0 F1 B0 W0 B1 W1", "F0 B0 F1 B1 W0 W1")
     costs = Costs.uniform(2, 1.0, [2.0])
     times = {(0, "F", 1): 3.0, (1, "W", 0): 3.0}
-    ordered = replay_varying(hint, costs, 2, "ordered", op_times=times)
+    ordered = replay_varying(hint, costs, 2, dispatch="ordered", op_times=times)
     assert ordered.iteration_ms == 12.0
     bare = replay_ready(hint, costs, 2, caps=[2, 1], op_times=times, patience=False)
     assert bare.iteration_ms == 14.0
@@ -177,7 +178,7 @@ def test_a_message_takes_the_delay_in_force_when_it_departs():
     """
     sched = rows("F0 B0 W0", "F0 B0 W0")
     for how in ("ordered", "ready"):
-        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, how, link_delays=[[(0.0, 0.0), (1.0, 10.0)]])
+        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, dispatch=how, link_delays=[[(0.0, 0.0), (1.0, 10.0)]])
         assert tl.iteration_ms == 25.0
         assert slot_map(tl)[(1, "F", 0)] == (11.0, 12.0)
 
@@ -186,7 +187,8 @@ def test_fused_backward_sends_the_gradient_after_w_under_both_rules():
     """2 stages, 1 micro-batch, B0 W0 fused, W takes 4 ms on stage 1: the gradient leaves at 7."""
     sched = rows("F0 B0 W0", "F0 B0 W0")
     for how in ("ordered", "ready"):
-        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, how, op_times={(1, "W", 0): 4.0}, fused_backward=True)
+        tl = replay_varying(sched, Costs.uniform(2, 1.0), 1, dispatch=how, op_times={(1, "W", 0): 4.0},
+                            fused_backward=True)
         assert slot_map(tl)[(0, "B", 0)] == (7.0, 8.0) and tl.iteration_ms == 9.0
 
 
@@ -194,7 +196,7 @@ def test_bad_arguments_raise_value_errors():
     sched = rows("F0 B0 W0", "F0 B0 W0")
     costs = Costs.uniform(2, 1.0)
     with pytest.raises(ValueError, match="dispatch is 'ordered' or 'ready'"):
-        replay_varying(sched, costs, 1, "eager")
+        replay_varying(sched, costs, 1, dispatch="eager")
     with pytest.raises(ValueError, match="at least 1 activation"):
         replay_ready(sched, costs, 1, caps=[1, 0])
     with pytest.raises(ValueError, match="stage 1: W0 is missing"):
@@ -228,7 +230,7 @@ def replay_cases(draw, any_hint=True, models=True, curves=True):
         hint = [draw(st.permutations(ops)) for _ in range(S)]
     else:
         x = [draw(st.integers(1, n)) for _ in range(S)]
-        hint = list_schedule(costs, n, initial_warmup(x), draw(st.sampled_from(POLICIES)))
+        hint = list_schedule(costs, n, initial_warmup(x), policy=draw(st.sampled_from(POLICIES)))
     caps = [draw(st.integers(1, n + 1)) for _ in range(S)]
     delays = None
     if curves and draw(st.booleans()):
@@ -273,7 +275,8 @@ def held_at(got, s, n, t):
 @given(replay_cases(), st.booleans())
 def test_ready_dispatch_never_deadlocks_keeps_caps_and_dependencies(case, fused):
     costs, n, hint, caps, table, delays, model = case
-    tl = replay_ready(hint, costs, n, caps, table, delays, fused, model)
+    tl = replay_ready(hint, costs, n, caps=caps, op_times=table, link_delays=delays, fused_backward=fused,
+                      link_model=model)
     got = check_timeline(tl, costs, n, table, delays)
     S = costs.stages
     for s in range(S):
@@ -294,7 +297,7 @@ def test_ready_dispatch_follows_its_rule(case):
     stage may run was ready."""
     costs, n, hint, caps, table, delays, _ = case
     S = costs.stages
-    tl = replay_ready(hint, costs, n, caps, table, delays, patience=False)
+    tl = replay_ready(hint, costs, n, caps=caps, op_times=table, link_delays=delays, patience=False)
     got = check_timeline(tl, costs, n, table, delays)
     curves = delays if delays is not None else [[(0.0, c)] for c in costs.links]
 
@@ -340,8 +343,8 @@ def test_ready_dispatch_follows_its_rule(case):
 @given(replay_cases(any_hint=False, curves=False))
 def test_ordered_with_constant_times_equals_replay_for_random_plans(case):
     costs, n, plan, _, _, _, model = case
-    want = replay(plan, costs, n, False, model)
-    got = replay_varying(plan, costs, n, "ordered", link_model=model)
+    want = replay(plan, costs, n, link_model=model)
+    got = replay_varying(plan, costs, n, dispatch="ordered", link_model=model)
     assert got.iteration_ms == want.iteration_ms and slot_map(got) == slot_map(want)
 
 
@@ -352,7 +355,7 @@ def test_ordered_with_varying_times_equals_the_longest_path(case, fused):
     predecessor and its inputs (plus the link delay), computed here in plan order."""
     costs, n, plan, _, table, _, _ = case
     S = costs.stages
-    tl = replay_varying(plan, costs, n, "ordered", op_times=table, fused_backward=fused)
+    tl = replay_varying(plan, costs, n, dispatch="ordered", op_times=table, fused_backward=fused)
     check_timeline(tl, costs, n, table, None)
     end = {}
     pending = [list(r) for r in plan]
@@ -423,7 +426,7 @@ def test_heavy_picks_round_frac_n_microbatches_half_up(frac, n, count):
 def test_heavy_slows_those_microbatches_on_the_first_k_stages_only():
     n = 12
     tab = parse_vary("heavy:frac=0.25,factor=3,stages=2,seed=4", BASE, n)
-    assert tab == heavy(BASE, n, 0.25, 3.0, 2, 4)
+    assert tab == heavy(BASE, n, frac=0.25, factor=3.0, stages=2, seed=4)
     picked = set(heavy_microbatches(n, 0.25, 4))
     assert len(picked) == 3
     for s in range(3):
@@ -511,8 +514,8 @@ def test_bad_link_traces_raise_bad_input(tmp_path, data, needle):
 def test_replay_under_jitter_is_deterministic_and_never_shorter_than_a_stage_busy_time():
     sched = zb_h1(BASE, 8)
     tab = parse_vary("jitter:0.4,seed=9", BASE, 8)
-    a = replay_ready(sched, BASE, 8, peak_inflight(sched), tab)
-    b = replay_ready(sched, BASE, 8, peak_inflight(sched), tab)
+    a = replay_ready(sched, BASE, 8, caps=peak_inflight(sched), op_times=tab)
+    b = replay_ready(sched, BASE, 8, caps=peak_inflight(sched), op_times=tab)
     assert slot_map(a) == slot_map(b)
     assert a.iteration_ms >= max(sum(tab(s, k, m) for k in "FBW" for m in range(8)) for s in range(3)) - 1e-9
     assert not math.isnan(a.bubble_rate)

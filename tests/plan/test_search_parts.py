@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated, per_link
 from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.improve import _allowed, _critical_moves, _w_move
@@ -44,8 +44,8 @@ def _moves(sched, rng, k):
 def test_incremental_replays_equal_the_simulator_and_stop_only_above_the_limit(case, seed):
     costs, n, caps = case
     rng = random.Random(seed)
-    ev = Evaluator(costs, n)
-    cur = list_schedule(costs, n, initial_warmup(caps), Policy("BWF"))
+    ev = Evaluator(costs, n, per_link(LATENCY, costs.stages - 1))
+    cur = list_schedule(costs, n, initial_warmup(caps), policy=Policy("BWF"))
     state = ev.full(cur)
     assert state.t == makespan(cur, costs, n)
     for s, i, j in _moves(cur, rng, 40):
@@ -99,7 +99,8 @@ def test_move_check_is_the_per_stage_validity_check(case, seed):
     for _ in range(20):
         move = _w_move(sched, rng)
         assert move is None or _allowed(sched, caps, move)
-    for move in _critical_moves(sched, Evaluator(costs, n).full(sched), Evaluator(costs, n)):
+    ev = Evaluator(costs, n, per_link(LATENCY, costs.stages - 1))
+    for move in _critical_moves(sched, ev.full(sched), ev):
         assert 0 <= move[1] < 3 * n and 0 <= move[2] < 3 * n
 
 
@@ -107,9 +108,9 @@ def test_move_check_is_the_per_stage_validity_check(case, seed):
 @given(cases(), st.sampled_from([Policy("BFW"), Policy("FBW"), Policy("BWF")]))
 def test_justified_plans_are_valid_within_caps_and_never_slower(case, policy):
     costs, n, caps = case
-    sched = list_schedule(costs, n, initial_warmup(caps), policy)
+    sched = list_schedule(costs, n, initial_warmup(caps), policy=policy)
     out = justify(sched, costs, n, caps)
-    validate_schedule(out, costs.stages, n, caps)
+    validate_schedule(out, costs.stages, n, caps=caps)
     assert makespan(out, costs, n) <= makespan(sched, costs, n) + 1e-6
 
 
@@ -117,16 +118,16 @@ def test_queued_link_models_fall_back_to_full_replays():
     costs = Costs.uniform(4, 10.0, [0.0, 30.0, 0.0])
     sched = list_schedule(costs, 8, [4, 3, 2, 1])
     for model in (DIRECT, [LATENCY, Delegated(2), LATENCY], [LATENCY, DIRECT, LATENCY]):
-        ev = Evaluator(costs, 8, model)
+        ev = Evaluator(costs, 8, per_link(model, 3))
         assert not ev.incremental and ev.full(sched).t == makespan(sched, costs, 8, link_model=model)
     # queueing models on links without delay change nothing
-    assert Evaluator(costs, 8, [DIRECT, LATENCY, DIRECT]).incremental
+    assert Evaluator(costs, 8, (DIRECT, LATENCY, DIRECT)).incremental
 
 
 def test_search_is_deterministic_under_an_evaluation_bound():
     # Seed 1, case 28 of benchmarks/planner/planner_vs_milp.py: the optimum (300.9 ms) is above the bound,
     # so the search spends every evaluation it is given.
     costs = Costs([8.7, 19.5, 9.4, 5.3], [15.8, 7.3, 16.7, 11.0], [9.1, 7.7, 6.1, 16.6], [0.0, 0.0, 0.0])
-    runs = [search(costs, 8, [6, 5, 8, 7], budget_s=60, exact=False, max_evals=3000) for _ in range(2)]
+    runs = [search(costs, 8, caps=[6, 5, 8, 7], budget_s=60, exact=False, max_evals=3000) for _ in range(2)]
     assert runs[0].schedule == runs[1].schedule and runs[0].evaluated == runs[1].evaluated == 3000
     assert runs[0].iteration_ms == makespan(runs[0].schedule, costs, 8) < 310.6  # the portfolio's best

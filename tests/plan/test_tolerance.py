@@ -18,7 +18,7 @@ def _case(seed):
     costs = Costs(draw(), draw(), draw(), [round(rng.choice([0, 0, rng.uniform(1, 30)]), 1) for _ in range(S - 1)])
     caps = [rng.randint(1, N) for _ in range(S)]
     policy = rng.choice([Policy("BFW"), Policy("BWF"), Policy("FBW")])
-    return costs, N, list_schedule(costs, N, initial_warmup(caps), policy)
+    return costs, N, list_schedule(costs, N, initial_warmup(caps), policy=policy)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -139,7 +139,7 @@ def _four_stage_jobs(out_dir):
     rng = random.Random(7)
     for i in range(3):
         plan, caps = random_plan(4, 8, rng)
-        validate_schedule(plan, 4, 8, caps)
+        validate_schedule(plan, 4, 8, caps=caps)
         path = write_plan(out_dir / f"random{i}.yaml", plan, 8)
         name = f"random{i}_s4_n8"
         jobs.append({"name": name, "stages": 4, "micro_batches": 8,
@@ -184,7 +184,7 @@ def _three_stage_jobs(folder):
     rng = random.Random(11)
     for i in range(4):
         plan, caps = random_plan(3, 6, rng)
-        validate_schedule(plan, 3, 6, caps)
+        validate_schedule(plan, 3, 6, caps=caps)
         path = write_plan(folder / f"random{i}.yaml", plan, 6)
         name = f"random{i}_s3_n6"
         jobs.append({"name": name, "stages": 3, "micro_batches": 6,

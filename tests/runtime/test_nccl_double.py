@@ -165,7 +165,7 @@ def test_two_stages_under_nccl_rules_train_like_stock_with_1f1b_zb_adaptive_plan
         checks.append((sched, build_plan(parse_config(section), S, N)))
     rng = random.Random(3)
     plan, caps = random_plan(S, N, rng)
-    validate_schedule(plan, S, N, caps)
+    validate_schedule(plan, S, N, caps=caps)
     path = write_plan(tmp_path / "random.yaml", plan, N)
     jobs.append({"name": "random_plan_file", "stages": S, "micro_batches": N,
                  "pipemorph": _nccl_section("plan", plan_file=path)})

@@ -71,7 +71,7 @@ def _four_stage_jobs(out_dir):
     rng = random.Random(5)
     for i in range(2):  # any valid plan is a hint ready dispatch runs to the end
         plan, caps = random_plan(4, 8, rng)
-        validate_schedule(plan, 4, 8, caps)
+        validate_schedule(plan, 4, 8, caps=caps)
         path = write_plan(out_dir / f"random{i}.yaml", plan, 8)
         name = f"ready_random{i}_s4_n8"
         jobs.append({"name": name, "stages": 4, "micro_batches": 8,

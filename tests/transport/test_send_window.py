@@ -160,7 +160,7 @@ def test_a_window_wait_that_would_starve_is_found_by_the_dry_run():
     plan = [[Op(f, 0), Op(f, 1), Op(f, 2), Op(f, 3)] + [Op(k, m) for m in range(4) for k in (b, w)],
             [Op(k, m) for m in range(4) for k in (f, b, w)]]
     validate_schedule(plan, 2, 4)
-    streams = lower(plan, False, 2)
+    streams = lower(plan, fused_backward=False, recv_window=2)
     found = window_deadlock(streams, [{f}, {b}], 1)
     assert found is not None and "stage 0 waits for stage 1 to receive" in found and "stage 1 waits for stage 0" in found
     assert window_deadlock(streams, [{f}, set()], 1) is None  # one direction alone: no cycle of waits

@@ -45,7 +45,7 @@ def refuse_other_kind(path, data, expected: str, instead: Optional[dict] = None)
         raise BadInput(f"{path} is a {got}, not a {expected}: {todo.format(path=path)}")
 
 
-def load_kind(path: str | os.PathLike, model: type[M], kind: str, instead: Optional[dict] = None) -> M:
+def load_kind(path: str | os.PathLike, model: type[M], kind: str, *, instead: Optional[dict] = None) -> M:
     """``fileio.load_model`` for a file that should be a ``kind``: another kind is named as such
     (see ``refuse_other_kind``)."""
     data = load_mapping(path)

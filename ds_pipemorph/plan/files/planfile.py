@@ -80,8 +80,8 @@ class PlanFile(BaseModel):
         return LoweringPolicy(recv_window=self.recv_window, fused=self.fused)
 
     @classmethod
-    def build(cls, schedule: Schedule, profile: Profile, fused: bool = False) -> "PlanFile":
-        tl = replay(schedule, profile.costs(), profile.microbatches, fused)
+    def build(cls, schedule: Schedule, profile: Profile, *, fused: bool = False) -> "PlanFile":
+        tl = replay(schedule, profile.costs(), profile.microbatches, fused_backward=fused)
         return cls(
             stages=profile.stages,
             microbatches=profile.microbatches,

@@ -74,7 +74,7 @@ class Deadlock(BadStream):
     """Every unfinished rank waits on another one."""
 
 
-def lower(schedule: Schedule, fused_backward: bool = False, recv_window: Optional[int] = None) -> list[Stream]:
+def lower(schedule: Schedule, *, fused_backward: bool = False, recv_window: Optional[int] = None) -> list[Stream]:
     """Per-rank instruction streams of ``schedule`` (one stage per rank), as the module says.
 
     ``recv_window``: None posts every receive of the iteration up front; k >= 1 posts the first k
@@ -170,7 +170,7 @@ class LoweringPolicy:
     def lower(self, schedule: Schedule) -> list[Stream]:
         """The streams of ``schedule`` after a dry run with non-blocking sends and messages matched
         in order (what the engine and torch pipelining both run); raises BadStream otherwise."""
-        streams = lower(schedule, self.fused, self.recv_window)
+        streams = lower(schedule, fused_backward=self.fused, recv_window=self.recv_window)
         dry_run(streams, ordered_channels=True)
         return streams
 
@@ -206,7 +206,7 @@ def _message(op: Op) -> tuple[Kind, int, int, int]:
     return kind, op.mb, op.peer, op.stage
 
 
-def dry_run(streams: list[Stream], blocking_sends: bool = False, ordered_channels: bool = False) -> None:
+def dry_run(streams: list[Stream], *, blocking_sends: bool = False, ordered_channels: bool = False) -> None:
     """Run ``streams`` symbolically; return None when every rank reaches its end, else raise
     ``Deadlock`` (each stuck stage, its op and what it needs) or ``BadStream``.
 

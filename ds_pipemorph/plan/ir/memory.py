@@ -92,7 +92,7 @@ def fits(schedule: Schedule, units: Sequence[float], ratio: float = 1.0) -> bool
     return all(row_fits(row, units[s], ratio) for s, row in enumerate(schedule))
 
 
-def fit_budget(schedule: Schedule, units: Sequence[float], ratio: float = 1.0) -> Schedule:
+def fit_budget(schedule: Schedule, units: Sequence[float], *, ratio: float = 1.0) -> Schedule:
     """``schedule`` with, on each stage, the pending ``W`` ops (oldest ``B`` first) moved in front of an
     ``F`` or a ``B`` that would otherwise exceed ``units[s]``; rows that fit are returned as they are.
     (A ``B`` with no ``W`` pending is left where it is: its own ``W`` can only follow it.)

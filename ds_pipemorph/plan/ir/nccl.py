@@ -33,7 +33,7 @@ from .ops import Op
 Groups = list[list[range]]  # per rank, the index ranges of its stream issued as one group (one peer each)
 
 
-def nccl_dry_run(streams: Sequence[Stream], groups: Optional[Groups] = None) -> list[tuple[Op, Op]]:
+def nccl_dry_run(streams: Sequence[Stream], *, groups: Optional[Groups] = None) -> list[tuple[Op, Op]]:
     """Run ``streams`` symbolically under NCCL's rules (module docstring); ``groups`` as
     ``nccl_groups`` returns them (None: every op alone). Returns the (send, receive) pairs in the
     order they completed; raises ``BadStream`` for malformed streams or a pair's k-th send and k-th

@@ -123,7 +123,7 @@ class NcclLowering:
 
     def lower(self, schedule: Schedule) -> list[Stream]:
         streams = lower_nccl(schedule, self.fused)
-        nccl_dry_run(streams, nccl_groups(streams))
+        nccl_dry_run(streams, groups=nccl_groups(streams))
         return streams
 
     def groups(self, streams: list[Stream]) -> list[list[range]]:

@@ -6,14 +6,17 @@ plain cost model the scheduler and simulator consume.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .ops import Kind
+from .ops import KINDS, Kind
 
 Number = Union[float, int]
+OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
+Durations = list[list[list[float]]]  # dur[stage][kind code][micro-batch] in ms
 
 
 class ComputeMs(BaseModel):
@@ -205,3 +208,31 @@ class Costs:
     @staticmethod
     def uniform(stages: int, t: float = 10.0, links: Optional[list[float]] = None) -> "Costs":
         return Costs([t] * stages, [t] * stages, [t] * stages, list(links or [0.0] * (stages - 1)))
+
+
+def op_durations(costs: Costs, microbatches: int,
+                 op_times: Union[OpTimes, Mapping[tuple[int, str, int], float], None] = None) -> Durations:
+    """``dur[s][kind code][m]`` in ms, the one form the replays take op times in: the times of
+    ``costs`` (taken as they are), or ``op_times``: a callable ``(stage, kind, mb) -> ms`` or a
+    mapping ``{(stage, kind, mb): ms}`` (a missing key takes the time of ``costs``), each time
+    checked to be finite and >= 0 (ValueError naming the first that is not)."""
+    S, N = costs.stages, microbatches
+    if op_times is None:
+        return [[[costs.op_time(s, k)] * N for k in KINDS] for s in range(S)]
+    if isinstance(op_times, Mapping):
+        table = op_times
+
+        def op_times(s, k, m):
+            return table.get((s, k, m), costs.op_time(s, k))
+
+    out = []
+    for s in range(S):
+        per = []
+        for k in KINDS:
+            row = [float(op_times(s, k, m)) for m in range(N)]
+            for m, t in enumerate(row):
+                if not (math.isfinite(t) and t >= 0):
+                    raise ValueError(f"op times: stage {s} {k}{m} takes {t} ms; times are finite and >= 0")
+            per.append(row)
+        out.append(per)
+    return out

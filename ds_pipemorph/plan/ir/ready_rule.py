@@ -64,7 +64,7 @@ class ReadyRule:
     that one starts. A heap keeps an op that started until it reaches the top (``_done``).
     """
 
-    def __init__(self, hint: Sequence[Op], cap: int, needs_input: bool, needs_grad: bool,
+    def __init__(self, hint: Sequence[Op], cap: int, *, needs_input: bool, needs_grad: bool,
                  units: Optional[float] = None, w_share: float = 1.0):
         if cap < 1:
             raise ValueError(f"cap must be at least 1, not {cap}")

@@ -155,7 +155,7 @@ class LayerProfile(BaseModel):
 
     def check(self, parts: list[int]) -> list[int]:
         """``parts`` if it cuts this profile's layers into its stages; else BadInput saying why."""
-        return check_parts(parts, self.num_layers, self.stages)
+        return check_parts(parts, layers=self.num_layers, stages=self.stages)
 
     def costs(self, parts: list[int], slowdown: Optional[Sequence[float]] = None) -> Costs:
         """The stage cost model of a partition: per-stage sums of the layer times (from prefix
@@ -204,7 +204,7 @@ def check_slowdown(slowdown: Optional[Sequence[float]], stages: int) -> list[flo
     return out
 
 
-def read_layer_profile(path, stages: Optional[int] = None, microbatches: Optional[int] = None) -> LayerProfile:
+def read_layer_profile(path, *, stages: Optional[int] = None, microbatches: Optional[int] = None) -> LayerProfile:
     """The layer profile at ``path`` (YAML or JSON), with ``stages`` / ``microbatches`` in place of
     the file's when given; BadInput naming the file and the first key at fault."""
     data = load_mapping(path)

@@ -101,13 +101,13 @@ def quick_ms(costs: Costs, microbatches: int, caps: list[int], floor: float = 0.
             continue
         seen.append(x)
         for pol in pols:
-            best = min(best, makespan(list_schedule(costs, n, x, pol), costs, n))
+            best = min(best, makespan(list_schedule(costs, n, x, policy=pol), costs, n))
             if best <= floor + EPS:
                 return best
     return best
 
 
-def evaluate(lp: LayerProfile, parts: list[int], slowdown: Optional[Sequence[float]] = None) -> float:
+def evaluate(lp: LayerProfile, parts: list[int], *, slowdown: Optional[Sequence[float]] = None) -> float:
     """``quick_ms`` of a partition (stage times scaled by ``slowdown``, as in ``LayerProfile.costs``),
     or inf if a stage does not fit its memory."""
     caps = lp.caps(parts)
@@ -122,14 +122,14 @@ def compositions(layers: int, stages: int) -> Iterator[list[int]]:
         yield [0, *cuts, layers]
 
 
-def exhaustive(lp: LayerProfile, objective: Optional[Callable[[LayerProfile, list[int]], float]] = None,
+def exhaustive(lp: LayerProfile, *, objective: Optional[Callable[[LayerProfile, list[int]], float]] = None,
                slowdown: Optional[Sequence[float]] = None) -> tuple[Optional[list[int]], float]:
     """The best partition by trying all of them (small cases only): (parts, objective), first found
     on ties; (None, inf) if none fits memory. ``slowdown`` scales the stage times of the default
     objective (``evaluate``); a given objective scores ``(lp, parts)`` as it likes."""
     if objective is None:
         factors = check_slowdown(slowdown, lp.stages)
-        objective = lambda prof, parts: evaluate(prof, parts, factors)  # noqa: E731
+        objective = lambda prof, parts: evaluate(prof, parts, slowdown=factors)  # noqa: E731
     elif slowdown is not None:
         raise ValueError("exhaustive: slowdown applies to the default objective; scale the costs in your objective")
     best, best_t = None, INF
@@ -197,7 +197,7 @@ def block_shifts(parts: list[int]) -> Iterator[list[int]]:
                     yield parts[:i] + [x + d for x in parts[i:j + 1]] + parts[j + 1:]
 
 
-def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
+def partition(lp: LayerProfile, *, time_limit_s: Optional[float] = None,
               slowdown: Optional[Sequence[float]] = None) -> PartitionResult:
     """The feasible partition with the least ``quick_ms`` (branch and bound, module docstring);
     with ``time_limit_s``, the best found by then (``complete`` says which; the starting points
@@ -282,7 +282,7 @@ def partition(lp: LayerProfile, time_limit_s: Optional[float] = None,
         got = bound_memo.get(key)
         if got is None:
             costs = stage_costs(p)
-            got = bound_memo[key] = max(lower_bound_ms(costs, N, kcaps), cap_bound_ms(costs, N, kcaps))
+            got = bound_memo[key] = max(lower_bound_ms(costs, N, caps=kcaps), cap_bound_ms(costs, N, kcaps))
         return got
 
     def score(p: list[int], kcaps: list[int], floor: float = 0.0) -> float:

@@ -70,7 +70,7 @@ class PartsFile(BaseModel):
         return self.parts[-1]
 
 
-def check_parts(parts: list[int], layers: Optional[int] = None, stages: Optional[int] = None) -> list[int]:
+def check_parts(parts: list[int], *, layers: Optional[int] = None, stages: Optional[int] = None) -> list[int]:
     """``parts`` if it cuts ``layers`` layers into ``stages`` non-empty stages; else BadInput (a
     ValueError) saying why."""
     if len(parts) < 2:
@@ -87,11 +87,11 @@ def check_parts(parts: list[int], layers: Optional[int] = None, stages: Optional
     return list(parts)
 
 
-def read_parts(path, layers: Optional[int] = None, stages: Optional[int] = None) -> PartsFile:
+def read_parts(path, *, layers: Optional[int] = None, stages: Optional[int] = None) -> PartsFile:
     """The parts file at ``path``, checked against the model's layer and stage counts when given."""
     pf = load_model(path, PartsFile)
     try:
-        check_parts(pf.parts, layers, stages)
+        check_parts(pf.parts, layers=layers, stages=stages)
     except ValueError as e:
         raise BadInput(f"{path}: {e}") from None
     return pf

@@ -111,7 +111,7 @@ def ring_links(ranks: list[int]) -> list[tuple[int, int]]:
     return [(ring[i], ring[(i + 1) % D]) for i in range(D)]
 
 
-def allreduce_ms(matrix: LinkMatrix, ranks: list[int], grad_mb: float, chunk_mb: Optional[float] = None) -> float:
+def allreduce_ms(matrix: LinkMatrix, ranks: list[int], grad_mb: float, *, chunk_mb: Optional[float] = None) -> float:
     """A ring all-reduce of ``grad_mb`` MB over ``ranks``, in ms (bulk-synchronous ring model).
 
     Reduce-scatter then all-gather: 2(D−1) steps; in each, every rank sends one part of G/D MB

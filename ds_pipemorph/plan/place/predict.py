@@ -98,7 +98,7 @@ class Planner:
     """One way of planning (``static``, ``quick`` or ``full``); proposed orders and their replays
     are cached by link delays."""
 
-    def __init__(self, job: Job, kind: str, budget_s: float = 1.0, max_evals: Optional[int] = None, seed: int = 0):
+    def __init__(self, job: Job, kind: str, *, budget_s: float = 1.0, max_evals: Optional[int] = None, seed: int = 0):
         if kind not in ("static", "quick", "full"):
             raise ValueError(f"a planner is static, quick or full, not {kind!r}")
         self.job, self.kind, self.budget_s, self.max_evals, self.seed = job, kind, budget_s, max_evals, seed
@@ -121,10 +121,10 @@ class Planner:
             out = [self.static]
             if self.model != self.static[1]:
                 out.append((self.static[0], self.model, ()))
-            for x in (initial_warmup(caps), adapted_warmup(costs, n, caps)):
+            for x in (initial_warmup(caps), adapted_warmup(costs, n, caps=caps)):
                 out.append((list_schedule(costs, n, x), self.model, links))
             if self.kind == "full":
-                res = search(costs, n, caps, budget_s=self.budget_s, seed=self.seed, exact=False,
+                res = search(costs, n, caps=caps, budget_s=self.budget_s, seed=self.seed, exact=False,
                              max_evals=self.max_evals, link_model=self.model)
                 out.append((res.schedule, self.model, links))
             self._cands[links] = out
@@ -176,7 +176,7 @@ def predict(placement: Placement, matrix: LinkMatrix, planner: Planner) -> Predi
     P, D = placement.pp, placement.dp
     per_replica = [tuple(placement.link_delays(matrix, r, job.activation_mb)) for r in range(D)]
     planned = tuple(max(v[i] for v in per_replica) for i in range(P - 1))
-    ar = [allreduce_ms(matrix, placement.dp_group(s), job.grad_mb[s], job.chunk_mb) for s in range(P)]
+    ar = [allreduce_ms(matrix, placement.dp_group(s), job.grad_mb[s], chunk_mb=job.chunk_mb) for s in range(P)]
     best = None
     for i in range(len(planner.candidates(planned))):
         ends = [planner.stage_ends(planned, i, v) for v in per_replica]
@@ -220,7 +220,7 @@ def check(matrix: LinkMatrix, pp: int, dp: int, job: Job) -> None:
         raise ValueError("gradient and activation sizes must be >= 0 MB and the all-reduce message size positive")
 
 
-def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, budget_s: float = 1.0, max_evals: Optional[int] = None,
+def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, *, budget_s: float = 1.0, max_evals: Optional[int] = None,
           exact: Optional[bool] = None, seed: int = 0, search_budget_s: float = 10.0,
           replacement: bool = True) -> PlaceResult:
     """Baseline, re-placement only and the full orchestrator for ``matrix`` (module docstring).
@@ -233,7 +233,7 @@ def place(matrix: LinkMatrix, pp: int, dp: int, job: Job, budget_s: float = 1.0,
     check(matrix, pp, dp, job)
     is_exact = placements_modulo_renaming(pp, dp) <= EXACT_MAX_PLACEMENTS if exact is None else exact
     static, quick = Planner(job, "static"), Planner(job, "quick")
-    full = Planner(job, "full", budget_s, max_evals, seed)
+    full = Planner(job, "full", budget_s=budget_s, max_evals=max_evals, seed=seed)
 
     def best(planner: Planner, top: int) -> list[Placement]:
         found = best_placements(pp, dp, lambda p: predict(p, matrix, planner).iteration_ms, top=top,

@@ -38,7 +38,7 @@ def zb_h1_warmup(stages: int, microbatches: int) -> list[int]:
 
 
 def zb_h1(costs: Costs, microbatches: int) -> Schedule:
-    return list_schedule(costs, microbatches, zb_h1_warmup(costs.stages, microbatches), Policy("BFW"))
+    return list_schedule(costs, microbatches, zb_h1_warmup(costs.stages, microbatches), policy=Policy("BFW"))
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:

@@ -65,7 +65,7 @@ def first_arrivals(costs: Costs) -> tuple[list[float], list[float]]:
     return a, r
 
 
-def lower_bound_ms(costs: Costs, microbatches: int, caps: Optional[list[int]] = None) -> float:
+def lower_bound_ms(costs: Costs, microbatches: int, *, caps: Optional[list[int]] = None) -> float:
     S, N = costs.stages, microbatches
     f, b, w, c = costs.f, costs.b, costs.w, costs.links
     caps = caps or [N] * S

@@ -12,7 +12,7 @@ from ..sim import native
 from ..sim.listsched_py import Policy, list_schedule_py
 
 
-def list_schedule(costs: Costs, microbatches: int, warmup: list[int], policy: Policy = Policy()) -> Schedule:
+def list_schedule(costs: Costs, microbatches: int, warmup: list[int], *, policy: Policy = Policy()) -> Schedule:
     """The greedy schedule; the compiled core (``plan.sim.native``) when it is available, else
     ``list_schedule_py``: the same schedule either way."""
     return list_schedule_encoded(costs, microbatches, warmup, policy)[0]

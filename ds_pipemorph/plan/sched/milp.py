@@ -462,6 +462,7 @@ def extract_schedule(model: _Model, x: list[float], N: int) -> Schedule:
 def solve_exact(
     costs: Costs,
     microbatches: int,
+    *,
     caps: list[int] | None = None,
     time_limit_s: float = 60.0,
     warm_start: Schedule | None = None,

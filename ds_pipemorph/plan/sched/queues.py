@@ -23,7 +23,7 @@ MAX_QUEUES = 8  # delegate processes per link direction and end, at most
 SLACK = 0.005  # k queues are enough when the plan takes at most this much longer than with unlimited
 
 
-def queues_needed(schedule: Schedule, costs: Costs, microbatches: int, link: int,
+def queues_needed(schedule: Schedule, costs: Costs, microbatches: int, link: int, *,
                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
                   lo: int = MIN_QUEUES, hi: int = MAX_QUEUES) -> int:
     """The smallest k in [lo, hi] with which ``link`` (delegated, k FIFOs) does not slow the plan.
@@ -34,7 +34,7 @@ def queues_needed(schedule: Schedule, costs: Costs, microbatches: int, link: int
     S = len(schedule)
     if not 0 <= link < S - 1:
         raise ValueError(f"link {link} does not exist: the pipeline has links 0..{S - 2}")
-    model = per_link(link_model, S - 1)
+    model = list(per_link(link_model, S - 1))
     if costs.links[link] <= 0:
         return lo
     model[link] = LATENCY

@@ -132,7 +132,7 @@ def warmup_candidates(costs: Costs, n: int, caps: list[int]) -> list[list[int]]:
     base = [
         ramp_warmup(costs, n, caps),
         initial_warmup(caps),
-        adapted_warmup(costs, n, caps),
+        adapted_warmup(costs, n, caps=caps),
         zb_h1_warmup(S, n),
         tight,
         [min(2 * (S - s) - 1, n) for s in range(S)],
@@ -160,6 +160,7 @@ def _neighbours(x: list[int], caps: list[int], n: int) -> list[list[int]]:
 def search(
     costs: Costs,
     microbatches: int,
+    *,
     caps: Optional[list[int]] = None,
     budget_s: float = 1.0,
     seed: int = 0,
@@ -189,14 +190,15 @@ def search(
     t0 = time.perf_counter()
     S, N = costs.stages, microbatches
     caps = [min(c, N) for c in (caps or [N] * S)]
-    queueing = any(not isinstance(h, Latency) and c > 0 for h, c in zip(per_link(link_model, S - 1), costs.links))
+    models = per_link(link_model, S - 1)
+    queueing = any(not isinstance(h, Latency) and c > 0 for h, c in zip(models, costs.links))
     auto = S * N <= EXACT_MAX_OPS and budget_s >= EXACT_MIN_BUDGET_S and milp_available() and not queueing
     use_exact = auto if exact is None else exact
     if use_exact and not milp_available():
         raise ImportError("the exact planner needs highspy: pip install 'ds_pipemorph[milp]'")
     end = t0 + 0.95 * budget_s  # headroom for the final bookkeeping
     deadline = t0 + 0.7 * budget_s if use_exact else end
-    ev = Evaluator(costs, N, link_model)  # every replay of the search, counted for ``max_evals``
+    ev = Evaluator(costs, N, models)  # every replay of the search, counted for ``max_evals``
     score = ev.time
     trace: list[tuple[float, float]] = []
 
@@ -208,7 +210,7 @@ def search(
         """``sched`` kept within the memory (re-encoded if it moved); (sched, enc)."""
         if memory is None or fits(sched, units, w_share):
             return sched, enc
-        sched = fit_budget(sched, units, w_share)
+        sched = fit_budget(sched, units, ratio=w_share)
         return sched, (ev.encode(sched) if ev.native else None)
 
     def refit(sched, t: float):
@@ -230,7 +232,7 @@ def search(
 
     source = "greedy"
     trace.append((time.perf_counter() - t0, best_t))
-    lb = lower_bound_ms(costs, N, caps)
+    lb = lower_bound_ms(costs, N, caps=caps)
 
     # Portfolio, then ±1 neighbourhoods of the best warm-up while they help. Ties in time go to the
     # more resilient, then the leaner plan, so the search goes on at the bound.
@@ -296,7 +298,7 @@ def search(
 
         # The solver overruns its limit by its model build and read-out (~10 % of a 1 s budget).
         limit = max(0.05, end - time.perf_counter() - 0.1 * budget_s)
-        res = solve_exact(costs, N, caps, time_limit_s=limit, warm_start=best)
+        res = solve_exact(costs, N, caps=caps, time_limit_s=limit, warm_start=best)
         exact_plan, exact_t = refit(res.schedule, res.iteration_ms)
         if exact_t < best_t - 1e-9:
             best, best_t, source = exact_plan, exact_t, "milp"

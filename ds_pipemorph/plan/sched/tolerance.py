@@ -15,9 +15,11 @@ micro-batches: 63 links in well under a second instead of minutes).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
-from ..ir.links import LATENCY, Latency, per_link
+from ..ir.links import LATENCY, Latency, LinkModel, LinkModels, per_link
 from ..ir.ops import Schedule, warmup_counts
 from ..ir.profile import Costs
 from ..sim import native
@@ -39,27 +41,28 @@ class LinkTolerance:
 
 
 def link_tolerances(
-    schedule: Schedule, costs: Costs, microbatches: int, resolution_ms: float = 0.01, fused: bool = False,
-    link_model=LATENCY,
+    schedule: Schedule, costs: Costs, microbatches: int, *, resolution_ms: float = 0.01, fused: bool = False,
+    link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
 ) -> list[LinkTolerance]:
     """Per link: its slackness, Eq. 1's tolerance and the replayed one under ``link_model`` (``plan.ir.links``)."""
+    models = per_link(link_model, len(schedule) - 1)
     x = warmup_counts(schedule)
     eq1 = eq1_tolerance_ms(costs, x)
-    fast = _native_tolerances(schedule, costs, microbatches, resolution_ms, fused, link_model)
+    fast = _native_tolerances(schedule, costs, microbatches, resolution_ms, fused, models)
     out = []
     for i, d in enumerate(slackness(x)):
         tol = fast[i] if fast is not None and fast[i] is not None else \
-            _replay_tolerance(schedule, costs, microbatches, i, resolution_ms, fused, link_model)
+            _replay_tolerance(schedule, costs, microbatches, i, resolution_ms, fused, models)
         out.append(LinkTolerance(i, d, eq1[i], tol, costs.links[i]))
     return out
 
 
-def _native_tolerances(schedule, costs, n, res, fused, link_model):
+def _native_tolerances(schedule, costs, n, res, fused, models: LinkModels):
     """Every link's tolerance from the compiled core (pure latency only), None where it has none."""
     S = len(schedule)
     if S < 2 or native.lib() is None or costs.stages != S:
         return None
-    if not all(isinstance(h, Latency) for h in per_link(link_model, S - 1)):
+    if not all(isinstance(h, Latency) for h in models):
         return None
     enc = native.encode(schedule, n)
     if enc is None:
@@ -70,11 +73,11 @@ def _native_tolerances(schedule, costs, n, res, fused, link_model):
     return [None if v is None else (v if v == float("inf") else round(v, 6)) for v in got]
 
 
-def _replay_tolerance(schedule, costs, n, link, res, fused, link_model) -> float:
+def _replay_tolerance(schedule, costs, n, link, res, fused, models: LinkModels) -> float:
     def makespan_with(c: float) -> float:
         links = list(costs.links)
         links[link] = c
-        return makespan(schedule, costs.with_links(links), n, fused, link_model)
+        return makespan(schedule, costs.with_links(links), n, fused_backward=fused, link_model=models)
 
     t0 = makespan_with(0.0)
     tol = 1e-9 * max(1.0, t0)

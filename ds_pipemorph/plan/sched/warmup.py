@@ -57,7 +57,8 @@ def initial_warmup(caps: list[int]) -> list[int]:
     return x
 
 
-def adapted_warmup(costs: Costs, microbatches: int, caps: list[int] | None = None, paper_floor: bool = False) -> list[int]:
+def adapted_warmup(costs: Costs, microbatches: int, *, caps: list[int] | None = None,
+                   paper_floor: bool = False) -> list[int]:
     """Alg. 2: the smallest slackness per link that absorbs its measured delay (Eq. 1).
 
     The paper's line 7 rounds ⌊·⌋ and puts t_{i+1}^B in the numerator; Eq. 1 needs

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from typing import Optional, Sequence, Union
+from typing import Optional
 
-from ..ir.links import LATENCY, Latency, LinkModel, per_link
+from ..ir.links import Latency, LinkModels, constant_curves
 from ..ir.ops import KINDS, Schedule, op_table
-from ..ir.profile import Costs
+from ..ir.profile import Costs, op_durations
 from . import native
 from .link_queues import LinkQueues
 from .replay_py import Progress, run_orders
@@ -46,18 +46,18 @@ class State:
 
 
 class Evaluator:
-    """Replays orders for one profile and counts them (``evals``): the search's only cost model."""
+    """Replays orders for one profile and counts them (``evals``): the search's only cost model.
+    ``link_model``: per link its model (``plan.ir.links.per_link``)."""
 
-    def __init__(self, costs: Costs, microbatches: int,
-                 link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
+    def __init__(self, costs: Costs, microbatches: int, link_model: LinkModels):
         S, N = costs.stages, microbatches
         self.costs, self.S, self.N = costs, S, N
-        self.link_model = per_link(link_model, S - 1)
+        self.link_model = link_model
         self.dur = [{_F: costs.f[s], _B: costs.b[s], _W: costs.w[s]} for s in range(S)]
         self.links = list(costs.links)
         self.total = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
-        self.times = [[[costs.f[s]] * N, [costs.b[s]] * N, [costs.w[s]] * N] for s in range(S)]  # [s][kind code][m]
-        self.net = LinkQueues(self.link_model, S, self.links)  # keeps no state under pure latency
+        self.times = op_durations(costs, N)  # [s][kind code][m]
+        self.net = LinkQueues(self.link_model, S, constant_curves(self.links))  # keeps no state under pure latency
         latency_only = all(isinstance(h, Latency) or c <= 0 for h, c in zip(self.link_model, costs.links))
         self.incremental = latency_only and min(costs.f + costs.b + costs.w) > 0  # else full replays
         self.evals = 0

@@ -7,19 +7,16 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from bisect import bisect_right
-from numbers import Real
-from typing import Sequence, Union
 
-from ..ir.links import Delegated, Direct, LinkModel
-
-Breakpoints = Sequence[tuple[float, float]]  # (time_ms, delay_ms), sorted by time
+from ..ir.links import Delegated, Direct, LinkCurves, LinkModels
 
 
 class LinkQueues:
     """The queues of every link, both directions, of a pipeline of ``stages`` stages.
 
-    ``delays``: per link its delay in ms, or ``(time_ms, delay_ms)`` breakpoints (a message takes
-    the delay in force when it departs). ``Direct()``: one FIFO per direction holding one message
+    ``models``: per link its model (``links.per_link``); ``curves``: per link its ``(time_ms,
+    delay_ms)`` breakpoints (``links.delay_curves``, ``links.constant_curves``; a message takes the
+    delay in force when it departs). ``Direct()``: one FIFO per direction holding one message
     in flight: a message departs when the one before it has arrived, and its sender is blocked
     until then. ``Delegated(k)``: k FIFOs per direction, message n of a direction travels in FIFO
     n % k (as the delegated transport sends them), and the sender never waits. ``Latency()``, or a
@@ -28,13 +25,11 @@ class LinkQueues:
 
     __slots__ = ("const", "times", "curves", "fifo", "queues", "fifo_free", "lane_free", "lane_next")
 
-    def __init__(self, models: Sequence[LinkModel], stages: int, delays: Sequence[Union[float, Breakpoints]]):
-        curves = [None if isinstance(c, Real) else c for c in delays]  # a number (numpy's too), else breakpoints
+    def __init__(self, models: LinkModels, stages: int, curves: LinkCurves):
         # per link its constant delay, None where it changes over time
-        self.const = [c if curve is None else curve[0][1] if len(curve) == 1 else None
-                      for c, curve in zip(delays, curves)]
+        self.const = [curve[0][1] if len(curve) == 1 else None for curve in curves]
         self.curves = curves
-        self.times = [None if curve is None else [p[0] for p in curve] for curve in curves]
+        self.times = [[p[0] for p in curve] for curve in curves]
         self.fifo = [isinstance(h, Direct) for h in models]
         self.queues = [h.queues if isinstance(h, Delegated) else 0 for h in models]
         self.fifo_free = [[0.0, 0.0] for _ in range(stages)]  # per sending stage: [down, up]

@@ -209,8 +209,9 @@ def disagreement(L: ctypes.CDLL) -> Optional[str]:
         return "the in-flight peaks"
     for fused in (False, True):
         for model in (LATENCY, DIRECT, Delegated(2)):
-            first, last, busy = run_py(want, costs, N, fused, None, model)
-            rc, *res = replay(enc, costs, N, fused, [model] * (S - 1), L=L)[:4]
+            models = (model,) * (S - 1)
+            first, last, busy = run_py(want, costs, N, fused, None, models)
+            rc, *res = replay(enc, costs, N, fused, models, L=L)[:4]
             if rc != 0 or any(abs(a - b) > 1e-9 for a, b in zip([first, last, *busy], [res[0], res[1], *res[2]])):
                 return f"the replay ({type(model).__name__} links{', fused backward' if fused else ''})"
     return None

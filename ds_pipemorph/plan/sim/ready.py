@@ -25,40 +25,38 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
-from math import isfinite
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
-from ...fileio import check_ordered
 from ..ir.fused import fused_at
-from ..ir.links import LATENCY, LinkModel, per_link
+from ..ir.links import LATENCY, Breakpoints, LinkModel, delay_curves, per_link
 from ..ir.lower import Dispatch
-from ..ir.ops import KINDS, Kind, Op, Schedule, peak_inflight
-from ..ir.profile import Costs
+from ..ir.ops import Kind, Op, Schedule, peak_inflight
+from ..ir.profile import Costs, OpTimes, op_durations
 from ..ir.ready_rule import ReadyRule
-from .link_queues import Breakpoints, LinkQueues
+from .link_queues import LinkQueues
 from .replay_py import run_orders
 from .rows import row_problem
 from .timeline import Slot, StuckSchedule, Timeline
 
-OpTimes = Callable[[int, str, int], float]  # (stage, kind, micro-batch) -> ms
 LinkDelays = Sequence[Union[float, Breakpoints]]  # one entry per link
 
 
-def replay_ready(hint: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
+def replay_ready(hint: Schedule, costs: Costs, microbatches: int, *, caps: Optional[Sequence[int]] = None,
                  op_times: Union[OpTimes, Mapping, None] = None, link_delays: Optional[LinkDelays] = None,
                  fused_backward: bool = False,
                  link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
                  units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
     """Ready dispatch with ``hint`` ranking the ready ops; ``caps`` per stage (default: no cap)."""
-    return replay_varying(hint, costs, microbatches, "ready", caps, op_times, link_delays, fused_backward,
-                          link_model, patience, units, w_share)
+    return replay_varying(hint, costs, microbatches, dispatch=Dispatch.READY, caps=caps, op_times=op_times,
+                          link_delays=link_delays, fused_backward=fused_backward, link_model=link_model,
+                          patience=patience, units=units, w_share=w_share)
 
 
-def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch: Union[Dispatch, str] = Dispatch.ORDERED,
-                   caps: Optional[Sequence[int]] = None, op_times: Union[OpTimes, Mapping, None] = None,
-                   link_delays: Optional[LinkDelays] = None, fused_backward: bool = False,
-                   link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY, patience: bool = True,
-                   units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
+def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, *,
+                   dispatch: Union[Dispatch, str] = Dispatch.ORDERED, caps: Optional[Sequence[int]] = None,
+                   op_times: Union[OpTimes, Mapping, None] = None, link_delays: Optional[LinkDelays] = None,
+                   fused_backward: bool = False, link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY,
+                   patience: bool = True, units: Optional[Sequence[float]] = None, w_share: float = 1.0) -> Timeline:
     """Replay ``schedule`` under ``dispatch`` ("ordered" or "ready"); raise StuckSchedule if it cannot run.
 
     ``op_times``: a callable ``(stage, kind, mb) -> ms`` or a mapping ``{(stage, kind, mb): ms}``
@@ -69,6 +67,8 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it. ``patience``:
     ready dispatch's patience (``ReadyRule.hold``), on as in the engine; off, the bare rule.
     ``units`` and ``w_share``: the memory budget per stage under ready dispatch (``plan.ir.memory``).
+    Each of these is put in the one form the replay takes here, once: ``profile.op_durations``,
+    ``links.delay_curves`` and ``links.per_link``.
     """
     S, N = len(schedule), microbatches
     dispatch = Dispatch.parse(dispatch)
@@ -78,11 +78,12 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, dispatch
     if problem is not None:
         raise ValueError(problem)
     cap = _caps(caps, S, N)
-    dur = _durations(op_times, costs, S, N)
+    dur = op_durations(costs, N, op_times)
     # N*(tF+tB+tW) per stage, the same floats as simulate.replay when the times are the costs'
     work = ([N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)] if op_times is None
             else [sum(map(sum, dur[s])) for s in range(S)])
-    net = LinkQueues(per_link(link_model, S - 1), S, _curves(link_delays, costs, S))
+    models = per_link(link_model, S - 1)
+    net = LinkQueues(models, S, delay_curves(costs.links if link_delays is None else link_delays, S - 1))
     if dispatch is Dispatch.ORDERED:
         slots: list[Slot] = []
         first, last, busy = run_orders(schedule, dur, N, fused_backward, net, slots)
@@ -99,47 +100,6 @@ def _caps(caps: Optional[Sequence[int]], S: int, N: int) -> list[int]:
     for s, c in enumerate(out):
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"caps: stage {s} must hold at least 1 activation, got {c!r}")
-    return out
-
-
-def _durations(op_times, costs: Costs, S: int, N: int) -> list[list[list[float]]]:
-    """``dur[s][kind][m]`` in ms, each checked to be finite and >= 0."""
-    if op_times is None:
-        return [[[costs.op_time(s, k)] * N for k in KINDS] for s in range(S)]
-    if isinstance(op_times, Mapping):
-        table = op_times
-
-        def op_times(s, k, m):
-            return table.get((s, k, m), costs.op_time(s, k))
-
-    out = []
-    for s in range(S):
-        per = []
-        for k in KINDS:
-            row = [float(op_times(s, k, m)) for m in range(N)]
-            for m, t in enumerate(row):
-                if not (isfinite(t) and t >= 0):
-                    raise ValueError(f"op times: stage {s} {k}{m} takes {t} ms; times are finite and >= 0")
-            per.append(row)
-        out.append(per)
-    return out
-
-
-def _curves(link_delays: Optional[LinkDelays], costs: Costs, S: int) -> list[Breakpoints]:
-    """Per link, sorted breakpoints ``(time_ms, delay_ms)`` (a constant is one breakpoint at 0)."""
-    raw = costs.links if link_delays is None else list(link_delays)
-    if len(raw) != S - 1:
-        raise ValueError(f"link delays: expected {S - 1} entries (one per link of {S} stages), got {len(raw)}")
-    out = []
-    for i, d in enumerate(raw):
-        curve = [(0.0, float(d))] if isinstance(d, (int, float)) else [(float(t), float(c)) for t, c in d]
-        if not curve:
-            raise ValueError(f"link {i}: a delay trace needs at least one (time_ms, delay_ms) point")
-        check_ordered([t for t, _ in curve], f"link {i}: trace times", unit=" ms")
-        for t, c in curve:
-            if not (isfinite(c) and c >= 0) or not isfinite(t):
-                raise ValueError(f"link {i}: delay {c} ms at {t} ms; delays are finite and >= 0")
-        out.append(curve)
     return out
 
 
@@ -175,7 +135,8 @@ class _Run:
         self.wake: list[tuple[float, int]] = []
         # per stage the engine's rule, a heap of (arrival, kind, mb) of the messages on their way
         # to it and their arrival times by (kind, mb)
-        self.rules = [ReadyRule(row, cap[s], s > 0, s < S - 1, None if units is None else units[s], w_share)
+        self.rules = [ReadyRule(row, cap[s], needs_input=s > 0, needs_grad=s < S - 1,
+                                units=None if units is None else units[s], w_share=w_share)
                       for s, row in enumerate(schedule)]
         self.patience = patience
         self.on_way = [[] for _ in range(S)]

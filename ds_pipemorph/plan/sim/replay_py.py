@@ -14,12 +14,12 @@ Pure Python: no torch, no deepspeed, no numpy.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 from ..ir.fused import fused_at
-from ..ir.links import LATENCY, LinkModel, per_link
+from ..ir.links import LinkModels, constant_curves
 from ..ir.ops import KINDS, Schedule
-from ..ir.profile import Costs
+from ..ir.profile import Costs, Durations, op_durations
 from .link_queues import LinkQueues
 from .timeline import Slot, StuckSchedule, stuck_message
 
@@ -27,18 +27,17 @@ _F, _B, _W = KINDS  # module globals: looking a member up on the enum class cost
 
 
 def run_py(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
-           link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
+           models: LinkModels):
     """The replay under ``costs``: (first start, last end, busy ms per stage); ``run_orders``.
 
-    ``link_model`` (one, or one per link; ``plan.ir.links``) says how messages queue on a link
+    ``models``: per link its model (``plan.ir.links.per_link``), how messages queue on it
     (``link_queues.LinkQueues``).
     """
     S = len(schedule)
     if costs.stages != S:
         raise ValueError(f"costs are for {costs.stages} stages, the schedule has {S}")
-    dur = [[[costs.f[s]] * N, [costs.b[s]] * N, [costs.w[s]] * N] for s in range(S)]
-    net = LinkQueues(per_link(link_model, S - 1), S, costs.links)
-    return run_orders(schedule, dur, N, fused_backward, net, slots)
+    net = LinkQueues(models, S, constant_curves(costs.links))
+    return run_orders(schedule, op_durations(costs, N), N, fused_backward, net, slots)
 
 
 class Progress:
@@ -67,7 +66,7 @@ class Progress:
                    [[] for _ in range(S)] if keep else None, [[0.0] for _ in range(S)] if keep else None)
 
 
-def run_orders(schedule: Schedule, dur: list, N: int, fused_backward: bool, net: LinkQueues,
+def run_orders(schedule: Schedule, dur: Durations, N: int, fused_backward: bool, net: LinkQueues,
                slots: Optional[list], at: Optional[Progress] = None, bound: Optional[float] = None,
                work: Optional[list[float]] = None):
     """The replay's event-driven core: (first start, last end, busy ms per stage) of the ops it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-from ..ir.links import LATENCY, LinkModel, per_link
+from ..ir.links import LATENCY, LinkModel, LinkModels, per_link
 from ..ir.ops import Schedule, peak_inflight
 from ..ir.profile import Costs
 from . import native
@@ -16,24 +16,26 @@ from .replay_py import run_py
 from .timeline import Slot, StuckSchedule, Timeline, stuck_message
 
 
-def replay(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
+def replay(schedule: Schedule, costs: Costs, microbatches: int, *, fused_backward: bool = False,
            link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> Timeline:
     """Run the orders as fast as dependencies allow; raise StuckSchedule naming the stuck op.
 
     ``fused_backward`` models DeepSpeed's ``BackwardPass``: where ``W m`` directly follows ``B m``,
     the input gradient leaves the stage only when that W ends (stock DeepSpeed sends after the
-    whole backward). ``link_model`` (one for all links, or one per link) says how messages queue
-    on a link (``plan.ir.links``). The semantics are ``replay_py.run_py``'s.
+    whole backward). ``link_model`` (one for all links, or one per link, made one per link here
+    by ``links.per_link``) says how messages queue on a link (``plan.ir.links``). The semantics are
+    ``replay_py.run_py``'s.
     """
     S, N = len(schedule), microbatches
+    models = per_link(link_model, S - 1)
     work = [N * (costs.f[s] + costs.b[s] + costs.w[s]) for s in range(S)]
     enc = native.encode(schedule, N) if native.lib() is not None else None
-    got = _run_native(schedule, costs, N, fused_backward, link_model, slots=True, enc=enc) if enc else None
+    got = _run_native(schedule, costs, N, fused_backward, models, slots=True, enc=enc) if enc else None
     if got is not None:
         t0, t1, busy, raw = got
         return _LazyTimeline(S, N, raw, schedule, t1 - t0, busy, native.peaks_and_warmups(enc, N)[0], work)
     slots: list[Slot] = []
-    t0, t1, busy = run_py(schedule, costs, N, fused_backward, slots, link_model)
+    t0, t1, busy = run_py(schedule, costs, N, fused_backward, slots, models)
     return Timeline(S, N, slots, t1 - t0, busy, peak_inflight(schedule), work)
 
 
@@ -69,36 +71,36 @@ class _LazyTimeline(Timeline):
         self._slots, self._raw, self._schedule = value, None, None
 
 
-def makespan(schedule: Schedule, costs: Costs, microbatches: int, fused_backward: bool = False,
+def makespan(schedule: Schedule, costs: Costs, microbatches: int, *, fused_backward: bool = False,
              link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY) -> float:
     """``replay(...).iteration_ms`` without building the timeline (the search's inner loop)."""
-    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, link_model)
+    models = per_link(link_model, len(schedule) - 1)
+    t0, t1, _ = _run(schedule, costs, microbatches, fused_backward, None, models)
     return t1 - t0
 
 
 def _run(schedule: Schedule, costs: Costs, N: int, fused_backward: bool, slots: Optional[list],
-         link_model: Union[LinkModel, Sequence[LinkModel]] = LATENCY):
+         models: LinkModels):
     """(first start, last end, busy ms per stage): the compiled core when it is available (and no
     slots are asked for), else ``replay_py.run_py``; the same floats either way."""
     if slots is None:
-        got = _run_native(schedule, costs, N, fused_backward, link_model)
+        got = _run_native(schedule, costs, N, fused_backward, models)
         if got is not None:
             return got[:3]
-    return run_py(schedule, costs, N, fused_backward, slots, link_model)
+    return run_py(schedule, costs, N, fused_backward, slots, models)
 
 
 def _run_native(schedule: Schedule, costs: Costs, N: int, fused_backward: bool,
-                link_model: Union[LinkModel, Sequence[LinkModel]], slots: bool = False, enc=None):
+                models: LinkModels, slots: bool = False, enc=None):
     """``_run`` in C: (first, last, busy, raw slots or None); None where the compiled core is
     missing or cannot take the input (the Python code then runs, and raises what it raises)."""
     S = len(schedule)
     if native.lib() is None or costs.stages != S or S < 1:
         return None
-    model = per_link(link_model, S - 1)
     enc = enc or native.encode(schedule, N)
     if enc is None:
         return None
-    got = native.replay(enc, costs, N, fused_backward, model, slots=slots)
+    got = native.replay(enc, costs, N, fused_backward, models, slots=slots)
     if got is None:
         return None
     rc, first, last, busy, ptr, raw, _ = got

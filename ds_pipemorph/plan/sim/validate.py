@@ -48,7 +48,7 @@ def parse_schedule(rows: list[list[str]]) -> Schedule:
 
 
 def validate_schedule(
-    schedule: Schedule, stages: int, microbatches: int, caps: Optional[list[int]] = None
+    schedule: Schedule, stages: int, microbatches: int, *, caps: Optional[list[int]] = None
 ) -> None:
     """Raise InvalidPlan with one sentence naming the first offending op; return None if valid."""
     S, N = stages, microbatches

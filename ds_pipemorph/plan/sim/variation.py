@@ -64,7 +64,7 @@ class OpTable:
         return OpTable(*(tuple(map(tuple, rows[k])) for k in KINDS))
 
 
-def jitter(costs: Costs, microbatches: int, spread: float, seed: int = 0, kinds: str = "FB") -> OpTable:
+def jitter(costs: Costs, microbatches: int, spread: float, *, seed: int = 0, kinds: str = "FB") -> OpTable:
     """Each op of ``kinds`` scaled by its own factor, uniform in [1 − spread, 1 + spread]."""
     if not 0 <= spread <= 1:
         raise BadInput(f"jitter: the spread is a fraction in [0, 1], not {spread:g}")
@@ -88,7 +88,7 @@ def heavy_microbatches(microbatches: int, frac: float, seed: int = 0) -> list[in
     return sorted(random.Random(seed).sample(range(microbatches), k))
 
 
-def heavy(costs: Costs, microbatches: int, frac: float = 0.25, factor: float = 3.0, stages: int = 1,
+def heavy(costs: Costs, microbatches: int, *, frac: float = 0.25, factor: float = 3.0, stages: int = 1,
           seed: int = 0) -> OpTable:
     """A seeded fraction of micro-batches ``factor`` times heavier (F, B, W) on the first ``stages``."""
     if not (factor >= 0 and math.isfinite(factor)):
@@ -202,12 +202,12 @@ def parse_vary(spec: str, costs: Costs, microbatches: int) -> OpTable:
         kw = _keywords(text, args, first="spread", allowed={"spread", "seed", "kinds"})
         if "spread" not in kw:
             raise BadInput(f"--vary '{text}': give the spread, e.g. jitter:0.3,seed=1")
-        return jitter(costs, microbatches, _number(text, kw, "spread"), _integer(text, kw, "seed", 0),
-                      kw.get("kinds", "FB").upper())
+        return jitter(costs, microbatches, _number(text, kw, "spread"), seed=_integer(text, kw, "seed", 0),
+                      kinds=kw.get("kinds", "FB").upper())
     if name == "heavy":
         kw = _keywords(text, args, first=None, allowed={"frac", "factor", "stages", "seed"})
-        return heavy(costs, microbatches, _number(text, kw, "frac", 0.25), _number(text, kw, "factor", 3.0),
-                     _integer(text, kw, "stages", 1), _integer(text, kw, "seed", 0))
+        return heavy(costs, microbatches, frac=_number(text, kw, "frac", 0.25), factor=_number(text, kw, "factor", 3.0),
+                     stages=_integer(text, kw, "stages", 1), seed=_integer(text, kw, "seed", 0))
     raise BadInput(
         f"--vary '{text}' is not a variation: write jitter:0.3,seed=1, "
         "heavy:frac=0.25,factor=3,stages=2,seed=0 or table:FILE"
