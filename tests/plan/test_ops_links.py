@@ -159,7 +159,7 @@ def test_link_delays_given_as_numpy_numbers_replay_like_floats_in_every_replay()
     plan = zb_h1(floats, 8)
     want = replay(plan, floats, 8).iteration_ms
     assert replay(plan, numpys, 8).iteration_ms == want
-    assert Evaluator(numpys, 8).time(plan) == Evaluator(floats, 8).time(plan)
+    assert Evaluator(numpys, 8, per_link(LATENCY, 3)).time(plan) == Evaluator(floats, 8, per_link(LATENCY, 3)).time(plan) == want
     old = os.environ.get("DS_PIPEMORPH_NATIVE")
     os.environ["DS_PIPEMORPH_NATIVE"] = "0"
     try:
