@@ -54,6 +54,7 @@ TARGET_SHARE = 0.90  # of the speed-up the replay predicts
 WORKLOADS = ("heavy", plain_sleep.NAME)
 STAGE_COLUMNS = {"idle": "idle", "replay_idle": "replay idle", "busy_over": "ops over table",
                  "choosing": "choosing", "settling": "settling", "posting": "posting", "holding": "holding",
+                 "held_in_vain": "held in vain",
                  "msg_wait": "msg wait",
                  "replay_msg_wait": "replay msg wait", "beyond_replay": "wait beyond replay",
                  "msg_in": "idle, msg in"}

@@ -4,8 +4,10 @@ A workload for benchmarks that owes nothing to ``inject.vary`` or ``inject.emula
 times the ops and no op makes up for a late wake-up (no ``sleep_until``). Each stage computes
 ``y = x @ weight.T + bias`` through two autograd functions, as a real layer's graph splits into an
 input path (forward: F, backward: B) and a weight path (backward: W), and each of the three sleeps
-its time with ``time.sleep`` inside the function. Whatever the engine does around an op, and a
-sleep's late wake-up on a loaded machine, add to the iteration.
+its time with ``time.sleep`` inside the function (where the stage's input needs no gradient, as on
+stock DeepSpeed's first stage, the weight path's backward sleeps B's time as well: a fused
+backward lasts B + W on every stage). Whatever the engine does around an op, and a sleep's late
+wake-up on a loaded machine, add to the iteration.
 
 Which micro-batches are heavy is a property of the batch, as the images of a multimodal batch
 are: each iteration draws a quarter of the micro-batches (``heavy_set``: its own seeded RNG) and
@@ -103,7 +105,10 @@ class PlainSleepStage(torch.nn.Module):
         feats, flag = x[:, :FLAG], x[:, FLAG:].detach()
         t = self.op_s * (FACTOR if self.heavy and flag.item() > 0.5 else 1.0)
         y = _InputPath.apply(feats, self.weight.detach(), t, t)
-        y = y + _WeightPath.apply(feats.detach(), self.weight, t) + self.bias
+        # An input that needs no gradient (stock DeepSpeed's first stage) skips the input path's
+        # backward: the weight path's then sleeps B's time too, so every stage pays B as planned.
+        w = t if feats.requires_grad else 2 * t
+        y = y + _WeightPath.apply(feats.detach(), self.weight, w) + self.bias
         return torch.cat([y, flag], 1)
 
 

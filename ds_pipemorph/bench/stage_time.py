@@ -9,7 +9,8 @@ and ``wait_any`` took (the benchmark times them):
   replay's (ops that last longer than their table: a late wake-up, the engine's work inside an op);
   ``over_F``, ``over_B``, ``over_W``: the same by kind.
 - ``choosing``, ``settling``, ``posting``: the training thread's own work between ops; ``holding``:
-  the patience's waits for the hint's first op's message (``Inbox.wait_for``); ``sleeping``: waits
+  the patience's waits for the hint's first op's message (``Inbox.wait_for``), ``held_in_vain`` the
+  part of them whose message did not come in time (the stage then ran the other op); ``sleeping``: waits
   with no op ready (``Inbox.wait_any``), until a receive's thread has announced its message.
 - ``msg_wait``: per op that consumes a message, the time from the stage's previous op's end (the
   iteration's start for the first) until the message was in, or the op started if sooner; the same
@@ -27,7 +28,8 @@ from typing import NamedTuple, Sequence
 
 from ..plan.ir.ops import recorded_op
 
-FIELDS = ("idle", "replay_idle", "busy_over", "choosing", "settling", "posting", "holding", "sleeping", "msg_wait",
+FIELDS = ("idle", "replay_idle", "busy_over", "choosing", "settling", "posting", "holding", "held_in_vain", "sleeping",
+          "msg_wait",
           "replay_msg_wait", "beyond_replay", "msg_in", "over_F", "over_B", "over_W")
 
 
@@ -37,7 +39,7 @@ class StageIteration(NamedTuple):
     arrivals: dict  # (kind text of the payload, mb) -> ns the receive's thread had it
     choosing_ns: int
     settled_ns: int
-    inbox_ns: dict  # the inbox's method -> ns in it: post, wait_for (patience), wait_any (no op ready)
+    inbox_ns: dict  # ns in the inbox's post, wait_for (patience; wait_for_in_vain: timed out), wait_any
 
 
 def keep(records, choosing_ns: int, settled_ns: int, inbox_ns: dict) -> StageIteration:
@@ -108,7 +110,7 @@ def account(per_stage: Sequence[StageIteration], timeline, link_ms: Sequence[flo
             "idle": span - busy, "replay_idle": timeline.iteration_ms - rep_busy, "busy_over": busy - rep_busy,
             "choosing": st.choosing_ns / 1e6, "settling": st.settled_ns / 1e6,
             "posting": st.inbox_ns.get("post", 0) / 1e6, "holding": st.inbox_ns.get("wait_for", 0) / 1e6,
-            "sleeping": st.inbox_ns.get("wait_any", 0) / 1e6,
+            "held_in_vain": st.inbox_ns.get("wait_for_in_vain", 0) / 1e6, "sleeping": st.inbox_ns.get("wait_any", 0) / 1e6,
             "msg_wait": sum(w for w, _ in mine.values()),
             "replay_msg_wait": sum(w for w, _ in theirs.values()),
             "beyond_replay": sum(max(0.0, w - theirs.get(op, (0.0, 0.0))[0]) for op, (w, _) in mine.items()),

@@ -151,15 +151,19 @@ TIMED_INBOX = ("post", "wait_for", "wait_any")  # posting, holding for a message
 def _time_inbox(inbox) -> dict[str, int]:
     """Count the ns each of ``inbox``'s ``TIMED_INBOX`` methods takes (this instance only) into the
     returned dict, by method name."""
-    total = dict.fromkeys(TIMED_INBOX, 0)
+    total = dict.fromkeys((*TIMED_INBOX, "wait_for_in_vain"), 0)  # in vain: a hold whose message did not come
 
     def timed(name, fn):
         def run(*args, **kwargs):
             t = time.perf_counter_ns()
+            came = None
             try:
-                return fn(*args, **kwargs)
+                came = fn(*args, **kwargs)
+                return came
             finally:
                 total[name] += time.perf_counter_ns() - t
+                if name == "wait_for" and not came:
+                    total["wait_for_in_vain"] += time.perf_counter_ns() - t
         return run
     for name in TIMED_INBOX:
         setattr(inbox, name, timed(name, getattr(inbox, name)))

@@ -70,3 +70,12 @@ def test_a_workload_and_a_variation_are_refused_together():
         BenchSpec(stages=2, microbatches=2, op_ms=1, scenarios=[Scenario(name="a", links_ms=[0])],
                   schedules=["zb"], iterations=1, warmup=0, progress_file="p", out="o", vary="jitter:0.5",
                   workload="plain-sleep")
+
+
+def test_plain_sleep_stage_whose_input_needs_no_gradient_pays_b_in_its_weight_backward():
+    stage = plain_sleep.PlainSleepStage(op_ms=5.0, heavy=False)
+    x = torch.cat([torch.randn(1, plain_sleep.WIDTH), torch.tensor([[0.0]])], 1)
+    y = stage(x)
+    t = time.perf_counter()
+    y.sum().backward()
+    assert (time.perf_counter() - t) * 1000 >= 10.0
