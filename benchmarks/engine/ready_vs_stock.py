@@ -26,7 +26,8 @@ A second table says where ours' time went, per stage, as means per iteration ove
 iterations (``bench.stage_time``): its idle time against the replay's, how much longer its ops
 lasted than their tables, the time spent choosing the next op, settling the inbox and posting
 receives, the wait for messages (its own and the replay's, and the part beyond the replay's), and
-the time idle with the next op's message in. Prints both tables and writes JSON.
+the time idle with the next op's message in, and a message's mean time from the end of the op that
+produced it to its receiver having it. Prints both tables and writes JSON.
 
     DS_ACCELERATOR=cpu python benchmarks/engine/ready_vs_stock.py [--sittings 4] [--iterations 8] [--warmup 2]
         [--workload heavy|plain-sleep] [--out out/ready_vs_stock.json]
@@ -57,7 +58,7 @@ STAGE_COLUMNS = {"idle": "idle", "replay_idle": "replay idle", "busy_over": "ops
                  "held_in_vain": "held in vain",
                  "msg_wait": "msg wait",
                  "replay_msg_wait": "replay msg wait", "beyond_replay": "wait beyond replay",
-                 "msg_in": "idle, msg in"}
+                 "msg_in": "idle, msg in", "msg_latency": "msg latency (mean)"}
 
 
 def sitting(k: int, args) -> dict:

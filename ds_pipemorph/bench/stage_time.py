@@ -18,6 +18,8 @@ and ``wait_any`` took (the benchmark times them):
   waited for its message than in the replay, summed: waiting for a message the replay had in.
 - ``msg_in``: idle while the op's message was in (or before an op that needs none): waking up,
   settling, choosing, posting, and the patience's holds.
+- ``msg_latency``: per message this stage received, the mean time from the end of the op that
+  produced it to its receive's thread having it (the replay: the link's delay, 0 here).
 
 A receive's record ends when its thread has the message (``runtime.inbox``). Link delays are the
 replay's ``link_ms`` per link. All in ms. Pure Python: no torch.
@@ -30,7 +32,7 @@ from ..plan.ir.ops import recorded_op
 
 FIELDS = ("idle", "replay_idle", "busy_over", "choosing", "settling", "posting", "holding", "held_in_vain", "sleeping",
           "msg_wait",
-          "replay_msg_wait", "beyond_replay", "msg_in", "over_F", "over_B", "over_W")
+          "replay_msg_wait", "beyond_replay", "msg_in", "msg_latency", "over_F", "over_B", "over_W")
 
 
 class StageIteration(NamedTuple):
@@ -95,6 +97,7 @@ def account(per_stage: Sequence[StageIteration], timeline, link_ms: Sequence[flo
             return ends[(src, kind, mb)] + link_ms[min(s, src)]
         return at
 
+    made = {(s, k, m): e for s, st in enumerate(per_stage) for k, m, _, e in st.compute}
     out = []
     for s, st in enumerate(per_stage):
         ops = sorted(((k, m, (a - t0) / 1e6, (b - t0) / 1e6) for k, m, a, b in st.compute), key=lambda o: o[2])
@@ -105,6 +108,7 @@ def account(per_stage: Sequence[StageIteration], timeline, link_ms: Sequence[flo
         dur = {(k, m): e - b for k, m, b, e in row}
         over = {k: sum(e - b - dur[(kk, m)] for kk, m, b, e in ops if kk == k) for k in "FBW"}
         busy = sum(e - b for _, _, b, e in ops)
+        lat = [(ns - made[(s - 1 if k == "F" else s + 1, k, m)]) / 1e6 for (k, m), ns in st.arrivals.items()]
         rep_busy = sum(e - b for _, _, b, e in row)
         out.append({
             "idle": span - busy, "replay_idle": timeline.iteration_ms - rep_busy, "busy_over": busy - rep_busy,
@@ -114,7 +118,7 @@ def account(per_stage: Sequence[StageIteration], timeline, link_ms: Sequence[flo
             "msg_wait": sum(w for w, _ in mine.values()),
             "replay_msg_wait": sum(w for w, _ in theirs.values()),
             "beyond_replay": sum(max(0.0, w - theirs.get(op, (0.0, 0.0))[0]) for op, (w, _) in mine.items()),
-            "msg_in": sum(i for _, i in mine.values()),
+            "msg_in": sum(i for _, i in mine.values()), "msg_latency": sum(lat) / len(lat) if lat else 0.0,
             **{f"over_{k}": v for k, v in over.items()}})
     return out
 
