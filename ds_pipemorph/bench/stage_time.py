@@ -132,6 +132,20 @@ def measured_op_times(per_stage: Sequence[StageIteration]):
     return at
 
 
+def link_latency(per_stage: Sequence[StageIteration]) -> list[float]:
+    """Per link, the mean ms from the end of the op that produced a message to its receiver having
+    it, over both directions (0 for a link that carried none)."""
+    made = {(s, k, m): e for s, st in enumerate(per_stage) for k, m, _, e in st.compute}
+    sums = [[0.0, 0] for _ in range(len(per_stage) - 1)]
+    for s, st in enumerate(per_stage):
+        for (k, m), ns in st.arrivals.items():
+            src = s - 1 if k == "F" else s + 1
+            acc = sums[min(s, src)]
+            acc[0] += (ns - made[(src, k, m)]) / 1e6
+            acc[1] += 1
+    return [total / n if n else 0.0 for total, n in sums]
+
+
 def mean(rows: Sequence[list[dict]]) -> list[dict]:
     """Per stage, the mean of each field over iterations (``rows``: one ``account`` per iteration)."""
     S = len(rows[0])

@@ -182,9 +182,10 @@ def op_tables(spec: BenchSpec, costs: Costs):
 
 
 def stage_times(spec: BenchSpec, schedule: str, dispatch: Dispatch, engine, kept: list,
-                costs: Costs) -> Optional[tuple[list[dict], float]]:
-    """Rank 0: per stage, ``stage_time.FIELDS`` as means over the measured iterations, and the mean
-    replay of each iteration with the times its ops really took (collective)."""
+                costs: Costs) -> Optional[tuple[list[dict], float, float]]:
+    """Rank 0: per stage, ``stage_time.FIELDS`` as means over the measured iterations; the mean replay
+    of each iteration with the times its ops really took, and the same with each link's measured mean
+    message latency added to its delay (collective)."""
     from ..plan.ir.ops import peak_inflight
     from ..plan.sim.ready import replay_varying
 
@@ -193,16 +194,20 @@ def stage_times(spec: BenchSpec, schedule: str, dispatch: Dispatch, engine, kept
     if dist.get_rank() != 0:
         return None
     tables = op_tables(spec, costs)
-    def replay(times):
+    def replay(times, links=None):
         return replay_varying(engine.plan, costs, spec.microbatches, dispatch, peak_inflight(engine.plan), times,
-                              link_model=_link_model(schedule, engine))
+                              links, link_model=_link_model(schedule, engine))
 
-    rows, as_ran = [], []
+    rows, as_ran, with_latency = [], [], []
     for j, k in enumerate(range(spec.warmup, spec.warmup + spec.iterations)):
         per_stage = [g[j] for g in gathered]
         rows.append(stage_time.account(per_stage, replay(tables(k)), costs.links))
-        as_ran.append(replay(stage_time.measured_op_times(per_stage)).iteration_ms)
-    return stage_time.mean(rows), sum(as_ran) / len(as_ran)
+        measured = stage_time.measured_op_times(per_stage)
+        as_ran.append(replay(measured).iteration_ms)
+        latency = [c + lat for c, lat in zip(costs.links, stage_time.link_latency(per_stage))]
+        with_latency.append(replay(measured, latency).iteration_ms)
+    n = len(as_ran)
+    return stage_time.mean(rows), sum(as_ran) / n, sum(with_latency) / n
 
 
 def progress_line(row: int, rows: int, scenario: int, scenarios: int, name: str, schedule: str,
@@ -322,7 +327,7 @@ def main(spec_path: str) -> None:
                 if dispatch is Dispatch.READY:  # rank 0's time choosing the next op, per op run
                     row["choosing_us_per_op"] = sum(choosing) / 1e3 / (3 * spec.microbatches * len(choosing))
                 if stages is not None:  # per stage: where its time went (bench.stage_time)
-                    row["stage_time_ms"], row["predicted_as_ran_ms"] = stages
+                    row["stage_time_ms"], row["predicted_as_ran_ms"], row["predicted_as_ran_latency_ms"] = stages
                 if overhead is not None:
                     row["profiler_overhead"] = overhead
                 results.append(row)

@@ -39,6 +39,7 @@ def test_two_stages_one_microbatch_split_into_op_overrun_message_wait_and_idle_w
     assert b["msg_wait"] == pytest.approx(12) and b["msg_in"] == pytest.approx(1)
     assert b["replay_msg_wait"] == pytest.approx(10) and b["beyond_replay"] == pytest.approx(2)
     assert a["msg_latency"] == pytest.approx(34 - 33) and b["msg_latency"] == pytest.approx(12 - 11)
+    assert stage_time.link_latency([s0, s1]) == [pytest.approx(1.0)]
     times = stage_time.measured_op_times([s0, s1])
     assert times(0, "F", 0) == pytest.approx(11) and times(1, "W", 0) == pytest.approx(10)
 
