@@ -53,6 +53,8 @@ class BenchSpec(BaseModel):
     dispatches: list[str] = Field(default_factory=lambda: ["ordered"], min_length=1)
     # Per-op time variation (``plan.sim.variation``: jitter:S, heavy:..., table:FILE), drawn anew each iteration.
     vary: Optional[str] = None
+    # A workload of its own instead of the emulated stage (``bench.plain_sleep``: "plain-sleep"); not with vary.
+    workload: Optional[str] = None
     # Our engine's ``memory.budget`` (a multiple of stock 1F1B's activation memory); None: no limit.
     budget: Optional[float] = 1.0
 
@@ -66,6 +68,10 @@ class BenchSpec(BaseModel):
         for s in self.schedules:
             if s not in SCHEDULES:
                 raise ValueError(f"unknown schedule '{s}': choose from {', '.join(SCHEDULES)}")
+        if self.workload is not None and self.workload != "plain-sleep":
+            raise ValueError(f"unknown workload '{self.workload}': choose plain-sleep or none")
+        if self.workload is not None and self.vary:
+            raise ValueError(f"workload {self.workload} sets its own op times: leave vary out")
         for d in self.dispatches:
             if d not in DISPATCHES:
                 raise ValueError(f"unknown dispatch '{d}': choose from {', '.join(DISPATCHES)}")

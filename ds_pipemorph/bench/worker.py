@@ -36,6 +36,7 @@ from ..plan.ir.profile import Costs
 from ..plan.sched.baselines import deepspeed_1f1b
 from ..plan.sim.simulate import replay
 from ..inject.delays import DelaySchedule, load_trace
+from . import plain_sleep, stage_time
 from .spec import BenchSpec, Scenario
 from .summary import summarize
 
@@ -52,13 +53,19 @@ def build_engine(spec: BenchSpec, schedule: str, sc: Scenario, dispatch: Dispatc
 
     torch.manual_seed(0)
     t = VARIED_OP_MS if spec.vary else spec.op_ms  # with --vary, the injector makes each op last its table's time
-    model = PipelineModule(layers=[LayerSpec(EmulatedStage, 8, t, t, t) for _ in range(spec.stages)],
-                           num_stages=spec.stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    if spec.workload == plain_sleep.NAME:  # its ops sleep their own times: no injector, no anchor
+        layers = plain_sleep.layers(spec.stages, spec.op_ms)
+    else:
+        layers = [LayerSpec(EmulatedStage, 8, t, t, t) for _ in range(spec.stages)]
+    model = PipelineModule(layers=layers, num_stages=spec.stages, loss_fn=torch.nn.MSELoss(),
+                           partition_method="uniform")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": spec.microbatches,
            "train_batch_size": spec.microbatches, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
            "steps_per_print": 10**9}
     if schedule == "stock-1f1b":
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        if spec.workload is not None:
+            return engine
         anchor_stock_engine(engine)  # emulated ops count from the instruction's start, as in ours
         if spec.vary:
             from ..plan.sim.variation import vary_tables
@@ -107,13 +114,22 @@ def start_trace(engine, stock: DelaySchedule | None, delegates_started: bool) ->
     return lead.item()
 
 
-def measure(spec: BenchSpec, engine, done: Optional[Callable[[int], None]] = None) -> list[float]:
+def measure(spec: BenchSpec, engine, done: Optional[Callable[[int], None]] = None,
+            kept: Optional[list] = None) -> list[float]:
     """Iteration times in ms of the measured iterations; ``done(i)`` after iteration i (0-based, warm-up
-    included) on every rank, outside the timed span."""
+    included) on every rank, outside the timed span. ``kept``: gets this rank's
+    ``stage_time.StageIteration`` of each measured iteration (our engine only)."""
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(1, 8, generator=g), torch.randn(1, 8, generator=g)) for _ in range(spec.microbatches)]
+    inbox = getattr(engine, "inbox", None) if kept is not None else None  # ready dispatch's
+    spent = _time_inbox(inbox) if inbox is not None else None
     out = []
     for i in range(spec.warmup + spec.iterations):
+        if spec.workload == plain_sleep.NAME:
+            data = plain_sleep.batch(i, spec.microbatches)
+        settled = inbox.settled_ns if inbox is not None else 0
+        if spent is not None:
+            spent.update(dict.fromkeys(spent, 0))
         dist.barrier()
         t0 = time.monotonic_ns()
         engine.train_batch(iter(data))
@@ -121,9 +137,77 @@ def measure(spec: BenchSpec, engine, done: Optional[Callable[[int], None]] = Non
         dist.all_reduce(span, op=dist.ReduceOp.MAX)
         if i >= spec.warmup:
             out.append((span[0].item() + span[1].item()) / 1e6)
+            if kept is not None:
+                kept.append(stage_time.keep(engine.op_records, engine.choosing_ns[-1] if inbox else 0,
+                                            inbox.settled_ns - settled if inbox else 0, spent or {}))
         if done is not None:
             done(i)
     return out
+
+
+TIMED_INBOX = ("post", "wait_for", "wait_any")  # posting, holding for a message, sleeping with no op ready
+
+
+def _time_inbox(inbox) -> dict[str, int]:
+    """Count the ns each of ``inbox``'s ``TIMED_INBOX`` methods takes (this instance only) into the
+    returned dict, by method name."""
+    total = dict.fromkeys((*TIMED_INBOX, "wait_for_in_vain"), 0)  # in vain: a hold whose message did not come
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter_ns()
+            came = None
+            try:
+                came = fn(*args, **kwargs)
+                return came
+            finally:
+                total[name] += time.perf_counter_ns() - t
+                if name == "wait_for" and not came:
+                    total["wait_for_in_vain"] += time.perf_counter_ns() - t
+        return run
+    for name in TIMED_INBOX:
+        setattr(inbox, name, timed(name, getattr(inbox, name)))
+    return total
+
+
+def op_tables(spec: BenchSpec, costs: Costs):
+    """Iteration k -> its per-op times (None: the costs'), as the replay takes them."""
+    if spec.workload == plain_sleep.NAME:
+        return lambda k: plain_sleep.op_times(k, spec.stages, spec.microbatches, spec.op_ms)
+    if spec.vary:
+        from ..plan.sim.variation import vary_tables
+
+        return vary_tables(spec.vary, costs, spec.microbatches)
+    return lambda k: None
+
+
+def stage_times(spec: BenchSpec, schedule: str, dispatch: Dispatch, engine, kept: list,
+                costs: Costs) -> Optional[tuple[list[dict], float, float]]:
+    """Rank 0: per stage, ``stage_time.FIELDS`` as means over the measured iterations; the mean replay
+    of each iteration with the times its ops really took, and the same with each link's measured mean
+    message latency added to its delay (collective)."""
+    from ..plan.ir.ops import peak_inflight
+    from ..plan.sim.ready import replay_varying
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, kept)
+    if dist.get_rank() != 0:
+        return None
+    tables = op_tables(spec, costs)
+    def replay(times, links=None):
+        return replay_varying(engine.plan, costs, spec.microbatches, dispatch, peak_inflight(engine.plan), times,
+                              links, link_model=_link_model(schedule, engine))
+
+    rows, as_ran, with_latency = [], [], []
+    for j, k in enumerate(range(spec.warmup, spec.warmup + spec.iterations)):
+        per_stage = [g[j] for g in gathered]
+        rows.append(stage_time.account(per_stage, replay(tables(k)), costs.links))
+        measured = stage_time.measured_op_times(per_stage)
+        as_ran.append(replay(measured).iteration_ms)
+        latency = [c + lat for c, lat in zip(costs.links, stage_time.link_latency(per_stage))]
+        with_latency.append(replay(measured, latency).iteration_ms)
+    n = len(as_ran)
+    return stage_time.mean(rows), sum(as_ran) / n, sum(with_latency) / n
 
 
 def progress_line(row: int, rows: int, scenario: int, scenarios: int, name: str, schedule: str,
@@ -145,12 +229,11 @@ def predicted_ms(spec: BenchSpec, schedule: str, costs: Costs, engine, dispatch:
     --vary or ready dispatch: the mean over the measured iterations of ``plan.sim.ready``'s replay of
     each iteration's op times under that dispatch (caps: the plan's peak, as the engine holds)."""
     S, N = spec.stages, spec.microbatches
-    if spec.vary or dispatch is Dispatch.READY:
+    if spec.vary or spec.workload or dispatch is Dispatch.READY:
         from ..plan.ir.ops import peak_inflight
         from ..plan.sim.ready import replay_varying
-        from ..plan.sim.variation import vary_tables
 
-        tables = vary_tables(spec.vary, costs, N) if spec.vary else (lambda k: None)
+        tables = op_tables(spec, costs)
         ks = range(spec.warmup, spec.warmup + spec.iterations)
         if schedule == "stock-1f1b":  # DeepSpeed's order, its backward fused
             plan = deepspeed_1f1b(S, N)
@@ -213,8 +296,10 @@ def main(spec_path: str) -> None:
                     append(spec.progress_file, progress_line(step + 1, total, k + 1, len(spec.scenarios), sc.name,
                                                              label, i + 1, spec))
 
-            times = measure(spec, engine, done)
+            kept = None if schedule == "stock-1f1b" else []
+            times = measure(spec, engine, done, kept)
             predicted = predicted_ms(spec, schedule, costs, engine, dispatch)
+            stages = stage_times(spec, schedule, dispatch, engine, kept, costs) if kept is not None else None
             choosing = list(getattr(engine, "choosing_ns", []))[spec.warmup:]
             adapter = getattr(engine, "adapter", None)
             replans = [vars(r) for r in adapter.replans] if adapter is not None else []
@@ -241,6 +326,8 @@ def main(spec_path: str) -> None:
                     row["trace_skew_s"] = round(skew, 3)
                 if dispatch is Dispatch.READY:  # rank 0's time choosing the next op, per op run
                     row["choosing_us_per_op"] = sum(choosing) / 1e3 / (3 * spec.microbatches * len(choosing))
+                if stages is not None:  # per stage: where its time went (bench.stage_time)
+                    row["stage_time_ms"], row["predicted_as_ran_ms"], row["predicted_as_ran_latency_ms"] = stages
                 if overhead is not None:
                     row["profiler_overhead"] = overhead
                 results.append(row)
