@@ -195,8 +195,8 @@ def stage_times(spec: BenchSpec, schedule: str, dispatch: Dispatch, engine, kept
         return None
     tables = op_tables(spec, costs)
     def replay(times, links=None):
-        return replay_varying(engine.plan, costs, spec.microbatches, dispatch, peak_inflight(engine.plan), times,
-                              links, link_model=_link_model(schedule, engine))
+        return replay_varying(engine.plan, costs, spec.microbatches, dispatch=dispatch, caps=peak_inflight(engine.plan),
+                              op_times=times, link_delays=links, link_model=_link_model(schedule, engine))
 
     rows, as_ran, with_latency = [], [], []
     for j, k in enumerate(range(spec.warmup, spec.warmup + spec.iterations)):
