@@ -299,7 +299,10 @@ def main(spec_path: str) -> None:
             kept = None if schedule == "stock-1f1b" else []
             times = measure(spec, engine, done, kept)
             predicted = predicted_ms(spec, schedule, costs, engine, dispatch)
-            stages = stage_times(spec, schedule, dispatch, engine, kept, costs) if kept is not None else None
+            # A receive's record ends when its thread has the message only under ready dispatch (ordered
+            # dispatch receives on the training thread, after whatever op ran before): accounted there only.
+            stages = (stage_times(spec, schedule, dispatch, engine, kept, costs)
+                      if kept is not None and dispatch is Dispatch.READY else None)
             choosing = list(getattr(engine, "choosing_ns", []))[spec.warmup:]
             adapter = getattr(engine, "adapter", None)
             replans = [vars(r) for r in adapter.replans] if adapter is not None else []

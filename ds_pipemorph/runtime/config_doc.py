@@ -253,11 +253,15 @@ or `false`) and `"30"` is not a number (`ds_config pipemorph: memory.max_infligh
 integer, got the string '7'`). The one exception is a whole number where a number is expected, as
 JSON writes it: `"timeout_s": 30` is 30.0.
 
-A minimal section:
+A minimal section, granting 1.5x stock 1F1B's activation memory per stage (without `memory`, each
+stage holds no more than stock does):
 
 ```json
-"pipemorph": {"schedule": "adaptive", "memory": {"max_inflight": [7, 5, 3, 1]}}
+"pipemorph": {"schedule": "adaptive", "memory": {"budget": 1.5}}
 ```
+
+`memory.max_inflight` given without `budget` is a grant in micro-batches: it turns the default
+budget off, and with it the send window (`docs/memory.md`).
 
 `*` in a key stands for any key of a mapping (`inject.links.*.delay_ms` is `{"links": {"2":
 {"delay_ms": 30}}}` inside `inject`). Keys marked "testing only" make stragglers on purpose.

@@ -29,10 +29,10 @@ def test_rings_hold_one_message_per_queue_when_cut_to_fit(fit_ring):
 
 
 @pytest.mark.timeout(150)
-def test_a_cut_message_never_holds_the_next_queue_behind_a_delayed_one():
+def test_a_cut_message_fits_its_ring_and_never_holds_the_next_queue_behind_its_own_delay():
     """Link 0 delayed 2 s per message, two messages of 4 MiB, one per queue: both are copied into their
-    rings within 1 s, while the first queue's delegate still holds its message for the delay (a
-    message cut finer than a ring would wait there for that delegate, and the second behind it)."""
+    rings within 1.6 s, while the first queue's delegate still holds its message for the delay (a
+    message cut finer than its ring would wait there for that delegate, and the second behind it)."""
     res = launch(2, bodies.copies_beside_a_delay, 4, 2000.0)
     assert res[0]["fit_ring"] and res[0]["copied_in_time"] is True, res[0]
     assert res[1]["ok"] == [True, True], res[1]

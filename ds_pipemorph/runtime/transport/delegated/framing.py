@@ -71,12 +71,14 @@ def pieces_of(total: int, piece_bytes: int) -> int:
 
 def piece_bytes(total: int, slot_bytes: int, ring_slots: int, fit_ring: bool) -> int:
     """Where a message of ``total`` bytes is cut: whole slots, or, with ``fit_ring``, into at most
-    ``ring_slots`` pieces, so that one message fills at most one queue's ring. A ring's pages are
-    resident only as far as pieces reach (on CPU): a queue's ring then holds at most one message's
-    bytes, where whole slots let it hold ``ring_slots`` messages. The whole message still fits an
-    empty ring, so the copy into it never waits for a delegate that holds the queue's previous
-    message for the link's delay, and k queues keep k messages in flight. A piece is never smaller
-    than ``MIN_PIECE_BYTES`` nor larger than a slot."""
+    ``ring_slots`` pieces, so that one message of at most ``ring_slots`` x ``slot_bytes`` fills at
+    most one queue's ring. A ring's pages are resident only as far as pieces reach (on CPU): a queue's
+    ring then holds at most one message's bytes (``ring_slots`` x ``MIN_PIECE_BYTES`` for smaller
+    messages), where whole slots let it hold ``ring_slots`` messages. The whole message fits an empty
+    ring, so its copy never waits for the message's own delay (a cut finer than the ring would leave
+    its last pieces waiting for the delegate that holds its first one for the delay); a queue's next
+    message waits until the previous one has left the ring, and k queues keep k messages in flight.
+    A piece is never smaller than ``MIN_PIECE_BYTES`` nor larger than a slot."""
     if not fit_ring:
         return slot_bytes
     return min(slot_bytes, max(MIN_PIECE_BYTES, _align(-(-total // ring_slots))))

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 import torch
 
 from ....plan.ir.ops import message_op
-from ....staging.device_path import select_path
+from ....staging.device_path import select_path, uses_cuda
 from ...config import DelegationConfig
 from ..protocol import link_of, peer_of
 from .copier import Copier
@@ -97,9 +97,10 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         self.delays = delays
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
         # Cut each message so that it fills at most one queue's ring (``framing.piece_bytes``): a ring then
-        # holds one message's bytes, not one per slot. On CPU only, where a ring's pages are resident as far
-        # as pieces reach; a GPU's rings are pinned whole, and more pieces would only cost round trips.
-        self.fit_ring = bool(fit_ring) and self.device.type == "cpu"
+        # holds one message's bytes, not one per slot. On the host path only, where a ring's pages are
+        # resident as far as pieces reach; a CUDA path's rings are pinned whole, and more pieces would only
+        # cost round trips.
+        self.fit_ring = bool(fit_ring) and not uses_cuda(self.device)
         self.session = session or f"t{next(_instances)}"
         self.store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = store_port or os.environ.get("MASTER_PORT")
