@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from ..plan.ir.ops import recorded_op
+from ..plan.ir.ops import Kind, recorded_op
 
 FIELDS = ("idle", "replay_idle", "busy_over", "choosing", "settling", "posting", "holding", "held_in_vain", "sleeping",
           "msg_wait",
@@ -57,8 +57,14 @@ def keep(records, choosing_ns: int, settled_ns: int, inbox_ns: dict) -> StageIte
     return StageIteration(compute, arrivals, choosing_ns, settled_ns, dict(inbox_ns))
 
 
+def _source(stage: int, kind: str) -> int:
+    """The stage a message of ``kind`` (its text, as kept) reaching ``stage`` comes from."""
+    return stage - 1 if Kind(kind) is Kind.F else stage + 1
+
+
 def _consumes(kind: str, stage: int, stages: int) -> bool:
-    return (kind == "F" and stage > 0) or (kind == "B" and stage < stages - 1)
+    k = Kind(kind)
+    return (k is Kind.F and stage > 0) or (k is Kind.B and stage < stages - 1)
 
 
 def _waits(ops: list, arrival, start_ms: float, stage: int, stages: int):
@@ -93,7 +99,7 @@ def account(per_stage: Sequence[StageIteration], timeline, link_ms: Sequence[flo
 
     def replay_arrival(s):
         def at(kind, mb):
-            src = s - 1 if kind == "F" else s + 1
+            src = _source(s, kind)
             return ends[(src, kind, mb)] + link_ms[min(s, src)]
         return at
 
@@ -108,7 +114,7 @@ def account(per_stage: Sequence[StageIteration], timeline, link_ms: Sequence[flo
         dur = {(k, m): e - b for k, m, b, e in row}
         over = {k: sum(e - b - dur[(kk, m)] for kk, m, b, e in ops if kk == k) for k in "FBW"}
         busy = sum(e - b for _, _, b, e in ops)
-        lat = [(ns - made[(s - 1 if k == "F" else s + 1, k, m)]) / 1e6 for (k, m), ns in st.arrivals.items()]
+        lat = [(ns - made[(_source(s, k), k, m)]) / 1e6 for (k, m), ns in st.arrivals.items()]
         rep_busy = sum(e - b for _, _, b, e in row)
         out.append({
             "idle": span - busy, "replay_idle": timeline.iteration_ms - rep_busy, "busy_over": busy - rep_busy,
@@ -139,7 +145,7 @@ def link_latency(per_stage: Sequence[StageIteration]) -> list[float]:
     sums = [[0.0, 0] for _ in range(len(per_stage) - 1)]
     for s, st in enumerate(per_stage):
         for (k, m), ns in st.arrivals.items():
-            src = s - 1 if k == "F" else s + 1
+            src = _source(s, k)
             acc = sums[min(s, src)]
             acc[0] += (ns - made[(src, k, m)]) / 1e6
             acc[1] += 1
