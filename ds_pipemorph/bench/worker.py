@@ -296,13 +296,12 @@ def main(spec_path: str) -> None:
                     append(spec.progress_file, progress_line(step + 1, total, k + 1, len(spec.scenarios), sc.name,
                                                              label, i + 1, spec))
 
-            kept = None if schedule == "stock-1f1b" else []
-            times = measure(spec, engine, done, kept)
-            predicted = predicted_ms(spec, schedule, costs, engine, dispatch)
             # A receive's record ends when its thread has the message only under ready dispatch (ordered
             # dispatch receives on the training thread, after whatever op ran before): accounted there only.
-            stages = (stage_times(spec, schedule, dispatch, engine, kept, costs)
-                      if kept is not None and dispatch is Dispatch.READY else None)
+            kept = [] if schedule != "stock-1f1b" and dispatch is Dispatch.READY else None
+            times = measure(spec, engine, done, kept)
+            predicted = predicted_ms(spec, schedule, costs, engine, dispatch)
+            stages = stage_times(spec, schedule, dispatch, engine, kept, costs) if kept is not None else None
             choosing = list(getattr(engine, "choosing_ns", []))[spec.warmup:]
             adapter = getattr(engine, "adapter", None)
             replans = [vars(r) for r in adapter.replans] if adapter is not None else []
