@@ -490,13 +490,16 @@ class PipeMorphEngine(PipelineEngine):
         (``activation_bytes``, all-gathered: the same on every rank), then ``zb`` and ``adaptive``
         planned anew within it (Alg. 1's warm-up from its caps), any other plan fitted to it. Every rank
         runs this at the same point, after the iteration's last collective; a grant below one
-        micro-batch's activations raises the same sentence on every rank, so none waits for another."""
+        micro-batch's activations, or one the plan cannot keep, raises the same sentence on every rank
+        before anything changes, so none waits for another."""
         cfg, S, N = self.pipemorph, self.num_stages, self.micro_batches
-        self.budget.grant(granted_budget(cfg, S, N, [a.f for a in self.activation_bytes], self.w_share))
+        granted = granted_budget(cfg, S, N, [a.f for a in self.activation_bytes], self.w_share)
         if cfg.schedule in ("zb", "adaptive"):
-            plan = build_plan(cfg, S, N, self.w_share, self.budget)
+            plan = build_plan(cfg, S, N, self.w_share, granted)
         else:  # the job's own plan (not a comparison's other side, which ``rebudget`` plans anew)
-            plan = self.compare.b_plan if self.compare is not None else self.plan
+            plan = within_budget(cfg, self.compare.b_plan if self.compare is not None else self.plan,
+                                 f"the '{cfg.schedule}' plan", self.w_share, granted)
+        self.budget.grant(granted)
         self._set_plan(plan)
         if self.adapter is not None:
             self.adapter.policy.rebase(self.plan)

@@ -149,6 +149,11 @@ def test_a_grant_in_bytes_is_kept_from_the_second_iteration_and_trains_as_stock(
             res, ref = run_mb.result(name, r), run_mb.result("stock", r)
             assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) <= 1e-5, name
             assert max_param_diff(res, ref) <= 1e-5, name
+    # rank 0's line after the first iteration: the budget per stage in MiB (5 decimals: two significant
+    # digits of the smallest per-micro-batch figure, 0.00049 MiB) and in micro-batches' activations
+    line = (f"the budget from now on (memory.budget_mb): [{', '.join(f'{b / MIB:.5f}' for b in GRANT_BYTES)}] MiB "
+            f"per stage, [2.5, 2.5, 2.5, 2.5] micro-batches' activations")
+    assert run_mb.output.count(line) == len(MB_NAMES), run_mb.output[-3000:]
 
 
 @pytest.mark.timeout(1500)
