@@ -153,10 +153,7 @@ class ControlPolicy:
         test's delay injector, blocks its sender where the bare one did not); the detector's
         tolerances for the plan in force follow."""
         self.direct_model = _direct_model(direct)
-        planned = list(self.detector.planned_for)
-        tol = link_tolerances(self.plan_in_force, self.costs.with_links(planned), self.N,
-                              resolution_ms=TOLERANCE_RESOLUTION_MS, link_model=self._model(planned, self.link_queues))
-        self.detector.adopt(planned, [t.replay_ms for t in tol])
+        self.rebase(self.plan_in_force)
 
     # -- the three steps ---------------------------------------------------------------------------
     def observe(self, iteration: int, f: Sequence[float], b: Sequence[float], w: Sequence[float],

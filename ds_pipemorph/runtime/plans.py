@@ -111,7 +111,7 @@ def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", 
     """``plan`` with its weight-gradient ops moved where the memory budget needs them
     (``plan.ir.memory.fit_budget``); unchanged without a budget or when it fits. ``budget``: the
     limits in force (default: ``memory_budget``'s, from ``cfg`` alone)."""
-    budget = budget or memory_budget(cfg, len(plan), 1)
+    budget = memory_budget(cfg, len(plan), 1) if budget is None else budget
     if budget.units is None:
         return plan
     try:
@@ -131,7 +131,7 @@ def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int, share: floa
     """The plan ``cfg`` asks for; ``share``: see ``w_share``; ``budget``: the limits in force
     (default: ``memory_budget``'s, those at start-up)."""
     S, N = stages, microbatches
-    budget = budget or memory_budget(cfg, S, N)
+    budget = memory_budget(cfg, S, N) if budget is None else budget
     policy = Policy(units=budget.units, w_share=share)
     if cfg.schedule == "1f1b":
         plan = deepspeed_1f1b(S, N)
