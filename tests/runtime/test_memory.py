@@ -9,6 +9,10 @@ step on, the worker counts what autograd holds saved for the backward (``SavedPe
 the test's own count, each storage once, parameters left out) and keeps each step's peak. The
 engine's own measurement of its first iteration (F's bytes per micro-batch) must predict stock's
 peak, (S - s) of them, give or take what one backward holds while it runs.
+
+A second launch grants ``memory.budget_mb`` (bytes, in force from the second step): stock, ``zb`` and
+``adaptive`` under both dispatches, ``adaptive`` re-planning for the slow link, and a grant below one
+micro-batch that every rank refuses after the first step.
 """
 from __future__ import annotations
 
@@ -121,6 +125,10 @@ MB_JOBS = [_job("stock", None)]
 for _sched in ("zb", "adaptive"):
     for _dispatch in ("ordered", "ready"):
         MB_JOBS.append(_job(f"mb_{_sched}_{_dispatch}", _section(_sched, _dispatch, memory={"budget_mb": GRANT_MB})))
+# re-planning for a slow link (20 ms injected on link 0, delegation "auto"): the re-plans keep within the grant
+MB_JOBS.append(_job("mb_adaptive_replans", _section("adaptive", memory={"budget_mb": GRANT_MB},
+                                                    inject={"links": {"0": {"delay_ms": 20}}},
+                                                    delegation={"mode": "auto"})))
 MB_JOBS.append(_job("mb_too_small", _section("zb", memory={"budget_mb": TOO_SMALL_MB}), expect_train_error=True))
 MB_NAMES = [j["name"] for j in MB_JOBS[1:-1]]
 
@@ -154,6 +162,7 @@ def test_a_grant_in_bytes_is_kept_from_the_second_iteration_and_trains_as_stock(
     line = (f"the budget from now on (memory.budget_mb): [{', '.join(f'{b / MIB:.5f}' for b in GRANT_BYTES)}] MiB "
             f"per stage, [2.5, 2.5, 2.5, 2.5] micro-batches' activations")
     assert run_mb.output.count(line) == len(MB_NAMES), run_mb.output[-3000:]
+    assert run_mb.result("mb_adaptive_replans", 0)["replans"], "the slow link was not re-planned for"
 
 
 @pytest.mark.timeout(1500)
