@@ -85,8 +85,8 @@ class OrchestrateLoop:
         if self.orchestrator is None:
             grad = [self.cfg.grad_mb if self.cfg.grad_mb is not None else table[4 * S + k].item() for k in range(S)]
             self.orchestrator = Orchestrator(self.matrix, self.placement, engine.micro_batches, grad,
-                                             self.cfg.chunk_mb, list(self.budget.caps), self.cfg.noise, self.cfg.patience,
-                                             self.cfg.min_gain)
+                                             self.cfg.chunk_mb, list(self.budget.caps), self.cfg.noise,
+                                             self.cfg.patience, self.cfg.min_gain)
         self.orchestrator.iteration = engine.boundary.iteration  # exchanges may skip iterations: count these
         self.orchestrator.caps = list(self.budget.caps)
         d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())

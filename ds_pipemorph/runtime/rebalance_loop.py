@@ -53,8 +53,9 @@ class RebalanceLoop:
                                            f"but the model has {layers}")
         tied = tuple(i for i, spec in enumerate(engine.module._layer_specs) if isinstance(spec, TiedLayerSpec))
         self.budget = budget  # the engine's: its caps are read at every decision (a grant may come later)
-        self.rebalancer = Rebalancer(S, N, list(engine.module.parts), list(budget.caps), noise=cfg.noise, patience=cfg.patience,
-                                     min_gain=cfg.min_gain, warmup=cfg.warmup_iterations, profile=profile, pinned=tied)
+        self.rebalancer = Rebalancer(S, N, list(engine.module.parts), list(budget.caps), noise=cfg.noise,
+                                     patience=cfg.patience, min_gain=cfg.min_gain, warmup=cfg.warmup_iterations,
+                                     profile=profile, pinned=tied)
         self.S, self.layers = S, layers
         self.events: list[dict] = []  # one per decision: what was decided and what the migration did
         # Per layer index, its (weight, signature) while the partition stays ``_described_parts``: a
