@@ -5,7 +5,8 @@
 SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
 "gpt": the tiny_gpt recipe's model, or "emulated": "layers" emulated layers of "layer_ms"), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
-instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
+instead of training (the launch then exits with code 2), "expect_train_error": true to record a refusal
+(ValueError) that ``train_batch`` raises (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
 ``engine.repartition(parts)``; the reports are recorded), "save": {"k": dir} (after k steps every rank
 calls ``engine.save_checkpoint(OUT_DIR/dir)``), "load": {"dir", "step"} (right after start-up every
@@ -180,6 +181,13 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 f.write(str(e))
             time.sleep(stall["seconds"] + 2 * job["pipemorph"]["timeout_s"])  # let the late rank time out too
             return
+        except ValueError as e:
+            if not job.get("expect_train_error"):
+                raise
+            with open(path + ".err", "w") as f:
+                f.write(str(e))
+            engine.destroy()
+            return
         peaks.append(getattr(engine, "measured_peak_inflight", None))
         ops.append([r.op for r in getattr(engine, "op_records", [])])
         executed.append(list(getattr(engine, "executed_stream", [])))
@@ -211,6 +219,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
                 "parts": list(getattr(engine.module, "parts", [])), "saved_peaks": saved_peaks,
                 "activation_bytes": [a.as_dict() for a in getattr(engine, "activation_bytes", None) or []],
+                "budget": None if getattr(engine, "budget", None) is None else vars(engine.budget).copy(),
                 "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
@@ -315,7 +324,7 @@ def main() -> int:
     try:
         for job in jobs:
             run_job(job, out_dir, rank)
-            if job.get("expect_error"):
+            if job.get("expect_error") or job.get("expect_train_error"):
                 code = 2
     except Exception:
         traceback.print_exc()
