@@ -14,7 +14,7 @@ of a group switches at the same boundary to the same plan. A boundary between tw
 ``num_mp`` links per replica; the link estimate pairs each receiver with its sender and keeps the
 slowest pair (``control.estimate.link_delays``).
 
-Refused, each with one sentence (``refusal``): DeepSpeed's partitioned activations and gradients
+Refused, each with one sentence (``refusal``; the sentences are ``runtime.compat``'s): DeepSpeed's partitioned activations and gradients
 (the engine sends every tensor whole), ready dispatch (each rank would pick its next op from its
 own arrivals), and moving layers or ranks (the migration and re-mapping code moves one rank per
 stage and replica).
@@ -24,20 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..plan.ir.lower import Dispatch
-
-PARTITIONED_REFUSED = (
-    "pipemorph sends each activation and gradient whole between stages, not partitioned over the tensor-parallel "
-    "ranks: set \"pipeline\": {\"pipe_partitioned\": false, \"grad_partitioned\": false} in the ds_config")
-
-READY_REFUSED = (
-    "ready dispatch lets each rank run its next op as its own messages arrive, and the ranks of a tensor-parallel "
-    "group must issue their layers' collectives in the same order: set pipemorph.dispatch to \"ordered\"")
-
-MOVING_REFUSED = (
-    "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) moves one rank's state "
-    "per stage and replica, not a tensor-parallel group's shards: turn pipemorph.rebalance and "
-    "pipemorph.orchestrate off")
-
+from .compat import TP_MOVING_REFUSED, TP_PARTITIONED_REFUSED, TP_READY_REFUSED
 
 def tensor_parallel_size(model) -> int:
     """Ranks per stage and replica (DeepSpeed's slice-parallel world size) of a ``PipelineModule``."""
@@ -51,23 +38,23 @@ def refusal(config_class, model, pipemorph) -> Optional[str]:
         return None
     pipeline = config_class.pipeline
     if pipeline.get("pipe_partitioned") or pipeline.get("grad_partitioned"):
-        return PARTITIONED_REFUSED
+        return TP_PARTITIONED_REFUSED
     if pipemorph.dispatch is Dispatch.READY:
-        return READY_REFUSED
+        return TP_READY_REFUSED
     if pipemorph.rebalance.enabled or pipemorph.orchestrate.matrix:
-        return MOVING_REFUSED
+        return TP_MOVING_REFUSED
     return None
 
 
 def switch_refusal(engine, dispatch: Optional[Dispatch]) -> Optional[str]:
     """The sentence refusing ``engine.switch_to(dispatch=...)`` under tensor parallelism, else None."""
     if dispatch is Dispatch.READY and engine.grid.get_slice_parallel_world_size() > 1:
-        return READY_REFUSED
+        return TP_READY_REFUSED
     return None
 
 
 def moving_refusal(engine) -> Optional[str]:
     """The sentence refusing ``repartition``/``remap`` under tensor parallelism, else None."""
     if engine.grid.get_slice_parallel_world_size() > 1:
-        return MOVING_REFUSED
+        return TP_MOVING_REFUSED
     return None

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_pipemorph.runtime.tensor_parallel import MOVING_REFUSED, PARTITIONED_REFUSED, READY_REFUSED
+from ds_pipemorph.runtime.compat import TP_MOVING_REFUSED as MOVING_REFUSED
+from ds_pipemorph.runtime.compat import TP_PARTITIONED_REFUSED as PARTITIONED_REFUSED
+from ds_pipemorph.runtime.compat import TP_READY_REFUSED as READY_REFUSED
 
 from .launch import launch, max_param_diff
 
