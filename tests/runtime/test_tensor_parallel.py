@@ -33,7 +33,8 @@ REPLAN = {"replan": "inline"}
 # job name -> (pipemorph section, reference job, more job settings)
 TRAINED = {
     "1f1b": (_pm("1f1b"), "stock", {}),
-    "zb": (_pm("zb"), "stock", {"migrate": {"1": [0, 4, 7]}}),  # repartition is refused, training goes on
+    # repartition is refused, training goes on; a checkpoint after 2 steps; evaluation (stock's schedule)
+    "zb": (_pm("zb"), "stock", {"migrate": {"1": [0, 4, 7]}, "save": {"2": "ckpt"}, "eval": True}),
     "zb_tied": (_pm("zb"), "stock_tied", {"tied": True}),
     "adaptive_link": (_pm("adaptive", adapt=REPLAN, inject={"links": {"0": {"delay_ms": SLOW_MS}}}), "stock", {}),
     "adaptive_pair": (_pm("adaptive", adapt=REPLAN, inject={"rank_links": {PAIR: SLOW_MS}}), "stock", {}),
@@ -50,12 +51,14 @@ REFUSED = {  # job name -> (pipemorph section, DeepSpeed settings, the sentence)
 
 
 def _jobs() -> list[dict]:
-    jobs = [{"name": "stock", **BASE, "pipemorph": None},
+    jobs = [{"name": "stock", **BASE, "eval": True, "pipemorph": None},
             {"name": "stock_partitioned", **BASE, "ds": {}, "pipemorph": None},
             {"name": "stock_tied", **BASE, "tied": True, "pipemorph": None},
             {"name": "stock_long", **BASE, "steps": 6, "pipemorph": None}]
     for name, (section, _, more) in TRAINED.items():
         jobs.append({"name": name, **BASE, "pipemorph": section, **more})
+    # zb's checkpoint after 2 steps, loaded by every rank (each its own shards): 2 more steps.
+    jobs.append({"name": "zb_resumed", **BASE, "pipemorph": _pm("zb"), "load": {"dir": "ckpt", "step": 2}})
     for name, (section, ds, _) in REFUSED.items():  # last: a refusal makes the launch exit with code 2
         jobs.append({"name": f"refused_{name}", **BASE, "ds": ds, "pipemorph": section, "expect_error": True})
     return jobs
@@ -83,6 +86,8 @@ def _check_trained(run, name: str, ref: str, ranks: int, steps: int = STEPS, dp:
         assert len(ours["losses"]) == steps, f"{name} rank {r}"
         assert ours["losses"] == pytest.approx(stock["losses"], abs=TOL), f"{name} rank {r}: losses differ"
         assert max_param_diff(ours, stock) <= TOL, f"{name} rank {r}: parameters differ"
+        if ours["eval_loss"] is not None:  # eval_batch: DeepSpeed's own schedule, after training
+            assert ours["eval_loss"] == pytest.approx(stock["eval_loss"], abs=TOL), f"{name} rank {r}: eval differs"
         # Each message goes to the rank of the other stage with the same tensor-parallel coordinate.
         assert ours["stage_ranks"] == expected_stage_ranks(r, dp), f"{name} rank {r}: {ours['stage_ranks']}"
         for step, ops in enumerate(ours["ops"]):
@@ -114,6 +119,14 @@ def test_two_stages_by_two_tensor_parallel_ranks_train_as_stock_under_every_sche
     for name in ("adaptive_link", "adaptive_pair", "auto_pair"):
         replans = run.result(name, 0)["replans"]
         assert replans and all(run.result(name, r)["replans"] == replans for r in range(S * TP)), name
+    for r in range(S * TP):  # resumed from zb's checkpoint: stock's last two steps
+        ours, stock = run.result("zb_resumed", r), run.result("stock", r)
+        assert ours["losses"] == pytest.approx(stock["losses"][2:], abs=TOL), f"zb_resumed rank {r}"
+        assert max_param_diff(ours, stock) <= TOL, f"zb_resumed rank {r}: parameters differ"
+    # One slowed pair of link 0: the plan is made for its delay, not for the mean over the pairs.
+    for name in ("adaptive_pair", "auto_pair"):
+        first = run.result(name, 0)["replan_links"][0]
+        assert first[0] >= 0.8 * SLOW_MS, f"{name}: planned for link delays {first} ms"
     # "auto": link 0 went to the delegates on every rank, the pair that was not slowed included (a
     # boundary's route is the stage's, set from the slowest pair).
     modes = [run.result("auto_pair", r)["link_modes"] for r in range(S * TP)]

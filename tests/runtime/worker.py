@@ -222,6 +222,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "parts": [int(p) for p in getattr(engine.module, "parts", [])], "saved_peaks": saved_peaks,
                 "activation_bytes": [a.as_dict() for a in getattr(engine, "activation_bytes", None) or []],
                 "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
+                "replan_links": [(r.costs or {}).get("links") for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
 
