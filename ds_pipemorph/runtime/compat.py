@@ -94,7 +94,8 @@ FEATURES = (
             "rank of the next stage, as stock does; the column-parallel input-gradient all-reduce runs in B, W runs "
             "no collective; re-plans and link routes switch for the whole group at one boundary, planned for the "
             "slowest pair of a boundary; equal to stock (1e-5) under `1f1b`, `zb`, a tied layer, `adaptive` "
-            "re-planning for a slowed link and for one slowed pair, `auto` and `always` delegation",
+            "re-planning for a slowed link and for one slowed pair, `auto` and `always` delegation, NCCL's "
+            "point-to-point rules (a gloo double), a checkpoint resumed",
             "CPU, 2 stages x 2 tensor-parallel ranks (4 ranks) and x 2 replicas (8 ranks, `zb`, tied, `adaptive`)"),
     Feature("tensor parallelism with DeepSpeed's partitioned activations (its default)", "refused",
             TP_PARTITIONED_REFUSED, "CPU"),

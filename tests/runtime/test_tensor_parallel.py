@@ -3,8 +3,9 @@
 One 4-rank launch: 2 stages x 2 tensor-parallel ranks of ``tp_models``' column/row-parallel MLP,
 stock DeepSpeed (``PipelineEngine``, the same topology, its partitioned activations as configured
 by default and whole ones) against ``1f1b``, ``zb`` (with a tied layer too), ``adaptive`` re-planning
-for a slowed link and for one slowed tensor-parallel pair, ``auto`` delegation for that pair and
-every link delegated; then the refusals. Results are read from the files each rank writes.
+for a slowed link and for one slowed tensor-parallel pair, ``auto`` delegation for that pair,
+every link delegated, ``zb`` under NCCL's point-to-point rules (the gloo double), a checkpoint
+resumed; then the refusals. A second launch adds two replicas (8 ranks). Results are read from the files each rank writes.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ TRAINED = {
     "adaptive_pair": (_pm("adaptive", adapt=REPLAN, inject={"rank_links": {PAIR: SLOW_MS}}), "stock", {}),
     "auto_pair": ({**_pm("adaptive", adapt=REPLAN, inject={"rank_links": {PAIR: SLOW_MS}}),
                    "delegation": {"mode": "auto"}}, "stock", {"steps": 6}),
+    # NCCL's point-to-point rules (one in-order queue per pair of ranks) on gloo: the NCCL lowering.
+    "zb_nccl_rules": (_pm("zb", inject={"nccl_rules": True}), "stock", {}),
     "delegated": ({**_pm("zb"), "delegation": {"mode": "always"}}, "stock", {}),
     "switch_ready": (_pm("zb"), "stock", {"switch_dispatch": "ready"}),
 }
@@ -110,6 +113,7 @@ def test_two_stages_by_two_tensor_parallel_ranks_train_as_stock_under_every_sche
     for r in range(S * TP):  # stock sends partitioned activations by default; the same training as whole ones
         assert run.result("stock_partitioned", r)["losses"] == pytest.approx(run.result("stock", r)["losses"], abs=TOL)
         assert max_param_diff(run.result("stock_partitioned", r), run.result("stock", r)) <= TOL
+    assert all(run.result("zb_nccl_rules", r)["p2p"] == "NcclRules" for r in range(S * TP))  # the double ran
     # The tied layer is one weight at both ends (TiedLayerSpec ties the weight; each end keeps its bias).
     for t in range(TP):
         first, last = run.result("zb_tied", t)["params"], run.result("zb_tied", TP + t)["params"]
