@@ -14,10 +14,10 @@ of a group switches at the same boundary to the same plan. A boundary between tw
 ``num_mp`` links per replica; the link estimate pairs each receiver with its sender and keeps the
 slowest pair (``control.estimate.link_delays``).
 
-Refused, each with one sentence (``refusal``; the sentences are ``runtime.compat``'s): DeepSpeed's partitioned activations and gradients
-(the engine sends every tensor whole), ready dispatch (each rank would pick its next op from its
-own arrivals), and moving layers or ranks (the migration and re-mapping code moves one rank per
-stage and replica).
+Refused, each with one sentence (``refusal``; the sentences are ``runtime.compat``'s):
+DeepSpeed's partitioned activations and gradients (the engine sends every tensor whole), ready
+dispatch, also as ``compare``'s side (each rank would pick its next op from its own arrivals), and
+moving layers or ranks (the migration and re-mapping code moves one rank per stage and replica).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from typing import Optional
 
 from ..plan.ir.lower import Dispatch
 from .compat import TP_MOVING_REFUSED, TP_PARTITIONED_REFUSED, TP_READY_REFUSED
+
 
 def tensor_parallel_size(model) -> int:
     """Ranks per stage and replica (DeepSpeed's slice-parallel world size) of a ``PipelineModule``."""
@@ -39,7 +40,8 @@ def refusal(config_class, model, pipemorph) -> Optional[str]:
     pipeline = config_class.pipeline
     if pipeline.get("pipe_partitioned") or pipeline.get("grad_partitioned"):
         return TP_PARTITIONED_REFUSED
-    if pipemorph.dispatch is Dispatch.READY:
+    if pipemorph.dispatch is Dispatch.READY or (pipemorph.compare.schedule is not None
+                                                and pipemorph.compare.dispatch is Dispatch.READY):
         return TP_READY_REFUSED
     if pipemorph.rebalance.enabled or pipemorph.orchestrate.matrix:
         return TP_MOVING_REFUSED

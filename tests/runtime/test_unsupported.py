@@ -44,4 +44,7 @@ def test_tensor_parallel_refusals_name_the_setting_to_change():
     assert refusal(SimpleNamespace(pipeline={"pipe_partitioned": False, "grad_partitioned": True}), model(2),
                    zb) == TP_PARTITIONED_REFUSED
     assert refusal(config(False), model(2), ready) == TP_READY_REFUSED
+    compared = parse_config({"schedule": "zb", "compare": {"schedule": "1f1b", "dispatch": "ready"}})
+    assert refusal(config(False), model(2), compared) == TP_READY_REFUSED  # A/B against ready dispatch
+    assert refusal(config(False), model(2), parse_config({"schedule": "zb", "compare": {"schedule": "1f1b"}})) is None
     assert refusal(config(False), model(2), moving) == TP_MOVING_REFUSED
