@@ -32,8 +32,8 @@ TP_PARTITIONED_REFUSED = (
 
 TP_READY_REFUSED = (
     "ready dispatch lets each rank run its next op as its own messages arrive, and the ranks of a tensor-parallel "
-    "group must issue their layers' collectives in the same order: set pipemorph.dispatch and pipemorph.compare.dispatch "
-    "to \"ordered\"")
+    "group must issue their layers' collectives in the same order: set pipemorph.dispatch and "
+    "pipemorph.compare.dispatch to \"ordered\"")
 
 TP_MOVING_REFUSED = (
     "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) moves one rank's state "

@@ -79,7 +79,8 @@ def check(run: Launch, double: bool) -> tuple[dict, list[str]]:
         loss_diff = max(abs(a - b) for x, y in zip(ours, ref) for a, b in zip(x["losses"], y["losses"]))
         param_diff = max(max_param_diff(x, y) for x, y in zip(ours, ref))
         if loss_diff > TOL or param_diff > TOL or any(len(x["losses"]) != len(y["losses"]) for x, y in zip(ours, ref)):
-            failures.append(f"{name}: losses differ by {loss_diff:.2e}, parameters by {param_diff:.2e} (tolerance {TOL})")
+            failures.append(f"{name}: losses differ by {loss_diff:.2e}, parameters by {param_diff:.2e} "
+                            f"(tolerance {TOL})")
         keys[name] = {"max_loss_diff": loss_diff, "max_param_diff": param_diff, "tolerance": TOL,
                       "p2p": sorted({x["p2p"] for x in ours})}
     return keys, failures

@@ -5,16 +5,15 @@ stock DeepSpeed (``PipelineEngine``, the same topology, its partitioned activati
 by default and whole ones) against ``1f1b``, ``zb`` (with a tied layer too), ``adaptive`` re-planning
 for a slowed link and for one slowed tensor-parallel pair, ``auto`` delegation for that pair,
 every link delegated, ``zb`` under NCCL's point-to-point rules (the gloo double), a checkpoint
-resumed; then the refusals. A second launch adds two replicas (8 ranks). Results are read from the files each rank writes.
+resumed; then the refusals. A second launch adds two replicas (8 ranks). Results are read from the
+files each rank writes.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ds_pipemorph.runtime.compat import TP_MOVING_REFUSED as MOVING_REFUSED
-from ds_pipemorph.runtime.compat import TP_PARTITIONED_REFUSED as PARTITIONED_REFUSED
-from ds_pipemorph.runtime.compat import TP_READY_REFUSED as READY_REFUSED
+from ds_pipemorph.runtime.compat import TP_MOVING_REFUSED, TP_PARTITIONED_REFUSED, TP_READY_REFUSED
 
 from .launch import launch, max_param_diff
 
@@ -47,9 +46,9 @@ TRAINED = {
     "switch_ready": (_pm("zb"), "stock", {"switch_dispatch": "ready"}),
 }
 REFUSED = {  # job name -> (pipemorph section, DeepSpeed settings, the sentence)
-    "ready": (_pm("zb", dispatch="ready"), WHOLE, READY_REFUSED),
-    "rebalance": (_pm("zb", rebalance={"enabled": True}), WHOLE, MOVING_REFUSED),
-    "partitioned": (_pm("zb"), {}, PARTITIONED_REFUSED),  # DeepSpeed's default: partitioned
+    "ready": (_pm("zb", dispatch="ready"), WHOLE, TP_READY_REFUSED),
+    "rebalance": (_pm("zb", rebalance={"enabled": True}), WHOLE, TP_MOVING_REFUSED),
+    "partitioned": (_pm("zb"), {}, TP_PARTITIONED_REFUSED),  # DeepSpeed's default: partitioned
 }
 
 
@@ -137,8 +136,8 @@ def test_two_stages_by_two_tensor_parallel_ranks_train_as_stock_under_every_sche
     assert modes == [["delegated"]] * (S * TP), modes
     # Refusals after start-up: repartition and a switch to ready dispatch, before anything changed.
     for r in range(S * TP):
-        assert run.result("zb", r)["migrations"] == [{"step": 1, "error": MOVING_REFUSED}]
-        assert run.result("switch_ready", r)["switch_error"] == READY_REFUSED
+        assert run.result("zb", r)["migrations"] == [{"step": 1, "error": TP_MOVING_REFUSED}]
+        assert run.result("switch_ready", r)["switch_error"] == TP_READY_REFUSED
 
 
 @pytest.mark.slow
@@ -152,7 +151,8 @@ def test_tensor_parallel_refusals_are_one_sentence_on_every_rank(run):
 def _replica_jobs() -> list[dict]:
     """2 stages x 2 tensor-parallel ranks x 2 replicas (8 ranks)."""
     base = {**BASE, "dp": 2}
-    jobs = [{"name": "stock", **base, "pipemorph": None}, {"name": "stock_tied", **base, "tied": True, "pipemorph": None}]
+    jobs = [{"name": "stock", **base, "pipemorph": None},
+            {"name": "stock_tied", **base, "tied": True, "pipemorph": None}]
     for name in ("zb", "zb_tied", "adaptive_link"):
         section, _, more = TRAINED[name]
         jobs.append({"name": name, **base, "pipemorph": section, **{k: v for k, v in more.items() if k == "tied"}})

@@ -105,4 +105,5 @@ def build_tp_model(stages: int, tp: int, dp: int, seed: int, tied: bool = False)
     if tied:
         layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))
     torch.manual_seed(seed)
-    return PipelineModule(layers=layers, topology=topo, loss_fn=torch.nn.MSELoss(), partition_method="type:ColumnParallelLinear")
+    return PipelineModule(layers=layers, topology=topo, loss_fn=torch.nn.MSELoss(),
+                          partition_method="type:ColumnParallelLinear")

@@ -3,8 +3,9 @@
     torchrun --standalone --nproc_per_node N tests/runtime/worker.py SPEC.json OUT_DIR
 
 SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
-"gpt": the tiny_gpt recipe's model, or "emulated": "layers" emulated layers of "layer_ms"), "tp" (tensor-parallel ranks per stage: the
-column/row-parallel MLP of tp_models.py on DeepSpeed's pipe x model x data topology), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
+"gpt": the tiny_gpt recipe's model, or "emulated": "layers" emulated layers of "layer_ms"), "tp"
+(tensor-parallel ranks per stage: the column/row-parallel MLP of tp_models.py on DeepSpeed's pipe x
+model x data topology), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
@@ -19,7 +20,10 @@ steps every rank calls ``engine.remap`` and trains on from there with its new re
 may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run, the transport's recovery log lines
-(failover, delegate restarts) and the class of its direct path's point-to-point layer ("p2p"); or <name>.rank<r>.err with the message. The transport (and its
+(failover, delegate restarts), the class of its direct path's point-to-point layer ("p2p"), the global
+rank of each stage its direct path sends to ("stage_ranks"), each link's route at the end
+("link_modes"), the link delays each re-plan planned for ("replan_links") and, for "tp" jobs, the op
+each backward all-reduce of the layers ran in, per step ("tp_backward_ops"); or <name>.rank<r>.err with the message. The transport (and its
 delegate processes) is closed at the end of each job. ``WORKER_DIST_BACKEND`` names the backend (default
 gloo; ``scripts/gpu_check/nccl_job.py`` runs it on nccl).
 """
@@ -212,8 +216,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
                 "eval_loss": eval_loss, "events": events, "tp_backward_ops": tp_backward_ops,
-                "link_modes": [str(transport.link_mode(link)) for link in range(S - 1)] if transport is not None else None,
-                "stage_ranks": [int(r) for r in getattr(_innermost(getattr(transport, "direct", None)), "stage_ranks", [])], "choosing_ns": list(getattr(engine, "choosing_ns", [])),
+                "link_modes": None if transport is None else [str(transport.link_mode(link)) for link in range(S - 1)],
+                "stage_ranks": [int(r) for r in getattr(_innermost(getattr(transport, "direct", None)), "stage_ranks", [])],
+                "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "early_loss": getattr(engine, "early_loss", None) is not None,
                 "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None),
                 "reductions_skipped": getattr(engine, "reductions_skipped", None), "seconds": seconds, "migrations": migrations,

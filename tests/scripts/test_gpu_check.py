@@ -221,7 +221,8 @@ def test_with_time_left_failing_steps_fail_the_check(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
     assert data["verdict"] == "FAILED" and data["failed"] == 6  # with 2 GPUs the NCCL step runs too
-    assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"] if s["name"] not in ("nsight", "tp_job"))
+    assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"]
+               if s["name"] not in ("nsight", "tp_job"))
     tp = next(s for s in data["steps"] if s["name"] == "tp_job")  # 2 stages x 2 tensor-parallel ranks: 4 GPUs
     assert tp["status"] == "skipped" and tp["note"].startswith("needs 4 CUDA devices or more")
 
