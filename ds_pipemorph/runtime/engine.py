@@ -28,9 +28,10 @@ bf16 and fp16 (DeepSpeed's ``BF16_Optimizer``, ``FP16_Optimizer``) and ZeRO stag
 DeepSpeed's own gradient path: W fires the hooks on parameters and stock's calls around each
 micro-batch's backward are made around W (``runtime.precision``). Activation checkpointing
 recomputes once, in B (``runtime.recompute``). Refused at start-up, with one sentence: fp16 on a
-device without it, ZeRO above stage 1, tensor parallelism inside a stage (``unsupported_reason``),
-moving layers or ranks under a bf16/fp16/ZeRO optimizer (``moving_refusal``), and dispatch
-"ready" under NCCL's rules.
+device without it, ZeRO above stage 1 (``unsupported_reason``), moving layers or ranks under a
+bf16/fp16/ZeRO optimizer (``moving_refusal``), and dispatch "ready" under NCCL's rules. Tensor
+parallelism inside a stage trains under ordered dispatch; what it refuses is
+``runtime.tensor_parallel``'s.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ from .engine_builder import EngineBuilder
 from .bw_split import backward_input, forget_parameters
 from .flat_optimizer import is_flat
 from .precision import GradPath
-from .compat import (EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused,
-                     zero_refused)
+from .compat import EMBEDDING_REFUSED, MOVING_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused, zero_refused
+from . import tensor_parallel
 from .recompute import Recompute, embedding_refusal, split_checkpoint
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
@@ -110,8 +111,6 @@ def unsupported_reason(config_class, model) -> Optional[str]:
         return zero_refused(config_class.zero_optimization_stage)
     if getattr(config_class, "torch_autocast_enabled", False):
         return TORCH_AUTOCAST_REFUSED
-    if model.mpu().get_slice_parallel_world_size() > 1:
-        return TENSOR_PARALLEL_REFUSED
     return None
 
 
@@ -120,6 +119,9 @@ def moving_refusal(engine) -> Optional[str]:
     bf16/fp16/ZeRO optimizer moves through DeepSpeed's per-parameter mapping into its flat
     partitions (``runtime.flat_optimizer``), which ``FP16_Optimizer`` does not keep, and is
     configured again from the ds_config, which an optimizer given to ``initialize`` is not."""
+    refusal = tensor_parallel.moving_refusal(engine)
+    if refusal:
+        return refusal
     wrapped = engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled()
     if wrapped and (not is_flat(engine.optimizer) or engine.client_optimizer is not None):
         return MOVING_REFUSED
@@ -143,7 +145,8 @@ class PipeMorphEngine(PipelineEngine):
     def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
                  builder: Optional[EngineBuilder] = None, **super_kwargs):
         require_pipeline_hooks()  # a DeepSpeed without them would train its own 1F1B instead of the plan
-        reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
+        reason = (unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
+                  or tensor_parallel.refusal(super_kwargs["config_class"], super_kwargs["model"], pipemorph))
         if reason:
             raise PipeMorphConfigError(reason)
         for plugin, settings in active_plugins(pipemorph):  # plug-ins refuse what this job cannot use
@@ -383,6 +386,9 @@ class PipeMorphEngine(PipelineEngine):
                 raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'") from None
         if dispatch is Dispatch.READY and self.nccl_rules:
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
+        refusal = tensor_parallel.switch_refusal(self, dispatch)
+        if refusal:
+            raise PipeMorphConfigError(refusal)
         if dispatch is Dispatch.READY and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)
         target = dispatch or self.dispatch
