@@ -18,13 +18,29 @@ the iteration and micro-batch, so every rank and every run reads the same batche
 """
 from __future__ import annotations
 
+import importlib.util
 import random
+import sys
+from pathlib import Path
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
-from data import VOCAB, corpus
-from model import Block, FinalNorm, PositionEmbedding, TokenEmbedding, next_token_loss
+
+def _recipe_module(name: str):
+    """This recipe's ``name``.py by its path (another recipe's module of that name may be imported already)."""
+    key = f"recipes_gpt_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parent / f"{name}.py")
+        sys.modules[key] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+_model, _data = _recipe_module("model"), _recipe_module("data")
+VOCAB, corpus = _data.VOCAB, _data.corpus
+Block, FinalNorm, PositionEmbedding = _model.Block, _model.FinalNorm, _model.PositionEmbedding
+TokenEmbedding, next_token_loss = _model.TokenEmbedding, _model.next_token_loss
 
 MULTIMODAL, VARLEN = "multimodal", "varlen"
 WORKLOADS = (MULTIMODAL, VARLEN)

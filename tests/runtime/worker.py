@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node N tests/runtime/worker.py SPEC.json OUT_DIR
 
 SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
-"gpt": the tiny_gpt recipe's model, or "emulated": "layers" emulated layers of "layer_ms"), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
+"gpt": the tiny_gpt recipe's model, "emulated": "layers" emulated layers of "layer_ms", or "multimodal" / "varlen":
+recipes/gpt/varlen.py's workloads, whose micro-batches differ in length), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
 instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
@@ -47,6 +48,19 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from model import tiny_gpt  # noqa: E402
 
 GPT_VOCAB, GPT_SEQ = 23, 12
+VARLEN_SEQ = 8
+
+
+def _varlen():
+    """recipes/gpt/varlen.py, loaded by its path (the tiny_gpt recipe's ``model`` is imported as ``model``)."""
+    import importlib.util
+
+    if "recipes_gpt_varlen" not in sys.modules:
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "gpt", "varlen.py")
+        spec = importlib.util.spec_from_file_location("recipes_gpt_varlen", path)
+        sys.modules["recipes_gpt_varlen"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["recipes_gpt_varlen"]
 
 
 def run_job(job: dict, out_dir: str, rank: int) -> None:
@@ -58,6 +72,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         model.dynamic_shape = bool(job.get("dynamic"))  # DeepSpeed's flag: shapes vary between micro-batches
         if job.get("ckpt_layers"):  # the layer classes activation checkpointing may take (GPT-NeoX's way)
             model.checkpointable_layers = job["ckpt_layers"]
+    elif job.get("model") in ("multimodal", "varlen"):  # lengths vary per micro-batch and iteration
+        torch.manual_seed(1234)
+        model = _varlen().model(job["model"], S, seq=VARLEN_SEQ, d_model=16, heads=2, blocks=2 * S)
     elif job.get("model") == "emulated":  # "layers" emulated layers (inject.emulated) of "layer_ms" each
         from deepspeed.pipe import LayerSpec, PipelineModule
         from ds_pipemorph.inject.emulated import EmulatedStage
@@ -106,6 +123,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 f.write(str(e))
             return
     def data_of(replica: int) -> list:  # the batches of a data-parallel replica, all steps
+        if job.get("model") in ("multimodal", "varlen"):
+            batches = _varlen().Batches(job["model"], N, batch=2, seq=VARLEN_SEQ, seed=replica)
+            return [mb for step in range(steps) for mb in batches.of(step)]
         if job.get("model") == "gpt":
             g = torch.Generator().manual_seed(99 + replica)
             seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
@@ -209,7 +229,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "reductions_skipped": getattr(engine, "reductions_skipped", None), "seconds": seconds, "migrations": migrations,
                 "rebalance": list(getattr(getattr(engine, "rebalance", None), "events", [])),
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
-                "parts": list(getattr(engine.module, "parts", [])), "saved_peaks": saved_peaks,
+                "parts": [int(p) for p in getattr(engine.module, "parts", [])], "saved_peaks": saved_peaks,
                 "activation_bytes": [a.as_dict() for a in getattr(engine, "activation_bytes", None) or []],
                 "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
