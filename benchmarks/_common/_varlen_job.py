@@ -1,22 +1,24 @@
-"""One job of benchmarks/engine/varlen_real.py: stock DeepSpeed and our engine, one after the other,
-on the same per-iteration micro-batches of ``recipes/gpt/varlen.py``.
+"""One job of benchmarks/engine/varlen_real.py: stock DeepSpeed and our engine, alive side by side,
+each iteration's micro-batches of ``recipes/gpt/varlen.py`` trained by each engine in turn.
 
-    torchrun --nproc_per_node S benchmarks/_common/_varlen_job.py --workload multimodal --rows stock,zb,1f1b \
-        --out OUT.json [--micro-batches 8 --batch 8 --seq 64 --d-model 128 --blocks 4 --warmup 2 --iterations 12]
+    torchrun --nproc_per_node S benchmarks/_common/_varlen_job.py --workload multimodal --out OUT.json \
+        [--micro-batches 8 --batch 8 --seq 64 --d-model 128 --blocks 4 --warmup 2 --iterations 24]
 
-Rows: ``stock`` is ``deepspeed.initialize`` (1F1B, fused backward); ``zb`` and ``1f1b`` are our engine
-with that plan as the hint of ready dispatch (B) and ``pipemorph.compare`` set to the same plan
-under ordered dispatch (A): the engine alternates the two at iteration boundaries (``A B A' B``).
-Every row trains ``warmup + iterations`` iterations from the same seed on iteration k's batches;
-an iteration's time is from a barrier before ``train_batch`` to the last rank's return. Of our
-rows each rank keeps every op's start and end (``op_records``). Rank 0 writes the JSON: per row the
-times, the side of each iteration (ours), the engine's own comparison and per iteration each op's
-measured ms as ``[stage, kind, mb, ms]``.
+Three engines are built from the same seed and kept: ``stock`` (``deepspeed.initialize``: 1F1B,
+fused backward) and ours twice, ``zb`` and ``1f1b``, each with its plan as the hint of ready
+dispatch (B) and ``pipemorph.compare`` set to the same plan under ordered dispatch (A): that engine
+alternates the two at its iteration boundaries (``A B A' B``). Iteration k's batches go to each
+engine in turn, the order rotating with k, so the three times of iteration k are taken within a
+few seconds of each other on the same batches: what the machine's load does between jobs or
+minutes apart does not enter a ratio. Every engine trains every iteration (they stay equal: each
+trains exactly as stock does). An iteration's time is from a barrier before ``train_batch`` to the
+last rank's return. Of our engines each rank keeps every op's start and end (``op_records``).
+Rank 0 writes the JSON: per engine the times, losses, the side of each iteration (ours), the
+engine's own comparison and per iteration each op's measured ms as ``[stage, kind, mb, ms]``.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -35,6 +37,8 @@ import torch.distributed as dist  # noqa: E402
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.plan.ir.ops import recorded_op  # noqa: E402
 import varlen  # noqa: E402
+
+ROWS = ["stock", "zb", "1f1b"]
 
 
 def config(row: str, args) -> dict:
@@ -56,45 +60,55 @@ def op_ms(records, stage: int) -> list:
     return out
 
 
-def run_row(row: str, args, batches) -> dict:
+def build(row: str, args):
     torch.manual_seed(0)
     module = varlen.model(args.workload, dist.get_world_size(), args.seq, args.d_model, args.heads, args.blocks)
-    cfg = config(row, args)
     init = deepspeed.initialize if row == "stock" else ds_pipemorph.initialize
-    engine, *_ = init(model=module, model_parameters=module.parameters(), config=cfg)
-    times, ops, losses = [], [], []
+    engine, *_ = init(model=module, model_parameters=module.parameters(), config=config(row, args))
+    return engine
+
+
+def timed(engine, data) -> tuple[float, float]:
+    """One ``train_batch``: (ms from a barrier to the last rank's return, the loss)."""
+    dist.barrier()
+    t0 = time.monotonic_ns()
+    loss = engine.train_batch(iter(data))
+    span = torch.tensor([-t0, time.monotonic_ns()], dtype=torch.int64)
+    dist.all_reduce(span, op=dist.ReduceOp.MAX)
+    return (span[0].item() + span[1].item()) / 1e6, float(loss)
+
+
+def run(args, batches) -> list[dict]:
+    engines = {row: build(row, args) for row in ROWS}
+    out = {row: {"row": row, "times_ms": [], "losses": [], "first": []} for row in ROWS}
+    ops = {row: [] for row in ROWS if row != "stock"}
     for k in range(args.warmup + args.iterations):
         data = batches.of(k)
-        dist.barrier()
-        t0 = time.monotonic_ns()
-        loss = engine.train_batch(iter(data))
-        span = torch.tensor([-t0, time.monotonic_ns()], dtype=torch.int64)
-        dist.all_reduce(span, op=dist.ReduceOp.MAX)
-        times.append((span[0].item() + span[1].item()) / 1e6)
-        losses.append(float(loss))
+        order = ROWS[k % len(ROWS):] + ROWS[:k % len(ROWS)]
+        for row in order:
+            ms, loss = timed(engines[row], data)
+            out[row]["times_ms"].append(ms)
+            out[row]["losses"].append(loss)
+            out[row]["first"].append(order.index(row))
+            if row != "stock":
+                ops[row].append(op_ms(engines[row].op_records, engines[row].stage_id))
+    for row, engine in engines.items():
         if row != "stock":
-            ops.append(op_ms(engine.op_records, engine.stage_id))
-    out = {"row": row, "times_ms": times, "losses": losses}
-    if row != "stock":
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, ops)
-        out["ops"] = [sum((g[k] for g in gathered), []) for k in range(len(times))]
-        out["sides"] = list(engine.compare.sides)
-        result = engine.comparison()
-        out["comparison"] = None if result is None else result.as_dict()
-        out["plan"] = [[str(op) for op in stage] for stage in engine.plan]
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    del engine
-    gc.collect()
-    dist.barrier()
-    return out
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, ops[row])
+            out[row]["ops"] = [sum((g[k] for g in gathered), []) for k in range(len(out[row]["times_ms"]))]
+            out[row]["sides"] = list(engine.compare.sides)
+            result = engine.comparison()
+            out[row]["comparison"] = None if result is None else result.as_dict()
+            out[row]["plan"] = [[str(op) for op in stage] for stage in engine.plan]
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+    return [out[row] for row in ROWS]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=varlen.WORKLOADS, required=True)
-    ap.add_argument("--rows", default="stock,zb,1f1b")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="windows per micro-batch")
     ap.add_argument("--seq", type=int, default=64)
@@ -102,13 +116,13 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--iterations", type=int, default=24)
     ap.add_argument("--budget", type=float, default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     batches = varlen.Batches(args.workload, args.micro_batches, args.batch, args.seq)
-    rows = [run_row(row, args, batches) for row in args.rows.split(",")]
+    rows = run(args, batches)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"workload": args.workload, "ranks": dist.get_world_size(),
                                               "args": vars(args),

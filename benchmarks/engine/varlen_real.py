@@ -2,7 +2,7 @@
 on the GPT recipe's blocks with micro-batches of varying length, and what the replay predicts.
 
     DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py [--workloads multimodal,varlen] [--ranks 2 4]
-        [--sittings 2] [--iterations 12] [--warmup 2] [--micro-batches 8] [--out out/varlen_real.json]
+        [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--out out/varlen_real.json]
 
 Workloads (``recipes/gpt/varlen.py``, a ``PipelineModule(dynamic_shape=True)`` of the recipe's
 blocks, d = 128, 4 blocks, 8 windows of 64 bytes per micro-batch, fp32, Adam): ``multimodal``, a
@@ -11,19 +11,22 @@ of 2, stages 0-1 of 4), pooled to the common length before the text blocks, draw
 iteration; ``varlen``, language only, each micro-batch's length drawn from a long tail. One rank
 per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (the rows say so).
 
-Each sitting is one job (``benchmarks/_common/_varlen_job.py``) that trains three engines one after
-the other on the same per-iteration batches: stock DeepSpeed (``deepspeed.initialize``: 1F1B, fused
-backward), and our engine twice, with the ``zb`` plan (BFW: W apart) and the ``1f1b`` plan (BF: W
-fused with B) as the hint of ready dispatch, each job alternating ready (B) with ordered dispatch of
-the same plan (A) at iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``), so
-ready against ordered is paired inside one engine. Stock is another engine class and cannot share
-an engine with ours: the order of the three alternates from one sitting to the next.
+Each job (``benchmarks/_common/_varlen_job.py``, ``--sittings`` of them per workload and rank count)
+keeps three engines alive side by side and trains iteration k's batches with each in turn, the
+order rotating with k: stock DeepSpeed (``deepspeed.initialize``: 1F1B, fused backward) and our
+engine twice, with the ``1f1b`` plan (BF: W fused with B) and the ``zb`` plan (BFW: W apart) as the
+hint of ready dispatch, each alternating ready (B) with ordered dispatch of the same plan (A) at
+its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So every row is paired
+with stock per iteration, on the same batches, seconds apart: stock / row is the median of the
+per-iteration ratios with its 95 % bootstrap interval. Ready against ordered is the engine's own
+comparison (B/A per pair, its 95 % interval).
 
-Beside each row, the replay's time (``plan.sim.ready.replay_varying``) from measured op times: for
-every measured iteration of our engines, each op's measured ms (F, B, W per stage and micro-batch)
-is a table; every row is replayed on every table (stock: DeepSpeed's 1F1B, ordered, backward fused;
-ours: its plan, ordered, or ready with the plan's caps) and the mean is the row's predicted time.
-Measured and predicted speed-ups are over stock's; "share" is measured over predicted speed-up.
+Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
+iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
+in that iteration; stock's order (DeepSpeed's 1F1B, ordered, backward fused) and the row's (its
+plan, ordered, or ready with the plan's caps) are replayed on it, and "replay: stock / row" is the
+median over the row's iterations. "share" is measured over predicted speed-up. The JSON also holds
+each iteration's pair and the largest loss difference between the engines (they train alike).
 Prints one table and writes JSON (with ``/proc/loadavg`` before and after).
 """
 from __future__ import annotations
@@ -59,10 +62,10 @@ def loadavg() -> str:
         return "n/a"
 
 
-def run_job(workload: str, ranks: int, order: list[str], args, tmp: Path, name: str) -> dict:
+def run_job(workload: str, ranks: int, args, tmp: Path, name: str) -> dict:
     out = tmp / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
-           "--workload", workload, "--rows", ",".join(order), "--micro-batches", str(args.micro_batches),
+           "--workload", workload, "--micro-batches", str(args.micro_batches),
            "--batch", str(args.batch), "--seq", str(args.seq), "--d-model", str(args.d_model),
            "--heads", str(args.heads), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
            "--iterations", str(args.iterations), "--out", str(out)]
@@ -76,23 +79,13 @@ def run_job(workload: str, ranks: int, order: list[str], args, tmp: Path, name: 
     return json.loads(out.read_text())
 
 
-def measured_rows(job: dict) -> dict[str, list[float]]:
-    """Row label -> the measured iterations' times (ms) of one job."""
-    warm = job["args"]["warmup"]
-    out = {}
-    for r in job["rows"]:
-        if r["row"] == "stock":
-            out["stock 1F1B"] = r["times_ms"][warm:]
-            continue
-        hint = r["row"]
-        sides = r["sides"]
-        out[f"ours ordered {hint}"] = [t for s, t in list(zip(sides, r["times_ms"]))[warm:] if s != "B"]
-        out[f"ours ready {hint} ({HINTS[hint]})"] = [t for s, t in list(zip(sides, r["times_ms"]))[warm:] if s == "B"]
-    return out
+def label(hint: str, side: str) -> str:
+    return f"ours ready {hint} ({HINTS[hint]})" if side == "B" else f"ours ordered {hint}"
 
 
-def predicted_rows(job: dict) -> dict[str, float]:
-    """Row label -> the mean replay time (ms) over the tables of every measured iteration of our engines."""
+def pairs(job: dict) -> dict[str, list[dict]]:
+    """Row label -> per measured iteration: stock's ms, the row's ms, the replay's ms of both from
+    the op times the row's engine measured in that iteration."""
     from ds_pipemorph.plan.ir.links import DIRECT
     from ds_pipemorph.plan.ir.ops import parse_stage, peak_inflight
     from ds_pipemorph.plan.ir.profile import Costs
@@ -101,55 +94,64 @@ def predicted_rows(job: dict) -> dict[str, float]:
 
     S, N, warm = job["ranks"], job["args"]["micro_batches"], job["args"]["warmup"]
     costs = Costs.uniform(S, 1.0)
-    plans = {r["row"]: [parse_stage(stage) for stage in r["plan"]] for r in job["rows"] if r["row"] != "stock"}
-    tables = []
+    stock = next(r for r in job["rows"] if r["row"] == "stock")
+    out = {k: [] for k in ROWS[1:]}
     for r in job["rows"]:
-        if r["row"] != "stock":
-            for ops in r["ops"][warm:]:
-                ms = {(s, k, m): t for s, k, m, t in ops}
-                tables.append(lambda s, k, m, ms=ms: ms[(s, getattr(k, "value", k), m)])
-    sums = dict.fromkeys(ROWS, 0.0)
-    for t in tables:
-        sums["stock 1F1B"] += replay_varying(deepspeed_1f1b(S, N), costs, N, dispatch="ordered", op_times=t,
-                                             fused_backward=True, link_model=DIRECT).iteration_ms
-        for hint, plan in plans.items():
-            sums[f"ours ordered {hint}"] += replay_varying(plan, costs, N, dispatch="ordered", op_times=t,
-                                                           link_model=DIRECT).iteration_ms
-            sums[f"ours ready {hint} ({HINTS[hint]})"] += replay_varying(
-                plan, costs, N, dispatch="ready", caps=peak_inflight(plan), op_times=t, link_model=DIRECT).iteration_ms
-    return {k: v / len(tables) for k, v in sums.items()}
+        if r["row"] == "stock":
+            continue
+        plan = [parse_stage(stage) for stage in r["plan"]]
+        for k in range(warm, len(r["times_ms"])):
+            ms = {(s, kind, m): t for s, kind, m, t in r["ops"][k]}
+
+            def table(s, kind, m, ms=ms):
+                return ms[(s, getattr(kind, "value", kind), m)]
+            ready = r["sides"][k] == "B"
+            stock_replay = replay_varying(deepspeed_1f1b(S, N), costs, N, dispatch="ordered", op_times=table,
+                                          fused_backward=True, link_model=DIRECT).iteration_ms
+            row_replay = replay_varying(plan, costs, N, dispatch="ready" if ready else "ordered",
+                                        caps=peak_inflight(plan) if ready else None, op_times=table,
+                                        link_model=DIRECT).iteration_ms
+            out[label(r["row"], r["sides"][k])].append(
+                {"iteration": k, "stock_ms": stock["times_ms"][k], "row_ms": r["times_ms"][k],
+                 "stock_replay_ms": stock_replay, "row_replay_ms": row_replay})
+    return out
 
 
 def summarize(jobs: list[dict]) -> dict:
-    """Per row: mean measured ms over the sittings' iterations, mean predicted ms over the sittings;
-    speed-ups over stock; the engines' own ready/ordered comparisons (B/A with its 95 % interval)."""
-    times = {k: [] for k in ROWS}
-    preds = {k: [] for k in ROWS}
-    paired = {h: [] for h in HINTS}
+    """Per row: stock / row per iteration (median, 95 % interval), the replay's stock / row per
+    iteration (median), their quotient (share); mean ms of both; the engines' own ready/ordered
+    comparisons (B/A with its 95 % interval); the largest loss difference between the engines."""
+    from ds_pipemorph.paired import bootstrap_median
+
+    per = {k: [] for k in ROWS[1:]}
+    paired, stock_ms, loss_diff = {h: [] for h in HINTS}, [], 0.0
     for job in jobs:
-        for k, v in measured_rows(job).items():
-            times[k] += v
-        for k, v in predicted_rows(job).items():
-            preds[k].append(v)
+        for k, v in pairs(job).items():
+            per[k] += v
+        stock = next(r for r in job["rows"] if r["row"] == "stock")
+        stock_ms += stock["times_ms"][job["args"]["warmup"]:]
         for r in job["rows"]:
-            if r["row"] in HINTS and r["comparison"]:
-                paired[r["row"]].append(r["comparison"]["ratio"])
-    mean = {k: statistics.fmean(v) for k, v in times.items()}
-    pred = {k: statistics.fmean(v) for k, v in preds.items()}
-    rows = {}
-    for k in ROWS:
-        measured, predicted = mean["stock 1F1B"] / mean[k], pred["stock 1F1B"] / pred[k]
-        rows[k] = {"measured_ms": mean[k], "iterations": len(times[k]), "predicted_ms": pred[k],
-                   "measured_speedup": measured, "predicted_speedup": predicted, "share": measured / predicted}
-    return {"rows": rows, "ready_over_ordered": paired}
+            if r["row"] in HINTS:
+                paired[r["row"]].append(r["comparison"]["ratio"] if r["comparison"] else None)
+                loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(r["losses"], stock["losses"])))
+    rows = {"stock 1F1B": {"measured_ms": statistics.fmean(stock_ms), "iterations": len(stock_ms),
+                           "predicted_ms": statistics.fmean(p["stock_replay_ms"] for v in per.values() for p in v)}}
+    for k, v in per.items():
+        measured = bootstrap_median([p["stock_ms"] / p["row_ms"] for p in v])
+        predicted = statistics.median(p["stock_replay_ms"] / p["row_replay_ms"] for p in v)
+        rows[k] = {"measured_ms": statistics.fmean(p["row_ms"] for p in v), "iterations": len(v),
+                   "predicted_ms": statistics.fmean(p["row_replay_ms"] for p in v),
+                   "measured_speedup": measured.median, "measured_interval": [measured.lo, measured.hi],
+                   "predicted_speedup": predicted, "share": measured.median / predicted, "iterations_detail": v}
+    return {"rows": rows, "ready_over_ordered": paired, "max_loss_difference": loss_diff}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="multimodal,varlen")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--sittings", type=int, default=2)
-    ap.add_argument("--iterations", type=int, default=12, help="measured iterations per engine and sitting (>= 12)")
+    ap.add_argument("--sittings", type=int, default=1, help="jobs per workload and rank count")
+    ap.add_argument("--iterations", type=int, default=24, help="measured iterations per engine and job (>= 12)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="windows per micro-batch")
@@ -180,30 +182,32 @@ def main() -> int:
             for ranks in args.ranks:
                 jobs = []
                 for k in range(args.sittings):
-                    order = ["stock", "zb", "1f1b"] if k % 2 == 0 else ["1f1b", "zb", "stock"]
                     t0 = time.monotonic()
-                    jobs.append(run_job(workload, ranks, order, args, Path(tmp), f"{workload}_r{ranks}_{k}"))
+                    jobs.append(run_job(workload, ranks, args, Path(tmp), f"{workload}_r{ranks}_{k}"))
                     print(f"{workload}, {ranks} ranks, sitting {k + 1}: {time.monotonic() - t0:.0f} s "
                           f"(load {loadavg()})", flush=True)
                 summary = summarize(jobs)
                 note = f"{ranks} ranks" + (f" on {cores} cores (oversubscribed)" if ranks > cores else "")
                 results.append({"workload": workload, "ranks": ranks, "cores": cores, **summary,
-                                "sittings": [{"order": [r["row"] for r in j["rows"]], "shapes": j["shapes"],
-                                              "rows": [{k: v for k, v in r.items() if k != "ops"} for r in j["rows"]]}
-                                             for j in jobs]})
-                for label, r in summary["rows"].items():
-                    hint = next((h for h in HINTS if f"ready {h} " in label), None)
+                                "sittings": [{"shapes": j["shapes"], "rows": [{k: v for k, v in r.items() if k != "ops"}
+                                                                              for r in j["rows"]]} for j in jobs]})
+                for name, r in summary["rows"].items():
+                    hint = next((h for h in HINTS if f"ready {h} " in name), None)
                     pair = summary["ready_over_ordered"].get(hint) if hint else None
                     pair_text = "-" if not pair else "; ".join(
-                        f"{p['median']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}]" for p in pair)
-                    table.append([workload, note, label, f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
-                                  f"{r['measured_speedup']:.3f}", f"{r['predicted_speedup']:.3f}",
-                                  "-" if label == "stock 1F1B" else f"{r['share']:.3f}", pair_text])
+                        "n/a" if p is None else f"{p['median']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}]" for p in pair)
+                    stock_row = name == "stock 1F1B"
+                    table.append([workload, note, name, f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
+                                  "-" if stock_row else "{:.3f} [{:.3f}, {:.3f}]".format(
+                                      r["measured_speedup"], *r["measured_interval"]),
+                                  "-" if stock_row else f"{r['predicted_speedup']:.3f}",
+                                  "-" if stock_row else f"{r['share']:.3f}", pair_text])
     load_after = loadavg()
     print_table(f"stock DeepSpeed 1F1B against ours, GPT recipe blocks, real compute, {args.micro_batches} micro-batches, "
-                f"{args.sittings} sittings x {args.iterations} iterations per engine (load {load_before} -> {load_after})",
-                ["workload", "ranks", "row", "ms", "replay ms", "stock / row", "replay: stock / row", "share",
-                 "ready / ordered, paired (per sitting)"], table)
+                f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
+                f"(load {load_before} -> {load_after})",
+                ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
+                 "share", "ready / ordered, in-engine B/A"], table)
     write_json(args.out, {"benchmark": "varlen_real", "args": vars(args), "loadavg_before": load_before,
                           "loadavg_after": load_after, "target_share": TARGET_SHARE, "results": results})
     return 0
