@@ -12,9 +12,10 @@ engine in turn, the order rotating with k, so the three times of iteration k are
 few seconds of each other on the same batches: what the machine's load does between jobs or
 minutes apart does not enter a ratio. Every engine trains every iteration (they stay equal: each
 trains exactly as stock does). An iteration's time is from a barrier before ``train_batch`` to the
-last rank's return. Of our engines each rank keeps every op's start and end (``op_records``).
-Rank 0 writes the JSON: per engine the times, losses, the side of each iteration (ours), the
-engine's own comparison and per iteration each op's measured ms as ``[stage, kind, mb, ms]``.
+last rank's return. Of our engines each rank keeps every op's start and end (``op_records``); of
+stock, the time of each forward and (fused) backward pass (``time_stock_ops``). Rank 0 writes the
+JSON: per engine the times, losses, the side of each iteration (ours), the engine's own comparison
+and per iteration each op's measured ms as ``[stage, kind, mb, ms]`` (stock's kinds: F and BW).
 """
 from __future__ import annotations
 
@@ -60,6 +61,27 @@ def op_ms(records, stage: int) -> list:
     return out
 
 
+def time_stock_ops(engine) -> list:
+    """Time stock's forward and (fused) backward passes on this engine only: a list that gets
+    ``[stage, "F" or "BW", mb, ms]`` per pass (its k-th forward and k-th backward of an iteration
+    are micro-batch k: 1F1B keeps the micro-batches' order). Cleared by the caller per iteration."""
+    from deepspeed.runtime.pipe import schedule
+
+    done, count = [], {"F": 0, "BW": 0}
+    table = dict(engine._INSTRUCTION_MAP)
+    for instr, kind in ((schedule.ForwardPass, "F"), (schedule.BackwardPass, "BW")):
+        def run(self, *a, _fn=table[instr], _kind=kind, **kw):
+            t = time.perf_counter_ns()
+            try:
+                return _fn(self, *a, **kw)
+            finally:
+                n = sum(1 for d in done if d[1] == _kind)
+                done.append([self.stage_id, _kind, n, (time.perf_counter_ns() - t) / 1e6])
+        table[instr] = run
+    engine._INSTRUCTION_MAP = table  # this instance's map: the class's stays as it is
+    return done
+
+
 def build(row: str, args):
     torch.manual_seed(0)
     module = varlen.model(args.workload, dist.get_world_size(), args.seq, args.d_model, args.heads, args.blocks)
@@ -81,7 +103,8 @@ def timed(engine, data) -> tuple[float, float]:
 def run(args, batches) -> list[dict]:
     engines = {row: build(row, args) for row in ROWS}
     out = {row: {"row": row, "times_ms": [], "losses": [], "first": []} for row in ROWS}
-    ops = {row: [] for row in ROWS if row != "stock"}
+    ops = {row: [] for row in ROWS}
+    stock_ops = time_stock_ops(engines["stock"])
     for k in range(args.warmup + args.iterations):
         data = batches.of(k)
         order = ROWS[k % len(ROWS):] + ROWS[:k % len(ROWS)]
@@ -90,13 +113,16 @@ def run(args, batches) -> list[dict]:
             out[row]["times_ms"].append(ms)
             out[row]["losses"].append(loss)
             out[row]["first"].append(order.index(row))
-            if row != "stock":
+            if row == "stock":
+                ops[row].append(list(stock_ops))
+                stock_ops.clear()
+            else:
                 ops[row].append(op_ms(engines[row].op_records, engines[row].stage_id))
     for row, engine in engines.items():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, ops[row])
+        out[row]["ops"] = [sum((g[k] for g in gathered), []) for k in range(len(out[row]["times_ms"]))]
         if row != "stock":
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, ops[row])
-            out[row]["ops"] = [sum((g[k] for g in gathered), []) for k in range(len(out[row]["times_ms"]))]
             out[row]["sides"] = list(engine.compare.sides)
             result = engine.comparison()
             out[row]["comparison"] = None if result is None else result.as_dict()

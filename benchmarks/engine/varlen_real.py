@@ -25,7 +25,10 @@ Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
 in that iteration; stock's order (DeepSpeed's 1F1B, ordered, backward fused) and the row's (its
 plan, ordered, or ready with the plan's caps) are replayed on it, and "replay: stock / row" is the
-median over the row's iterations. "share" is measured over predicted speed-up. The JSON also holds
+median over the row's iterations. "share" is measured over predicted speed-up. Stock's own forward
+and fused backward passes are timed too: "replay, stock's own ops" replays stock's order on those
+instead (its backward as one op), and "ops: row / stock" is the sum of the row's op times over
+stock's in the same iteration (what the split backward and our ops cost beyond stock's). The JSON also holds
 each iteration's pair and the largest loss difference between the engines (they train alike).
 Prints one table and writes JSON (with ``/proc/loadavg`` before and after).
 """
@@ -111,9 +114,17 @@ def pairs(job: dict) -> dict[str, list[dict]]:
             row_replay = replay_varying(plan, costs, N, dispatch="ready" if ready else "ordered",
                                         caps=peak_inflight(plan) if ready else None, op_times=table,
                                         link_model=DIRECT).iteration_ms
+            own = {(s, kind, m): t for s, kind, m, t in stock["ops"][k]}
+
+            def stock_table(s, kind, m, own=own):  # its fused backward as B, W nothing
+                kind = getattr(kind, "value", kind)
+                return own[(s, "F", m)] if kind == "F" else own[(s, "BW", m)] if kind == "B" else 0.0
+            stock_own = replay_varying(deepspeed_1f1b(S, N), costs, N, dispatch="ordered", op_times=stock_table,
+                                       fused_backward=True, link_model=DIRECT).iteration_ms
             out[label(r["row"], r["sides"][k])].append(
                 {"iteration": k, "stock_ms": stock["times_ms"][k], "row_ms": r["times_ms"][k],
-                 "stock_replay_ms": stock_replay, "row_replay_ms": row_replay})
+                 "stock_replay_ms": stock_replay, "row_replay_ms": row_replay, "stock_own_replay_ms": stock_own,
+                 "row_ops_ms": sum(ms.values()), "stock_ops_ms": sum(own.values())})
     return out
 
 
@@ -142,7 +153,10 @@ def summarize(jobs: list[dict]) -> dict:
         rows[k] = {"measured_ms": statistics.fmean(p["row_ms"] for p in v), "iterations": len(v),
                    "predicted_ms": statistics.fmean(p["row_replay_ms"] for p in v),
                    "measured_speedup": measured.median, "measured_interval": [measured.lo, measured.hi],
-                   "predicted_speedup": predicted, "share": measured.median / predicted, "iterations_detail": v}
+                   "predicted_speedup": predicted, "share": measured.median / predicted,
+                   "predicted_speedup_own_ops": statistics.median(p["stock_own_replay_ms"] / p["row_replay_ms"] for p in v),
+                   "ops_over_stock_ops": statistics.median(p["row_ops_ms"] / p["stock_ops_ms"] for p in v),
+                   "iterations_detail": v}
     return {"rows": rows, "ready_over_ordered": paired, "max_loss_difference": loss_diff}
 
 
@@ -201,13 +215,15 @@ def main() -> int:
                                   "-" if stock_row else "{:.3f} [{:.3f}, {:.3f}]".format(
                                       r["measured_speedup"], *r["measured_interval"]),
                                   "-" if stock_row else f"{r['predicted_speedup']:.3f}",
-                                  "-" if stock_row else f"{r['share']:.3f}", pair_text])
+                                  "-" if stock_row else f"{r['share']:.3f}",
+                                  "-" if stock_row else f"{r['predicted_speedup_own_ops']:.3f}",
+                                  "-" if stock_row else f"{r['ops_over_stock_ops']:.3f}", pair_text])
     load_after = loadavg()
     print_table(f"stock DeepSpeed 1F1B against ours, GPT recipe blocks, real compute, {args.micro_batches} micro-batches, "
                 f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
                 f"(load {load_before} -> {load_after})",
                 ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
-                 "share", "ready / ordered, in-engine B/A"], table)
+                 "share", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"], table)
     write_json(args.out, {"benchmark": "varlen_real", "args": vars(args), "loadavg_before": load_before,
                           "loadavg_after": load_after, "target_share": TARGET_SHARE, "results": results})
     return 0
