@@ -1,17 +1,18 @@
 """One job of benchmarks/engine/varlen_real.py: stock DeepSpeed and our engine, alive side by side,
 each iteration's micro-batches of ``recipes/gpt/varlen.py`` trained by each engine in turn.
 
-    torchrun --nproc_per_node S benchmarks/_common/_varlen_job.py --workload multimodal --out OUT.json \
+    torchrun --nproc_per_node S benchmarks/_common/_varlen_job.py --workload multimodal --hint zb --out OUT.json \
         [--micro-batches 8 --batch 8 --seq 64 --d-model 128 --blocks 4 --warmup 2 --iterations 24]
 
-Three engines are built from the same seed and kept: ``stock`` (``deepspeed.initialize``: 1F1B,
-fused backward) and ours twice, ``zb`` and ``1f1b``, each with its plan as the hint of ready
-dispatch (B) and ``pipemorph.compare`` set to the same plan under ordered dispatch (A): that engine
-alternates the two at its iteration boundaries (``A B A' B``). Iteration k's batches go to each
-engine in turn, the order rotating with k, so the three times of iteration k are taken within a
-few seconds of each other on the same batches: what the machine's load does between jobs or
-minutes apart does not enter a ratio. Every engine trains every iteration (they stay equal: each
-trains exactly as stock does). An iteration's time is from a barrier before ``train_batch`` to the
+Two engines are built from the same seed and kept: ``stock`` (``deepspeed.initialize``: 1F1B,
+fused backward) and ours with the ``--hint`` plan as the hint of ready dispatch (B) and
+``pipemorph.compare`` set to the same plan under ordered dispatch (A): ours alternates the two at
+its iteration boundaries (``A B A' B``). Iteration k's batches go to each engine in turn, the
+order alternating with k, so both times of iteration k are taken within a second or two of each
+other on the same batches: what the machine's load does between jobs or minutes apart does not
+enter a ratio. Both engines train every iteration (they stay equal: ours trains exactly as stock
+does). Two of our engines cannot be alive in one process: their transports would post receives
+for the same links and tags. An iteration's time is from a barrier before ``train_batch`` to the
 last rank's return. Of our engines each rank keeps every op's start and end (``op_records``); of
 stock, the time of each forward and (fused) backward pass (``time_stock_ops``). Rank 0 writes the
 JSON: per engine the times, losses, the side of each iteration (ours), the engine's own comparison
@@ -39,7 +40,6 @@ import ds_pipemorph  # noqa: E402
 from ds_pipemorph.plan.ir.ops import recorded_op  # noqa: E402
 import varlen  # noqa: E402
 
-ROWS = ["stock", "zb", "1f1b"]
 
 
 def config(row: str, args) -> dict:
@@ -101,6 +101,7 @@ def timed(engine, data) -> tuple[float, float]:
 
 
 def run(args, batches) -> list[dict]:
+    ROWS = ["stock", args.hint]
     engines = {row: build(row, args) for row in ROWS}
     out = {row: {"row": row, "times_ms": [], "losses": [], "first": []} for row in ROWS}
     ops = {row: [] for row in ROWS}
@@ -135,6 +136,7 @@ def run(args, batches) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=varlen.WORKLOADS, required=True)
+    ap.add_argument("--hint", choices=("zb", "1f1b"), required=True, help="our engine's plan")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="windows per micro-batch")
     ap.add_argument("--seq", type=int, default=64)

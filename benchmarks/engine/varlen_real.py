@@ -11,15 +11,15 @@ of 2, stages 0-1 of 4), pooled to the common length before the text blocks, draw
 iteration; ``varlen``, language only, each micro-batch's length drawn from a long tail. One rank
 per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (the rows say so).
 
-Each job (``benchmarks/_common/_varlen_job.py``, ``--sittings`` of them per workload and rank count)
-keeps three engines alive side by side and trains iteration k's batches with each in turn, the
-order rotating with k: stock DeepSpeed (``deepspeed.initialize``: 1F1B, fused backward) and our
-engine twice, with the ``1f1b`` plan (BF: W fused with B) and the ``zb`` plan (BFW: W apart) as the
-hint of ready dispatch, each alternating ready (B) with ordered dispatch of the same plan (A) at
-its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So every row is paired
-with stock per iteration, on the same batches, seconds apart: stock / row is the median of the
-per-iteration ratios with its 95 % bootstrap interval. Ready against ordered is the engine's own
-comparison (B/A per pair, its 95 % interval).
+Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each hint,
+``--sittings`` times) keeps two engines alive side by side and trains iteration k's batches with
+each in turn, which goes first alternating with k: stock DeepSpeed (``deepspeed.initialize``:
+1F1B, fused backward) and our engine with the ``1f1b`` plan (BF: W fused with B) or the ``zb`` plan
+(BFW: W apart) as the hint of ready dispatch, alternating ready (B) with ordered dispatch of the
+same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
+every row is paired with stock per iteration, on the same batches, a second or two apart: stock /
+row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
+ordered is the engine's own comparison (B/A per pair, its 95 % interval).
 
 Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
@@ -65,10 +65,10 @@ def loadavg() -> str:
         return "n/a"
 
 
-def run_job(workload: str, ranks: int, args, tmp: Path, name: str) -> dict:
+def run_job(workload: str, ranks: int, hint: str, args, tmp: Path, name: str) -> dict:
     out = tmp / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
-           "--workload", workload, "--micro-batches", str(args.micro_batches),
+           "--workload", workload, "--hint", hint, "--micro-batches", str(args.micro_batches),
            "--batch", str(args.batch), "--seq", str(args.seq), "--d-model", str(args.d_model),
            "--heads", str(args.heads), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
            "--iterations", str(args.iterations), "--out", str(out)]
@@ -196,10 +196,11 @@ def main() -> int:
             for ranks in args.ranks:
                 jobs = []
                 for k in range(args.sittings):
-                    t0 = time.monotonic()
-                    jobs.append(run_job(workload, ranks, args, Path(tmp), f"{workload}_r{ranks}_{k}"))
-                    print(f"{workload}, {ranks} ranks, sitting {k + 1}: {time.monotonic() - t0:.0f} s "
-                          f"(load {loadavg()})", flush=True)
+                    for hint in HINTS:
+                        t0 = time.monotonic()
+                        jobs.append(run_job(workload, ranks, hint, args, Path(tmp), f"{workload}_r{ranks}_{hint}_{k}"))
+                        print(f"{workload}, {ranks} ranks, {hint} hint, sitting {k + 1}: {time.monotonic() - t0:.0f} s "
+                              f"(load {loadavg()})", flush=True)
                 summary = summarize(jobs)
                 note = f"{ranks} ranks" + (f" on {cores} cores (oversubscribed)" if ranks > cores else "")
                 results.append({"workload": workload, "ranks": ranks, "cores": cores, **summary,

@@ -24,14 +24,14 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
                         "--blocks", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=220, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert "replay: stock / row" in p.stdout
+    assert "stock DeepSpeed 1F1B against ours" in p.stdout and "wrote" in p.stdout
     (res,) = json.loads(out.read_text())["results"]
     assert (res["workload"], res["ranks"]) == ("multimodal", 2)
     rows = res["rows"]
     assert list(rows) == ["stock 1F1B", "ours ordered 1f1b", "ours ready 1f1b (BF)", "ours ordered zb",
                           "ours ready zb (BFW)"]
-    # 12 measured iterations per engine: stock's all, ours split 6 ordered (A, A') and 6 ready (B).
-    assert [r["iterations"] for r in rows.values()] == [12, 6, 6, 6, 6]
+    # 12 measured iterations per engine and job: stock's all (two jobs), ours' 6 ordered (A, A') and 6 ready (B).
+    assert [r["iterations"] for r in rows.values()] == [24, 6, 6, 6, 6]
     for r in rows.values():
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
     for name, r in rows.items():
@@ -40,12 +40,14 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
             assert lo <= r["measured_speedup"] <= hi and r["predicted_speedup"] > 0
             assert r["share"] == r["measured_speedup"] / r["predicted_speedup"]
             assert len(r["iterations_detail"]) == 6
+            assert r["predicted_speedup_own_ops"] > 0 and r["ops_over_stock_ops"] > 0
     assert res["max_loss_difference"] <= 1e-5  # every engine trains as stock does
     for hint in ("zb", "1f1b"):
         (pair,) = res["ready_over_ordered"][hint]
         assert pair["pairs"] == 6 and 0 < pair["lo"] <= pair["median"] <= pair["hi"]
-    (sitting,) = res["sittings"]
-    assert [r["row"] for r in sitting["rows"]] == ["stock", "zb", "1f1b"]
-    assert sitting["rows"][0]["first"][:3] == [0, 2, 1]  # iteration k's order rotates with k
-    heavy = [[t for t in shapes if t > 8] for shapes in sitting["shapes"]]
-    assert all(h == [32] for h in heavy)  # one of 4 micro-batches 4x longer, every iteration
+    # One job per hint, each stock and ours side by side; which goes first alternates every iteration.
+    assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"]]
+    for job in res["sittings"]:
+        assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
+        heavy = [[t for t in shapes if t > 8] for shapes in job["shapes"]]
+        assert all(h == [32] for h in heavy)  # one of 4 micro-batches 4x longer, every iteration
