@@ -22,6 +22,9 @@
 #                   per GPU on the NCCL backend (scripts/gpu_check/nccl_job.py), PipeMorphEngine with direct
 #                   links under NCCL's rules (delegation.mode "auto", the GPU recipe's, and "off") against
 #                   stock DeepSpeed: losses and parameters within 1e-5, NcclLowering's streams run;
+#   tp_job          with 4 GPUs or more (otherwise recorded as skipped): 2 stages x 2 tensor-parallel ranks, one
+#                   rank per GPU on NCCL (scripts/gpu_check/tp_job.py), PipeMorphEngine (zb, 1f1b) against stock
+#                   DeepSpeed on the same topology: losses and parameters within 1e-5, NcclLowering's streams run;
 #   staging_bench   benchmarks/transport/staging_throughput.py, shortened;
 #   nsight          where nsys is installed: an Nsight Systems capture of a 4-rank job read back by
 #                   `pipemorph trace inspect` (otherwise recorded as skipped), delegated as one_gpu_job.
@@ -38,7 +41,7 @@ while [ $# -gt 0 ]; do
   case $1 in
     --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a directory" >&2; exit 2; }; OUT=$2; shift 2 ;;
     --out=*) OUT=${1#--out=}; shift ;;
-    -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check: unknown argument '$1' (only --out DIR)" >&2; exit 2 ;;
   esac
 done
@@ -113,6 +116,12 @@ if [ "${gpus:-0}" -ge 2 ] 2>/dev/null; then
 else
   row nccl_job skipped 0 "" "needs 2 CUDA devices or more (NCCL refuses two ranks of one communicator on one GPU)" \
     "$PYTHON" scripts/gpu_check/nccl_job.py "$OUT/nccl_job" "$OUT/nccl_job.json"
+fi
+if [ "${gpus:-0}" -ge 4 ] 2>/dev/null; then
+  step tp_job "$OUT/tp_job.json" -- "$PYTHON" scripts/gpu_check/tp_job.py "$OUT/tp_job" "$OUT/tp_job.json"
+else
+  row tp_job skipped 0 "" "needs 4 CUDA devices or more (2 stages x 2 tensor-parallel ranks, one per GPU)" \
+    "$PYTHON" scripts/gpu_check/tp_job.py "$OUT/tp_job" "$OUT/tp_job.json"
 fi
 step staging_bench "$OUT/staging_throughput.json" -- "$PYTHON" benchmarks/transport/staging_throughput.py \
   --sizes-mb 1 16 64 --repeats 3 --total-mb 256 --out "$OUT/staging_throughput.json"

@@ -2,6 +2,7 @@
 shared memory left behind by the session's jobs, and CPU burners: ``cpu_burners`` for the tests that
 must hold on a busy host, and ``PIPEMORPH_TEST_BURNERS=N`` to run the whole session beside N of them
 (``PIPEMORPH_TEST_BURNERS=2 python -m pytest``: a 2-core host with two CPU-bound processes beside)."""
+import hashlib
 import os
 import subprocess
 import sys
@@ -18,8 +19,11 @@ os.environ.setdefault("COLUMNS", "200")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-# A cache built by another DeepSpeed version breaks the next job with an AttributeError.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())
+# A cache built by another DeepSpeed version breaks the next job with an AttributeError. Keyed by the
+# checkout as well: the staging op's source paths are part of its build, so two checkouts sharing one
+# cache (a clone beside a worktree) would rebuild it in turn, each build taking a minute of a job's start.
+_CHECKOUT = hashlib.sha1(str(Path(__file__).resolve().parents[1]).encode()).hexdigest()[:8]
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"{versioned_extensions_dir()}-{_CHECKOUT}")
 
 
 # Shared memory a killed or early-exiting rank never removes: DeepSpeed's CPU all-reduce buffers and

@@ -15,13 +15,19 @@ leaves ``zb`` little to reorder). The ``adaptive`` job of each row group runs fi
 control loop's measured op times (``profile_out``); the replay of the ``zb`` plan and of 1F1B with
 them (``plan.sim.simulate``) gives the predicted B/A beside the measured one.
 
-Stock DeepSpeed cannot share a job with our engine; ``pipemorph paired zb stock-1f1b`` alternates
-whole jobs of the two.
+Stock DeepSpeed cannot share a job with our engine (another engine class): ``--stock-pairs P``
+(0 skips it) alternates whole jobs, stock DeepSpeed 1F1B (A) against our engine with ``schedule:
+1f1b`` and every other setting at its default (B), in the cycle A B A' B until P B/A pairs
+(``ds_pipemorph.paired``), per micro-batch count. Each job is ``_common/_timed_gpt_job.py`` (the
+same model, data and config; each ``train_batch`` timed from a barrier to a barrier) and its sample
+is the median of its iterations after the first ``--stock-warmup``.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,11 +37,13 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "_common"))  # the shared helpers
 
 from _util import check_out, exit_on_bad_input, print_table, two_rank_job, write_json  # noqa: E402
+from ds_pipemorph import paired  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 
 LINE = re.compile(r"pipemorph compare: B = (\S+), A = (\S+), (\d+) measured iterations: (.*) \(median ([\d.]+) ms "
                   r"against ([\d.]+) ms per iteration\)")
 RATIO = re.compile(r"B/A ([\d.]+) \[([\d.]+), ([\d.]+)\]")
+TIMES = re.compile(r"^STARTUP_TIMES (\{.*\})$", re.M)
 
 
 def config(schedule: str, n: int, budget, steps: int, profile: str | None) -> dict:
@@ -57,6 +65,23 @@ def run_job(cfg: dict, steps: int, tmp: Path, name: str) -> tuple[dict, str]:
     r = RATIO.search(m.group(4))
     return {"b": m.group(1), "a": m.group(2), "measured": int(m.group(3)), "verdict": m.group(4),
             "ratio": [float(r.group(i)) for i in (1, 2, 3)], "b_ms": float(m.group(5)), "a_ms": float(m.group(6))}, out
+
+
+def stock_whole_jobs(n: int, pairs: int, steps: int, warmup: int, tmp: Path) -> dict:
+    """Stock DeepSpeed 1F1B (A) against our engine in 1F1B order with its defaults (B), whole jobs
+    alternating; each job's sample is the median of its iterations after ``warmup``."""
+    base = {k: v for k, v in config("1f1b", n, 1.0, steps, None).items() if k != "pipemorph"}
+    base["pipemorph"] = {"schedule": "1f1b"}
+    sides = paired.sequence(len(paired.CYCLE) * paired.cycles_for(pairs))
+    samples = []
+    for i, side in enumerate(sides):
+        args = ["{config}", str(steps)] + (["stock"] if side in paired.A_SIDE else [])
+        m, _ = two_rank_job(f"whole_n{n}_{i}", base, tmp, HERE.parent / "_common" / "_timed_gpt_job.py", args,
+                            TIMES, "printed no times", timeout=1800)
+        times = json.loads(m.group(1))["times"]
+        samples.append(statistics.median(times[warmup:]))
+    c = paired.compare(sides, samples, warmup=0)
+    return {"micro_batches": n, "sides": sides, "job_medians_ms": samples, **c.as_dict()}
 
 
 def predicted(profile: Path, schedule: str, n: int, budget) -> float | None:
@@ -93,6 +118,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=44, help="iterations per job (4 of them unmeasured)")
     ap.add_argument("--schedules", default="zb,adaptive")
     ap.add_argument("--budgets", default="1,null", help="memory.budget values, comma-separated (null: no limit)")
+    ap.add_argument("--stock-pairs", type=int, default=6,
+                    help="B/A pairs of whole jobs, stock DeepSpeed 1F1B against ours in 1F1B order (0: none)")
+    ap.add_argument("--stock-steps", type=int, default=24, help="iterations per whole job")
+    ap.add_argument("--stock-warmup", type=int, default=4, help="unmeasured iterations of each whole job")
     ap.add_argument("--out", default="out/real_compute_ab.json")
     args = ap.parse_args()
     check_out(args.out)
@@ -101,6 +130,8 @@ def main() -> int:
         raise BadInput(f"--steps {args.steps}: use at least 16 (4 unmeasured and 12 measured iterations: 6 pairs)")
     if min(args.micro_batches) < 2:
         raise BadInput("--micro-batches: use at least 2 per job (a pipeline of 2 stages)")
+    if args.stock_pairs < 0 or (args.stock_pairs and args.stock_steps - args.stock_warmup < 1):
+        raise BadInput("--stock-pairs/--stock-steps/--stock-warmup: use pairs >= 0 and more steps than warm-up ones")
     unknown = [s for s in args.schedules.split(",") if s not in ("zb", "adaptive")]
     if unknown:
         raise BadInput(f"--schedules: unknown '{unknown[0]}'; use a comma-separated list of zb, adaptive")
@@ -123,10 +154,23 @@ def main() -> int:
                     rows.append([n, schedule, "null" if budget is None else f"{budget:g}", f"{res['a_ms']:.1f}",
                                  f"{res['b_ms']:.1f}", f"{res['ratio'][0]:.3f} [{lo:.3f}, {hi:.3f}]",
                                  "-" if pred is None else f"{pred:.3f}"])
+        stock = [stock_whole_jobs(n, args.stock_pairs, args.stock_steps, args.stock_warmup, tmp)
+                 for n in args.micro_batches] if args.stock_pairs else []
     print_table("our engine in 1F1B order (A) against zb / adaptive (B), GPT recipe blocks, 2 ranks x 1 thread, "
                 "paired in one job", ["micro-batches", "B", "budget", "A ms", "B ms", "B/A [95 % CI]",
                                       "replay B/A"], rows)
-    write_json(args.out, {"benchmark": "real_compute_ab", "steps": args.steps, "results": results})
+    if stock:
+        print_table("stock DeepSpeed 1F1B (A) against our engine in 1F1B order with its defaults (B), GPT recipe "
+                    "blocks, 2 ranks x 1 thread, whole jobs alternating",
+                    ["micro-batches", "jobs", "A ms", "B ms", "B/A [95 % CI]", "A'/A [95 % CI]", "verdict"],
+                    [[r["micro_batches"], len(r["sides"]), f"{r['a_median_ms']:.1f}", f"{r['b_median_ms']:.1f}",
+                      _ci(r["ratio"]), "-" if r["noise"] is None else _ci(r["noise"]), r["verdict"]] for r in stock])
+    write_json(args.out, {"benchmark": "real_compute_ab", "steps": args.steps, "results": results,
+                          "stock_whole_jobs": stock})
+
+
+def _ci(interval: dict) -> str:
+    return f"{interval['median']:.3f} [{interval['lo']:.3f}, {interval['hi']:.3f}]"
     return 0
 
 

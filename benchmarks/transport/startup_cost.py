@@ -6,7 +6,7 @@ costs: the GPT recipe's blocks on 2 ranks x 1 thread, whole jobs alternating.
 
 Start-up: per round, one job with the default ``delegation`` (``auto``) and one with ``delegation:
 off``, otherwise the same (the recipe's model, fp32, 8 micro-batches of 4 windows; each
-``train_batch`` timed from a barrier to a barrier, ``benchmarks/_common/_startup_job.py``). The row is each
+``train_batch`` timed from a barrier to a barrier, ``benchmarks/_common/_timed_gpt_job.py``). The row is each
 job's median of iterations 3 to ``--steps`` (the first two build DeepSpeed's and torch's lazy state in
 both), the ratio of the two medians per round and that of the two means (a start-up cost lasting a
 few iterations shows in the mean, not the median); the goal is within 5 %.
@@ -42,7 +42,7 @@ SLOW_MS = 30.0
 
 
 def run_job(section: dict, steps: int, tmp: Path, name: str) -> dict:
-    m, out = two_rank_job(name, {**BASE, "pipemorph": section}, tmp, COMMON / "_startup_job.py",
+    m, out = two_rank_job(name, {**BASE, "pipemorph": section}, tmp, COMMON / "_timed_gpt_job.py",
                           ["{config}", str(steps)], LINE, "printed no times", timeout=1800)
     res = json.loads(m.group(1))
     replan = REPLAN.search(out)

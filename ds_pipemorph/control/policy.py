@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
-from ..plan.ir.memory import caps_within, fit_budget
+from ..plan.ir.memory import MemoryBudget, caps_within, fit_budget
 from ..plan.ir.ops import Schedule
 from ..plan.ir.profile import Costs
 from ..plan.sched.bounds import lower_bound_ms
@@ -104,16 +104,18 @@ class ControlPolicy:
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: DelegationMode = "off", detector: DetectorConfig = DetectorConfig(),
                  queues: QueueSettings = QueueSettings(), search_evals: int = REPLAN_EVALS,
-                 direct: LinkModel = DIRECT, units: Optional[Sequence[float]] = None, w_share: float = 1.0):
+                 direct: LinkModel = DIRECT, units: Optional[Sequence[float]] = None, w_share: float = 1.0,
+                 budget: Optional[MemoryBudget] = None):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
         self.direct_model = _direct_model(direct)
         if every < 1:
             raise ValueError(f"every must be >= 1, not {every}")
         self.S, self.N = len(plan), microbatches
-        self.caps = None if caps is None else list(caps)
-        # Activation memory per stage (``plan.ir.memory``): every plan proposed keeps within it.
-        self.units = None if units is None else tuple(units)
+        # The caps and the activation memory per stage (``plan.ir.memory.MemoryBudget``), read when a
+        # plan is made: every plan proposed keeps within them. ``budget`` is the engine's own object
+        # (a grant known after start-up reaches the policy); else one from ``caps`` and ``units``.
+        self.budget = budget if budget is not None else MemoryBudget(caps, units)
         self.w_share = w_share
         self.every = every
         self._observed = -1  # the last iteration the detector ran at (-1: not yet)
@@ -129,15 +131,29 @@ class ControlPolicy:
                               link_model=self._model(none, self.link_queues))
         self.detector.adopt(none, [t.replay_ms for t in tol])
 
+    @property
+    def caps(self) -> Optional[list[int]]:
+        return None if self.budget.caps is None else list(self.budget.caps)
+
+    @property
+    def units(self) -> Optional[tuple[float, ...]]:
+        return self.budget.units
+
+    def rebase(self, plan: Schedule) -> None:
+        """``plan`` is in force from now on, put there by the engine (a memory grant planned anew):
+        the detector's tolerances follow it."""
+        self.plan_in_force = plan
+        planned = list(self.detector.planned_for)
+        tol = link_tolerances(plan, self.costs.with_links(planned), self.N,
+                              resolution_ms=TOLERANCE_RESOLUTION_MS, link_model=self._model(planned, self.link_queues))
+        self.detector.adopt(planned, [t.replay_ms for t in tol])
+
     def set_direct_model(self, direct: LinkModel) -> None:
         """Model direct links as ``direct`` from now on (a transport wrapped after start-up, e.g. a
         test's delay injector, blocks its sender where the bare one did not); the detector's
         tolerances for the plan in force follow."""
         self.direct_model = _direct_model(direct)
-        planned = list(self.detector.planned_for)
-        tol = link_tolerances(self.plan_in_force, self.costs.with_links(planned), self.N,
-                              resolution_ms=TOLERANCE_RESOLUTION_MS, link_model=self._model(planned, self.link_queues))
-        self.detector.adopt(planned, [t.replay_ms for t in tol])
+        self.rebase(self.plan_in_force)
 
     # -- the three steps ---------------------------------------------------------------------------
     def observe(self, iteration: int, f: Sequence[float], b: Sequence[float], w: Sequence[float],

@@ -99,6 +99,7 @@ class Rebalancer:
     decisions: list[Rebalance] = field(default_factory=list)
     _learning: list[list[tuple[float, float, float]]] = field(default_factory=list)
     _before: list[float] = field(default_factory=list)  # the reference before the last decision
+    _caps_here: bool = False  # the profile's memory is ``caps`` (``set_caps`` replaces it)
 
     def __post_init__(self) -> None:
         self.parts = check_parts(list(self.parts), stages=self.stages)
@@ -183,10 +184,21 @@ class Rebalancer:
         self.decisions.append(decision)
         return decision
 
-    def _with_caps(self, lp: LayerProfile) -> LayerProfile:
+    def set_caps(self, caps: Sequence[int]) -> None:
+        """The in-flight caps the plans keep from now on (a memory grant known after start-up); a
+        profile that took the caps from here (learned, or given without a memory limit) takes the new ones."""
+        caps = list(caps)
+        if caps == list(self.caps):
+            return
+        self.caps = caps
+        if self.profile is not None and self._caps_here:
+            self.profile = self._with_caps(self.profile, replace=True)
+
+    def _with_caps(self, lp: LayerProfile, replace: bool = False) -> LayerProfile:
         """The profile with the engine's in-flight caps where it sets no memory limit of its own."""
-        if lp.memory.capacity_mb is not None or lp.memory.max_inflight is not None:
+        if not replace and (lp.memory.capacity_mb is not None or lp.memory.max_inflight is not None):
             return lp
+        self._caps_here = True
         data = lp.model_dump()
         data["memory"] = {"max_inflight": list(self.caps)}
         data["microbatches"] = self.microbatches
@@ -202,6 +214,7 @@ class Rebalancer:
         if layer_class is not None and len(layer_class) != L:
             raise BadInput(f"layer_class: expected {L} values (one per layer), got {len(layer_class)}")
         per = learn_layer_costs(mean, self.parts, weight, layer_class)
+        self._caps_here = True
         return LayerProfile.model_validate({
             "stages": self.stages, "microbatches": self.microbatches,
             "layers": {"forward_ms": [c[0] for c in per], "backward_input_ms": [c[1] for c in per],

@@ -41,8 +41,8 @@ class Compare:
         if c.dispatch is Dispatch.READY and engine.nccl_rules:  # refused at start-up, not at the first A iteration
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
         self.cfg = c
-        a_cfg = cfg.model_copy(update={"schedule": c.schedule})
-        self.a_plan = build_plan(a_cfg, engine.num_stages, engine.micro_batches, engine.w_share)
+        self._a_cfg = cfg.model_copy(update={"schedule": c.schedule})
+        self.a_plan = build_plan(self._a_cfg, engine.num_stages, engine.micro_batches, engine.w_share, engine.budget)
         self.a_dispatch = c.dispatch
         self.b_dispatch = engine.dispatch
         self.b_plan = engine.plan
@@ -55,6 +55,11 @@ class Compare:
         self.done = False
         self._a_installed = None
         self._t0 = 0.0
+
+    def rebudget(self, engine) -> None:
+        """A memory grant came into force (``PipeMorphEngine``): both sides are the plans made within it."""
+        self.a_plan = build_plan(self._a_cfg, engine.num_stages, engine.micro_batches, engine.w_share, engine.budget)
+        self.b_plan = engine.plan
 
     def before(self, engine) -> None:
         """Switch to the side of the next iteration (every rank alike: it depends on the count only)."""

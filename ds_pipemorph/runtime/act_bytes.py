@@ -8,8 +8,11 @@ Stock 1F1B holds ``(S - s) * f`` on stage ``s`` (its backward is fused: nothing 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
+
+from ..plan.ir.memory import MemoryBudget
 
 MIB = 1024 * 1024
 
@@ -43,12 +46,26 @@ def gather_activation_bytes(engine, peak: int) -> list[ActivationBytes]:
     return [ActivationBytes(s, *by_stage[s][1:], stock=(S - s) * by_stage[s][1]) for s in range(S)]
 
 
-def describe_activation_bytes(measured: Sequence[ActivationBytes], share: Optional[float] = None) -> str:
-    """The log line after the first iteration."""
+def describe_activation_bytes(measured: Sequence[ActivationBytes], share: Optional[float] = None,
+                              budget: Optional[MemoryBudget] = None) -> str:
+    """The log line after the first iteration; with ``budget`` (the limits in force from the next
+    iteration on), each stage's budget in MiB and in micro-batches' activations."""
     def mib(xs):
-        return "[" + ", ".join(f"{x / MIB:.1f}" for x in xs) + "]"
+        return "[" + ", ".join(f"{x / MIB:.{_digits(measured)}f}" for x in xs) + "]"
 
-    return (f"pipemorph: activation memory in iteration 1, MiB per stage: F keeps {mib(m.f for m in measured)} per "
+    line = (f"pipemorph: activation memory in iteration 1, MiB per stage: F keeps {mib(m.f for m in measured)} per "
             f"micro-batch for B, B keeps {mib(m.w for m in measured)} for W plus "
             f"{mib(m.grads for m in measured)} of output gradients; the most held at once "
             f"{mib(m.peak for m in measured)} (stock 1F1B: {mib(m.stock for m in measured)})")
+    if budget is None or budget.units is None:
+        return line + "; no memory budget"
+    granted = (list(budget.mib) if budget.mib is not None else [u * m.f / MIB for u, m in zip(budget.units, measured)])
+    what = "memory.budget_mb" if budget.mib is not None else "memory.budget"
+    return (line + f"; the budget from now on ({what}): [{', '.join(f'{x:.{_digits(measured)}f}' for x in granted)}] "
+            f"MiB per stage, [{', '.join(f'{u:.3g}' for u in budget.units)}] micro-batches' activations")
+
+
+def _digits(measured: Sequence[ActivationBytes]) -> int:
+    """Decimals that show the smallest non-zero per-micro-batch figure with about two significant digits."""
+    small = min((m.f for m in measured if m.f > 0), default=MIB) / MIB
+    return max(1, min(8, 1 - math.floor(math.log10(small))))

@@ -53,6 +53,7 @@ from ..control.estimate import Neighbours, RankTimes, link_delays, message_times
 from ..control.modes import DelegationMode, ReplanMode
 from ..control.policy import REPLAN_EVALS, ControlPolicy, Decision, QueueSettings
 from ..plan.ir.links import DIRECT, LinkModel
+from ..plan.ir.memory import MemoryBudget
 from ..plan.ir.ops import KINDS, Schedule, recorded_op, warmup_counts
 from ..plan.ir.profile import Costs
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
@@ -90,12 +91,16 @@ class Adapter:
                  profile_out: Optional[str] = None, neighbours: Neighbours = Neighbours(None, None),
                  queues: QueueSettings = QueueSettings(2, 2), replan: ReplanMode = "background",
                  search_evals: int = REPLAN_EVALS,
-                 direct: LinkModel = DIRECT, units: Optional[list[float]] = None, w_share: float = 1.0):
+                 direct: LinkModel = DIRECT, units: Optional[list[float]] = None, w_share: float = 1.0,
+                 budget: Optional[MemoryBudget] = None):
+        """``caps`` and ``units``: the memory limits; or ``budget``, the engine's ``MemoryBudget``
+        itself, which every plan (the first reaction, the search beside training) reads when it is made."""
         self.S, self.N, self.stage_id = stages, microbatches, stage_id
         self.clock_offsets = clock_offsets
         self.neighbours = neighbours  # global ranks of stage s-1 and s+1 in this pipeline
-        self.policy = ControlPolicy(plan, costs, microbatches, caps, every, delegation, detector, queues, search_evals,
-                             direct, units, w_share)
+        budget = budget if budget is not None else MemoryBudget(caps, units)
+        self.policy = ControlPolicy(plan, costs, microbatches, None, every, delegation, detector, queues, search_evals,
+                                    direct, None, w_share, budget=budget)
         self.background = replan == "background"
         self._pending: Optional[Costs] = None  # every rank: the costs a search beside training plans for
         self._landed: Optional[tuple] = None  # rank 0: the search's answer, announced in this boundary's row
@@ -117,7 +122,7 @@ class Adapter:
         self.profile_out = profile_out
         self.rank = dist.get_rank()
         self._planner = BackgroundPlanner() if self.background and self.rank == 0 else None
-        self.export = ProfileExport(stages, microbatches, caps)
+        self.export = ProfileExport(stages, microbatches, budget.caps)
         self._closed = False
         atexit.register(self.close)  # the profile and the overhead line also when nobody calls close()
 

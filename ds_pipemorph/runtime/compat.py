@@ -26,7 +26,19 @@ TORCH_AUTOCAST_REFUSED = (
     "pipemorph runs each stage's forward itself, without DeepSpeed's torch_autocast: remove the \"torch_autocast\" "
     "section and train in \"bf16\" or \"fp16\" instead")
 
-TENSOR_PARALLEL_REFUSED = "pipemorph does not support tensor (slice) parallelism inside a stage yet"
+TP_PARTITIONED_REFUSED = (
+    "pipemorph sends each activation and gradient whole between stages, not partitioned over the tensor-parallel "
+    "ranks: set \"pipeline\": {\"pipe_partitioned\": false, \"grad_partitioned\": false} in the ds_config")
+
+TP_READY_REFUSED = (
+    "ready dispatch lets each rank run its next op as its own messages arrive, and the ranks of a tensor-parallel "
+    "group must issue their layers' collectives in the same order: set pipemorph.dispatch and "
+    "pipemorph.compare.dispatch to \"ordered\"")
+
+TP_MOVING_REFUSED = (
+    "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) moves one rank's state "
+    "per stage and replica, not a tensor-parallel group's shards: turn pipemorph.rebalance and "
+    "pipemorph.orchestrate off")
 
 EMBEDDING_REFUSED = (
     "activation checkpointing needs every checkpointed chunk's input to need a gradient, and the first stage's "
@@ -77,7 +89,19 @@ FEATURES = (
     Feature("moving layers or ranks with fp16 without ZeRO, or with an optimizer object given to `initialize` "
             "under bf16/ZeRO", "refused", MOVING_REFUSED, "CPU"),
     Feature('`"torch_autocast": {"enabled": true}`', "refused", TORCH_AUTOCAST_REFUSED, "CPU"),
-    Feature("tensor parallelism inside a stage (`num_mp > 1`)", "refused", TENSOR_PARALLEL_REFUSED, "CPU"),
+    Feature("tensor parallelism inside a stage (`PipeModelDataParallelTopology`, `num_mp > 1`) with "
+            '`"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`', "trains",
+            "every rank of a stage runs the stage's plan under ordered dispatch and sends to the same tensor-parallel "
+            "rank of the next stage, as stock does; the column-parallel input-gradient all-reduce runs in B, W runs "
+            "no collective; re-plans and link routes switch for the whole group at one boundary, planned for the "
+            "slowest pair of a boundary; equal to stock (1e-5) under `1f1b`, `zb`, a tied layer, `adaptive` "
+            "re-planning for a slowed link and for one slowed pair, `auto` and `always` delegation, NCCL's "
+            "point-to-point rules (a gloo double), a checkpoint resumed",
+            "CPU, 2 stages x 2 tensor-parallel ranks (4 ranks) and x 2 replicas (8 ranks, `zb`, tied, `adaptive`)"),
+    Feature("tensor parallelism with DeepSpeed's partitioned activations (its default)", "refused",
+            TP_PARTITIONED_REFUSED, "CPU"),
+    Feature('tensor parallelism with `"dispatch": "ready"`', "refused", TP_READY_REFUSED, "CPU"),
+    Feature("tensor parallelism with moving layers or ranks", "refused", TP_MOVING_REFUSED, "CPU"),
 )
 
 

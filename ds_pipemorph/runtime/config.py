@@ -47,6 +47,10 @@ class MemoryConfig(SectionModel):
     # A ``max_inflight`` given without ``budget`` is the user's grant: the default budget is then off;
     # so is a plan file (``schedule: plan``, set by ``PipeMorphConfig``): it runs as written.
     budget: Optional[float] = 1.0
+    # The same memory granted in MiB (what F keeps for B plus what B keeps for W): one value for every
+    # stage or one per stage. It becomes micro-batches' activations when the first iteration has
+    # measured them (``budget`` 1.0 holds until then); given instead of ``budget``, not with it.
+    budget_mb: Optional[Union[float, list[float]]] = None
     _plan_file: bool = PrivateAttr(False)
 
     @field_validator("max_inflight")
@@ -65,6 +69,33 @@ class MemoryConfig(SectionModel):
                              f"holds one there): use at least 1.0, or null for no limit")
         return v
 
+    @field_validator("budget_mb")
+    @classmethod
+    def _some_mib(cls, v):
+        for mib in [v] if isinstance(v, (int, float)) else v or []:
+            if not 0 < mib < float("inf"):
+                raise ValueError(f"every stage needs some activation memory: {mib:g} MiB is not a positive number "
+                                 f"of MiB")
+        return v
+
+    @model_validator(mode="after")
+    def _one_grant(self):
+        if self.budget_mb is not None and "budget" in self.model_fields_set:
+            raise ValueError("budget and budget_mb both grant activation memory: give one of them "
+                             "(budget: a factor over stock 1F1B's, budget_mb: MiB per stage)")
+        return self
+
+    def mib_per_stage(self, stages: int) -> Optional[list[float]]:
+        """``budget_mb`` as one value per stage of a ``stages``-stage job (None: not set)."""
+        if self.budget_mb is None:
+            return None
+        mib = [float(self.budget_mb)] * stages if isinstance(self.budget_mb, (int, float)) else list(self.budget_mb)
+        if len(mib) != stages:
+            raise PipeMorphConfigError(
+                f"ds_config pipemorph.memory.budget_mb has {len(mib)} values but the job has {stages} stages: give one "
+                f"value per stage, or one for all")
+        return mib
+
     def per_stage(self, stages: int) -> Optional[list[int]]:
         """``max_inflight`` as one value per stage of a ``stages``-stage job (None: not set); the
         config keeps the form it was given in, so that it reads the same when parsed again."""
@@ -80,7 +111,10 @@ class MemoryConfig(SectionModel):
     def budget_in_force(self) -> Optional[float]:
         """The budget factor that applies: ``budget`` as given, or None when ``max_inflight`` was
         given without it (the count is then the grant) or the job runs a plan file (its order and
-        memory are the plan's, as ``pipemorph plan`` printed them)."""
+        memory are the plan's, as ``pipemorph plan`` printed them). With ``budget_mb``, 1.0 until the
+        first iteration has measured what that grant holds (the engine's ``MemoryBudget`` then)."""
+        if self.budget_mb is not None:
+            return 1.0
         if "budget" not in self.model_fields_set and (self.max_inflight is not None or self._plan_file):
             return None
         return self.budget

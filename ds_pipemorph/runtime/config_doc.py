@@ -50,6 +50,13 @@ DESCRIPTIONS: dict[str, str] = {
                      "micro-batches' activations); counts what F keeps for B and what B keeps for W, in every "
                      "schedule, re-plan and dispatch; at least 1.0; `null`: no limit but `max_inflight`. A plan file "
                      "(`schedule: plan`) runs as written unless `budget` is set",
+    "memory.budget_mb": "the same activation memory granted in MiB (what F keeps for B plus what B keeps for W): "
+                        "one value for every stage or one per stage (as many as stages). The first iteration "
+                        "runs within stock 1F1B's (`budget` 1.0) and measures each stage's activations per "
+                        "micro-batch; from the second on, on every rank alike, every plan, re-plan and dispatch "
+                        "keeps within the grant. It may be tighter than stock's but not below one micro-batch's "
+                        "activations on a stage (refused after the first iteration, naming the stage and the "
+                        "least that runs); not together with `budget`",
     "adapt": "PipeMorph's control loop, with `schedule: adaptive`",
     "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "
                      "link slower than the plan absorbs; all ranks adopt the same plan at the next iteration",
@@ -261,7 +268,9 @@ stage holds no more than stock does):
 ```
 
 `memory.max_inflight` given without `budget` is a grant in micro-batches: it turns the default
-budget off, and with it the send window (`docs/memory.md`).
+budget off, and with it the send window (`docs/memory.md`). `memory.budget_mb` grants the same memory
+as `budget` in MiB per stage (`{"budget_mb": 2048}` or one value per stage), in force from the second
+iteration on.
 
 `*` in a key stands for any key of a mapping (`inject.links.*.delay_ms` is `{"links": {"2":
 {"delay_ms": 30}}}` inside `inject`). Keys marked "testing only" make stragglers on purpose.

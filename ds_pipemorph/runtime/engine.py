@@ -28,9 +28,10 @@ bf16 and fp16 (DeepSpeed's ``BF16_Optimizer``, ``FP16_Optimizer``) and ZeRO stag
 DeepSpeed's own gradient path: W fires the hooks on parameters and stock's calls around each
 micro-batch's backward are made around W (``runtime.precision``). Activation checkpointing
 recomputes once, in B (``runtime.recompute``). Refused at start-up, with one sentence: fp16 on a
-device without it, ZeRO above stage 1, tensor parallelism inside a stage (``unsupported_reason``),
-moving layers or ranks under a bf16/fp16/ZeRO optimizer (``moving_refusal``), and dispatch
-"ready" under NCCL's rules.
+device without it, ZeRO above stage 1 (``unsupported_reason``), moving layers or ranks under a
+bf16/fp16/ZeRO optimizer (``moving_refusal``), and dispatch "ready" under NCCL's rules. Tensor
+parallelism inside a stage trains under ordered dispatch; what it refuses is
+``runtime.tensor_parallel``'s.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ from .engine_builder import EngineBuilder
 from .bw_split import backward_input, forget_parameters
 from .flat_optimizer import is_flat
 from .precision import GradPath
-from .compat import (EMBEDDING_REFUSED, MOVING_REFUSED, TENSOR_PARALLEL_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused,
-                     zero_refused)
+from .compat import EMBEDDING_REFUSED, MOVING_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused, zero_refused
+from . import tensor_parallel
 from .recompute import Recompute, embedding_refusal, split_checkpoint
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
@@ -72,8 +73,8 @@ from .inbox import Inbox
 from .migrate import LayerMigrator, MigrationReport
 from .grad_reduce import reduction_can_be_identity, reduction_is_identity
 from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
-from .plans import (DEFAULT_OP_MS, NCCL_READY_REFUSED, caps, for_nccl, lowering_for, w_share, window_kinds,
-                    within_budget)
+from .plans import (DEFAULT_OP_MS, NCCL_READY_REFUSED, build_plan, for_nccl, granted_budget, lowering_for,
+                    memory_budget, w_share, window_kinds, within_budget)
 from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
 from .oprecords import OpRecorder
 from .act_meter import SavedBytes, tensor_bytes
@@ -110,8 +111,6 @@ def unsupported_reason(config_class, model) -> Optional[str]:
         return zero_refused(config_class.zero_optimization_stage)
     if getattr(config_class, "torch_autocast_enabled", False):
         return TORCH_AUTOCAST_REFUSED
-    if model.mpu().get_slice_parallel_world_size() > 1:
-        return TENSOR_PARALLEL_REFUSED
     return None
 
 
@@ -120,6 +119,9 @@ def moving_refusal(engine) -> Optional[str]:
     bf16/fp16/ZeRO optimizer moves through DeepSpeed's per-parameter mapping into its flat
     partitions (``runtime.flat_optimizer``), which ``FP16_Optimizer`` does not keep, and is
     configured again from the ds_config, which an optimizer given to ``initialize`` is not."""
+    refusal = tensor_parallel.moving_refusal(engine)
+    if refusal:
+        return refusal
     wrapped = engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled()
     if wrapped and (not is_flat(engine.optimizer) or engine.client_optimizer is not None):
         return MOVING_REFUSED
@@ -143,7 +145,8 @@ class PipeMorphEngine(PipelineEngine):
     def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
                  builder: Optional[EngineBuilder] = None, **super_kwargs):
         require_pipeline_hooks()  # a DeepSpeed without them would train its own 1F1B instead of the plan
-        reason = unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
+        reason = (unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
+                  or tensor_parallel.refusal(super_kwargs["config_class"], super_kwargs["model"], pipemorph))
         if reason:
             raise PipeMorphConfigError(reason)
         for plugin, settings in active_plugins(pipemorph):  # plug-ins refuse what this job cannot use
@@ -184,6 +187,9 @@ class PipeMorphEngine(PipelineEngine):
         self._ready_program: Optional[ReadyProgram] = None
         self.inbox = None  # dispatch "ready" (set below): every receive of an iteration in flight
         self.executed_stream: list[str] = []  # the lowered ops the last train_batch ran, in order
+        # The memory limits every planner and ready dispatch read (one object; a ``budget_mb`` grant
+        # replaces its contents once the first iteration has measured: ``_grant_memory``).
+        self.budget = memory_budget(pipemorph, self.num_stages, self.micro_batches)
         self._set_plan(plan, lowering_for(pipemorph, self.nccl_rules), pipemorph.dispatch)
         ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
         self.adapter: Optional[Adapter] = None
@@ -202,8 +208,7 @@ class PipeMorphEngine(PipelineEngine):
         self._bound_sends()
         if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
             self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
-                                   Costs.uniform(self.num_stages, DEFAULT_OP_MS),
-                                   caps(pipemorph, self.num_stages, self.micro_batches),
+                                   Costs.uniform(self.num_stages, DEFAULT_OP_MS), None,
                                    pipemorph.adapt.every_iterations,
                                    estimate_clock_offsets(self.grid, self.stage_id, self.num_stages),
                                    delegation=pipemorph.delegation.mode, profile_out=pipemorph.profile_out,
@@ -212,8 +217,7 @@ class PipeMorphEngine(PipelineEngine):
                                                          else None),
                                    queues=QueueSettings(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
                                    replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals,
-                                   direct=self._direct_link_model(), units=pipemorph.memory.units(self.num_stages),
-                                   w_share=self.w_share)
+                                   direct=self._direct_link_model(), w_share=self.w_share, budget=self.budget)
         self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
         events = None
         if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
@@ -239,13 +243,13 @@ class PipeMorphEngine(PipelineEngine):
         if pipemorph.rebalance.enabled:
             from .rebalance_loop import RebalanceLoop
 
-            self.rebalance = RebalanceLoop(self, caps(pipemorph, self.num_stages, self.micro_batches))
+            self.rebalance = RebalanceLoop(self, self.budget)
         self.orchestrate = None  # a slow data-parallel link moved into the pipeline (re-mapping, PipeMorph §6)
         self.pending_remap = None  # ranks[stage][replica] the orchestrator chose at the last boundary
         if pipemorph.orchestrate.matrix:
             from .orchestrate_loop import OrchestrateLoop
 
-            self.orchestrate = OrchestrateLoop(self, caps(pipemorph, self.num_stages, self.micro_batches))
+            self.orchestrate = OrchestrateLoop(self, self.budget)
         # The loops in the order their decisions apply: a migration's plan is the last word.
         self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
                                  self.transfer.vote_group, pipemorph.max_exchange_gap)
@@ -322,7 +326,7 @@ class PipeMorphEngine(PipelineEngine):
         rank's streams before this rank uses them (the same plan gives the same result on every rank,
         so all adopt it or all refuse it)."""
         lowering = lowering or self.lowering
-        plan = within_budget(self.pipemorph, plan, share=self.w_share)  # any plan, from any loop
+        plan = within_budget(self.pipemorph, plan, share=self.w_share, budget=self.budget)  # any plan, from any loop
         if self.nccl_rules:  # a plan file's receive window does not apply under NCCL's rules
             lowering = for_nccl(lowering)
         dispatch = dispatch or self.dispatch
@@ -382,6 +386,9 @@ class PipeMorphEngine(PipelineEngine):
                 raise PipeMorphConfigError(f"dispatch must be 'ordered' or 'ready', not '{dispatch}'") from None
         if dispatch is Dispatch.READY and self.nccl_rules:
             raise PipeMorphConfigError(NCCL_READY_REFUSED)
+        refusal = tensor_parallel.switch_refusal(self, dispatch)
+        if refusal:
+            raise PipeMorphConfigError(refusal)
         if dispatch is Dispatch.READY and self.inbox is None and self.hooks is not None and self.hooks.ready_refused:
             raise PipeMorphConfigError(self.hooks.ready_refused)
         target = dispatch or self.dispatch
@@ -475,12 +482,35 @@ class PipeMorphEngine(PipelineEngine):
             finally:
                 _set(self, "_meter", None)
         _set(self, "activation_bytes", gather_activation_bytes(self, meter.peak))
+        if self.pipemorph.memory.budget_mb is not None:
+            self._grant_memory()
         if self.adapter is not None:  # profile_out gets the bytes form of memory
             self.adapter.export.set_memory([a.f for a in self.activation_bytes], [a.w for a in self.activation_bytes],
-                                           self.pipemorph.memory.units(self.num_stages))
+                                           self.budget.units)
         if self.global_rank == 0:
-            logger.warning(describe_activation_bytes(self.activation_bytes, self.w_share))
+            logger.warning(describe_activation_bytes(self.activation_bytes, self.w_share, self.budget))
         return loss
+
+    def _grant_memory(self) -> None:
+        """``memory.budget_mb`` in force from the next batch: converted with every stage's bytes
+        (``activation_bytes``, all-gathered: the same on every rank), then ``zb`` and ``adaptive``
+        planned anew within it (Alg. 1's warm-up from its caps), any other plan fitted to it. Every rank
+        runs this at the same point, after the iteration's last collective; a grant below one
+        micro-batch's activations, or one the plan cannot keep, raises the same sentence on every rank
+        before anything changes, so none waits for another."""
+        cfg, S, N = self.pipemorph, self.num_stages, self.micro_batches
+        granted = granted_budget(cfg, S, N, [a.f for a in self.activation_bytes], self.w_share)
+        if cfg.schedule in ("zb", "adaptive"):
+            plan = build_plan(cfg, S, N, self.w_share, granted)
+        else:  # the job's own plan (not a comparison's other side, which ``rebudget`` plans anew)
+            plan = within_budget(cfg, self.compare.b_plan if self.compare is not None else self.plan,
+                                 f"the '{cfg.schedule}' plan", self.w_share, granted)
+        self.budget.grant(granted)
+        self._set_plan(plan)
+        if self.adapter is not None:
+            self.adapter.policy.rebase(self.plan)
+        if self.compare is not None:
+            self.compare.rebudget(self)
 
     def _exec_schedule(self, pipe_schedule):
         if not isinstance(pipe_schedule, PipeMorphSchedule):  # evaluation: DeepSpeed's own path

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..control.orchestrate import Orchestrator
 from ..fileio import BadInput, load_model
 from ..plan.files.linkmatrix import LinkMatrix
+from ..plan.ir.memory import MemoryBudget
 from ..plan.place.placement import Placement
 from .boundary import Remap
 from .config import PipeMorphConfigError
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 class OrchestrateLoop:
     """The orchestrator's ``runtime.boundary.BoundaryLoop``: its row, and on rank 0 the decision to re-map."""
 
-    def __init__(self, engine, caps: list[int]):
+    def __init__(self, engine, budget: MemoryBudget):
         cfg = engine.pipemorph.orchestrate
         try:
             matrix = load_model(cfg.matrix, LinkMatrix)
@@ -43,7 +44,7 @@ class OrchestrateLoop:
         topo = engine.module._topo
         P, D = engine.num_stages, engine.grid.data_parallel_size
         self.placement = Placement.from_ranks([[topo.get_rank(pipe=s, data=d) for d in range(D)] for s in range(P)])
-        self.cfg, self.caps, self.matrix, self.S = cfg, caps, matrix, P
+        self.cfg, self.budget, self.matrix, self.S = cfg, budget, matrix, P  # the engine's budget, read when deciding
         self.orchestrator: Optional[Orchestrator] = None  # built at the first boundary (gradient sizes gathered)
         self._settled = False  # rank 0's ``Orchestrator.settled``, broadcast with the last decision
 
@@ -84,9 +85,10 @@ class OrchestrateLoop:
         if self.orchestrator is None:
             grad = [self.cfg.grad_mb if self.cfg.grad_mb is not None else table[4 * S + k].item() for k in range(S)]
             self.orchestrator = Orchestrator(self.matrix, self.placement, engine.micro_batches, grad,
-                                             self.cfg.chunk_mb, self.caps, self.cfg.noise, self.cfg.patience,
-                                             self.cfg.min_gain)
+                                             self.cfg.chunk_mb, list(self.budget.caps), self.cfg.noise,
+                                             self.cfg.patience, self.cfg.min_gain)
         self.orchestrator.iteration = engine.boundary.iteration  # exchanges may skip iterations: count these
+        self.orchestrator.caps = list(self.budget.caps)
         d = self.orchestrator.observe(table[:S].tolist(), table[S:4 * S].view(S, 3).tolist())
         if d is None:
             return None

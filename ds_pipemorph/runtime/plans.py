@@ -15,12 +15,14 @@ the faster plan with no latency wins, ties going to the one less hurt by ``HOP_L
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Optional
 
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
 from ..plan.ir.lower import RECV_WINDOW, Dispatch, Lowering, LoweringPolicy, window_deadlock
-from ..plan.ir.memory import caps_within, fit_budget, peak_units, stock_units
+from ..plan.ir.memory import EPS, MemoryBudget, caps_within, fit_budget, peak_units, stock_units, units_of_bytes
 from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Kind, Schedule, warmup_counts
 from ..plan.ir.profile import Costs
@@ -30,21 +32,11 @@ from ..plan.sim.listsched_py import Policy
 from ..plan.sched.warmup import check_lemma1, initial_warmup
 from ..plan.sim.simulate import makespan
 from ..plan.sim.validate import InvalidPlan, validate_schedule
+from .act_bytes import MIB
 from .config import PipeMorphConfig, PipeMorphConfigError
 
 DEFAULT_OP_MS = 10.0
 HOP_LATENCY_MS = 0.5  # the per-message latency a plan should not be fragile to (see above)
-
-
-def caps(cfg: PipeMorphConfig, stages: int, microbatches: int) -> list[int]:
-    """Per-stage cap on in-flight activations (F done, B not done): ``memory.max_inflight`` (default:
-    N), within ``memory.budget`` (default: stock 1F1B's S − s)."""
-    per_stage = cfg.memory.per_stage(stages)
-    out = [microbatches] * stages if per_stage is None else [min(c, microbatches) for c in per_stage]
-    units = cfg.memory.units(stages)
-    if units is not None:
-        out = [min(c, u) for c, u in zip(out, caps_within(units))]
-    return out
 
 
 # What B leaves for W of a micro-batch's saved activations, as a share of what F left for B
@@ -60,38 +52,104 @@ def w_share(checkpointing: bool) -> float:
     return CHECKPOINTED_W_SHARE if checkpointing else W_SHARE
 
 
-def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", share: float = W_SHARE) -> Schedule:
+def caps(cfg: PipeMorphConfig, stages: int, microbatches: int) -> list[int]:
+    """Per-stage cap on in-flight activations (F done, B not done): ``memory.max_inflight`` (default:
+    N), within ``memory.budget`` (default: stock 1F1B's S − s)."""
+    return _caps(cfg, stages, microbatches, cfg.memory.units(stages))
+
+
+def _caps(cfg: PipeMorphConfig, stages: int, microbatches: int, units: Optional[Sequence[float]]) -> list[int]:
+    per_stage = cfg.memory.per_stage(stages)
+    out = [microbatches] * stages if per_stage is None else [min(c, microbatches) for c in per_stage]
+    if units is not None:
+        out = [min(c, u) for c, u in zip(out, caps_within(units))]
+    return out
+
+
+def memory_budget(cfg: PipeMorphConfig, stages: int, microbatches: int) -> MemoryBudget:
+    """The limits in force at start-up (``caps`` and ``memory.units``): with ``memory.budget_mb``,
+    stock 1F1B's until ``granted_budget`` can convert the grant (a list of the wrong length is refused
+    here, at start-up)."""
+    cfg.memory.mib_per_stage(stages)
+    units = cfg.memory.units(stages)
+    return MemoryBudget(_caps(cfg, stages, microbatches, units), units)
+
+
+def granted_budget(cfg: PipeMorphConfig, stages: int, microbatches: int, f_bytes: Sequence[int],
+                   share: float = W_SHARE) -> MemoryBudget:
+    """``memory.budget_mb`` as limits, once the first iteration measured ``f_bytes`` (per stage, what
+    one micro-batch's F keeps for B; the same figures on every rank): each stage's grant in units of
+    its own micro-batch's activations (``plan.ir.memory.units_of_bytes``), and the caps within them.
+    Less than one micro-batch's activations on a stage cannot run: refused naming the first such stage,
+    the same on every rank."""
+    mib = cfg.memory.mib_per_stage(stages)
+    units = units_of_bytes([m * MIB for m in mib], f_bytes, microbatches * max(1.0, share))
+    for s, u in enumerate(units):
+        if u < 1.0 - EPS:
+            least = [_mib_up(f / MIB) for f in f_bytes]
+            raise PipeMorphConfigError(
+                f"pipemorph.memory.budget_mb gives stage {s} {mib[s]:.4g} MiB, less than one micro-batch's "
+                f"activations there ({f_bytes[s] / MIB:.4g} MiB measured in the first iteration): the smallest "
+                f"budget_mb that runs is {least[s]:.4g} MiB on stage {s} ({_listed(least)} per stage)")
+    return MemoryBudget(_caps(cfg, stages, microbatches, units), units, tuple(mib))
+
+
+def _mib_up(x: float) -> float:
+    """``x`` rounded up to 4 significant digits (a budget printed so that it holds what it names)."""
+    if x <= 0:
+        return 0.0
+    step = 10.0 ** (math.floor(math.log10(x)) - 3)
+    return math.ceil(x / step - 1e-9) * step
+
+
+def _listed(xs: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
+
+
+def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", share: float = W_SHARE,
+                  budget: Optional[MemoryBudget] = None) -> Schedule:
     """``plan`` with its weight-gradient ops moved where the memory budget needs them
-    (``plan.ir.memory.fit_budget``); unchanged without a budget or when it fits."""
-    units = cfg.memory.units(len(plan))
-    if units is None:
+    (``plan.ir.memory.fit_budget``); unchanged without a budget or when it fits. ``budget``: the
+    limits in force (default: ``memory_budget``'s, from ``cfg`` alone)."""
+    budget = memory_budget(cfg, len(plan), 1) if budget is None else budget
+    if budget.units is None:
         return plan
     try:
-        return fit_budget(plan, units, ratio=share)
+        return fit_budget(plan, budget.units, ratio=share)
     except ValueError as e:
+        if budget.mib is not None:
+            raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget_mb "
+                                       f"({_listed(budget.mib)} MiB per stage) allows: {e}; raise memory.budget_mb"
+                                       ) from None
         raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget "
                                    f"({cfg.memory.budget_in_force:g}x stock 1F1B) allows: {e}; raise memory.budget "
                                    f"or set it to null") from None
 
 
-def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int, share: float = W_SHARE) -> Schedule:
-    """The plan ``cfg`` asks for; ``share``: see ``w_share``."""
+def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int, share: float = W_SHARE,
+               budget: Optional[MemoryBudget] = None) -> Schedule:
+    """The plan ``cfg`` asks for; ``share``: see ``w_share``; ``budget``: the limits in force
+    (default: ``memory_budget``'s, those at start-up)."""
     S, N = stages, microbatches
-    units = cfg.memory.units(S)
-    policy = Policy(units=None if units is None else tuple(units), w_share=share)
+    budget = memory_budget(cfg, S, N) if budget is None else budget
+    policy = Policy(units=budget.units, w_share=share)
     if cfg.schedule == "1f1b":
         plan = deepspeed_1f1b(S, N)
     elif cfg.schedule == "zb":
-        warmup = zb_h1_warmup(S, N) if cfg.memory.max_inflight is None else caps(cfg, S, N)
+        if cfg.memory.max_inflight is None:  # ZB-H1's, within a budget's caps (kept non-increasing: Lemma 1)
+            warmup = [min(x, c) for x, c in zip(zb_h1_warmup(S, N), budget.caps)]
+            warmup = [min(warmup[:s + 1]) for s in range(S)]
+        else:
+            warmup = list(budget.caps)
         _check_warmup(warmup)
         plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup, policy=policy)
     elif cfg.schedule == "adaptive":
-        warmup = initial_warmup(caps(cfg, S, N))
+        warmup = initial_warmup(list(budget.caps))
         plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup, policy=policy)
     else:
         plan = load_plan_file(cfg.plan_file, S, N)
     plan = within_budget(cfg, plan, f"the '{cfg.schedule}' plan" if cfg.schedule != "plan" else
-                         f"plan file {cfg.plan_file}", share)
+                         f"plan file {cfg.plan_file}", share, budget)
     try:
         validate_schedule(plan, S, N)
     except InvalidPlan as e:  # a planner bug, not a user error, but still one sentence
@@ -230,6 +288,9 @@ def describe_memory(cfg: PipeMorphConfig, plan: Schedule, share: float = W_SHARE
     peak = [f"{u:g}" for u in peak_units(plan, min(share, 1.0))]
     factor = cfg.memory.budget_in_force
     grant = f"memory.budget {factor:g}x" if factor is not None else "no memory.budget"
+    if cfg.memory.budget_mb is not None:
+        grant = (f"memory.budget_mb {_listed(cfg.memory.mib_per_stage(S))} MiB per stage from the second iteration "
+                 f"on, once the first has measured the activations (stock 1F1B's until then)")
     window = cfg.send_window_in_force
     sends = f"at most {window} per peer" if window is not None else "unbounded"
     posted = ("every receive of an iteration posted up front" if cfg.dispatch is Dispatch.READY

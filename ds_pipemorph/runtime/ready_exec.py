@@ -141,7 +141,7 @@ def run_ready(engine, program: ReadyProgram) -> int:
         at = arrived_at.get(msg)
         return None if at is None else t0 + at
 
-    units = engine.pipemorph.memory.units(S)  # the memory budget holds forwards back (plan.ir.memory)
+    units = engine.budget.units  # the memory budget in force holds forwards back (plan.ir.memory)
     rule = ReadyRule(engine.stage_plan, program.cap, needs_input=s > 0, needs_grad=s < S - 1,
                      units=None if units is None else units[s], w_share=engine.w_share)
     buffers = Buffers(program.cap)

@@ -26,6 +26,7 @@ from deepspeed.pipe import TiedLayerSpec
 
 from ..control.rebalance import Rebalancer
 from ..fileio import BadInput
+from ..plan.ir.memory import MemoryBudget
 from ..plan.partition.layer_profile import read_layer_profile
 from .boundary import Migration
 from .config import PipeMorphConfigError
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 class RebalanceLoop:
     """The rebalance loop's ``runtime.boundary.BoundaryLoop``: its row, and every rank's same ``Migration``."""
 
-    def __init__(self, engine, caps: list[int]):
+    def __init__(self, engine, budget: MemoryBudget):
         cfg = engine.pipemorph.rebalance
         S, N = engine.num_stages, engine.micro_batches
         layers = engine.module._num_layers
@@ -51,8 +52,10 @@ class RebalanceLoop:
                 raise PipeMorphConfigError(f"rebalance.layer_profile {cfg.layer_profile}: {profile.num_layers} layers, "
                                            f"but the model has {layers}")
         tied = tuple(i for i, spec in enumerate(engine.module._layer_specs) if isinstance(spec, TiedLayerSpec))
-        self.rebalancer = Rebalancer(S, N, list(engine.module.parts), caps, noise=cfg.noise, patience=cfg.patience,
-                                     min_gain=cfg.min_gain, warmup=cfg.warmup_iterations, profile=profile, pinned=tied)
+        self.budget = budget  # the engine's: its caps are read at every decision (a grant may come later)
+        self.rebalancer = Rebalancer(S, N, list(engine.module.parts), list(budget.caps), noise=cfg.noise,
+                                     patience=cfg.patience, min_gain=cfg.min_gain, warmup=cfg.warmup_iterations,
+                                     profile=profile, pinned=tied)
         self.S, self.layers = S, layers
         self.events: list[dict] = []  # one per decision: what was decided and what the migration did
         # Per layer index, its (weight, signature) while the partition stays ``_described_parts``: a
@@ -93,6 +96,7 @@ class RebalanceLoop:
         L = self.layers
         table = table.amax(dim=0)
         self.rebalancer.iteration = engine.boundary.iteration  # exchanges may skip iterations: count these
+        self.rebalancer.set_caps(self.budget.caps)
         decision = self.rebalancer.observe(table[:3 * S].view(S, 3).tolist(), table[3 * S:3 * S + L].tolist(),
                                            [int(x) for x in table[3 * S + L:].tolist()])
         if decision is None:

@@ -19,6 +19,7 @@ import pytest
 
 from ds_pipemorph.control.rebalance import Rebalancer, best_step, reachable
 from ds_pipemorph.fileio import BadInput
+from ds_pipemorph.plan.ir.memory import MemoryBudget
 from ds_pipemorph.plan.partition.layer_profile import LayerProfile
 from ds_pipemorph.plan.partition.partition import evaluate
 from ds_pipemorph.plan.partition.parts import layer_moves
@@ -436,7 +437,7 @@ def test_the_engine_row_reports_a_tied_head_and_describes_a_stage_once_per_parti
     blocks = [torch.nn.Linear(8, 8) for _ in range(3)]
     act, head = torch.nn.GELU(), functools.partial(_tied_head, emb)
     engine = _engine(1, [0, 2, 6], [blocks[1], act, blocks[2], head])
-    loop = rebalance_loop.RebalanceLoop(engine, caps=[4, 4])
+    loop = rebalance_loop.RebalanceLoop(engine, MemoryBudget((4, 4)))
     calls = []
     real = rebalance_loop.layer_signature
     monkeypatch.setattr(rebalance_loop, "layer_signature", lambda layer: calls.append(layer) or real(layer))

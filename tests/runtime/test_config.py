@@ -300,3 +300,81 @@ def test_ready_dispatch_with_injected_link_faults_is_refused_in_one_sentence():
     assert parse_config({"dispatch": "ready"}).dispatch == "ready"
     with pytest.raises(PipeMorphConfigError, match="dispatch"):
         parse_config({"dispatch": "eager"})
+
+
+# -- memory.budget_mb ------------------------------------------------------------------------------------
+
+def test_a_grant_in_mib_is_refused_beside_a_factor_or_with_the_wrong_stage_count():
+    with pytest.raises(PipeMorphConfigError, match="^ds_config pipemorph: memory: budget and budget_mb both grant "
+                                                   "activation memory: give one of them"):
+        parse_config({"memory": {"budget_mb": 64, "budget": 2.0}})
+    with pytest.raises(PipeMorphConfigError, match="budget and budget_mb both grant"):  # null is a factor too
+        parse_config({"memory": {"budget_mb": 64, "budget": None}})
+    for bad in (0, -1.5, [64, 0]):
+        with pytest.raises(PipeMorphConfigError, match="memory.budget_mb: every stage needs some activation memory"):
+            parse_config({"memory": {"budget_mb": bad}})
+    with pytest.raises(PipeMorphConfigError, match="memory.budget_mb: expected a number"):
+        parse_config({"memory": {"budget_mb": "64"}})
+    with pytest.raises(PipeMorphConfigError, match="^ds_config pipemorph.memory.budget_mb has 3 values but the job "
+                                                   "has 4 stages: give one value per stage, or one for all$"):
+        build_plan(parse_config({"schedule": "zb", "memory": {"budget_mb": [64, 64, 64]}}), 4, 8)
+    mem = parse_config({"memory": {"budget_mb": 64, "max_inflight": 3}}).memory  # a count and bytes: both hold
+    assert mem.mib_per_stage(2) == [64.0, 64.0] and mem.per_stage(2) == [3, 3]
+
+
+def test_until_the_grant_is_measured_the_job_plans_within_stock_1f1b_s_budget():
+    from ds_pipemorph.runtime.plans import memory_budget
+
+    cfg = parse_config({"schedule": "adaptive", "memory": {"budget_mb": [1.0, 1.0, 1.0, 1.0]}})
+    assert cfg.memory.budget_in_force == 1.0 and cfg.send_window_in_force is not None
+    start = memory_budget(cfg, 4, 8)
+    assert start.units == (4.0, 3.0, 2.0, 1.0) and start.caps == (4, 3, 2, 1) and start.mib is None
+    assert build_plan(cfg, 4, 8) == build_plan(parse_config({"schedule": "adaptive"}), 4, 8)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "adaptive"])
+def test_a_grant_becomes_micro_batches_of_each_stage_s_measured_activations(schedule):
+    """1 MiB per stage where F keeps 0.25, 0.25, 0.4 and 0.5 MiB per micro-batch: 4, 4, 2.5 and 2
+    micro-batches; every plan made within it holds no more (W pending counted as all of F's)."""
+    from ds_pipemorph.plan.ir.memory import peak_units
+    from ds_pipemorph.runtime.plans import granted_budget
+
+    MIB = 1024 * 1024
+    S, N = 4, 8
+    cfg = parse_config({"schedule": schedule, "memory": {"budget_mb": 1}})
+    f = [MIB // 4, MIB // 4, int(0.4 * MIB), MIB // 2]
+    budget = granted_budget(cfg, S, N, f)
+    assert budget.units == pytest.approx([4.0, 4.0, 2.5, 2.0]) and budget.caps == (4, 4, 2, 2)
+    assert budget.mib == (1.0, 1.0, 1.0, 1.0)
+    plan = build_plan(cfg, S, N, budget=budget)  # (1f1b: stock's S - s fits on every stage)
+    held = peak_units(plan, 1.0)
+    assert all(held[s] * f[s] <= MIB for s in range(S)), held
+
+
+def test_a_grant_tighter_than_stock_1f1b_s_order_is_refused_for_1f1b_but_planned_for_zb():
+    from ds_pipemorph.plan.ir.memory import peak_units
+    from ds_pipemorph.runtime.plans import granted_budget
+
+    S, N, f = 4, 8, [1000] * 4
+    for schedule in ("zb", "adaptive"):
+        cfg = parse_config({"schedule": schedule, "memory": {"budget_mb": 2000 / 1024 / 1024}})
+        plan = build_plan(cfg, S, N, budget=granted_budget(cfg, S, N, f))
+        assert max(peak_units(plan, 1.0)) <= 2.0, (schedule, peak_units(plan, 1.0))
+    cfg = parse_config({"schedule": "1f1b", "memory": {"budget_mb": 2000 / 1024 / 1024}})
+    with pytest.raises(PipeMorphConfigError, match="^the '1f1b' plan needs more activation memory than "
+                                                   r"pipemorph.memory.budget_mb \(\[0.001907, "):
+        build_plan(cfg, S, N, budget=granted_budget(cfg, S, N, f))
+
+
+def test_a_grant_below_one_micro_batch_names_the_stage_its_measure_and_the_least_that_runs():
+    from ds_pipemorph.runtime.plans import granted_budget
+
+    MIB = 1024 * 1024
+    cfg = parse_config({"memory": {"budget_mb": [2, 2, 1, 2]}})
+    with pytest.raises(PipeMorphConfigError) as e:
+        granted_budget(cfg, 4, 8, [MIB, MIB, int(1.5 * MIB), 2 * MIB])
+    assert str(e.value) == ("pipemorph.memory.budget_mb gives stage 2 1 MiB, less than one micro-batch's activations "
+                            "there (1.5 MiB measured in the first iteration): the smallest budget_mb that runs is "
+                            "1.5 MiB on stage 2 ([1, 1, 1.5, 2] per stage)")
+    exact = granted_budget(cfg, 4, 8, [MIB, MIB, MIB, 2 * MIB])  # exactly one micro-batch: runs (fused-like)
+    assert exact.units == (2.0, 2.0, 1.0, 1.0) and exact.caps == (2, 2, 1, 1)

@@ -9,6 +9,10 @@ step on, the worker counts what autograd holds saved for the backward (``SavedPe
 the test's own count, each storage once, parameters left out) and keeps each step's peak. The
 engine's own measurement of its first iteration (F's bytes per micro-batch) must predict stock's
 peak, (S - s) of them, give or take what one backward holds while it runs.
+
+A second launch grants ``memory.budget_mb`` (bytes, in force from the second step): stock, ``zb`` and
+``adaptive`` under both dispatches, ``adaptive`` re-planning for the slow link, and a grant below one
+micro-batch that every rank refuses after the first step.
 """
 from __future__ import annotations
 
@@ -103,3 +107,72 @@ def test_a_plan_the_send_window_would_deadlock_in_both_directions_trains_within_
     assert window_deadlock(streams, both, cfg.send_window_in_force), "the case no longer needs the guard"
     stock, ours = _peaks(run, "stock"), _peaks(run, "adaptive_budget3_n12")  # every step ran (a hang: a timeout)
     assert all(ours[s] <= 3 * stock[s] for s in range(S)), (ours, stock)
+
+
+# -- memory.budget_mb: a grant in bytes, converted once the first iteration has measured ---------------
+#
+# Per micro-batch of 2 x 16 fp32 (128 B per tensor), a stage of this model (Linear, GELU, Linear, GELU)
+# saves for its backward the input of each Linear and of each GELU: 4 x 128 = 512 B; the last stage's
+# MSE loss also saves its input and its target: 768 B. The grant below is 2.5 micro-batches' worth on
+# every stage: less than stock 1F1B's 4 on stage 0, more than its 1 on stage 3.
+F_BYTES = [512, 512, 512, 768]
+GRANT_BYTES = [2.5 * f for f in F_BYTES]
+MIB = 1024 * 1024
+GRANT_MB = [b / MIB for b in GRANT_BYTES]
+TOO_SMALL_MB = 100 / MIB  # less than one micro-batch on every stage: refused, naming stage 0
+
+MB_JOBS = [_job("stock", None)]
+for _sched in ("zb", "adaptive"):
+    for _dispatch in ("ordered", "ready"):
+        MB_JOBS.append(_job(f"mb_{_sched}_{_dispatch}", _section(_sched, _dispatch, memory={"budget_mb": GRANT_MB})))
+# re-planning for a slow link (20 ms injected on link 0, delegation "auto"): the re-plans keep within the grant
+MB_JOBS.append(_job("mb_adaptive_replans", _section("adaptive", memory={"budget_mb": GRANT_MB},
+                                                    inject={"links": {"0": {"delay_ms": 20}}},
+                                                    delegation={"mode": "auto"})))
+MB_JOBS.append(_job("mb_too_small", _section("zb", memory={"budget_mb": TOO_SMALL_MB}), expect_train_error=True))
+MB_NAMES = [j["name"] for j in MB_JOBS[1:-1]]
+
+
+@pytest.fixture(scope="module")
+def run_mb(tmp_path_factory):
+    return launch(S, MB_JOBS, tmp_path_factory.mktemp("memory_mb"), timeout=1200)
+
+
+@pytest.mark.timeout(1500)
+def test_a_grant_in_bytes_is_kept_from_the_second_iteration_and_trains_as_stock(run_mb):
+    from .launch import max_param_diff
+
+    stock = _peaks(run_mb, "stock")
+    for name in MB_NAMES:
+        measured = {a["stage"]: a["f"] for a in run_mb.result(name, 0)["activation_bytes"]}
+        assert [measured[s] for s in range(S)] == F_BYTES, (name, measured)
+        ours = _peaks(run_mb, name)  # the steps after the first: the grant in force
+        for s in range(S):
+            budget = run_mb.result(name, s)["budget"]  # every rank holds every stage's, the same
+            assert budget == run_mb.result(name, 0)["budget"], name
+            assert budget["units"][s] == pytest.approx(2.5) and budget["caps"][s] == 2, (name, budget)
+            assert ours[s] <= GRANT_BYTES[s], (name, s, ours[s], GRANT_BYTES[s])
+        assert ours[0] < stock[0], (name, ours, stock)  # tighter than stock where the grant is smaller
+        for r in range(S):  # fp32: the same training as stock DeepSpeed's
+            res, ref = run_mb.result(name, r), run_mb.result("stock", r)
+            assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) <= 1e-5, name
+            assert max_param_diff(res, ref) <= 1e-5, name
+    # rank 0's line after the first iteration: the budget per stage in MiB (5 decimals: two significant
+    # digits of the smallest per-micro-batch figure, 0.00049 MiB) and in micro-batches' activations
+    line = (f"the budget from now on (memory.budget_mb): [{', '.join(f'{b / MIB:.5f}' for b in GRANT_BYTES)}] MiB "
+            f"per stage, [2.5, 2.5, 2.5, 2.5] micro-batches' activations")
+    assert run_mb.output.count(line) == len(MB_NAMES), run_mb.output[-3000:]
+    assert run_mb.result("mb_adaptive_replans", 0)["replans"], "the slow link was not re-planned for"
+
+
+@pytest.mark.timeout(1500)
+def test_a_grant_below_one_micro_batch_is_refused_on_every_rank_naming_the_stage(run_mb):
+    # the launch ended (no hang): each rank recorded the refusal and exits 2; torchrun exits 1 (it may stop
+    # a rank still running first)
+    assert run_mb.returncode == 1 and "exitcode  : 2" in run_mb.output, run_mb.output[-3000:]
+    least = F_BYTES[0] / MIB
+    for r in range(S):
+        err = run_mb.error("mb_too_small", r)
+        assert err.startswith(f"pipemorph.memory.budget_mb gives stage 0 {TOO_SMALL_MB:.4g} MiB, less than one "
+                              f"micro-batch's activations there ({least:.4g} MiB measured"), err
+        assert f"the smallest budget_mb that runs is {least:.4g} MiB on stage 0" in err, err

@@ -77,3 +77,17 @@ def test_a_bad_config_ends_the_recipe_with_one_sentence_and_exit_code_2(tmp_path
     # The only traceback is torchrun's report of the failed children, none from a rank.
     assert output.count("Traceback") == output.count("raise ChildFailedError(") == 1, output[-3000:]
     assert "step " not in output  # no training step ran
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_a_grant_in_bytes_below_one_micro_batch_ends_the_recipe_after_its_first_iteration(tmp_path):
+    """Known only once the first iteration measured: every rank refuses it at the same point, the first
+    to end says it (``runtime.errors``: an error while training exits 1), and no rank waits for another."""
+    conf, code, output = _run_recipe(tmp_path, {"schedule": "zb", "memory": {"budget_mb": 1e-6}})
+    assert code == 1 and "exitcode  : 1" in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: pipemorph.memory.budget_mb gives stage 0 1e-06 MiB, less "
+                                                     "than one micro-batch's activations there ("), output[-3000:]
+    assert "the smallest budget_mb that runs is" in errors[0], errors[0]
+    assert output.count("Traceback") == output.count("raise ChildFailedError(") == 1, output[-3000:]

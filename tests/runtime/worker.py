@@ -4,9 +4,12 @@
 
 SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
 "gpt": the tiny_gpt recipe's model, "emulated": "layers" emulated layers of "layer_ms", or "multimodal" / "varlen":
-recipes/gpt/varlen.py's workloads, whose micro-batches differ in length), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
+recipes/gpt/varlen.py's workloads, whose micro-batches differ in length), "tp"
+(tensor-parallel ranks per stage: the column/row-parallel MLP of tp_models.py on DeepSpeed's pipe x
+model x data topology), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
-instead of training (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
+instead of training (the launch then exits with code 2), "expect_train_error": true to record a refusal
+(ValueError) that ``train_batch`` raises (the launch then exits with code 2), "stall": {"rank", "seconds"} to start one
 rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k steps every rank calls
 ``engine.repartition(parts)``; the reports are recorded), "save": {"k": dir} (after k steps every rank
 calls ``engine.save_checkpoint(OUT_DIR/dir)``), "load": {"dir", "step"} (right after start-up every
@@ -19,7 +22,10 @@ steps every rank calls ``engine.remap`` and trains on from there with its new re
 may re-map it).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run, the transport's recovery log lines
-(failover, delegate restarts) and the class of its direct path's point-to-point layer ("p2p"); or <name>.rank<r>.err with the message. The transport (and its
+(failover, delegate restarts), the class of its direct path's point-to-point layer ("p2p"), the global
+rank of each stage its direct path sends to ("stage_ranks"), each link's route at the end
+("link_modes"), the link delays each re-plan planned for ("replan_links") and, for "tp" jobs, the op
+each backward all-reduce of the layers ran in, per step ("tp_backward_ops"); or <name>.rank<r>.err with the message. The transport (and its
 delegate processes) is closed at the end of each job. ``WORKER_DIST_BACKEND`` names the backend (default
 gloo; ``scripts/gpu_check/nccl_job.py`` runs it on nccl).
 """
@@ -83,6 +89,10 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         ms = job["layer_ms"]
         model = PipelineModule([LayerSpec(EmulatedStage, 16, ms, ms, ms) for _ in range(job["layers"])],
                                num_stages=S, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    elif job.get("tp"):  # "tp" tensor-parallel ranks per stage: DeepSpeed's pipe x model x data topology
+        from tp_models import build_tp_model
+
+        model = build_tp_model(S, job["tp"], dp, seed=1234, tied=job.get("tied", False))
     else:
         model = build_model(S, seed=1234, tied=job.get("tied", False), dropout=job.get("dropout", 0.0),
                             idle=job.get("idle", False))
@@ -154,6 +164,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     if stall.get("rank") == rank:
         time.sleep(stall["seconds"])
     migrations, remaps = [], []
+    tp_backward_ops = []  # per step (tensor-parallel model): the op each backward all-reduce ran in
     for step in range(start, steps):
         if job.get("follow_replica"):  # the engine may re-map itself: feed the batches of its replica now
             it = iter(data_of(engine.grid.data_parallel_id)[step * N:(step + 1) * N])
@@ -200,6 +211,15 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 f.write(str(e))
             time.sleep(stall["seconds"] + 2 * job["pipemorph"]["timeout_s"])  # let the late rank time out too
             return
+        except ValueError as e:
+            if not job.get("expect_train_error"):
+                raise
+            with open(path + ".err", "w") as f:
+                f.write(str(e))
+            engine.destroy()
+            return
+        if job.get("tp"):  # the op each backward all-reduce of the tensor-parallel layers ran in
+            tp_backward_ops.append(_ops_at(getattr(engine, "op_records", [])))
         peaks.append(getattr(engine, "measured_peak_inflight", None))
         ops.append([r.op for r in getattr(engine, "op_records", [])])
         executed.append(list(getattr(engine, "executed_stream", [])))
@@ -223,7 +243,10 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "stage": engine.stage_id, "switch_error": switch_error, "comparison": comparison,
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
-                "eval_loss": eval_loss, "events": events, "choosing_ns": list(getattr(engine, "choosing_ns", [])),
+                "eval_loss": eval_loss, "events": events, "tp_backward_ops": tp_backward_ops,
+                "link_modes": None if transport is None else [str(transport.link_mode(link)) for link in range(S - 1)],
+                "stage_ranks": [int(r) for r in getattr(_innermost(getattr(transport, "direct", None)), "stage_ranks", [])],
+                "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "early_loss": getattr(engine, "early_loss", None) is not None,
                 "reduce_skippable": getattr(engine, "_reduce_can_be_identity", None),
                 "reductions_skipped": getattr(engine, "reductions_skipped", None), "seconds": seconds, "migrations": migrations,
@@ -231,9 +254,21 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "remaps": remaps + [{"ok": r.ok, "old": r.old, "new": r.new} for r in getattr(engine, "remaps", [])],
                 "parts": [int(p) for p in getattr(engine.module, "parts", [])], "saved_peaks": saved_peaks,
                 "activation_bytes": [a.as_dict() for a in getattr(engine, "activation_bytes", None) or []],
+                "budget": None if getattr(engine, "budget", None) is None else vars(engine.budget).copy(),
                 "replans": [r.iteration for r in getattr(getattr(engine, "adapter", None), "replans", [])],
+                "replan_links": [(r.costs or {}).get("links") for r in getattr(getattr(engine, "adapter", None), "replans", [])],
                 "moved_to": [list(r.after) for r in getattr(getattr(engine, "migrator", None), "reports", []) if r.ok]},
                path + ".pt")
+
+
+def _ops_at(records) -> list:
+    """The op (its record's text, or None outside every record) in which each backward all-reduce of
+    tp_models' layers began during the last train_batch; the list is emptied."""
+    from tp_models import BACKWARD_ALLREDUCES
+
+    out = [next((r.op for r in records if r.start_ns <= t <= r.end_ns), None) for t in BACKWARD_ALLREDUCES]
+    BACKWARD_ALLREDUCES.clear()
+    return out
 
 
 class _Box:
@@ -335,7 +370,7 @@ def main() -> int:
     try:
         for job in jobs:
             run_job(job, out_dir, rank)
-            if job.get("expect_error"):
+            if job.get("expect_error") or job.get("expect_train_error"):
                 code = 2
     except Exception:
         traceback.print_exc()

@@ -210,7 +210,7 @@ def test_a_spent_budget_leaves_steps_unrun_an_incomplete_verdict_and_a_relative_
     assert data["verdict"] == "INCOMPLETE"
     assert {s["name"]: s["status"] for s in data["steps"]} == {
         "cuda_tests": "incomplete", "op_timing": "incomplete", "one_gpu_job": "incomplete", "memory": "incomplete",
-        "nccl_job": "skipped", "staging_bench": "incomplete", "nsight": "skipped"}
+        "nccl_job": "skipped", "tp_job": "skipped", "staging_bench": "incomplete", "nsight": "skipped"}
     nccl = next(s for s in data["steps"] if s["name"] == "nccl_job")  # one GPU: NCCL wants one per rank
     assert nccl["note"].startswith("needs 2 CUDA devices or more")
 
@@ -221,7 +221,10 @@ def test_with_time_left_failing_steps_fail_the_check(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     data = json.loads((tmp_path / "rel" / "out" / "gpu_check_report.json").read_text())
     assert data["verdict"] == "FAILED" and data["failed"] == 6  # with 2 GPUs the NCCL step runs too
-    assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"] if s["name"] != "nsight")
+    assert all(s["exit_code"] == 3 and s["seconds"] >= 0 for s in data["steps"]
+               if s["name"] not in ("nsight", "tp_job"))
+    tp = next(s for s in data["steps"] if s["name"] == "tp_job")  # 2 stages x 2 tensor-parallel ranks: 4 GPUs
+    assert tp["status"] == "skipped" and tp["note"].startswith("needs 4 CUDA devices or more")
 
 
 @pytest.mark.timeout(60)
@@ -283,6 +286,22 @@ def test_the_nccl_step_runs_its_jobs_and_checks_on_the_cpu_double_of_nccls_rules
         k = got["key_numbers"][job]
         assert k["max_loss_diff"] <= 1e-5 and k["max_param_diff"] <= 1e-5 and k["p2p"] == ["NcclRules"]
 
+
+
+@pytest.mark.timeout(180)
+def test_the_tensor_parallel_step_runs_its_jobs_and_checks_on_the_cpu_double_of_nccls_rules(tmp_path):
+    """tp_job.py --double: 2 stages x 2 tensor-parallel ranks on gloo under NCCL's rules (the NCCL run
+    itself needs four GPUs); the key file says the engine trained like stock and ran NcclLowering."""
+    keys = tmp_path / "tp_job.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check" / "tp_job.py"), str(tmp_path / "work"),
+                        str(keys), "--double"], capture_output=True, text=True, cwd=ROOT, timeout=170,
+                       env={**os.environ, "GPU_CHECK_STEP_S": "160"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    got = json.loads(keys.read_text())
+    assert got["ok"] and got["failures"] == []
+    for job in ("zb", "1f1b"):
+        k = got["key_numbers"][job]
+        assert k["max_loss_diff"] <= 1e-5 and k["max_param_diff"] <= 1e-5 and k["p2p"] == ["NcclRules"]
 
 
 def _peak_memory_module():

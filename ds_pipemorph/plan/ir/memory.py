@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 from .ops import Kind, Op, Schedule
 
@@ -37,6 +39,36 @@ def stock_units(stages: int) -> list[int]:
 def budget_units(stages: int, factor: float) -> list[float]:
     """The per-stage budget ``factor`` times stock 1F1B's, in units of one micro-batch's activations."""
     return [factor * u for u in stock_units(stages)]
+
+
+def units_of_bytes(grant: Sequence[float], f_bytes: Sequence[int], most: float) -> list[float]:
+    """A grant in bytes per stage as budget units: ``grant[s] / f_bytes[s]`` (one unit is one
+    micro-batch's ``F``-to-``B`` activations on that stage), at most ``most`` (a stage whose ``F``
+    saves nothing for ``B`` is held back by nothing but the caps)."""
+    return [most if f <= 0 else min(most, g / f) for g, f in zip(grant, f_bytes)]
+
+
+@dataclass
+class MemoryBudget:
+    """The activation-memory limits of a job, one object every planner and dispatcher reads when it
+    plans (not a copy taken at start-up): per stage, the budget in micro-batches' activations
+    (``units``; None: no limit) and the most micro-batches held between ``F`` and ``B`` (``caps``;
+    None: no cap). A grant known only once the first iteration measured its bytes replaces both in
+    place (``grant``), at an iteration boundary, on every rank alike; ``mib`` then says what it
+    was in MiB per stage (None: a factor or a count, not bytes)."""
+
+    caps: Optional[tuple[int, ...]]
+    units: Optional[tuple[float, ...]] = None
+    mib: Optional[tuple[float, ...]] = None
+
+    def __post_init__(self) -> None:
+        self.caps = None if self.caps is None else tuple(self.caps)
+        self.units = None if self.units is None else tuple(self.units)
+        self.mib = None if self.mib is None else tuple(self.mib)
+
+    def grant(self, other: "MemoryBudget") -> None:
+        """Take ``other``'s limits in place: every holder of this object reads them from now on."""
+        self.caps, self.units, self.mib = other.caps, other.units, other.mib
 
 
 def caps_within(units: Sequence[float]) -> list[int]:
