@@ -11,8 +11,8 @@ its iteration boundaries (``A B A' B``). Iteration k's batches go to each engine
 order alternating with k, so both times of iteration k are taken within a second or two of each
 other on the same batches: what the machine's load does between jobs or minutes apart does not
 enter a ratio. Both engines train every iteration (they stay equal: ours trains exactly as stock
-does). Two of our engines cannot be alive in one process: their transports would post receives
-for the same links and tags. An iteration's time is from a barrier before ``train_batch`` to the
+does). Only one of our engines per job: with two alive in one process a job hung, both ranks
+waiting for a message in ready dispatch's inbox (both engines receive on the same links). An iteration's time is from a barrier before ``train_batch`` to the
 last rank's return. Of our engines each rank keeps every op's start and end (``op_records``); of
 stock, the time of each forward and (fused) backward pass (``time_stock_ops``). Rank 0 writes the
 JSON: per engine the times, losses, the side of each iteration (ours), the engine's own comparison
