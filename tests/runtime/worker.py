@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node N tests/runtime/worker.py SPEC.json OUT_DIR
 
 SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
-"gpt": the tiny_gpt recipe's model, or "emulated": "layers" emulated layers of "layer_ms"), "tp"
+"gpt": the tiny_gpt recipe's model, "emulated": "layers" emulated layers of "layer_ms", or "multimodal" / "varlen":
+recipes/gpt/varlen.py's workloads, whose micro-batches differ in length), "tp"
 (tensor-parallel ranks per stage: the column/row-parallel MLP of tp_models.py on DeepSpeed's pipe x
 model x data topology), "dynamic" (gpt only: sequence length varies per micro-batch), "eval" (also run eval_batch after training),
 "pipemorph": section or null for stock DeepSpeed, "expect_error": true to record a start-up error
@@ -53,6 +54,19 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from model import tiny_gpt  # noqa: E402
 
 GPT_VOCAB, GPT_SEQ = 23, 12
+VARLEN_SEQ = 8
+
+
+def _varlen():
+    """recipes/gpt/varlen.py, loaded by its path (the tiny_gpt recipe's ``model`` is imported as ``model``)."""
+    import importlib.util
+
+    if "recipes_gpt_varlen" not in sys.modules:
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "gpt", "varlen.py")
+        spec = importlib.util.spec_from_file_location("recipes_gpt_varlen", path)
+        sys.modules["recipes_gpt_varlen"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["recipes_gpt_varlen"]
 
 
 def run_job(job: dict, out_dir: str, rank: int) -> None:
@@ -64,6 +78,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         model.dynamic_shape = bool(job.get("dynamic"))  # DeepSpeed's flag: shapes vary between micro-batches
         if job.get("ckpt_layers"):  # the layer classes activation checkpointing may take (GPT-NeoX's way)
             model.checkpointable_layers = job["ckpt_layers"]
+    elif job.get("model") in ("multimodal", "varlen"):  # lengths vary per micro-batch and iteration
+        torch.manual_seed(1234)
+        model = _varlen().model(job["model"], S, seq=VARLEN_SEQ, d_model=16, heads=2, blocks=2 * S)
     elif job.get("model") == "emulated":  # "layers" emulated layers (inject.emulated) of "layer_ms" each
         from deepspeed.pipe import LayerSpec, PipelineModule
         from ds_pipemorph.inject.emulated import EmulatedStage
@@ -116,6 +133,9 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 f.write(str(e))
             return
     def data_of(replica: int) -> list:  # the batches of a data-parallel replica, all steps
+        if job.get("model") in ("multimodal", "varlen"):
+            batches = _varlen().Batches(job["model"], N, batch=2, seq=VARLEN_SEQ, seed=replica)
+            return [mb for step in range(steps) for mb in batches.of(step)]
         if job.get("model") == "gpt":
             g = torch.Generator().manual_seed(99 + replica)
             seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]

@@ -1,0 +1,234 @@
+"""Real heavy micro-batches: stock DeepSpeed 1F1B against ours, ordered and ready (BF and BFW hints),
+on the GPT recipe's blocks with micro-batches of varying length, and what the replay predicts.
+
+    DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py [--workloads multimodal,varlen] [--ranks 2 4]
+        [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--out out/varlen_real.json]
+
+Workloads (``recipes/gpt/varlen.py``, a ``PipelineModule(dynamic_shape=True)`` of the recipe's
+blocks, d = 128, 4 blocks, 8 windows of 64 bytes per micro-batch, fp32, Adam): ``multimodal``, a
+seeded quarter of the micro-batches 4x longer on the encoder (the first half of the blocks: stage 0
+of 2, stages 0-1 of 4), pooled to the common length before the text blocks, drawn anew each
+iteration; ``varlen``, language only, each micro-batch's length drawn from a long tail. One rank
+per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (the rows say so).
+
+Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each hint,
+``--sittings`` times) keeps two engines alive side by side and trains iteration k's batches with
+each in turn, which goes first alternating with k: stock DeepSpeed (``deepspeed.initialize``:
+1F1B, fused backward) and our engine with the ``1f1b`` plan (BF: W fused with B) or the ``zb`` plan
+(BFW: W apart) as the hint of ready dispatch, alternating ready (B) with ordered dispatch of the
+same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
+every row is paired with stock per iteration, on the same batches, a second or two apart: stock /
+row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
+ordered is the engine's own comparison (B/A per pair, its 95 % interval).
+
+Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
+iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
+in that iteration; stock's order (DeepSpeed's 1F1B, ordered, backward fused) and the row's (its
+plan, ordered, or ready with the plan's caps) are replayed on it, and "replay: stock / row" is the
+median over the row's iterations. "share" is measured over predicted speed-up. Stock's own forward
+and fused backward passes are timed too: "replay, stock's own ops" replays stock's order on those
+instead (its backward as one op), and "ops: row / stock" is the sum of the row's op times over
+stock's in the same iteration (what the split backward and our ops cost beyond stock's). The JSON also holds
+each iteration's pair and the largest loss difference between the engines (they train alike).
+Prints one table and writes JSON (with ``/proc/loadavg`` before and after).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "_common"))  # the shared helpers
+
+from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from ds_pipemorph.fileio import BadInput  # noqa: E402
+
+JOB = HERE.parent / "_common" / "_varlen_job.py"
+WORKLOADS = ("multimodal", "varlen")
+HINTS = {"zb": "BFW", "1f1b": "BF"}
+TARGET_SHARE = 0.90
+ROWS = ["stock 1F1B", "ours ordered 1f1b", "ours ready 1f1b (BF)", "ours ordered zb", "ours ready zb (BFW)"]
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def run_job(workload: str, ranks: int, hint: str, args, tmp: Path, name: str) -> dict:
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
+           "--workload", workload, "--hint", hint, "--micro-batches", str(args.micro_batches),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--d-model", str(args.d_model),
+           "--heads", str(args.heads), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
+           "--iterations", str(args.iterations), "--out", str(out)]
+    if args.budget is not None:
+        cmd += ["--budget", str(args.budget)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    if p.returncode or not out.exists():
+        raise SystemExit(f"{name}: the job failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def label(hint: str, side: str) -> str:
+    return f"ours ready {hint} ({HINTS[hint]})" if side == "B" else f"ours ordered {hint}"
+
+
+def pairs(job: dict) -> dict[str, list[dict]]:
+    """Row label -> per measured iteration: stock's ms, the row's ms, the replay's ms of both from
+    the op times the row's engine measured in that iteration."""
+    from ds_pipemorph.plan.ir.links import DIRECT
+    from ds_pipemorph.plan.ir.ops import parse_stage, peak_inflight
+    from ds_pipemorph.plan.ir.profile import Costs
+    from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
+    from ds_pipemorph.plan.sim.ready import replay_varying
+
+    S, N, warm = job["ranks"], job["args"]["micro_batches"], job["args"]["warmup"]
+    costs = Costs.uniform(S, 1.0)
+    stock = next(r for r in job["rows"] if r["row"] == "stock")
+    out = {k: [] for k in ROWS[1:]}
+    for r in job["rows"]:
+        if r["row"] == "stock":
+            continue
+        plan = [parse_stage(stage) for stage in r["plan"]]
+        for k in range(warm, len(r["times_ms"])):
+            ms = {(s, kind, m): t for s, kind, m, t in r["ops"][k]}
+
+            def table(s, kind, m, ms=ms):
+                return ms[(s, getattr(kind, "value", kind), m)]
+            ready = r["sides"][k] == "B"
+            stock_replay = replay_varying(deepspeed_1f1b(S, N), costs, N, dispatch="ordered", op_times=table,
+                                          fused_backward=True, link_model=DIRECT).iteration_ms
+            row_replay = replay_varying(plan, costs, N, dispatch="ready" if ready else "ordered",
+                                        caps=peak_inflight(plan) if ready else None, op_times=table,
+                                        link_model=DIRECT).iteration_ms
+            own = {(s, kind, m): t for s, kind, m, t in stock["ops"][k]}
+
+            def stock_table(s, kind, m, own=own):  # its fused backward as B, W nothing
+                kind = getattr(kind, "value", kind)
+                return own[(s, "F", m)] if kind == "F" else own[(s, "BW", m)] if kind == "B" else 0.0
+            stock_own = replay_varying(deepspeed_1f1b(S, N), costs, N, dispatch="ordered", op_times=stock_table,
+                                       fused_backward=True, link_model=DIRECT).iteration_ms
+            out[label(r["row"], r["sides"][k])].append(
+                {"iteration": k, "stock_ms": stock["times_ms"][k], "row_ms": r["times_ms"][k],
+                 "stock_replay_ms": stock_replay, "row_replay_ms": row_replay, "stock_own_replay_ms": stock_own,
+                 "row_ops_ms": sum(ms.values()), "stock_ops_ms": sum(own.values())})
+    return out
+
+
+def summarize(jobs: list[dict]) -> dict:
+    """Per row: stock / row per iteration (median, 95 % interval), the replay's stock / row per
+    iteration (median), their quotient (share); mean ms of both; the engines' own ready/ordered
+    comparisons (B/A with its 95 % interval); the largest loss difference between the engines."""
+    from ds_pipemorph.paired import bootstrap_median
+
+    per = {k: [] for k in ROWS[1:]}
+    paired, stock_ms, loss_diff = {h: [] for h in HINTS}, [], 0.0
+    for job in jobs:
+        for k, v in pairs(job).items():
+            per[k] += v
+        stock = next(r for r in job["rows"] if r["row"] == "stock")
+        stock_ms += stock["times_ms"][job["args"]["warmup"]:]
+        for r in job["rows"]:
+            if r["row"] in HINTS:
+                paired[r["row"]].append(r["comparison"]["ratio"] if r["comparison"] else None)
+                loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(r["losses"], stock["losses"])))
+    rows = {"stock 1F1B": {"measured_ms": statistics.fmean(stock_ms), "iterations": len(stock_ms),
+                           "predicted_ms": statistics.fmean(p["stock_replay_ms"] for v in per.values() for p in v)}}
+    for k, v in per.items():
+        measured = bootstrap_median([p["stock_ms"] / p["row_ms"] for p in v])
+        predicted = statistics.median(p["stock_replay_ms"] / p["row_replay_ms"] for p in v)
+        rows[k] = {"measured_ms": statistics.fmean(p["row_ms"] for p in v), "iterations": len(v),
+                   "predicted_ms": statistics.fmean(p["row_replay_ms"] for p in v),
+                   "measured_speedup": measured.median, "measured_interval": [measured.lo, measured.hi],
+                   "predicted_speedup": predicted, "share": measured.median / predicted,
+                   "predicted_speedup_own_ops": statistics.median(p["stock_own_replay_ms"] / p["row_replay_ms"] for p in v),
+                   "ops_over_stock_ops": statistics.median(p["row_ops_ms"] / p["stock_ops_ms"] for p in v),
+                   "iterations_detail": v}
+    return {"rows": rows, "ready_over_ordered": paired, "max_loss_difference": loss_diff}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="multimodal,varlen")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sittings", type=int, default=1, help="jobs per workload and rank count")
+    ap.add_argument("--iterations", type=int, default=24, help="measured iterations per engine and job (>= 12)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="windows per micro-batch")
+    ap.add_argument("--seq", type=int, default=64, help="the common sequence length")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=None, help="our engine's memory.budget (default: no limit)")
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--out", default="out/varlen_real.json")
+    args = ap.parse_args()
+    check_out(args.out)
+    workloads = args.workloads.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise BadInput(f"--workloads: unknown '{unknown[0]}'; use a comma-separated list of {', '.join(WORKLOADS)}")
+    if args.iterations < 12:
+        raise BadInput(f"--iterations {args.iterations}: use at least 12 (the engine's comparison needs 6 pairs)")
+    if args.sittings < 1 or args.warmup < 0 or args.micro_batches < 2:
+        raise BadInput("--sittings must be at least 1, --warmup at least 0 and --micro-batches at least 2")
+    if any(r < 2 or args.blocks % r for r in args.ranks):
+        raise BadInput(f"--ranks: each must be at least 2 and divide --blocks {args.blocks}")
+    cores = os.cpu_count() or 1
+    results, table = [], []
+    load_before = loadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for workload in workloads:
+            for ranks in args.ranks:
+                jobs = []
+                for k in range(args.sittings):
+                    for hint in HINTS:
+                        t0 = time.monotonic()
+                        jobs.append(run_job(workload, ranks, hint, args, Path(tmp), f"{workload}_r{ranks}_{hint}_{k}"))
+                        print(f"{workload}, {ranks} ranks, {hint} hint, sitting {k + 1}: {time.monotonic() - t0:.0f} s "
+                              f"(load {loadavg()})", flush=True)
+                summary = summarize(jobs)
+                note = f"{ranks} ranks" + (f" on {cores} cores (oversubscribed)" if ranks > cores else "")
+                results.append({"workload": workload, "ranks": ranks, "cores": cores, **summary,
+                                "sittings": [{"shapes": j["shapes"], "rows": [{k: v for k, v in r.items() if k != "ops"}
+                                                                              for r in j["rows"]]} for j in jobs]})
+                for name, r in summary["rows"].items():
+                    hint = next((h for h in HINTS if f"ready {h} " in name), None)
+                    pair = summary["ready_over_ordered"].get(hint) if hint else None
+                    pair_text = "-" if not pair else "; ".join(
+                        "n/a" if p is None else f"{p['median']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}]" for p in pair)
+                    stock_row = name == "stock 1F1B"
+                    table.append([workload, note, name, f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
+                                  "-" if stock_row else "{:.3f} [{:.3f}, {:.3f}]".format(
+                                      r["measured_speedup"], *r["measured_interval"]),
+                                  "-" if stock_row else f"{r['predicted_speedup']:.3f}",
+                                  "-" if stock_row else f"{r['share']:.3f}",
+                                  "-" if stock_row else f"{r['predicted_speedup_own_ops']:.3f}",
+                                  "-" if stock_row else f"{r['ops_over_stock_ops']:.3f}", pair_text])
+    load_after = loadavg()
+    print_table(f"stock DeepSpeed 1F1B against ours, GPT recipe blocks, real compute, {args.micro_batches} micro-batches, "
+                f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
+                f"(load {load_before} -> {load_after})",
+                ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
+                 "share", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"], table)
+    write_json(args.out, {"benchmark": "varlen_real", "args": vars(args), "loadavg_before": load_before,
+                          "loadavg_after": load_after, "target_share": TARGET_SHARE, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_bad_input(main))

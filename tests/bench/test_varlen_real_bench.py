@@ -1,0 +1,53 @@
+"""benchmarks/engine/varlen_real.py runs in a short form (one job, tiny model) and its rows parse: stock,
+ours ordered and ready with both hints, each paired with stock per iteration and with the replay's
+time from the op times measured in that iteration, and the engine's own paired ready/ordered
+comparison; the three engines, trained side by side on the same batches, stay equal."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(240)
+def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired_comparison(tmp_path):
+    out = tmp_path / "vr.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "varlen_real.py"), "--workloads",
+                        "multimodal", "--ranks", "2", "--sittings", "1", "--iterations", "12", "--warmup", "0",
+                        "--micro-batches", "4", "--batch", "2", "--seq", "8", "--d-model", "16", "--heads", "2",
+                        "--blocks", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=220, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "stock DeepSpeed 1F1B against ours" in p.stdout and "wrote" in p.stdout
+    (res,) = json.loads(out.read_text())["results"]
+    assert (res["workload"], res["ranks"]) == ("multimodal", 2)
+    rows = res["rows"]
+    assert list(rows) == ["stock 1F1B", "ours ordered 1f1b", "ours ready 1f1b (BF)", "ours ordered zb",
+                          "ours ready zb (BFW)"]
+    # 12 measured iterations per engine and job: stock's all (two jobs), ours' 6 ordered (A, A') and 6 ready (B).
+    assert [r["iterations"] for r in rows.values()] == [24, 6, 6, 6, 6]
+    for r in rows.values():
+        assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
+    for name, r in rows.items():
+        if name != "stock 1F1B":
+            lo, hi = r["measured_interval"]
+            assert lo <= r["measured_speedup"] <= hi and r["predicted_speedup"] > 0
+            assert r["share"] == r["measured_speedup"] / r["predicted_speedup"]
+            assert len(r["iterations_detail"]) == 6
+            assert r["predicted_speedup_own_ops"] > 0 and r["ops_over_stock_ops"] > 0
+    assert res["max_loss_difference"] <= 1e-5  # every engine trains as stock does
+    for hint in ("zb", "1f1b"):
+        (pair,) = res["ready_over_ordered"][hint]
+        assert pair["pairs"] == 6 and 0 < pair["lo"] <= pair["median"] <= pair["hi"]
+    # One job per hint, each stock and ours side by side; which goes first alternates every iteration.
+    assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"]]
+    for job in res["sittings"]:
+        assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
+        heavy = [[t for t in shapes if t > 8] for shapes in job["shapes"]]
+        assert all(h == [32] for h in heavy)  # one of 4 micro-batches 4x longer, every iteration
