@@ -15,7 +15,7 @@ leaves ``zb`` little to reorder). The ``adaptive`` job of each row group runs fi
 control loop's measured op times (``profile_out``); the replay of the ``zb`` plan and of 1F1B with
 them (``plan.sim.simulate``) gives the predicted B/A beside the measured one.
 
-Stock DeepSpeed cannot share a job with our engine (another engine class): ``--stock-pairs P``
+Stock DeepSpeed runs in jobs of its own, so that each engine has the cores to itself: ``--stock-pairs P``
 (0 skips it) alternates whole jobs, stock DeepSpeed 1F1B (A) against our engine with ``schedule:
 1f1b`` and every other setting at its default (B), in the cycle A B A' B until P B/A pairs
 (``ds_pipemorph.paired``), per micro-batch count. Each job is ``_common/_timed_gpt_job.py`` (the
