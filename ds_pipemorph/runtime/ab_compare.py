@@ -27,6 +27,7 @@ from typing import Optional
 
 from ..paired import A_SIDE, CYCLE, Comparison, compare
 from ..plan.ir.lower import Dispatch
+from ..plan.ir.ops import Schedule
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .plans import NCCL_READY_REFUSED, build_plan
 
@@ -56,9 +57,18 @@ class Compare:
         self._a_installed = None
         self._t0 = 0.0
 
-    def rebudget(self, engine) -> None:
-        """A memory grant came into force (``PipeMorphEngine``): both sides are the plans made within it."""
-        self.a_plan = build_plan(self._a_cfg, engine.num_stages, engine.micro_batches, engine.w_share, engine.budget)
+    def plan_within(self, engine, budget) -> Schedule:
+        """Side A's plan within ``budget`` (a memory grant about to come into force), changing nothing;
+        a plan the grant cannot hold is refused naming this setting."""
+        try:
+            return build_plan(self._a_cfg, engine.num_stages, engine.micro_batches, engine.w_share, budget)
+        except PipeMorphConfigError as e:
+            raise PipeMorphConfigError(f"pipemorph.compare.schedule: {e}") from None
+
+    def rebudget(self, engine, a_plan: Schedule) -> None:
+        """A memory grant came into force (``PipeMorphEngine``): both sides are the plans made within it
+        (``a_plan`` from ``plan_within``)."""
+        self.a_plan = a_plan
         self.b_plan = engine.plan
 
     def before(self, engine) -> None:

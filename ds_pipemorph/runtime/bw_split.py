@@ -16,6 +16,13 @@ only, B's pass through them computes the input gradient and keeps what the weigh
 directly. When every parameter of a stage is left to the store, B runs without ``retain_graph``
 and frees the graph as a fused backward does.
 
+A frontier node of a custom ``torch.autograd.Function`` (Megatron-style layers: one Function whose
+backward computes the input gradient, all-reduces it over the tensor-parallel group and computes the
+weight gradient, or accumulates it into ``main_grad`` itself) is never entered again: its backward
+runs once, in B, as in a fused backward, and a hook keeps the gradients it returned for its
+parameter-side edges; W enters the graph below it, at those edges, with them. Its collectives and
+side effects happen once, in B, and W runs none of them.
+
 Parts of the graph that do not lead to any input (the whole graph of a first stage whose input
 needs no gradient, or an output that does not depend on the input) are entered at their output
 edges with the output gradients themselves: B does nothing for them and W is their backward.
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from . import wgrad_store
@@ -180,10 +188,15 @@ def backward_input(
     )
 
     captured: dict[Node, tuple] = {}
-    frontier_nodes = [n for n, _, f in entries if f]
+    # A custom Function's backward computes every gradient it returns whatever autograd needs, and may
+    # communicate or accumulate on its own: keep what it returned for its parameter side (post-hook)
+    # so that W starts below it; any other frontier node W re-enters with its captured input (pre-hook).
+    run_once = {n for n, _, f in entries if f and isinstance(n, BackwardCFunction)}
+    returned: dict[Node, tuple] = {}
+    frontier_nodes = [n for n, _, f in entries if f and n not in run_once]
     handles = [
         n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier_nodes
-    ]
+    ] + [n.register_hook(lambda gi, _go, n=n: returned.__setitem__(n, gi)) for n in run_once]
     store = WeightGradStore(allowed, set(children))
     try:
         if input_idx:
@@ -200,7 +213,12 @@ def backward_input(
         picked = [k for k in range(len(params)) if mask >> k & 1]
         grp = _Group(params=[params[k] for k in picked])
         for ent, _, frontier in ents:
-            if frontier:  # a node that got no gradient at all in B contributes nothing
+            if frontier and ent in run_once:  # enter below it, at its parameter-side edges
+                for (child, nr), g in zip(ent.next_functions, returned.get(ent, ())):
+                    if child is not None and not leads_in[child] and g is not None:
+                        grp.edges.append(GradientEdge(child, nr))
+                        grp.grads.append(g)
+            elif frontier:  # a node that got no gradient at all in B contributes nothing
                 for slot, g in enumerate(captured.get(ent, ())):
                     if g is not None:
                         grp.edges.append(GradientEdge(ent, slot))

@@ -45,6 +45,16 @@ EMBEDDING_REFUSED = (
     "token ids do not (the embedding cannot be checkpointed): name only the transformer blocks in the "
     "PipelineModule's checkpointable_layers")
 
+BUDGET_MB_MOVING_REFUSED = (
+    "pipemorph.memory.budget_mb is converted into micro-batches' activations with the bytes each stage measured in "
+    "the first iteration, which moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, "
+    "remap) changes: grant memory as a factor with pipemorph.memory.budget instead, or turn pipemorph.rebalance "
+    "and pipemorph.orchestrate off")
+
+BUDGET_MB_PLAN_FILE_REFUSED = (
+    "a plan file runs as written, with the memory its plan holds (`pipemorph plan` prints it): remove "
+    "pipemorph.memory.budget_mb, or plan for the memory you grant with the profile's memory.capacity_mb")
+
 MOVING_REFUSED = (
     "moving layers or ranks (pipemorph.rebalance, pipemorph.orchestrate, repartition, remap) under a bf16, fp16 or "
     "ZeRO optimizer needs DeepSpeed's per-parameter mapping into its flat fp32 partitions, which fp16 without ZeRO "
@@ -89,11 +99,12 @@ FEATURES = (
     Feature("moving layers or ranks with fp16 without ZeRO, or with an optimizer object given to `initialize` "
             "under bf16/ZeRO", "refused", MOVING_REFUSED, "CPU"),
     Feature('`"torch_autocast": {"enabled": true}`', "refused", TORCH_AUTOCAST_REFUSED, "CPU"),
+    Feature("`memory.budget_mb` with moving layers or ranks", "refused", BUDGET_MB_MOVING_REFUSED, "CPU"),
     Feature("tensor parallelism inside a stage (`PipeModelDataParallelTopology`, `num_mp > 1`) with "
             '`"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}`', "trains",
             "every rank of a stage runs the stage's plan under ordered dispatch and sends to the same tensor-parallel "
             "rank of the next stage, as stock does; the column-parallel input-gradient all-reduce runs in B, W runs "
-            "no collective; re-plans and link routes switch for the whole group at one boundary, planned for the "
+            "no collective (layers on `nn.Linear` shards, or one autograd Function as in Megatron-core); re-plans and link routes switch for the whole group at one boundary, planned for the "
             "slowest pair of a boundary; equal to stock (1e-5) under `1f1b`, `zb`, a tied layer, `adaptive` "
             "re-planning for a slowed link and for one slowed pair, `auto` and `always` delegation, NCCL's "
             "point-to-point rules (a gloo double), a checkpoint resumed",

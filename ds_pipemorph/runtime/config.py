@@ -19,6 +19,7 @@ from ..fileio import describe
 from ..plan.ir.lower import Dispatch
 from ..plan.ir.memory import budget_units
 from . import hooks
+from .compat import BUDGET_MB_PLAN_FILE_REFUSED
 
 
 class PipeMorphConfigError(ValueError):
@@ -302,6 +303,8 @@ class PipeMorphConfig(SectionModel):
         if self.schedule == "plan" and not self.plan_file:
             raise ValueError("schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`")
         self.memory._plan_file = self.schedule == "plan"
+        if self.schedule == "plan" and self.memory.budget_mb is not None:
+            raise ValueError(BUDGET_MB_PLAN_FILE_REFUSED)
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
         if self.schedule == "plan" and self.recv_window is not None:

@@ -56,7 +56,8 @@ DESCRIPTIONS: dict[str, str] = {
                         "micro-batch; from the second on, on every rank alike, every plan, re-plan and dispatch "
                         "keeps within the grant. It may be tighter than stock's but not below one micro-batch's "
                         "activations on a stage (refused after the first iteration, naming the stage and the "
-                        "least that runs); not together with `budget`",
+                        "least that runs); not together with `budget`, a plan file (`schedule: plan`) or moving layers "
+                        "or ranks (`rebalance`, `orchestrate`)",
     "adapt": "PipeMorph's control loop, with `schedule: adaptive`",
     "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "
                      "link slower than the plan absorbs; all ranks adopt the same plan at the next iteration",

@@ -55,7 +55,8 @@ from .engine_builder import EngineBuilder
 from .bw_split import backward_input, forget_parameters
 from .flat_optimizer import is_flat
 from .precision import GradPath
-from .compat import EMBEDDING_REFUSED, MOVING_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused, zero_refused
+from .compat import (BUDGET_MB_MOVING_REFUSED, EMBEDDING_REFUSED, MOVING_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused,
+                     zero_refused)
 from . import tensor_parallel
 from .recompute import Recompute, embedding_refusal, split_checkpoint
 from .checkpoint import default_tag, restore_parts, save_parts
@@ -122,6 +123,8 @@ def moving_refusal(engine) -> Optional[str]:
     refusal = tensor_parallel.moving_refusal(engine)
     if refusal:
         return refusal
+    if engine.pipemorph.memory.budget_mb is not None:
+        return BUDGET_MB_MOVING_REFUSED
     wrapped = engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled()
     if wrapped and (not is_flat(engine.optimizer) or engine.client_optimizer is not None):
         return MOVING_REFUSED
@@ -481,9 +484,10 @@ class PipeMorphEngine(PipelineEngine):
                 loss = super().train_batch(data_iter)
             finally:
                 _set(self, "_meter", None)
-        _set(self, "activation_bytes", gather_activation_bytes(self, meter.peak))
+        measured = gather_activation_bytes(self, meter.peak)
         if self.pipemorph.memory.budget_mb is not None:
-            self._grant_memory()
+            self._grant_memory(measured)  # refused: nothing changed, and the next batch measures again
+        _set(self, "activation_bytes", measured)
         if self.adapter is not None:  # profile_out gets the bytes form of memory
             self.adapter.export.set_memory([a.f for a in self.activation_bytes], [a.w for a in self.activation_bytes],
                                            self.budget.units)
@@ -491,7 +495,7 @@ class PipeMorphEngine(PipelineEngine):
             logger.warning(describe_activation_bytes(self.activation_bytes, self.w_share, self.budget))
         return loss
 
-    def _grant_memory(self) -> None:
+    def _grant_memory(self, measured) -> None:
         """``memory.budget_mb`` in force from the next batch: converted with every stage's bytes
         (``activation_bytes``, all-gathered: the same on every rank), then ``zb`` and ``adaptive``
         planned anew within it (Alg. 1's warm-up from its caps), any other plan fitted to it. Every rank
@@ -499,18 +503,19 @@ class PipeMorphEngine(PipelineEngine):
         micro-batch's activations, or one the plan cannot keep, raises the same sentence on every rank
         before anything changes, so none waits for another."""
         cfg, S, N = self.pipemorph, self.num_stages, self.micro_batches
-        granted = granted_budget(cfg, S, N, [a.f for a in self.activation_bytes], self.w_share)
+        granted = granted_budget(cfg, S, N, [a.f for a in measured], self.w_share)
         if cfg.schedule in ("zb", "adaptive"):
             plan = build_plan(cfg, S, N, self.w_share, granted)
-        else:  # the job's own plan (not a comparison's other side, which ``rebudget`` plans anew)
+        else:  # the job's own plan (not a comparison's other side, planned anew below)
             plan = within_budget(cfg, self.compare.b_plan if self.compare is not None else self.plan,
                                  f"the '{cfg.schedule}' plan", self.w_share, granted)
+        a_plan = None if self.compare is None else self.compare.plan_within(self, granted)
         self.budget.grant(granted)
         self._set_plan(plan)
         if self.adapter is not None:
             self.adapter.policy.rebase(self.plan)
         if self.compare is not None:
-            self.compare.rebudget(self)
+            self.compare.rebudget(self, a_plan)
 
     def _exec_schedule(self, pipe_schedule):
         if not isinstance(pipe_schedule, PipeMorphSchedule):  # evaluation: DeepSpeed's own path

@@ -139,8 +139,10 @@ def build_plan(cfg: PipeMorphConfig, stages: int, microbatches: int, share: floa
         if cfg.memory.max_inflight is None:  # ZB-H1's, within a budget's caps (kept non-increasing: Lemma 1)
             warmup = [min(x, c) for x, c in zip(zb_h1_warmup(S, N), budget.caps)]
             warmup = [min(warmup[:s + 1]) for s in range(S)]
-        else:
+        elif budget.mib is None:  # the user's count, checked as given
             warmup = list(budget.caps)
+        else:  # a grant in bytes may give a later stage more than an earlier one: kept non-increasing
+            warmup = [min(budget.caps[:s + 1]) for s in range(S)]
         _check_warmup(warmup)
         plan = latency_robust_schedule(Costs.uniform(S, DEFAULT_OP_MS), N, warmup, policy=policy)
     elif cfg.schedule == "adaptive":

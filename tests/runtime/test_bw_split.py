@@ -30,6 +30,34 @@ class SameLinearTwice(torch.nn.Module):  # one weight reached from two frontier 
         return self.lin(torch.tanh(self.lin(x)))
 
 
+class FusedLinearFn(torch.autograd.Function):
+    """Megatron-style: one Function whose backward returns the input and the weight gradient (and, in
+    a tensor-parallel layer, all-reduces the input gradient in between); ``CALLS`` counts its runs."""
+
+    CALLS = 0
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        FusedLinearFn.CALLS += 1
+        return gy @ weight, (gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+
+
+class FusedLinear(torch.nn.Module):  # a custom Function on the input path, a weight reached through it
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 8) / 4)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(torch.nn.functional.gelu(FusedLinearFn.apply(x, self.weight)))
+
+
 def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
 
@@ -40,6 +68,7 @@ CASES = {
                               lambda: torch.randint(0, 10, (4, 5))),
     "view_output": (LinearThenView, lambda: torch.randn(4, 8)),
     "shared_weight": (SameLinearTwice, lambda: torch.randn(4, 8)),
+    "custom_function": (FusedLinear, lambda: torch.randn(4, 8)),
     "transformer_block": (lambda: torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
                           lambda: torch.randn(2, 5, 16)),
 }
@@ -98,6 +127,32 @@ def test_w_of_a_linear_stack_reenters_each_linear_once_and_never_the_input_path(
         h.remove()
     # W computes only the weight-side outputs of addmm: the input-side slot stays None.
     assert all(gi[1] is None for gi in ran)
+
+
+def test_a_custom_function_on_the_input_path_runs_its_backward_once_in_b_and_never_in_w():
+    # Its backward may communicate (a tensor-parallel all-reduce) or accumulate on its own: running it
+    # again in W would repeat both. W starts below it, with the weight gradient it returned in B.
+    torch.manual_seed(0)
+    mod = FusedLinear()
+    params = list(mod.parameters())
+    xs, gys = [torch.randn(4, 8) for _ in range(3)], [torch.randn(4, 8) for _ in range(3)]
+    ref = copy.deepcopy(mod)
+    for x, gy in zip(xs, gys):
+        ref(x.clone().requires_grad_(True)).backward(gy)
+    works, calls = [], []
+    FusedLinearFn.CALLS = 0
+    for x, gy in zip(xs, gys):
+        x = x.clone().requires_grad_(True)
+        (dx,), work = backward_input([mod(x)], [gy], [x], params)
+        calls.append(FusedLinearFn.CALLS)
+        works.append(work)
+    assert calls == [1, 2, 3]  # once per micro-batch, in B
+    assert all(p.grad is None for p in params)
+    for work in works:
+        work.run()
+    assert FusedLinearFn.CALLS == 3  # none in W
+    for p, r in zip(params, ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_first_stage_with_integer_input_has_no_input_gradient_and_w_is_its_whole_backward():

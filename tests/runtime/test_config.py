@@ -1,6 +1,8 @@
 """The "pipemorph" ds_config section and the plans it selects, refused in one sentence when wrong."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -378,3 +380,32 @@ def test_a_grant_below_one_micro_batch_names_the_stage_its_measure_and_the_least
                             "1.5 MiB on stage 2 ([1, 1, 1.5, 2] per stage)")
     exact = granted_budget(cfg, 4, 8, [MIB, MIB, MIB, 2 * MIB])  # exactly one micro-batch: runs (fused-like)
     assert exact.units == (2.0, 2.0, 1.0, 1.0) and exact.caps == (2, 2, 1, 1)
+
+
+def test_a_grant_in_mib_is_refused_with_a_plan_file_and_with_moving_layers_or_ranks(tmp_path):
+    from types import SimpleNamespace
+
+    from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED, BUDGET_MB_PLAN_FILE_REFUSED
+    from ds_pipemorph.runtime.engine import moving_refusal
+
+    with pytest.raises(PipeMorphConfigError, match=re.escape(BUDGET_MB_PLAN_FILE_REFUSED)):
+        parse_config({"schedule": "plan", "plan_file": str(tmp_path / "p.yaml"), "memory": {"budget_mb": 64}})
+    # The bytes a grant was converted with change when layers or ranks move: refused (start-up, repartition, remap).
+    for grant, want in (({"budget_mb": 64}, BUDGET_MB_MOVING_REFUSED), ({"budget": 2.0}, None)):
+        engine = SimpleNamespace(pipemorph=parse_config({"memory": grant}), zero_optimization=lambda: False,
+                                 fp16_enabled=lambda: False, grid=SimpleNamespace(get_slice_parallel_world_size=lambda: 1))
+        assert moving_refusal(engine) == want
+
+
+def test_zb_with_a_count_and_a_grant_rising_from_one_stage_to_the_next_keeps_the_warm_up_non_increasing():
+    from ds_pipemorph.runtime.plans import granted_budget
+
+    MIB = 1024 * 1024
+    S, N = 4, 8
+    cfg = parse_config({"schedule": "zb", "memory": {"budget_mb": 1, "max_inflight": 8}})
+    # The last stage keeps half the bytes per micro-batch: its grant is twice the others' units.
+    budget = granted_budget(cfg, S, N, [MIB // 2, MIB // 2, MIB // 2, MIB // 4])
+    assert budget.caps == (2, 2, 2, 4)
+    plan = build_plan(cfg, S, N, budget=budget)  # (refused before: "warm-up count 4 exceeds stage 2's 2")
+    from ds_pipemorph.plan.ir.ops import warmup_counts
+    assert list(warmup_counts(plan)) == [2, 2, 2, 2]  # the running minimum of the caps: Lemma 1's x_s >= x_(s+1)

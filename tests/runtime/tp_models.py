@@ -5,7 +5,9 @@ and a row-parallel Linear (Megatron's MLP split), written with torch.distributed
 backward: all-reduce of the input gradient) and holds its rows of the full weight in an inner
 ``nn.Linear``; ``RowParallelLinear`` holds its columns of the full weight in an inner ``nn.Linear``
 without bias, all-reduces its partial outputs (backward: identity) and adds a bias every rank holds
-whole. Every rank of a stage draws the full weights from the same seed and keeps its shard, so the
+whole. On odd stages the column-parallel layer is Megatron-core's form instead: one autograd
+Function whose backward computes the input gradient, all-reduces it and computes the weight and bias
+gradients (``_FusedColumnLinear``), so the split backward meets both forms. Every rank of a stage draws the full weights from the same seed and keeps its shard, so the
 layers compute what the dense MLP computes. ``BACKWARD_ALLREDUCES`` collects when (``time.monotonic_ns``,
 the clock of the engine's op records) each input-gradient all-reduce began, for the test to tell
 which op issued it. Sharded parameters carry ``model_parallel = True``
@@ -52,9 +54,29 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _FusedColumnLinear(torch.autograd.Function):
+    """Megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication`` in its plain form."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = grad @ weight
+        BACKWARD_ALLREDUCES.append(time.monotonic_ns())
+        dist.all_reduce(grad_input, group=ctx.group)
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        return grad_input, g2.t() @ x2, g2.sum(0), None
+
+
 class ColumnParallelLinear(torch.nn.Module):
-    def __init__(self, d_in: int, d_out: int, grid: PipelineParallelGrid):
+    def __init__(self, d_in: int, d_out: int, grid: PipelineParallelGrid, fused: bool = False):
         super().__init__()
+        self.fused = fused
         self.group = grid.get_slice_parallel_group()
         tp, rank = grid.get_slice_parallel_world_size(), grid.get_slice_parallel_rank()
         full = torch.nn.Linear(d_in, d_out)  # the dense layer's initialisation, the same on every rank
@@ -67,6 +89,8 @@ class ColumnParallelLinear(torch.nn.Module):
             p.model_parallel = True
 
     def forward(self, x):
+        if self.fused:
+            return _FusedColumnLinear.apply(x, self.linear.weight, self.linear.bias, self.group)
         return self.linear(_CopyToTensorParallel.apply(x, self.group))
 
 
@@ -99,8 +123,8 @@ def build_tp_model(stages: int, tp: int, dp: int, seed: int, tied: bool = False)
     topo = topology(stages, tp, dp)
     grid = PipelineParallelGrid(topology=topo)  # the layers' tensor-parallel group
     layers = [TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH)] if tied else []
-    for _ in range(stages):
-        layers += [LayerSpec(ColumnParallelLinear, WIDTH, HIDDEN, grid), torch.nn.GELU(),
+    for s in range(stages):
+        layers += [LayerSpec(ColumnParallelLinear, WIDTH, HIDDEN, grid, fused=s % 2 == 1), torch.nn.GELU(),
                    LayerSpec(RowParallelLinear, HIDDEN, WIDTH, grid)]
     if tied:
         layers.append(TiedLayerSpec("ends", torch.nn.Linear, WIDTH, WIDTH))

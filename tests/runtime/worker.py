@@ -132,10 +132,11 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             with open(path + ".err", "w") as f:
                 f.write(str(e))
             return
+
     def data_of(replica: int) -> list:  # the batches of a data-parallel replica, all steps
         if job.get("model") in ("multimodal", "varlen"):
-            batches = _varlen().Batches(job["model"], N, batch=2, seq=VARLEN_SEQ, seed=replica)
-            return [mb for step in range(steps) for mb in batches.of(step)]
+            varying = _varlen().Batches(job["model"], N, batch=2, seq=VARLEN_SEQ, seed=replica)
+            return [mb for step in range(steps) for mb in varying.of(step)]
         if job.get("model") == "gpt":
             g = torch.Generator().manual_seed(99 + replica)
             seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
