@@ -87,7 +87,11 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/engine/ready_dispatch.py --workloads heavy,none": Options(
         "one job switching dispatch every iteration per workload"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/real_compute_ab.py": Options(
-        "eight training jobs of 44 iterations; tests/bench/test_real_compute_ab_bench.py runs one short job"),
+        "eight training jobs of 44 iterations and 24 whole jobs; tests/bench/test_real_compute_ab_bench.py runs a short form"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/real_compute_ab.py --budgets 1 --schedules zb --stock-pairs 6": Options(
+        "two in-job rows and 24 whole jobs; tests/bench/test_real_compute_ab_bench.py runs one cycle of whole jobs"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py": Options(
+        "eight jobs of two engines, 4 of them on 4 ranks; tests/bench/test_varlen_real_bench.py runs a short form"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/split_backward.py": Options(
         "15 pairs per row; tests/runtime/test_recompute.py runs its recomputation and split in small"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/ready_vs_stock.py": Options(
