@@ -18,12 +18,10 @@ Writes KEYS.json; exit 1 on a failure.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
-from step import launch, start_step, write_keys  # noqa: E402  (this directory is the script's: first on sys.path)
+from step import launch_worker, start_step, write_keys  # noqa: E402  (this directory is the script's: first on sys.path)
 
 left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget left, less 10 s for the key file
 
@@ -89,16 +87,7 @@ def main() -> int:
         if stages < 2:
             print("nccl_job: needs 2 CUDA devices or more (NCCL refuses two ranks of one communicator on one GPU)")
             return 1
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "jobs.json").write_text(json.dumps(jobs(stages, double)))
-    env = {**os.environ, "DS_ACCELERATOR": accelerator, "WORKER_DIST_BACKEND": backend,
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={stages}",
-           str(REPO / "tests" / "runtime" / "worker.py"), str(work / "jobs.json"), str(work)]
-    code, out, err = launch(cmd, left_s, REPO, env)
-    output = out + err
-    (work / "launch.log").write_text(output)
-    print(output[-4000:])
+    code, output = launch_worker(REPO, work, jobs(stages, double), stages, backend, accelerator, left_s)
     keys, failures = check(Launch(code if code is not None else -1, output, work), stages, double)
     keys["launch_exit_code"] = code  # judged by the files, as the tests do (DeepSpeed may abort at exit)
     return write_keys(keys_path, failures, keys)

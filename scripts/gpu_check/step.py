@@ -40,6 +40,24 @@ def launch(cmd: list[str], left_s: Callable[[], float], cwd: Path, env: dict) ->
         return None, "", f"the launch did not end within the {max(timeout, 0):.0f} s left of the step's budget"
 
 
+def launch_worker(repo: Path, work: Path, jobs: list, nproc: int, backend: str, accelerator: str,
+                  left_s: Callable[[], float]) -> tuple[Optional[int], str]:
+    """``jobs`` for tests/runtime/worker.py on ``nproc`` ranks under ``torchrun --standalone``, with
+    ``backend`` and DeepSpeed's ``accelerator``; writes ``work/jobs.json`` and ``work/launch.log``,
+    prints the log's tail and returns (exit code, output)."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "DS_ACCELERATOR": accelerator, "WORKER_DIST_BACKEND": backend,
+           "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(repo / "tests" / "runtime" / "worker.py"), str(work / "jobs.json"), str(work)]
+    code, out, err = launch(cmd, left_s, repo, env)
+    output = out + err
+    (work / "launch.log").write_text(output)
+    print(output[-4000:])
+    return code, output
+
+
 def write_keys(path: Path, failures: list[str], keys: dict) -> int:
     """Write the step's key file ({"ok", "failures", "key_numbers"}) atomically, print it; the exit code."""
     from ds_pipemorph.fileio import write_atomic

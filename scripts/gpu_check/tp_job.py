@@ -18,12 +18,10 @@ a failure.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
-from step import launch, start_step, write_keys  # noqa: E402  (this directory is the script's: first on sys.path)
+from step import launch_worker, start_step, write_keys  # noqa: E402  (this directory is the script's: first on sys.path)
 
 left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget left, less 10 s for the key file
 
@@ -98,16 +96,7 @@ def main() -> int:
         if torch.cuda.device_count() < STAGES * TP:
             print(f"tp_job: needs {STAGES * TP} CUDA devices or more (one rank per GPU)")
             return 1
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "jobs.json").write_text(json.dumps(jobs(double)))
-    env = {**os.environ, "DS_ACCELERATOR": accelerator, "WORKER_DIST_BACKEND": backend,
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={STAGES * TP}",
-           str(REPO / "tests" / "runtime" / "worker.py"), str(work / "jobs.json"), str(work)]
-    code, out, err = launch(cmd, left_s, REPO, env)
-    output = out + err
-    (work / "launch.log").write_text(output)
-    print(output[-4000:])
+    code, output = launch_worker(REPO, work, jobs(double), STAGES * TP, backend, accelerator, left_s)
     keys, failures = check(Launch(code if code is not None else -1, output, work), double)
     keys["launch_exit_code"] = code  # judged by the files, as the tests do (DeepSpeed may abort at exit)
     return write_keys(keys_path, failures, keys)
