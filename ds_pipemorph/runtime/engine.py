@@ -115,15 +115,17 @@ def unsupported_reason(config_class, model) -> Optional[str]:
     return None
 
 
-def moving_refusal(engine) -> Optional[str]:
-    """One sentence if layers or ranks cannot move under this engine's optimizer, else None: a
-    bf16/fp16/ZeRO optimizer moves through DeepSpeed's per-parameter mapping into its flat
-    partitions (``runtime.flat_optimizer``), which ``FP16_Optimizer`` does not keep, and is
-    configured again from the ds_config, which an optimizer given to ``initialize`` is not."""
+def moving_refusal(engine, pipemorph: PipeMorphConfig) -> Optional[str]:
+    """One sentence if layers or ranks cannot move under this engine's optimizer or the job's
+    ``pipemorph`` section, else None: a bf16/fp16/ZeRO optimizer moves through DeepSpeed's
+    per-parameter mapping into its flat partitions (``runtime.flat_optimizer``), which
+    ``FP16_Optimizer`` does not keep, and is configured again from the ds_config, which an optimizer
+    given to ``initialize`` is not; a ``memory.budget_mb`` grant was converted with the bytes of the
+    layers in place."""
     refusal = tensor_parallel.moving_refusal(engine)
     if refusal:
         return refusal
-    if engine.pipemorph.memory.budget_mb is not None:
+    if pipemorph.memory.budget_mb is not None:
         return BUDGET_MB_MOVING_REFUSED
     wrapped = engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled()
     if wrapped and (not is_flat(engine.optimizer) or engine.client_optimizer is not None):
@@ -156,7 +158,7 @@ class PipeMorphEngine(PipelineEngine):
             plugin.check_job(settings, super_kwargs["model"].num_stages)
         super().__init__(*super_args, **super_kwargs)
         if pipemorph.rebalance.enabled or pipemorph.orchestrate.matrix:
-            refusal = moving_refusal(self)
+            refusal = moving_refusal(self, pipemorph)
             if refusal:
                 raise PipeMorphConfigError(refusal)
         # Checkpointed chunks recompute once, in B, and leave their weight gradients for W (runtime.recompute).
@@ -609,7 +611,7 @@ class PipeMorphEngine(PipelineEngine):
         and optimizer state (``runtime.migrate``). Every rank calls it with the same ``parts``,
         between two ``train_batch`` calls. If any rank's part fails, every rank keeps the partition
         it had (``report.ok`` is False) and training can go on."""
-        refusal = moving_refusal(self)
+        refusal = moving_refusal(self, self.pipemorph)
         if refusal:
             raise PipeMorphConfigError(refusal)
         report = self.migrator.migrate(self, list(parts))
@@ -627,7 +629,7 @@ class PipeMorphEngine(PipelineEngine):
         (this one, unchanged, if any rank's part failed) and what happened on this rank."""
         from .remap import remap
 
-        refusal = moving_refusal(self)
+        refusal = moving_refusal(self, self.pipemorph)
         if refusal:
             raise PipeMorphConfigError(refusal)
         fresh, report = remap(self, topology)

@@ -392,9 +392,10 @@ def test_a_grant_in_mib_is_refused_with_a_plan_file_and_with_moving_layers_or_ra
         parse_config({"schedule": "plan", "plan_file": str(tmp_path / "p.yaml"), "memory": {"budget_mb": 64}})
     # The bytes a grant was converted with change when layers or ranks move: refused (start-up, repartition, remap).
     for grant, want in (({"budget_mb": 64}, BUDGET_MB_MOVING_REFUSED), ({"budget": 2.0}, None)):
-        engine = SimpleNamespace(pipemorph=parse_config({"memory": grant}), zero_optimization=lambda: False,
-                                 fp16_enabled=lambda: False, grid=SimpleNamespace(get_slice_parallel_world_size=lambda: 1))
-        assert moving_refusal(engine) == want
+        # (at start-up the engine has no ``pipemorph`` attribute yet: the section is given)
+        engine = SimpleNamespace(zero_optimization=lambda: False, fp16_enabled=lambda: False,
+                                 grid=SimpleNamespace(get_slice_parallel_world_size=lambda: 1))
+        assert moving_refusal(engine, parse_config({"memory": grant})) == want
 
 
 def test_zb_with_a_count_and_a_grant_rising_from_one_stage_to_the_next_keeps_the_warm_up_non_increasing():

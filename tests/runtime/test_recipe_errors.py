@@ -19,6 +19,7 @@ import pytest
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import zb_h1
 from ds_pipemorph.procs import run_group
+from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED
 
 from .launch import REPO
 from .plans_io import write_plan
@@ -60,6 +61,8 @@ CASES = {
                                "activation checkpointing needs every checkpointed chunk's input to need a gradient, "
                                "and the first stage's token ids do not (the embedding cannot be checkpointed): name "
                                "only the transformer blocks in the PipelineModule's checkpointable_layers"),
+    "budget_mb_with_rebalance": ({"schedule": "zb", "memory": {"budget_mb": 64}, "rebalance": {"enabled": True}}, None,
+                                 BUDGET_MB_MOVING_REFUSED),
 }
 
 
