@@ -21,7 +21,9 @@ backward computes the input gradient, all-reduces it over the tensor-parallel gr
 weight gradient, or accumulates it into ``main_grad`` itself) is never entered again: its backward
 runs once, in B, as in a fused backward, and a hook keeps the gradients it returned for its
 parameter-side edges; W enters the graph below it, at those edges, with them. Its collectives and
-side effects happen once, in B, and W runs none of them.
+side effects happen once, in B, and W runs none of them. This package's own Functions that leave
+their parameter side for W to enter again (``wgrad_store``'s layers when their parameters are
+reached elsewhere too, ``recompute``'s chunks) say so with ``W_REENTERS = True``.
 
 Parts of the graph that do not lead to any input (the whole graph of a first stage whose input
 needs no gradient, or an output that does not depend on the input) are entered at their output
@@ -191,7 +193,8 @@ def backward_input(
     # A custom Function's backward computes every gradient it returns whatever autograd needs, and may
     # communicate or accumulate on its own: keep what it returned for its parameter side (post-hook)
     # so that W starts below it; any other frontier node W re-enters with its captured input (pre-hook).
-    run_once = {n for n, _, f in entries if f and isinstance(n, BackwardCFunction)}
+    run_once = {n for n, _, f in entries if f and isinstance(n, BackwardCFunction)
+                and not getattr(type(n)._forward_cls, "W_REENTERS", False)}
     returned: dict[Node, tuple] = {}
     frontier_nodes = [n for n, _, f in entries if f and n not in run_once]
     handles = [

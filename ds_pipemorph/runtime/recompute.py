@@ -60,6 +60,8 @@ class Recompute:
 
 
 class _Chunk(torch.autograd.Function):
+    W_REENTERS = True  # B's gradients are kept (``ctx.done``) for W entering it again (bw_split)
+
     @staticmethod
     def forward(ctx, fn, rng, *args):
         ctx.fn, ctx.rng, ctx.done = fn, rng, None

@@ -127,6 +127,8 @@ def _linear_wgrad(x, gy, need_w, need_b):
 
 
 class _Linear(torch.autograd.Function):
+    W_REENTERS = True  # in B only the input gradient (or the store's); W enters again for the rest (bw_split)
+
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
@@ -158,6 +160,8 @@ def _norm_grads(gy, x, shape, mean, rstd, weight, bias, mask):
 
 
 class _LayerNorm(torch.autograd.Function):
+    W_REENTERS = True  # as _Linear
+
     @staticmethod
     def forward(ctx, x, weight, bias, shape, eps):
         out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)

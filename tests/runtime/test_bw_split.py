@@ -155,6 +155,25 @@ def test_a_custom_function_on_the_input_path_runs_its_backward_once_in_b_and_nev
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_store_linear_whose_weight_another_output_reaches_too_is_entered_again_in_w():
+    # The store's own Function returns only the input gradient in B when its weight is reached elsewhere
+    # too (a tied weight): W must enter it again for the weight and bias, not take B's (absent) ones.
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(8, 8)
+    stage = copy.deepcopy(ref)
+    assert wgrad_store.install(torch.nn.Sequential(stage)) == 1
+    x, gy, gz = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
+    xr = x.clone().requires_grad_(True)
+    torch.autograd.backward([ref(xr), ref.weight.sum(0)], [gy, gz])
+    xs = x.clone().requires_grad_(True)
+    (dx,), work = backward_input([stage(xs), stage.weight.sum(0)], [gy, gz], [xs], list(stage.parameters()))
+    torch.testing.assert_close(dx, xr.grad)
+    work.run()
+    for p, r in zip(stage.parameters(), ref.parameters()):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_first_stage_with_integer_input_has_no_input_gradient_and_w_is_its_whole_backward():
     torch.manual_seed(0)
     mod = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8))
