@@ -52,13 +52,9 @@ def w_share(checkpointing: bool) -> float:
     return CHECKPOINTED_W_SHARE if checkpointing else W_SHARE
 
 
-def caps(cfg: PipeMorphConfig, stages: int, microbatches: int) -> list[int]:
-    """Per-stage cap on in-flight activations (F done, B not done): ``memory.max_inflight`` (default:
-    N), within ``memory.budget`` (default: stock 1F1B's S − s)."""
-    return _caps(cfg, stages, microbatches, cfg.memory.units(stages))
-
-
 def _caps(cfg: PipeMorphConfig, stages: int, microbatches: int, units: Optional[Sequence[float]]) -> list[int]:
+    """Per-stage cap on in-flight activations (F done, B not done): ``memory.max_inflight`` (default:
+    N), within ``units`` (default budget: stock 1F1B's S − s)."""
     per_stage = cfg.memory.per_stage(stages)
     out = [microbatches] * stages if per_stage is None else [min(c, microbatches) for c in per_stage]
     if units is not None:
@@ -67,7 +63,7 @@ def _caps(cfg: PipeMorphConfig, stages: int, microbatches: int, units: Optional[
 
 
 def memory_budget(cfg: PipeMorphConfig, stages: int, microbatches: int) -> MemoryBudget:
-    """The limits in force at start-up (``caps`` and ``memory.units``): with ``memory.budget_mb``,
+    """The limits in force at start-up (the caps and ``memory.units``): with ``memory.budget_mb``,
     stock 1F1B's until ``granted_budget`` can convert the grant (a list of the wrong length is refused
     here, at start-up)."""
     cfg.memory.mib_per_stage(stages)
