@@ -22,7 +22,7 @@ from typing import Optional
 from ..fileio import BadInput, load_model
 from ..plan.files.planfile import PlanFile
 from ..plan.ir.lower import RECV_WINDOW, Dispatch, Lowering, LoweringPolicy, window_deadlock
-from ..plan.ir.memory import EPS, MemoryBudget, caps_within, fit_budget, peak_units, stock_units, units_of_bytes
+from ..plan.ir.memory import EPS, MemoryBudget, OverBudget, caps_within, fit_budget, peak_units, stock_units, units_of_bytes
 from ..plan.ir.nccl_lowering import NcclLowering
 from ..plan.ir.ops import Kind, Schedule, warmup_counts
 from ..plan.ir.profile import Costs
@@ -112,11 +112,12 @@ def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", 
         return plan
     try:
         return fit_budget(plan, budget.units, ratio=share)
-    except ValueError as e:
-        if budget.mib is not None:
+    except OverBudget as e:
+        if budget.mib is not None:  # one unit of stage s is budget.mib[s] / budget.units[s] MiB
+            least = _mib_up(e.held * budget.mib[e.stage] / budget.units[e.stage])
             raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget_mb "
-                                       f"({_listed(budget.mib)} MiB per stage) allows: {e}; raise memory.budget_mb"
-                                       ) from None
+                                       f"({_listed(budget.mib)} MiB per stage) allows: {e}; raise memory.budget_mb "
+                                       f"to at least {least:.4g} MiB on stage {e.stage}") from None
         raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget "
                                    f"({cfg.memory.budget_in_force:g}x stock 1F1B) allows: {e}; raise memory.budget "
                                    f"or set it to null") from None

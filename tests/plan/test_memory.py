@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_pipemorph.plan.ir.memory import budget_units, caps_within, fit_budget, peak_units, stock_units
+from ds_pipemorph.plan.ir.memory import OverBudget, budget_units, caps_within, fit_budget, peak_units, stock_units
 from ds_pipemorph.plan.ir.ops import warmup_counts
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b, zb_h1
@@ -134,6 +134,10 @@ def test_fit_budget_moves_only_ws_earlier_and_keeps_any_valid_plan_within_the_bu
 def test_fit_budget_refuses_a_warm_up_deeper_than_the_budget():
     with pytest.raises(ValueError, match="stage 0 holds 4 micro-batches between F and B, more than its budget of 3"):
         fit_budget(deepspeed_1f1b(4, 8), [3.0, 3.0, 2.0, 1.0])
+    with pytest.raises(OverBudget) as e:  # a budget converted from bytes is printed as a reader reads it
+        fit_budget(deepspeed_1f1b(4, 8), [4.0, 2.178723, 2.0, 1.0])
+    assert (e.value.stage, e.value.held) == (1, 3)
+    assert str(e.value) == "stage 1 holds 3 micro-batches between F and B, more than its budget of 2.18"
 
 
 def test_the_search_keeps_within_the_budget_and_beats_or_ties_the_greedy_pass():

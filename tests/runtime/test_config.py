@@ -364,8 +364,11 @@ def test_a_grant_tighter_than_stock_1f1b_s_order_is_refused_for_1f1b_but_planned
         assert max(peak_units(plan, 1.0)) <= 2.0, (schedule, peak_units(plan, 1.0))
     cfg = parse_config({"schedule": "1f1b", "memory": {"budget_mb": 2000 / 1024 / 1024}})
     with pytest.raises(PipeMorphConfigError, match="^the '1f1b' plan needs more activation memory than "
-                                                   r"pipemorph.memory.budget_mb \(\[0.001907, "):
+                                                   r"pipemorph.memory.budget_mb \(\[0.001907, ") as e:
         build_plan(cfg, S, N, budget=granted_budget(cfg, S, N, f))
+    # Stage 0 holds S = 4 micro-batches of 1000 bytes under 1F1B, 4000 B = 0.0038147 MiB, rounded up.
+    assert str(e.value).endswith("stage 0 holds 4 micro-batches between F and B, more than its budget of 2; "
+                                 "raise memory.budget_mb to at least 0.003815 MiB on stage 0"), str(e.value)
 
 
 def test_a_grant_below_one_micro_batch_names_the_stage_its_measure_and_the_least_that_runs():

@@ -71,6 +71,16 @@ class MemoryBudget:
         self.caps, self.units, self.mib = other.caps, other.units, other.mib
 
 
+class OverBudget(ValueError):
+    """A stage's order holds more micro-batches between ``F`` and ``B`` than its budget allows, with
+    no ``W`` to move: ``held`` micro-batches against ``units``."""
+
+    def __init__(self, stage: int, held: int, units: float):
+        super().__init__(f"stage {stage} holds {held} micro-batches between F and B, more than its "
+                         f"budget of {units:.3g}")
+        self.stage, self.held, self.units = stage, held, units
+
+
 def caps_within(units: Sequence[float]) -> list[int]:
     """The most micro-batches each stage may hold between ``F`` and ``B`` within ``units``."""
     return [max(0, math.floor(u + EPS)) for u in units]
@@ -129,7 +139,7 @@ def fit_budget(schedule: Schedule, units: Sequence[float], *, ratio: float = 1.0
     ``F`` or a ``B`` that would otherwise exceed ``units[s]``; rows that fit are returned as they are.
     (A ``B`` with no ``W`` pending is left where it is: its own ``W`` can only follow it.)
 
-    Raises ValueError when a stage holds more forwards between ``F`` and ``B`` than its budget allows
+    Raises ``OverBudget`` when a stage holds more forwards between ``F`` and ``B`` than its budget allows
     even with no ``W`` pending (its warm-up is deeper than the budget: a planner bug or a plan file
     for a larger budget)."""
     out: Schedule = []
@@ -154,8 +164,7 @@ def fit_budget(schedule: Schedule, units: Sequence[float], *, ratio: float = 1.0
             if k == Kind.F:
                 flush(lambda n: h + 1 + ratio * n)
                 if h + 1 > limit:
-                    raise ValueError(f"stage {s} holds {h + 1} micro-batches between F and B, more than its "
-                                     f"budget of {units[s]:g}")
+                    raise OverBudget(s, round(max(peak_units([row], 0.0))), units[s])
                 h += 1
                 new.append(op)
             elif k == Kind.B:
