@@ -4,7 +4,9 @@ Per micro-batch (the largest over the iteration's micro-batches): ``f`` what F l
 tensors its graph saved), ``w`` what W freed (what B left for it of that graph: all of it under the
 generic split, the recomputed graph of a checkpointed chunk), ``grads`` the output gradients B kept
 for W beside the graph, and ``peak`` the most saved bytes the stage held at once in the iteration.
-Stock 1F1B holds ``(S - s) * f`` on stage ``s`` (its backward is fused: nothing waits for a W).
+Stock 1F1B holds ``(S - s) * f`` on stage ``s`` (its backward is fused: nothing waits for a W); on
+a checkpointed job its backward also recomputes one chunk at a time, which that figure leaves out
+and the log line names (``checkpointed``).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class ActivationBytes:
     grads: int
     peak: int
     stock: int  # what stock 1F1B holds on this stage: S - s micro-batches of ``f``
+    checkpointed: bool = False  # stock's backward recomputes a chunk beside ``stock`` (not measured)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -43,7 +46,8 @@ def gather_activation_bytes(engine, peak: int) -> list[ActivationBytes]:
     by_stage: dict[int, tuple] = {}
     for got in every:  # data-parallel replicas measure the same model: the first one speaks
         by_stage.setdefault(got[0], got)
-    return [ActivationBytes(s, *by_stage[s][1:], stock=(S - s) * by_stage[s][1]) for s in range(S)]
+    return [ActivationBytes(s, *by_stage[s][1:], stock=(S - s) * by_stage[s][1], checkpointed=engine.checkpointing)
+            for s in range(S)]
 
 
 def describe_activation_bytes(measured: Sequence[ActivationBytes], share: Optional[float] = None,
@@ -56,7 +60,9 @@ def describe_activation_bytes(measured: Sequence[ActivationBytes], share: Option
     line = (f"pipemorph: activation memory in iteration 1, MiB per stage: F keeps {mib(m.f for m in measured)} per "
             f"micro-batch for B, B keeps {mib(m.w for m in measured)} for W plus "
             f"{mib(m.grads for m in measured)} of output gradients; the most held at once "
-            f"{mib(m.peak for m in measured)} (stock 1F1B: {mib(m.stock for m in measured)})")
+            f"{mib(m.peak for m in measured)} (stock 1F1B: {mib(m.stock for m in measured)}"
+            + (", plus one checkpointed chunk recomputed at a time in each backward)" if any(m.checkpointed for m in measured)
+               else ")"))
     if budget is None or budget.units is None:
         return line + "; no memory budget"
     granted = (list(budget.mib) if budget.mib is not None else [u * m.f / MIB for u, m in zip(budget.units, measured)])
