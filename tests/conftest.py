@@ -26,6 +26,17 @@ _CHECKOUT = hashlib.sha1(str(Path(__file__).resolve().parents[1]).encode()).hexd
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"{versioned_extensions_dir()}-{_CHECKOUT}")
 
 
+# Every process the session starts asks py-cpuinfo about this machine once, not twice per rank of
+# every job (tests/_site/sitecustomize.py): the answer is kept for this boot of this machine.
+_SITE = Path(__file__).resolve().parent / "_site"
+_BOOT = Path("/proc/sys/kernel/random/boot_id")
+if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
+    Path(os.environ["TORCH_EXTENSIONS_DIR"]).mkdir(parents=True, exist_ok=True)
+    os.environ["PIPEMORPH_TEST_CPUINFO"] = str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) /
+                                               f"cpuinfo-{_BOOT.read_text().strip()}.json")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE), os.environ.get("PYTHONPATH")) if p)
+
+
 # Shared memory a killed or early-exiting rank never removes: DeepSpeed's CPU all-reduce buffers and
 # the delegated transport's staging rings (``pm_<pid>_...``). Left in /dev/shm they hold RAM.
 _SHM_LEFTOVERS = ("deepspeed_allreduce_buffer_*", "pm_[0-9]*_*")
