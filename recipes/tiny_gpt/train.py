@@ -80,14 +80,14 @@ def main() -> int:
     tp, world = args.tensor_parallel, dist.get_world_size()
     if tp == 1:
         model = tiny_gpt(vocab=len(data.chars), stages=args.stages, max_seq=args.seq)
-    elif world % (args.stages * tp) or 4 % tp:
-        if dist.get_rank() == 0:
-            print(f"error: --tensor-parallel {tp} must divide the model's 4 attention heads, and --stages x "
-                  f"--tensor-parallel ({args.stages} x {tp}) the {world} ranks", file=sys.stderr, flush=True)
-        return 2
+    elif world % (args.stages * tp):
+        return refuse(f"--stages x --tensor-parallel ({args.stages} x {tp}) must divide the {world} ranks")
     else:
-        model = tiny_gpt_tensor_parallel(vocab=len(data.chars), stages=args.stages, tensor_parallel=tp,
-                                         data_parallel=world // (args.stages * tp), max_seq=args.seq)
+        try:
+            model = tiny_gpt_tensor_parallel(vocab=len(data.chars), stages=args.stages, tensor_parallel=tp,
+                                             data_parallel=world // (args.stages * tp), max_seq=args.seq)
+        except ValueError as e:  # a size the model cannot split into
+            return refuse(str(e))
     engine, _, _, _ = ds_pipemorph.initialize(model=model, model_parameters=model.parameters(),
                                               config=args.config)
     loader = RepeatingLoader(torch.utils.data.DataLoader(
@@ -114,6 +114,13 @@ def main() -> int:
         save_stage(args.save_params, engine, losses)
     engine.destroy()  # its workers stop now (an exit would stop them too)
     return 0
+
+
+def refuse(sentence: str) -> int:
+    """Every rank ends with exit code 2; rank 0 says why."""
+    if dist.get_rank() == 0:
+        print(f"error: {sentence}", file=sys.stderr, flush=True)
+    return 2
 
 
 def save_stage(out_dir: str, engine, losses: list[float]) -> None:

@@ -28,6 +28,7 @@ from ds_pipemorph.procs import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "recipes" / "gpu_cluster" / "launch.sh"
+TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
 CONFIG = ROOT / "recipes" / "gpu_cluster" / "ds_config.json"
 STAGES, TP, STEPS, TOL = 2, 2, 3, 1e-5
 
@@ -114,3 +115,11 @@ def test_launch_sh_refuses_a_tensor_parallel_size_that_is_not_a_positive_integer
                        text=True, timeout=20)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == f"error: TP must be a positive integer (tensor-parallel ranks per stage), not '{tp}'"
+
+
+@pytest.mark.timeout(120)
+def test_train_py_refuses_a_layout_the_ranks_do_not_fill():
+    r = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(TRAIN),
+                   "--stages", "2", "--tensor-parallel", "2"], 100, cwd=ROOT, env=_env(DS_ACCELERATOR="cpu"))
+    assert r.returncode != 0
+    assert "error: --stages x --tensor-parallel (2 x 2) must divide the 1 ranks" in r.stderr, r.stderr[-2000:]
