@@ -4,14 +4,21 @@
 #   cp recipes/gpu_cluster/hostfile.example hostfile && $EDITOR hostfile
 #   bash recipes/gpu_cluster/launch.sh                  # all four steps
 #   STEPS=plan bash recipes/gpu_cluster/launch.sh       # only some: any of "stages links plan train"
-#   LOCAL_CPU=1 bash recipes/gpu_cluster/launch.sh      # dry run on this machine: 4 CPU ranks, gloo
+#   LOCAL_CPU=1 bash recipes/gpu_cluster/launch.sh      # dry run on this machine: STAGES x TP CPU ranks, gloo
 #   SCHEDULE=plan bash recipes/gpu_cluster/launch.sh    # train the offline plan instead of re-planning
+#   TP=2 bash recipes/gpu_cluster/launch.sh             # 3D: 4 stages x 2 tensor-parallel ranks x the rest data-parallel
+#   bash recipes/gpu_cluster/launch.sh --seq 64         # arguments go to recipes/tiny_gpt/train.py
 #
 # Run from the repository root. Outputs go to $OUT (default out/gpu_cluster).
 set -euo pipefail
 
 HOSTFILE=${HOSTFILE:-hostfile}
 STAGES=${STAGES:-4}
+TP=${TP:-1}                      # tensor-parallel ranks per stage (1: the dense model)
+if ! [[ $TP =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: TP must be a positive integer (tensor-parallel ranks per stage), not '$TP'" >&2; exit 2
+fi
+MASTER_PORT=${MASTER_PORT:-29500}  # the launcher's rendezvous port on the first node
 OUT=${OUT:-out/gpu_cluster}
 TRAIN_STEPS=${TRAIN_STEPS:-100}
 STEPS=${STEPS:-"stages links plan train"}
@@ -20,7 +27,7 @@ case $SCHEDULE in
   adaptive|plan) ;;
   *) echo "error: SCHEDULE must be 'adaptive' or 'plan', not '$SCHEDULE'" >&2; exit 2 ;;
 esac
-CONFIG=recipes/gpu_cluster/ds_config.json
+CONFIG=${CONFIG:-recipes/gpu_cluster/ds_config.json}  # the template the train step completes
 HERE=recipes/gpu_cluster
 mkdir -p "$OUT"
 
@@ -39,24 +46,27 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}                # one CPU thread per
 
 if [[ -n "${LOCAL_CPU:-}" ]]; then
     export DS_ACCELERATOR=cpu
-    LAUNCH=(deepspeed --num_gpus "$STAGES")           # one node: this machine
-    LAUNCH_ONE_PER_STAGE=(deepspeed --num_gpus "$STAGES")
+    LAUNCH=(deepspeed --num_gpus $((STAGES * TP)) --master_port "$MASTER_PORT")  # one node: this machine
+    LAUNCH_ONE_PER_STAGE=(deepspeed --num_gpus "$STAGES" --master_port "$MASTER_PORT")
 else
     # The launcher forwards NCCL_* (and PYTHON*, UCX*, ...) to the other nodes by itself; every other
     # variable must be listed in .deepspeed_env in the working directory.
     printf '%s\n' "GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME" \
         "TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING" \
         "OMP_NUM_THREADS=$OMP_NUM_THREADS" > .deepspeed_env
-    LAUNCH=(deepspeed --hostfile "$HOSTFILE")
-    # profile-links: rank r is stage r. DeepSpeed's pipe-major topology puts stage s of an S x D job on
-    # ranks s*D .. s*D+D-1; with D = GPUs per node (hostfile slots) stage s is node s, so one process
-    # per node measures exactly the links the pipeline uses.
-    LAUNCH_ONE_PER_STAGE=(deepspeed --hostfile "$HOSTFILE" --num_nodes "$STAGES" --num_gpus 1)
+    LAUNCH=(deepspeed --hostfile "$HOSTFILE" --master_port "$MASTER_PORT")
+    # profile-links: rank r is stage r. DeepSpeed's pipe-major topology puts stage s of an S x T x D job
+    # on ranks s*D*T .. (s+1)*D*T-1; with D*T = GPUs per node (hostfile slots) stage s is node s, so one
+    # process per node (its first GPU: tensor-parallel rank 0 of replica 0) measures the pipeline's links.
+    LAUNCH_ONE_PER_STAGE=(deepspeed --hostfile "$HOSTFILE" --num_nodes "$STAGES" --num_gpus 1 \
+        --master_port "$MASTER_PORT")
 fi
 
 for step in $STEPS; do
   case $step in
   stages)  # 1. F/B/W per stage of the model, on one GPU of this node -> compute_ms
+    # With TP > 1 this times the dense stage on one GPU: more compute than a tensor-parallel rank's share,
+    # without its all-reduces. "adaptive" training re-measures every stage (its slowest rank) and re-plans.
     STAGES=$STAGES pipemorph profile-stages --model $HERE/stage_model.py:build --sample $HERE/stage_model.py:sample \
         --microbatches "$MICROBATCHES" --threads "$OMP_NUM_THREADS" -o "$OUT/profile.yaml" ;;
   links)   # 2. latency + bandwidth of every link, under the launcher -> links_ms merged into the profile
@@ -80,7 +90,8 @@ else:  # adaptive
     pm["profile_out"] = f"{out}/measured_profile.yaml"  # feed it back to `pipemorph plan`
 json.dump(cfg, open(f"{out}/ds_config.json", "w"), indent=2)
 PY
-    "${LAUNCH[@]}" recipes/tiny_gpt/train.py --stages "$STAGES" --steps "$TRAIN_STEPS" --config "$OUT/ds_config.json" ;;
+    "${LAUNCH[@]}" recipes/tiny_gpt/train.py --stages "$STAGES" --tensor-parallel "$TP" --steps "$TRAIN_STEPS" \
+        --config "$OUT/ds_config.json" "$@" ;;
   *) echo "error: unknown step '$step' (choose from: stages links plan train)" >&2; exit 2 ;;
   esac
 done

@@ -59,6 +59,29 @@ def test_gpu_cluster_config_is_accepted_and_its_commented_copy_matches():
 
 
 @pytest.mark.timeout(30)
+def test_gpu_cluster_config_runs_as_it_is_with_tensor_parallelism():
+    """launch.sh's TP=2 trains the template unchanged: DeepSpeed reads its whole-activation settings, and
+    the engine's tensor-parallel check (``runtime.tensor_parallel.refusal``) passes it, where DeepSpeed's
+    default (partitioned) would be refused."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.config import get_pipeline_config
+
+    from ds_pipemorph.runtime.compat import TP_PARTITIONED_REFUSED
+    from ds_pipemorph.runtime.tensor_parallel import refusal
+
+    cfg = json.loads((GPU / "ds_config.json").read_text())
+    grid = SimpleNamespace(get_slice_parallel_world_size=lambda: 2)
+    model = SimpleNamespace(mpu=lambda: grid)  # what refusal reads of a PipelineModule: its grid
+    pm = parse_config(cfg["pipemorph"])
+    pipeline = get_pipeline_config(cfg)
+    assert (pipeline["pipe_partitioned"], pipeline["grad_partitioned"]) == (False, False)
+    assert refusal(SimpleNamespace(pipeline=pipeline), model, pm) is None
+    stock_default = get_pipeline_config({k: v for k, v in cfg.items() if k != "pipeline"})
+    assert refusal(SimpleNamespace(pipeline=stock_default), model, pm) == TP_PARTITIONED_REFUSED
+
+
+@pytest.mark.timeout(30)
 def test_launch_script_parses():
     assert subprocess.run(["bash", "-n", str(GPU / "launch.sh")]).returncode == 0
 
