@@ -21,6 +21,10 @@ pairs put where the planner absorbs them. The orchestrator acts when both say so
 The answer is the placement (``ranks[stage][replica]``); the engine re-maps to it
 (``runtime.remap``), then the control loop re-plans and delegates for the links now in the pipeline.
 A placement once left is not returned to for the same matrix: the orchestrator acts at most once.
+
+``observe`` is two parts: ``due`` (the history, the noise and patience of the detection: cheap and
+deterministic, so every process fed the same numbers keeps the same state) and ``search`` (the
+placements, run by one process when ``due`` says so; the others ``adopt`` what it changed).
 """
 from __future__ import annotations
 
@@ -93,23 +97,39 @@ class Orchestrator:
         return all(last[s] <= (1.0 + self.noise) * (self._floor[s] + o) + 1e-9 for s in range(self.placement.pp))
 
     def observe(self, allreduce: Sequence[float], stage_ms: Sequence[Sequence[float]]) -> Optional[RemapDecision]:
-        """One iteration: ``allreduce[s]`` = ms of stage s's all-reduce, ``stage_ms[s]`` = its (F, B, W)."""
+        """One iteration: ``allreduce[s]`` = ms of stage s's all-reduce, ``stage_ms[s]`` = its (F, B, W).
+        ``due`` then, if it says so, ``search``: one process doing both parts."""
+        return self.search(stage_ms) if self.due(allreduce) else None
+
+    def due(self, allreduce: Sequence[float]) -> bool:
+        """The cheap part of ``observe``, deterministic: count the iteration, keep ``allreduce`` and
+        say whether a placement search is due: at the first ``patience`` iterations kept (what the
+        best rings cost is planned then) and whenever a stage is a straggler. Processes that feed it
+        the same numbers keep the same state; one of them runs ``search`` and the others ``adopt``."""
         k, self.iteration = self.iteration, self.iteration + 1
         if self.done or k == 0:  # the first iteration carries start-up work
-            return None
-        t0 = time.perf_counter()
+            return False
         self.history = (self.history + [list(allreduce)])[-self.patience:]
         if len(self.history) < self.patience:
-            return None
+            return False
+        if self._floor is None:
+            return True
+        self.overheads = [self.overhead_ms(h) for h in self.history]
+        return self._straggler()
+
+    def search(self, stage_ms: Sequence[Sequence[float]]) -> Optional[RemapDecision]:
+        """After ``due`` said so: what the best rings cost (planned once), then, if a stage is a
+        straggler, the best placement and whether it gains ``min_gain`` (the decision, or None)."""
+        t0 = time.perf_counter()
+        k = self.iteration - 1
         placed = None
         if self._floor is None:  # what the best rings cost: planned once, with the first costs measured
             placed = self._place(stage_ms)
             self._floor = placed[0].orchestrator.allreduce_ms
+            self.overheads = [self.overhead_ms(h) for h in self.history]
+            if not self._straggler():
+                return None
         P = self.placement.pp
-        self.overheads = [self.overhead_ms(h) for h in self.history]
-        if not any(all(h[s] > (1.0 + self.noise) * (self._floor[s] + o) + 1e-9 for h, o in zip(self.history, self.overheads))
-                   for s in range(P)):
-            return None
         res, job = placed if placed is not None else self._place(stage_ms)  # the same costs: place once
         best = res.orchestrator
         now = predict(self.placement, self.matrix, Planner(job, "full", budget_s=3600.0, max_evals=PLAN_EVALS))
@@ -122,6 +142,23 @@ class Orchestrator:
                    for s in range(P)], k, self.overheads[-1], time.perf_counter() - t0)
         self.decisions.append(d)
         return d
+
+    def searched(self) -> tuple[list[float], bool]:
+        """What ``search`` changed that the processes which did not run it need: what the best rings
+        cost and whether the orchestrator acted (``adopt`` takes them)."""
+        return list(self._floor), self.done
+
+    def adopt(self, floor: Sequence[float], done: bool) -> None:
+        """Another process ran ``search`` after the same ``due``: take what it changed, so that this
+        one's state (``settled``, the next ``due``) is that process's."""
+        self._floor, self.done = list(floor), done
+        self.overheads = [self.overhead_ms(h) for h in self.history]
+
+    def _straggler(self) -> bool:
+        """Some stage's all-reduce more than ``noise`` above its best ring (plus the fixed cost) in
+        every iteration kept."""
+        return any(all(h[s] > (1.0 + self.noise) * (self._floor[s] + o) + 1e-9 for h, o in zip(self.history, self.overheads))
+                   for s in range(self.placement.pp))
 
     def _place(self, stage_ms: Sequence[Sequence[float]]):
         P = self.placement.pp

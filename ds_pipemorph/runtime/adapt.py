@@ -56,7 +56,9 @@ from ..plan.ir.links import DIRECT, LinkModel
 from ..plan.ir.memory import MemoryBudget
 from ..plan.ir.ops import KINDS, Schedule, recorded_op, warmup_counts
 from ..plan.ir.profile import Costs
+from .clocks import estimate_clock_offsets
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
+from .plans import DEFAULT_OP_MS
 from .profile_export import ProfileExport
 from .transport.protocol import directions_on
 
@@ -125,6 +127,22 @@ class Adapter:
         self.export = ProfileExport(stages, microbatches, budget.caps)
         self._closed = False
         atexit.register(self.close)  # the profile and the overhead line also when nobody calls close()
+
+    @classmethod
+    def for_engine(cls, engine, budget: MemoryBudget) -> "Adapter":
+        """The engine's control loop, built as the other loops are, from the engine and its memory
+        budget: the plan the engine was given, uniform costs until measured, its clocks' offsets,
+        its neighbours' ranks and its ``pipemorph`` settings (a collective: every rank builds it)."""
+        cfg = engine.pipemorph
+        S, s = engine.num_stages, engine.stage_id
+        ranks = [engine.grid.stage_to_global(k) for k in range(S)]
+        return cls(S, engine.micro_batches, s, engine.first_plan, Costs.uniform(S, DEFAULT_OP_MS), None,
+                   cfg.adapt.every_iterations, estimate_clock_offsets(engine.grid, s, S),
+                   delegation=cfg.delegation.mode, profile_out=cfg.profile_out,
+                   neighbours=Neighbours(ranks[s - 1] if s > 0 else None, ranks[s + 1] if s < S - 1 else None),
+                   queues=QueueSettings(cfg.delegation.queues, cfg.delegation.queue_cap),
+                   replan=cfg.adapt.replan, search_evals=cfg.adapt.search_evals,
+                   direct=engine._direct_link_model(), w_share=engine.w_share, budget=budget)
 
     @property
     def width(self) -> int:

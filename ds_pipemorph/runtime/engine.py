@@ -32,13 +32,17 @@ device without it, ZeRO above stage 1 (``unsupported_reason``), moving layers or
 bf16/fp16/ZeRO optimizer (``moving_refusal``), and dispatch "ready" under NCCL's rules. Tensor
 parallelism inside a stage trains under ordered dispatch; what it refuses is
 ``runtime.tensor_parallel``'s.
+
+``runtime.assembly`` builds the engine: ``__init__`` names its steps (the refusals, DeepSpeed's own
+engine, the split backward, the parts); the control loops are built from the engine and its memory
+budget alike and their typed decisions apply in ``_apply``.
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -50,98 +54,33 @@ from ..plan.ir.lower import BadStream, Dispatch, Lowering
 from ..plan.ir.nccl import nccl_groups
 from ..plan.ir.ops import Kind, Op, Schedule
 from . import instructions as I
-from . import wgrad_store
+from . import assembly
+from .assembly import moving_refusal
 from .engine_builder import EngineBuilder
 from .bw_split import backward_input, forget_parameters
-from .flat_optimizer import is_flat
 from .precision import GradPath
-from .compat import (BUDGET_MB_MOVING_REFUSED, EMBEDDING_REFUSED, MOVING_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused,
-                     zero_refused)
 from . import tensor_parallel
-from .recompute import Recompute, embedding_refusal, split_checkpoint
+from .recompute import Recompute
 from .checkpoint import default_tag, restore_parts, save_parts
 from .config import PipeMorphConfig, PipeMorphConfigError
-from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError, require_pipeline_hooks
-from ..plan.ir.profile import Costs
-from ..control.estimate import Neighbours
-from ..control.policy import Decision, QueueSettings
-from .adapt import Adapter
-from .boundary import Boundary, Migration, Remap
+from .ds_compat import REQUIRED_DEEPSPEED, UnsupportedDeepSpeedError
+from ..control.policy import Decision
+from .boundary import Migration, Remap
 from .clip import clip_as_built
-from .clocks import estimate_clock_offsets
-from .ab_compare import Compare
 from .inbox import Inbox
-from .migrate import LayerMigrator, MigrationReport
-from .grad_reduce import reduction_can_be_identity, reduction_is_identity
-from .hooks import EngineHooks, Hooks, TransportHooks, active_plugins, transport_hooks
-from .plans import (DEFAULT_OP_MS, NCCL_READY_REFUSED, build_plan, for_nccl, granted_budget, lowering_for,
-                    memory_budget, w_share, window_kinds, within_budget)
+from .migrate import MigrationReport
+from .grad_reduce import reduction_is_identity
+from .hooks import EngineHooks, Hooks
+from .plans import NCCL_READY_REFUSED, build_plan, for_nccl, granted_budget, window_kinds, within_budget
 from .ready_exec import ReadyProgram, refuse_after_a_failed_iteration, run_ready
-from .oprecords import OpRecorder
 from .act_meter import SavedBytes, tensor_bytes
-from .act_bytes import ActivationBytes, describe_activation_bytes, gather_activation_bytes
+from .act_bytes import describe_activation_bytes, gather_activation_bytes
 from .schedule import PipeMorphSchedule
 from .shutdown import release_at_exit
-from .timeline_writer import TimelineWriter
-from .train_loss import EarlyLoss, broadcasts_early, sum_in_order
-from .transfer import Transfer
-from .transport.router import build_transport
+from .train_loss import sum_in_order
 from .transport.direct import bound_sends
 
 logger = logging.getLogger(__name__)
-
-
-def nccl_rules(backend: str, delegation_mode: str, hooks: Sequence[TransportHooks] = ()) -> bool:
-    """Whether the direct path runs under NCCL's point-to-point rules (``plan.ir.nccl``): on the NCCL
-    backend (``"nccl"`` or e.g. ``"cpu:gloo,cuda:nccl"``) or when a plug-in's transport hooks say so
-    (``TransportHooks.p2p_rules``, a test double on gloo), unless every link goes through the
-    delegates (``delegation.mode`` "always"), whose own gloo groups match by tag. Under these rules
-    plans are lowered with ``NcclLowering`` and dispatch is ordered."""
-    if delegation_mode == "always":
-        return False
-    return "nccl" in backend or any(h.p2p_rules == "nccl" for h in hooks)
-
-
-def unsupported_reason(config_class, model) -> Optional[str]:
-    """One sentence if this DeepSpeed setup cannot run split-backward plans, else None (``runtime.compat``)."""
-    from deepspeed.accelerator import get_accelerator
-
-    if config_class.float16_config.enabled and not get_accelerator().is_fp16_supported():
-        return fp16_refused(get_accelerator().device_name())
-    if config_class.zero_optimization_stage > 1:
-        return zero_refused(config_class.zero_optimization_stage)
-    if getattr(config_class, "torch_autocast_enabled", False):
-        return TORCH_AUTOCAST_REFUSED
-    return None
-
-
-def moving_refusal(engine, pipemorph: PipeMorphConfig) -> Optional[str]:
-    """One sentence if layers or ranks cannot move under this engine's optimizer or the job's
-    ``pipemorph`` section, else None: a bf16/fp16/ZeRO optimizer moves through DeepSpeed's
-    per-parameter mapping into its flat partitions (``runtime.flat_optimizer``), which
-    ``FP16_Optimizer`` does not keep, and is configured again from the ds_config, which an optimizer
-    given to ``initialize`` is not; a ``memory.budget_mb`` grant was converted with the bytes of the
-    layers in place."""
-    refusal = tensor_parallel.moving_refusal(engine)
-    if refusal:
-        return refusal
-    if pipemorph.memory.budget_mb is not None:
-        return BUDGET_MB_MOVING_REFUSED
-    wrapped = engine.zero_optimization() or getattr(engine, "using_bf16_optimizer", False) or engine.fp16_enabled()
-    if wrapped and (not is_flat(engine.optimizer) or engine.client_optimizer is not None):
-        return MOVING_REFUSED
-    return None
-
-
-def out_of_order_refusal(nccl: bool, hooks: Sequence[TransportHooks]) -> Optional[str]:
-    """The sentence refusing transport hooks that issue the direct path's operations out of the
-    stream's order while NCCL's rules hold (``TransportHooks.keeps_issue_order``); None if none does."""
-    if not nccl or all(h.keeps_issue_order for h in hooks):
-        return None
-    return ("a transport hook issues the direct path's sends or receives out of the stream's order (injected link "
-            "delays send from their own thread), which NCCL's in-order point-to-point cannot run: drop "
-            "pipemorph.inject's links, trace and rank_links on the NCCL backend, or set pipemorph.delegation.mode "
-            "to \"always\"")
 
 
 class PipeMorphEngine(PipelineEngine):
@@ -149,125 +88,14 @@ class PipeMorphEngine(PipelineEngine):
 
     def __init__(self, *super_args, pipemorph: PipeMorphConfig, plan: Schedule,
                  builder: Optional[EngineBuilder] = None, **super_kwargs):
-        require_pipeline_hooks()  # a DeepSpeed without them would train its own 1F1B instead of the plan
-        reason = (unsupported_reason(super_kwargs["config_class"], super_kwargs["model"])
-                  or tensor_parallel.refusal(super_kwargs["config_class"], super_kwargs["model"], pipemorph))
-        if reason:
-            raise PipeMorphConfigError(reason)
-        for plugin, settings in active_plugins(pipemorph):  # plug-ins refuse what this job cannot use
-            plugin.check_job(settings, super_kwargs["model"].num_stages)
+        """DeepSpeed's arguments, the job's ``pipemorph`` section, the plan to start with and how to
+        build the engine again (``builder``; None when ``initialize`` did not make it)."""
+        assembly.refuse_job(pipemorph, super_kwargs["config_class"], super_kwargs["model"])
         super().__init__(*super_args, **super_kwargs)
-        if pipemorph.rebalance.enabled or pipemorph.orchestrate.matrix:
-            refusal = moving_refusal(self, pipemorph)
-            if refusal:
-                raise PipeMorphConfigError(refusal)
-        # Checkpointed chunks recompute once, in B, and leave their weight gradients for W (runtime.recompute).
-        self.checkpointing = self.module.activation_checkpoint_interval > 0
-        if self.checkpointing:
-            self.module.activation_checkpoint_func = split_checkpoint
-            self.module.is_checkpointable_results_interval = None  # DeepSpeed's choice of chunks depends on it
-            self.module._precompute_checkpointable_values()
-            refusal = embedding_refusal(self.module, self.is_first_stage())
-            flag = torch.tensor([int(refusal is not None)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # only the first stage can tell: every rank refuses
-            if flag.item():
-                raise PipeMorphConfigError(EMBEDDING_REFUSED)
-        # Linear and LayerNorm layers leave their weight gradients to W as tensors (runtime.wgrad_store).
-        wgrad_store.install(self.module)
-        # Plug-ins' router hooks (testing only: injection); one may put the direct path under NCCL's rules.
-        router_hooks = transport_hooks(pipemorph, self.num_stages, engine=self)
-        self.nccl_rules = nccl_rules(torch.distributed.get_backend(), pipemorph.delegation.mode, router_hooks)
-        if self.nccl_rules and pipemorph.dispatch is Dispatch.READY:
-            raise PipeMorphConfigError(NCCL_READY_REFUSED)
-        refusal = out_of_order_refusal(self.nccl_rules, router_hooks)
-        if refusal:
-            raise PipeMorphConfigError(refusal)
-        if len(plan) != self.num_stages:
-            raise PipeMorphConfigError(f"the plan has {len(plan)} stages but the job has {self.num_stages}")
-        self.pipemorph = pipemorph
-        self.w_share = w_share(self.checkpointing)  # what B leaves for W against what F left (plans.w_share)
-        self.builder = builder  # how to build this engine again (re-mapping); None: not made by initialize
-        self._schedule: Optional[PipeMorphSchedule] = None
-        self._program: list = []
-        self._ready_program: Optional[ReadyProgram] = None
-        self.inbox = None  # dispatch "ready" (set below): every receive of an iteration in flight
-        self.executed_stream: list[str] = []  # the lowered ops the last train_batch ran, in order
-        # The memory limits every planner and ready dispatch read (one object; a ``budget_mb`` grant
-        # replaces its contents once the first iteration has measured: ``_grant_memory``).
-        self.budget = memory_budget(pipemorph, self.num_stages, self.micro_batches)
-        self._set_plan(plan, lowering_for(pipemorph, self.nccl_rules), pipemorph.dispatch)
-        ranks = [self.grid.stage_to_global(s) for s in range(self.num_stages)]
-        self.adapter: Optional[Adapter] = None
-        adaptive = pipemorph.schedule == "adaptive" and pipemorph.adapt.enabled
-        # Plug-ins' hooks (runtime.hooks; testing only: injection). ``_handlers`` is what the compiled
-        # program runs: the class's handlers, with the hooks' ``after_op`` composed in (add_hooks).
-        self.hooks: Optional[Hooks] = None
-        self._handlers = self._INSTRUCTION_MAP
-        self.add_hooks(*(h for plugin, settings in active_plugins(pipemorph)
-                         for h in plugin.engine_hooks(settings, self)))
-        # Per link: direct (torch.distributed in this process) or delegated (staging ring + delegate
-        # processes); injected delays (testing only) sit on both paths as docs/design.md models them.
-        self.transport = build_transport(pipemorph, self.global_rank, self.stage_id, ranks, self.device, link_mode={},
-                                         static_shapes=not self.dynamic_shape,
-                                         hooks=router_hooks)
-        self._bound_sends()
-        if adaptive:  # the control loop: measure ops and links, re-plan at iteration boundaries
-            self.adapter = Adapter(self.num_stages, self.micro_batches, self.stage_id, plan,
-                                   Costs.uniform(self.num_stages, DEFAULT_OP_MS), None,
-                                   pipemorph.adapt.every_iterations,
-                                   estimate_clock_offsets(self.grid, self.stage_id, self.num_stages),
-                                   delegation=pipemorph.delegation.mode, profile_out=pipemorph.profile_out,
-                                   neighbours=Neighbours(ranks[self.stage_id - 1] if self.stage_id > 0 else None,
-                                                         ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1
-                                                         else None),
-                                   queues=QueueSettings(pipemorph.delegation.queues, pipemorph.delegation.queue_cap),
-                                   replan=pipemorph.adapt.replan, search_evals=pipemorph.adapt.search_evals,
-                                   direct=self._direct_link_model(), w_share=self.w_share, budget=self.budget)
-        self.timeline = TimelineWriter(pipemorph.timeline, self.stage_id) if pipemorph.timeline else None
-        events = None
-        if self.device.type == "cuda":  # the host clock sees launches: time F/B/W with CUDA events
-            events = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-        self.recorder = OpRecorder(pipemorph.nvtx, events, stage=self.stage_id, rank=self.global_rank)
-        self.measured_peak_inflight = 0
-        self._reduce_can_be_identity = reduction_can_be_identity(self)
-        self.reductions_skipped = 0  # ReduceGrads runs that left DeepSpeed's all-reduce out (the identity)
-        self.switch_ms: list[tuple[int, float]] = []  # (iteration, ms) spent switching transports after a re-plan
-        # dispatch "ready": every receive of an iteration in flight, completed in worker threads
-        if pipemorph.dispatch is Dispatch.READY:
-            self.inbox = Inbox(self.transport, 2 * self.micro_batches, pipemorph.timeout_s, self.global_rank)
-        self.choosing_ns: list[int] = []  # dispatch "ready": per iteration, time spent choosing the next op
-        # (stage, parameter names) DeepSpeed's gradient clipping counted before the first migration
-        # or re-mapping (runtime.clip); None while nothing has moved (DeepSpeed's own clipping).
-        self.clip_set: Optional[tuple[int, list[str]]] = None
-        # The gloo groups, attempts and vote that moving layers and re-mapping share (runtime.transfer).
-        self.transfer = Transfer(pipemorph.rebalance.timeout_s,
-                                 self.hooks.migration_drop if self.hooks is not None else frozenset(),
-                                 eager=pipemorph.rebalance.enabled)
-        self.migrator = LayerMigrator(self.transfer)
-        self.rebalance = None  # compute stragglers: measure stages, move layers away from a slowed one
-        if pipemorph.rebalance.enabled:
-            from .rebalance_loop import RebalanceLoop
-
-            self.rebalance = RebalanceLoop(self, self.budget)
-        self.orchestrate = None  # a slow data-parallel link moved into the pipeline (re-mapping, PipeMorph §6)
-        self.pending_remap = None  # ranks[stage][replica] the orchestrator chose at the last boundary
-        if pipemorph.orchestrate.matrix:
-            from .orchestrate_loop import OrchestrateLoop
-
-            self.orchestrate = OrchestrateLoop(self, self.budget)
-        # The loops in the order their decisions apply: a migration's plan is the last word.
-        self.boundary = Boundary([loop for loop in (self.adapter, self.rebalance, self.orchestrate) if loop is not None],
-                                 self.transfer.vote_group, pipemorph.max_exchange_gap)
-        # The iteration's loss leaves the last stage at its last forward where it can (runtime.train_loss).
-        self.early_loss = EarlyLoss(self) if broadcasts_early(self) else None
-        self._reset_iteration_state()
-        # Activation memory, measured in the first train_batch (runtime.act_meter): per stage.
-        self._meter: Optional[SavedBytes] = None
-        self._mem_ops: dict[str, dict[int, int]] = {}  # "F"/"G"/"W" -> micro-batch -> bytes
-        self.activation_bytes: Optional[list[ActivationBytes]] = None
-        # A/B inside this job: the job's own schedule against pipemorph.compare's (runtime.ab_compare).
-        self.compare = Compare(self, pipemorph) if pipemorph.compare.schedule is not None else None
-        self._destroyed = False
+        assembly.split_backward(self)
+        router_hooks = assembly.router_hooks(self, pipemorph)
+        assembly.refuse_engine(self, pipemorph, plan, router_hooks)
+        assembly.assemble(self, pipemorph, plan, builder, router_hooks)
         release_at_exit(self)  # a script that just returns exits in order too (runtime.shutdown)
 
     def destroy(self):

@@ -41,7 +41,7 @@ class EngineHandle:
             if report.ok:
                 object.__setattr__(self, "_engine", fresh)
             elif fresh.orchestrate is not None and fresh.orchestrate.orchestrator is not None:
-                fresh.orchestrate.orchestrator.failed()  # rank 0 decides again from the next iterations
+                fresh.orchestrate.orchestrator.failed()  # every rank: decide again from the next iterations
         return loss
 
     def __getattr__(self, name):

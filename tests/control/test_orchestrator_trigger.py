@@ -95,3 +95,34 @@ def test_place_without_the_replacement_search_gives_the_same_orchestrator_placem
     assert quick.orchestrator.placement == full.orchestrator.placement
     assert quick.orchestrator.iteration_ms == full.orchestrator.iteration_ms
     assert quick.baseline.iteration_ms == full.baseline.iteration_ms
+
+
+def test_detection_on_every_process_and_a_search_on_one_reach_observes_decisions_and_state():
+    # The engine runs ``due`` on every rank and ``search`` on rank 0 only, which the others ``adopt``:
+    # the same decisions and ``settled`` as one process running ``observe``, and a search only at the
+    # first ``patience`` iterations kept (the floor) and where a stage is slow ``patience`` times in a row.
+    ref, searcher, follower = orchestrator(), orchestrator(), orchestrator()
+
+    def no_search(stage_ms):
+        raise AssertionError("a process that adopts never places")
+
+    follower._place = no_search
+    dues, decided = [], []
+    for ar in ([60.0, 50.0], [27.0, 25.0], [28.0, 24.0], [190.0, 25.0], [185.0, 27.0], [26.0, 27.0]):
+        want = ref.observe(ar, FBW)
+        due = searcher.due(ar)
+        assert follower.due(ar) == due
+        got = searcher.search(FBW) if due else None
+        if due:
+            follower.adopt(*searcher.searched())
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert (got.ranks, got.iteration, got.predicted_ms) == (want.ranks, want.iteration, want.predicted_ms)
+            decided.append(got.iteration)
+        assert follower.settled == searcher.settled == ref.settled
+        assert follower.done == searcher.done == ref.done and follower.overheads == searcher.overheads
+        dues.append(due)
+    # start-up; one iteration kept; the floor planned at the second (nothing slow); stage 0 slow once,
+    # then twice in a row (the decision); acted, so nothing is due after it
+    assert dues == [False, False, True, False, True, False]
+    assert decided == [4]

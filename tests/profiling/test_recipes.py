@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from ds_pipemorph.inject.section import InjectConfig
 from ds_pipemorph.inject.delays import load_trace
 from ds_pipemorph.runtime.config import PipeMorphConfig, parse_config, pending_notes
-from ds_pipemorph.runtime.engine import nccl_rules
+from ds_pipemorph.runtime.assembly import nccl_rules
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "recipes" / "gpu_cluster"

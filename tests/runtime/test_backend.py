@@ -3,7 +3,7 @@ with ``NcclLowering`` and dispatch is ordered (tests/runtime/test_nccl_double.py
 import pytest
 
 from ds_pipemorph.runtime.config import parse_config
-from ds_pipemorph.runtime.engine import nccl_rules
+from ds_pipemorph.runtime.assembly import nccl_rules
 from ds_pipemorph.runtime.hooks import TransportHooks
 from ds_pipemorph.runtime.plans import NCCL_READY_REFUSED, for_nccl, lowering_for
 from ds_pipemorph.plan.ir.lower import LoweringPolicy

@@ -389,7 +389,7 @@ def test_a_grant_in_mib_is_refused_with_a_plan_file_and_with_moving_layers_or_ra
     from types import SimpleNamespace
 
     from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED, BUDGET_MB_PLAN_FILE_REFUSED
-    from ds_pipemorph.runtime.engine import moving_refusal
+    from ds_pipemorph.runtime.assembly import moving_refusal
 
     with pytest.raises(PipeMorphConfigError, match=re.escape(BUDGET_MB_PLAN_FILE_REFUSED)):
         parse_config({"schedule": "plan", "plan_file": str(tmp_path / "p.yaml"), "memory": {"budget_mb": 64}})

@@ -209,7 +209,7 @@ def test_under_nccls_rules_only_injected_delays_outside_the_double_are_refused_i
     from ds_pipemorph.inject.delays import DelaySchedule
     from ds_pipemorph.inject.faults import Faults
     from ds_pipemorph.inject.plugin import InjectTransport
-    from ds_pipemorph.runtime.engine import nccl_rules, out_of_order_refusal
+    from ds_pipemorph.runtime.assembly import nccl_rules, out_of_order_refusal
 
     delays = DelaySchedule(static_ms=[5.0])
     lanes = InjectTransport(delays)

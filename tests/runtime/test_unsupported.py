@@ -1,4 +1,4 @@
-"""The start-up refusals of settings the engine cannot train (``engine.unsupported_reason``), on
+"""The start-up refusals of settings the engine cannot train (``assembly.unsupported_reason``), on
 DeepSpeed's config object as it reads them; the sentences are ``runtime.compat``'s."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ def test_startup_refusals_name_the_setting_to_change():
     from types import SimpleNamespace
 
     from ds_pipemorph.runtime.compat import TORCH_AUTOCAST_REFUSED, zero_refused
-    from ds_pipemorph.runtime.engine import unsupported_reason
+    from ds_pipemorph.runtime.assembly import unsupported_reason
 
     model = SimpleNamespace(mpu=lambda: SimpleNamespace(get_slice_parallel_world_size=lambda: 1))
 
