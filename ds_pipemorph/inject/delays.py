@@ -80,6 +80,12 @@ class DelaySchedule:
             self._t0 = time.monotonic()
         return self._t0
 
+    def may_delay(self, link: int) -> bool:
+        """Whether ``link`` is ever delayed: its static delay, or any point of the trace."""
+        if self.trace is None:
+            return self.static[link] > 0
+        return any(p.links_ms[link] > 0 for p in self.trace.points)
+
     def delay_ms(self, link: int) -> float:
         if self.trace is None:
             return self.static[link]
@@ -162,6 +168,11 @@ class DelayInjector(TransportWrapper):
     """
 
     sender_waits = True  # a lane holds the training process while its one message is in flight
+
+    def sender_waits_on(self, link: int) -> bool:
+        """A link this injector delays blocks its sender (its lane); any other link's sends go to the
+        wrapped path as they are and block only if that path's do."""
+        return self.delays.may_delay(link) or link in self._lanes or self.inner_waits_on(link)
 
     def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0,
                  on_failure: Optional[Callable[[DeliveryError], None]] = None):
