@@ -169,11 +169,6 @@ class DelayInjector(TransportWrapper):
 
     sender_waits = True  # a lane holds the training process while its one message is in flight
 
-    def sender_waits_on(self, link: int) -> bool:
-        """A link this injector delays blocks its sender (its lane); any other link's sends go to the
-        wrapped path as they are and block only if that path's do."""
-        return self.delays.may_delay(link) or link in self._lanes or self.inner_waits_on(link)
-
     def __init__(self, inner, stage_id: int, delays: DelaySchedule, timeout_s: float = 300.0,
                  on_failure: Optional[Callable[[DeliveryError], None]] = None):
         super().__init__(inner)
@@ -184,6 +179,11 @@ class DelayInjector(TransportWrapper):
         self.blocked_s: dict[int, float] = {}
         self.sent: dict[int, int] = {}
         self._lanes: dict[int, Lane] = {}
+
+    def sender_waits_on(self, link: int) -> bool:
+        """A link this injector delays blocks its sender (its lane); any other link's sends go to the
+        wrapped path as they are and block only if that path's do."""
+        return self.delays.may_delay(link) or link in self._lanes or self.inner_waits_on(link)
 
     def send(self, kind: str, mb: int, payload) -> None:
         link = link_of(self.stage_id, kind, sending=True)

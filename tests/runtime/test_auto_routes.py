@@ -18,7 +18,7 @@ ROWS = 1 << 14  # x 16 floats: 1 MiB per micro-batch
 MODEL = {"stages": S, "micro_batches": N, "steps": STEPS, "model": "emulated", "layers": S, "layer_ms": 5,
          "micro_batch_size": ROWS}
 SECTION = {"schedule": "adaptive", "delegation": {"mode": "auto"}, "nvtx": False,
-           "adapt": {"max_exchange_gap": 1}, "inject": {"links": {"0": {"delay_ms": 20}}}}
+           "max_exchange_gap": 1, "inject": {"links": {"0": {"delay_ms": 20}}}}
 
 
 @pytest.mark.slow
