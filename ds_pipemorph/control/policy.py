@@ -10,14 +10,15 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
   deterministic search (``refine``), bounded by ``search_evals`` evaluations rather than by time so
   the same input gives the same plan on any machine; the runtime runs the search beside training
   and switches to its plan when it lands (``propose`` does both in one call);
-* model a direct link as its transport behaves (``direct``): where a send holds the training
-  process until its message has crossed (NCCL; the sleep injectors), one message in flight that
-  blocks its sender (``Direct()``); where it does not (gloo's isend), one FIFO, the wire's, whose
-  sender never waits (``Delegated(1)``). Plans, tolerances and the link-delay estimator use that model;
+* model each direct link as its transport behaves (``direct``, one model for every link or one per
+  link): where a send holds the training process until its message has crossed (NCCL; a link the
+  sleep injector delays), one message in flight that blocks its sender (``Direct()``); where it does
+  not (gloo's isend), one FIFO, the wire's, whose sender never waits (``Delegated(1)``). Plans,
+  tolerances and the link-delay estimator use that model;
 * route links by the delegation mode: "off" keeps every link direct, "always" delegates every link,
-  "auto" delegates the links planned for a delay and keeps the others direct, but only where direct
-  sends block: where they do not, a delegate adds copies and nothing the wire does not already
-  give (a rate limit is shared by every queue on it), so "auto" keeps every link direct;
+  "auto" delegates the links planned for a delay and keeps the others direct, but only links whose
+  direct sends block: where they do not, a delegate adds copies and nothing the wire does not
+  already give (a rate limit is shared by every queue on it), so "auto" keeps such a link direct;
 * give each delegated link the delegate queues the new plan needs (``plan.sched.queues``), between what
   it has and the configured maximum; a running link grows only for a gain above ``GROW_GAIN`` of the
   iteration, since new delegates start while training runs.
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route
+from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route, per_link
 from ..plan.ir.memory import MemoryBudget, caps_within, fit_budget
 from ..plan.ir.ops import Schedule
 from ..plan.ir.profile import Costs
@@ -54,6 +55,7 @@ REPLAN_EVALS = 2000  # default search effort per re-plan: an evaluation bound, n
 KEEP_WITHIN = 0.02  # keep the plan in force when it is this close to the lower bound under new delays
 GROW_GAIN = 0.05  # add delegate queues to a running link only for a gain above this share of the iteration
 TOLERANCE_RESOLUTION_MS = 0.1
+DirectModels = Union[LinkModel, Sequence[LinkModel]]  # one model of a direct link for every link, or one per link
 
 
 @dataclass(frozen=True)
@@ -104,14 +106,14 @@ class ControlPolicy:
     def __init__(self, plan: Schedule, costs: Costs, microbatches: int, caps: Optional[Sequence[int]] = None,
                  every: int = 1, delegation: DelegationMode = "off", detector: DetectorConfig = DetectorConfig(),
                  queues: QueueSettings = QueueSettings(), search_evals: int = REPLAN_EVALS,
-                 direct: LinkModel = DIRECT, units: Optional[Sequence[float]] = None, w_share: float = 1.0,
+                 direct: DirectModels = DIRECT, units: Optional[Sequence[float]] = None, w_share: float = 1.0,
                  budget: Optional[MemoryBudget] = None):
         if delegation not in DELEGATION_MODES:
             raise ValueError(f"delegation must be one of {DELEGATION_MODES}, not {delegation!r}")
-        self.direct_model = _direct_model(direct)
         if every < 1:
             raise ValueError(f"every must be >= 1, not {every}")
         self.S, self.N = len(plan), microbatches
+        self.direct_models = _direct_models(direct, self.S - 1)  # per link
         # The caps and the activation memory per stage (``plan.ir.memory.MemoryBudget``), read when a
         # plan is made: every plan proposed keeps within them. ``budget`` is the engine's own object
         # (a grant known after start-up reaches the policy); else one from ``caps`` and ``units``.
@@ -148,11 +150,17 @@ class ControlPolicy:
                               resolution_ms=TOLERANCE_RESOLUTION_MS, link_model=self._model(planned, self.link_queues))
         self.detector.adopt(planned, [t.replay_ms for t in tol])
 
-    def set_direct_model(self, direct: LinkModel) -> None:
-        """Model direct links as ``direct`` from now on (a transport wrapped after start-up, e.g. a
-        test's delay injector, blocks its sender where the bare one did not); the detector's
-        tolerances for the plan in force follow."""
-        self.direct_model = _direct_model(direct)
+    @property
+    def direct_model(self) -> Union[LinkModel, list[LinkModel]]:
+        """The model of direct links: one for every link when they agree, else the list per link."""
+        models = self.direct_models
+        return models[0] if models and all(m == models[0] for m in models) else list(models)
+
+    def set_direct_model(self, direct: DirectModels) -> None:
+        """Model direct links as ``direct`` (one model, or one per link) from now on (a transport
+        wrapped after start-up, e.g. a test's delay injector, blocks its sender where the bare one did
+        not); the detector's tolerances for the plan in force follow."""
+        self.direct_models = _direct_models(direct, self.S - 1)
         self.rebase(self.plan_in_force)
 
     # -- the three steps ---------------------------------------------------------------------------
@@ -249,7 +257,7 @@ class ControlPolicy:
         target = list(costs.links)
         return search(costs, self.N, caps=self._caps_for(target), budget_s=600.0, seed=0, exact=False,
                       max_evals=self.search_evals,
-                      link_model=[self.direct_model if d else LATENCY for d in self._direct(target)],
+                      link_model=[m if d else LATENCY for d, m in zip(self._direct(target), self.direct_models)],
                       units=self.units, w_share=self.w_share).schedule
 
     def _replan(self, costs: Costs, plan: Schedule, reason: str) -> Decision:
@@ -287,8 +295,8 @@ class ControlPolicy:
 
     # -- the links as they run now -----------------------------------------------------------------
     def link_model(self) -> list:
-        """The simulator's link model of the plan in force: the direct model (``Direct()`` or one FIFO,
-        ``Delegated(1)``) for a direct link, ``Delegated(k)`` for a delegated one with its k queues."""
+        """The simulator's link model of the plan in force: the link's direct model (``Direct()`` or one
+        FIFO, ``Delegated(1)``) for a direct link, ``Delegated(k)`` for a delegated one with its k queues."""
         return self._model(self.detector.planned_for, self.link_queues)
 
     def fifos(self) -> list[Optional[int]]:
@@ -299,17 +307,18 @@ class ControlPolicy:
 
     @property
     def may_delegate(self) -> bool:
-        """A slow link may move to the delegates: "always", or "auto" where direct sends block."""
-        return self.delegation == "always" or (self.delegation == "auto" and isinstance(self.direct_model, Direct))
+        """A slow link may move to the delegates: "always", or "auto" where some link's direct sends block."""
+        return self.delegation == "always" or (self.delegation == "auto"
+                                               and any(isinstance(m, Direct) for m in self.direct_models))
 
     # -- rules -------------------------------------------------------------------------------------
     def _direct(self, target: list[float]) -> list[bool]:
         """Per link, whether it runs direct under ``target``."""
         if self.delegation == "always":
             return [False] * len(target)
-        if self.delegation == "auto" and isinstance(self.direct_model, Direct):
-            return [d <= 0 for d in target]
-        return [True] * len(target)  # "off"; or "auto" where direct sends do not block: a delegate gains nothing
+        if self.delegation == "auto":  # a link whose direct sends do not block: a delegate gains nothing
+            return [d <= 0 or not isinstance(m, Direct) for d, m in zip(target, self.direct_models)]
+        return [True] * len(target)  # "off"
 
     def _link_modes(self, target: list[float]) -> dict[int, Route]:
         """Links the engine routes: every link under "always" (listed so that its queue count can
@@ -319,7 +328,7 @@ class ControlPolicy:
         return {i: Route.DIRECT if d else Route.DELEGATED for i, d in enumerate(self._direct(target))}
 
     def _model(self, target: list[float], queues: Sequence[int]) -> list:
-        return [self.direct_model if d else Delegated(k) for d, k in zip(self._direct(target), queues)]
+        return [m if d else Delegated(k) for d, k, m in zip(self._direct(target), queues, self.direct_models)]
 
     @staticmethod
     def _queues_of(modes: dict[int, Route], queues: Sequence[int]) -> dict[int, int]:
@@ -331,7 +340,7 @@ class ControlPolicy:
         but a link grows only when that gains more than ``GROW_GAIN`` of the iteration; a direct link
         keeps its count."""
         have = self.link_queues
-        model: list = [self.direct_model if d else LATENCY for d in direct]
+        model: list = [m if d else LATENCY for d, m in zip(direct, self.direct_models)]
         for i, d in enumerate(direct):
             if not d:
                 model[i] = Delegated(queues_needed(plan, costs, self.N, i, link_model=model, lo=have[i],
@@ -363,10 +372,13 @@ class ControlPolicy:
         return caps
 
 
-def _direct_model(direct: LinkModel) -> LinkModel:
-    if direct not in (DIRECT, Delegated(1)):
-        raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {direct!r}")
-    return direct
+def _direct_models(direct: DirectModels, links: int) -> list[LinkModel]:
+    """One model per link, from one for every link or one per link (``plan.ir.links.per_link``)."""
+    models = list(per_link(direct, links))
+    for m in models:
+        if m not in (DIRECT, Delegated(1)):
+            raise ValueError(f"a direct link is Direct() (its sender waits) or Delegated(1) (one FIFO), not {m!r}")
+    return models
 
 
 def _slow(delays: Sequence[float]) -> list[int]:

@@ -80,6 +80,12 @@ class DelaySchedule:
             self._t0 = time.monotonic()
         return self._t0
 
+    def may_delay(self, link: int) -> bool:
+        """Whether ``link`` is ever delayed: its static delay, or any point of the trace."""
+        if self.trace is None:
+            return self.static[link] > 0
+        return any(p.links_ms[link] > 0 for p in self.trace.points)
+
     def delay_ms(self, link: int) -> float:
         if self.trace is None:
             return self.static[link]
@@ -173,6 +179,11 @@ class DelayInjector(TransportWrapper):
         self.blocked_s: dict[int, float] = {}
         self.sent: dict[int, int] = {}
         self._lanes: dict[int, Lane] = {}
+
+    def sender_waits_on(self, link: int) -> bool:
+        """A link this injector delays blocks its sender (its lane); any other link's sends go to the
+        wrapped path as they are and block only if that path's do."""
+        return self.delays.may_delay(link) or link in self._lanes or self.inner_waits_on(link)
 
     def send(self, kind: str, mb: int, payload) -> None:
         link = link_of(self.stage_id, kind, sending=True)

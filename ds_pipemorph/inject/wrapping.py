@@ -25,6 +25,15 @@ class TransportWrapper:
         """Whether a send holds the training process on a slow link (``DirectTransport.sender_waits``)."""
         return getattr(self.inner, "sender_waits", True)
 
+    def sender_waits_on(self, link: int) -> bool:
+        """Whether a send on ``link`` holds the training process (``DirectTransport.sender_waits_on``)."""
+        return self.inner_waits_on(link)
+
+    def inner_waits_on(self, link: int) -> bool:
+        """The wrapped path's ``sender_waits_on``, or its ``sender_waits`` for every link."""
+        per_link = getattr(self.inner, "sender_waits_on", None)
+        return per_link(link) if per_link is not None else getattr(self.inner, "sender_waits", True)
+
     def post_recv(self, kind: Kind, mb: int) -> None:
         self.inner.post_recv(kind, mb)
 

@@ -141,16 +141,20 @@ class PipeMorphEngine(PipelineEngine):
             self.transport.reset_shapes()
 
     def _direct_link_model(self):
-        """The control loop's model of a direct link, the same on every rank (each plans from the same
-        table): one message in flight with a blocked sender if any rank's direct sends block (NCCL,
-        a delay injector), else one FIFO whose sender never waits (gloo's isend; the model leaves out
-        the ``send_window``'s wait once that many messages to the peer are not received)."""
-        waits = bool(getattr(self.transport.direct, "sender_waits", True))
+        """The control loop's model of each direct link, the same on every rank (each plans from the same
+        table): one message in flight with a blocked sender where any rank's direct sends on it block
+        (NCCL, a link a delay injector delays), else one FIFO whose sender never waits (gloo's isend; the
+        model leaves out the ``send_window``'s wait once that many messages to the peer are not
+        received). One model when every link has the same, else one per link."""
+        direct, links = self.transport.direct, max(1, getattr(self, "num_stages", 2) - 1)
+        on = getattr(direct, "sender_waits_on", lambda link: getattr(direct, "sender_waits", True))
+        waits = [bool(on(link)) for link in range(links)]
         if dist.get_backend() == "gloo":  # NCCL: every rank's sends block; no host collective needed
-            flag = torch.tensor([int(waits)], dtype=torch.int32)
+            flag = torch.tensor(waits, dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            waits = bool(flag.item())
-        return DIRECT if waits else Delegated(1)
+            waits = [bool(w) for w in flag.tolist()]
+        models = [DIRECT if w else Delegated(1) for w in waits]
+        return models[0] if all(m == models[0] for m in models) else models
 
     def _set_plan(self, plan: Schedule, lowering: Optional[Lowering] = None,
                   dispatch: Optional[Dispatch] = None) -> None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .pages import release_pages
+
 
 def uses_cuda(device: Any) -> bool:
     """True exactly when tensors on ``device`` (a ``torch.device``, a device string or anything with a
@@ -58,6 +60,7 @@ class HostPath:
     def __init__(self, device: Any):
         self.device = device  # where received tensors go (the CPU, or a non-CUDA accelerator)
         self.recv_device = torch.device("cpu")
+        self.release = False  # give a slot's pages back once its bytes are taken out (``staging.pages``)
 
     def pin(self, ring: Any) -> None:
         """Nothing to pin: only DMA needs page-locked memory."""
@@ -86,6 +89,8 @@ class HostPath:
     def reading(self, ring: Any, timeout_s: float) -> Iterator[tuple[torch.Tensor, int, None]]:
         with ring.reading(timeout_s=timeout_s) as (view, tag):
             yield view, tag, None
+            if self.release:  # taken out: its pages leave both processes before the slot goes back
+                release_pages(view.data_ptr(), view.numel() * view.element_size())
 
     def received(self) -> None:
         return None

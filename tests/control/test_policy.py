@@ -250,6 +250,25 @@ def test_where_direct_sends_do_not_block_auto_keeps_a_slow_link_direct_and_plans
     assert p.fifos() == [1] * (S - 1)  # the estimator discounts a message queued behind the one before
 
 
+def test_with_one_blocking_link_auto_delegates_it_and_keeps_slow_links_that_do_not_block_direct():
+    # A delay injector on link 0 only (gloo): its sends wait for the delay, links 1 and 2 go out by
+    # gloo's isend. All three are measured slow (large messages take long on links 1 and 2 too).
+    p = ControlPolicy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, QueueSettings(2, 8),
+                      direct=[DIRECT, FIFO, FIFO])
+    slow_everywhere = [25.3, 40.2, 30.4]
+    (it, d), = feed(p, [CALM, slow_everywhere, slow_everywhere])
+    assert d.replans and all(t > 0 for t in d.target_ms)  # every link planned for its delay
+    assert d.link_modes == {0: "delegated", 1: "direct", 2: "direct"}
+    assert set(d.queues) == {0}
+    # The plan is made for link 0 on the delegates and links 1 and 2 as one FIFO each.
+    assert d.predicted_ms == pytest.approx(replay(d.plan, d.costs, N, link_model=[Delegated(d.queues[0]), FIFO, FIFO])
+                                           .iteration_ms)
+    assert p.fifos() == [d.queues[0], 1, 1]
+    assert p.may_delegate and p.direct_model == [DIRECT, FIFO, FIFO]
+    with pytest.raises(ValueError, match="2 link models given for 3 links"):
+        p.set_direct_model([DIRECT, FIFO])
+
+
 def test_a_fifo_whose_sender_never_waits_is_never_slower_than_one_that_blocks_it():
     # The reason the model matters: for the same plan and delay, a sender that waits can only finish later.
     plan, costs = initial_plan(), Costs.uniform(S, 10.0, [0.0, 40.0, 0.0])

@@ -19,12 +19,12 @@ steps every rank calls ``engine.remap`` and trains on from there with its new re
 ``engine.switch_to(dispatch=d)``; a refusal is recorded as "switch_error"), "switch_plan": {"k": plan file}
 (after k steps every rank calls ``engine.switch_to(plan=..., lowering=...)`` with the file's plan and lowering), "config_via_args": true (the config as
 --deepspeed_config gives it), "follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
-may re-map it).
+may re-map it), "micro_batch_size" (rows per micro-batch of the default data, default 2).
 Per job and rank it writes OUT_DIR/<name>.rank<r>.pt: losses, the stage's parameters, the
 measured peak in-flight activations, the op texts run, the transport's recovery log lines
 (failover, delegate restarts), the class of its direct path's point-to-point layer ("p2p"), the global
 rank of each stage its direct path sends to ("stage_ranks"), each link's route at the end
-("link_modes"), the link delays each re-plan planned for ("replan_links") and, for "tp" jobs, the op
+("link_modes"), the control loop's model of each direct link ("direct_model"), the link delays each re-plan planned for ("replan_links") and, for "tp" jobs, the op
 each backward all-reduce of the layers ran in, per step ("tp_backward_ops"); or <name>.rank<r>.err with the message. The transport (and its
 delegate processes) is closed at the end of each job. ``WORKER_DIST_BACKEND`` names the backend (default
 gloo; ``scripts/gpu_check/nccl_job.py`` runs it on nccl).
@@ -96,7 +96,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
     else:
         model = build_model(S, seed=1234, tied=job.get("tied", False), dropout=job.get("dropout", 0.0),
                             idle=job.get("idle", False))
-    cfg = ds_config(N, dp=dp, pipemorph=job.get("pipemorph"))
+    mbs = job.get("micro_batch_size", 2)  # rows of WIDTH floats per micro-batch (the default data)
+    cfg = ds_config(N, dp=dp, micro_batch_size=mbs, pipemorph=job.get("pipemorph"))
     if job.get("fake_fp16"):  # DeepSpeed's CPU accelerator refuses fp16; the test tells it that it has fp16
         from deepspeed.accelerator import get_accelerator
 
@@ -142,7 +143,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             seqs = [GPT_SEQ - (i % 4) * 2 if job.get("dynamic") else GPT_SEQ for i in range(N * steps)]
             ids = [torch.randint(0, GPT_VOCAB, (2, t + 1), generator=g) for t in seqs]
             return [(w[:, :-1], w[:, 1:]) for w in ids]
-        data = batches(N * steps, 2, seed=99 + replica)
+        data = batches(N * steps, mbs, seed=99 + replica)
         half = _half_dtype(cfg)  # a bf16/fp16 model takes inputs and labels of its dtype, as in stock
         return data if half is None else [(x.to(half), y.to(half)) for x, y in data]
 
@@ -246,6 +247,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
                 "eval_loss": eval_loss, "events": events, "tp_backward_ops": tp_backward_ops,
                 "link_modes": None if transport is None else [str(transport.link_mode(link)) for link in range(S - 1)],
+                "direct_model": None if getattr(engine, "adapter", None) is None else
+                [str(m) for m in engine.adapter.policy.direct_models],
                 "stage_ranks": [int(r) for r in getattr(_innermost(getattr(transport, "direct", None)), "stage_ranks", [])],
                 "choosing_ns": list(getattr(engine, "choosing_ns", [])),
                 "reduce_ms": reduce_ms, "early_loss": getattr(engine, "early_loss", None) is not None,

@@ -211,6 +211,10 @@ class DirectTransport:
         self._recv_layout: dict[tuple[str, int], tuple] = {}  # what the peer told this rank
         self._group: Optional[list] = None  # between begin_group and end_group: (op, _Grouped) not issued yet
 
+    def sender_waits_on(self, link: int) -> bool:
+        """Whether a send on ``link`` holds the training process: ``sender_waits``, alike on every link."""
+        return self.sender_waits
+
     def with_p2p(self, p2p: P2P) -> "DirectTransport":
         """A new direct path like this one (nothing sent yet) whose messages go through ``p2p``."""
         path = DirectTransport(self.rank, self.stage_id, self.stage_ranks, self.timeout_s, self.device,

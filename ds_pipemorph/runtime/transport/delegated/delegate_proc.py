@@ -73,6 +73,7 @@ from datetime import timedelta
 from typing import Any
 
 from ....fileio import first_line
+from ....staging.pages import release_pages
 
 PIECE_BITS = 12  # a tag is (message seq << 24) | (pieces << 12) | piece
 MAX_PIECES = (1 << PIECE_BITS) - 1
@@ -128,6 +129,7 @@ class DelegateSpec:
     interfaces: tuple = ()  # network interfaces in turn per generation (delegation.interfaces); () = Gloo's default
     liveness_s: float = 0.0  # the peer's kernel silent this long: the pair is lost (0: liveness_for(timeout_s))
     fault_at: tuple | None = None  # testing: (point, message[, stall s]) where generation 0 dies or stalls (``fault_point``)
+    release_pages: bool = False  # sender: punch each sent piece out of the ring (a host ring, not a pinned one)
 
     def interface(self, gen: int) -> str | None:
         return interface_for(self.interfaces, gen)
@@ -507,6 +509,8 @@ def run_sender(spec: DelegateSpec, op, pair: _Pair, acked, delays) -> None:
             fault_point(spec, gen, "head", msg)
             if flat.numel():
                 _send(flat, pair.peer)
+                if spec.release_pages:  # sent: its pages leave both processes (``staging.pages``)
+                    release_pages(flat.data_ptr(), flat.numel())
             ring.end_read(seq)
             if piece == pieces - 1:
                 fault_point(spec, gen, "body", msg)

@@ -49,7 +49,8 @@ class Sending:
         msg = framing.Message(d.next_seq, head, tensors, self._describe(kind, mb, True, q.index),
                               cut, self.staging_path.sent(tensors))
         d.next_seq += 1
-        self._prune(q)
+        for each in d.queues:  # what the peer holds is let go on every queue, not only on the one sent into
+            self._prune(each)
         q.unacked.append(msg)
         self._copier.submit(d, q, msg)  # the copy into the ring runs beside the next op (§5.2)
         self.sent[d.link] = self.sent.get(d.link, 0) + 1

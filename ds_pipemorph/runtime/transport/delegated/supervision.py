@@ -151,7 +151,8 @@ class Supervision:
             prefix=self._rendezvous_prefix(link, kind, q),
             parent_pid=os.getpid(), timeout_s=self.timeout_s,
             delays_trace=self.delays.trace if (sending and self.delays is not None) else None,
-            interfaces=self.interfaces, liveness_s=self.liveness_s, fault_at=self.fault_at.get("send" if sending else "recv"))
+            interfaces=self.interfaces, liveness_s=self.liveness_s, fault_at=self.fault_at.get("send" if sending else "recv"),
+            release_pages=self.fit_ring)
         delays = self._delay_state() if sending else None
         proc = self._ctx.Process(target=delegate_main, args=(spec, gen, stop, acked, ready, delays), daemon=True,
                                  name=f"pipemorph-{spec.role}-L{link}{kind}q{q}")

@@ -101,6 +101,9 @@ class DelegatedTransport(Supervision, DelayPublishing, Sending, Receiving):
         # resident as far as pieces reach; a CUDA path's rings are pinned whole, and more pieces would only
         # cost round trips.
         self.fit_ring = bool(fit_ring) and not uses_cuda(self.device)
+        # There too, a slot's pages leave both processes once its piece is taken out (the sender delegate
+        # sent it, this process copied it out: ``staging.pages``): a ring holds only what is in it.
+        self.staging_path.release = self.fit_ring
         self.session = session or f"t{next(_instances)}"
         self.store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = store_port or os.environ.get("MASTER_PORT")
