@@ -225,8 +225,11 @@ def _link_modes(engine, nodes: int) -> list[str]:
 def _fifos(engine, modes: list[str]) -> list:
     """Per link, what the link-delay estimator needs, as the control loop gives it: a delegated link's
     queues; 1 for a direct link whose sends do not block (gloo's isend: one FIFO); None otherwise."""
-    direct = None if getattr(engine.transport.direct, "sender_waits", True) else 1
-    return [engine.transport.queues_of(k) if m == "delegated" else direct for k, m in enumerate(modes)]
+    if getattr(engine, "adapter", None) is not None:  # the control loop's own, per link
+        return engine.adapter.policy.fifos()
+    direct = engine.transport.direct
+    on = getattr(direct, "sender_waits_on", lambda link: getattr(direct, "sender_waits", True))
+    return [engine.transport.queues_of(k) if m == "delegated" else (None if on(k) else 1) for k, m in enumerate(modes)]
 
 
 def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:

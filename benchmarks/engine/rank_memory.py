@@ -47,6 +47,7 @@ ROWS = {  # label -> pipemorph section (None: stock DeepSpeed)
     "adaptive-ready": {"schedule": "adaptive", "dispatch": "ready", "delegation": {"mode": "off"}},
     "adaptive-1.5x": {"schedule": "adaptive", "memory": {"budget": 1.5}, "delegation": {"mode": "off"}},
     "zb-nolimit": {"schedule": "zb", "memory": {"budget": None}},
+    "1f1b-recv1": {"schedule": "1f1b", "recv_window": 1},  # one receive of each kind posted ahead
 }
 DEFAULT_ROWS = "stock,1f1b,zb,adaptive-direct,adaptive,adaptive-ready"
 MIB = 1024 * 1024

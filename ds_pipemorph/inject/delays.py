@@ -260,7 +260,9 @@ def install_delays(engine, delays: DelaySchedule, timeout_s: float = 60.0) -> De
     that change delays while training; a job configures ``inject`` instead). The injected direct path
     blocks its sender, and the control loop is told so: its model of direct links becomes ``Direct()``.
     Call it on every rank (each plans from the same table with its own policy), on the engine's own
-    router (not one wrapped by another test injector): it goes through the router's ``add_hooks``."""
+    router (not one wrapped by another test injector): it goes through the router's ``add_hooks``.
+    Unlike a job's ``inject`` section, whose injector blocks only the links its schedule delays, every
+    link is modelled as blocking here: ``delays`` may slow any link later."""
     from ..plan.ir.links import DIRECT
 
     engine.transport.add_hooks(DelayHooks(delays), timeout_s)

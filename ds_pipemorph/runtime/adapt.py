@@ -52,7 +52,7 @@ from ..control.detector import DetectorConfig
 from ..control.estimate import Neighbours, RankTimes, link_delays, message_times
 from ..control.modes import DelegationMode, ReplanMode
 from ..control.policy import REPLAN_EVALS, ControlPolicy, Decision, QueueSettings
-from ..plan.ir.links import DIRECT, LinkModel
+from ..plan.ir.links import DIRECT, Direct, LinkModel
 from ..plan.ir.memory import MemoryBudget
 from ..plan.ir.ops import KINDS, Schedule, recorded_op, warmup_counts
 from ..plan.ir.profile import Costs
@@ -228,9 +228,10 @@ class Adapter:
             return None
         t = time.perf_counter_ns()
         first = self.policy.react if self.background else self.policy.propose
-        proposal = [(first(costs), None) if self.rank == 0 else None]
+        proposal = [_on_rank0(self.rank, lambda: (first(costs), None))]
         dist.broadcast_object_list(proposal, src=0)  # one planner: the others wait idle, not planning too
-        decision = self._adopt(proposal[0], links, oh, t, "closed-form" if self.background else "search")
+        decision = self._adopt(_raise_failed(proposal[0]), links, oh, t,
+                               "closed-form" if self.background else "search")
         if decision is not None and self.background:  # refine it beside training
             self._pending = decision.costs
             if self._planner is not None:
@@ -244,8 +245,9 @@ class Adapter:
         few iterations later finds it ready. Until then no process of the delegates runs."""
         if self.policy.delegation != "auto" or not self.policy.may_delegate:
             return  # off; always (started with the engine); or direct sends that do not block
-        if self._prewarm_failed or not any(directions_on(self.stage_id, link) for link in self.policy.detector.rising):
-            return
+        if self._prewarm_failed or not any(directions_on(self.stage_id, link) for link in self.policy.detector.rising
+                                           if isinstance(self.policy.direct_models[link], Direct)):
+            return  # no rising link here that "auto" would move (its direct sends block)
         try:
             engine.transport.prewarm()
         except Exception as e:  # noqa: BLE001  (only a head start, on this rank only: raising would leave the
@@ -266,10 +268,10 @@ class Adapter:
             else:
                 logger.warning("pipemorph: %s; searching on the training thread instead", rest[0])
                 t = time.perf_counter()
-                answer = [(self.policy.refine(self._pending), time.perf_counter() - t)]
+                answer = [_on_rank0(0, lambda: (self.policy.refine(self._pending), time.perf_counter() - t))]
         dist.broadcast_object_list(answer, src=0)
         self._pending = self._landed = None
-        return answer[0]
+        return _raise_failed(answer[0])
 
     def _adopt(self, proposal: tuple[Decision, Optional[float]], links, oh: Overhead, t: int,
                kind: str) -> Optional[Decision]:
@@ -372,3 +374,25 @@ def _ms_since(t_ns: int) -> float:
 
 def _fmt(links) -> str:
     return "[" + ", ".join("-" if v is None else f"{v:.1f}" for v in links) + "]"
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Rank 0's planner raised: what every rank raises after the broadcast (none is left waiting)."""
+    error: str
+
+
+def _on_rank0(rank: int, plan):
+    """``plan()`` on rank 0 (None elsewhere); a failure becomes a ``_Failed`` to broadcast."""
+    if rank != 0:
+        return None
+    try:
+        return plan()
+    except Exception as e:  # noqa: BLE001 - every other rank waits in the broadcast: tell them, then fail
+        return _Failed(f"{type(e).__name__}: {e}")
+
+
+def _raise_failed(answer):
+    if isinstance(answer, _Failed):
+        raise RuntimeError(f"pipemorph: rank 0's planner failed while re-planning: {answer.error}")
+    return answer

@@ -146,7 +146,7 @@ class PipeMorphEngine(PipelineEngine):
         (NCCL, a link a delay injector delays), else one FIFO whose sender never waits (gloo's isend; the
         model leaves out the ``send_window``'s wait once that many messages to the peer are not
         received). One model when every link has the same, else one per link."""
-        direct, links = self.transport.direct, max(1, getattr(self, "num_stages", 2) - 1)
+        direct, links = self.transport.direct, max(1, self.num_stages - 1)
         on = getattr(direct, "sender_waits_on", lambda link: getattr(direct, "sender_waits", True))
         waits = [bool(on(link)) for link in range(links)]
         if dist.get_backend() == "gloo":  # NCCL: every rank's sends block; no host collective needed

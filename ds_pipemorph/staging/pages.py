@@ -17,23 +17,29 @@ import sys
 
 _MADV_REMOVE = 9  # linux/mman.h
 _PAGE = mmap.PAGESIZE
-_libc = None
+_libc = None  # None: not loaded yet; False: cannot be (the pages then stay resident)
 
 
 def _madvise():
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            libc.madvise.restype = ctypes.c_int
+            _libc = libc
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc.madvise if _libc else None
 
 
 def release_pages(address: int, nbytes: int) -> bool:
     """Punch the whole pages of [address, address + nbytes) out of their shared-memory segment; False
-    where that is not possible (not Linux, an older kernel): the pages then stay resident, as before."""
+    where that is not possible (not Linux, an older kernel, no C library to call): the pages then stay
+    resident."""
     start = -(-address // _PAGE) * _PAGE
     end = (address + nbytes) // _PAGE * _PAGE
     if end <= start or not sys.platform.startswith("linux"):
         return False
-    return _madvise()(start, end - start, _MADV_REMOVE) == 0
+    madvise = _madvise()
+    return madvise is not None and madvise(start, end - start, _MADV_REMOVE) == 0

@@ -132,7 +132,9 @@ def tiny_gpt_tensor_parallel(vocab: int, stages: int, tensor_parallel: int, data
     if heads % tensor_parallel:
         raise ValueError(f"the tensor-parallel size ({tensor_parallel}) must divide the {heads} attention heads")
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel, num_dp=data_parallel)
-    grid = PipelineParallelGrid(topology=topo)  # the blocks' tensor-parallel groups
+    # The blocks' tensor-parallel groups, needed before the module exists; PipelineModule forms its own
+    # grid (the same groups again: on NCCL one more communicator per group, made once at start-up).
+    grid = PipelineParallelGrid(topology=topo)
     layers = [LayerSpec(Embedding, vocab, d_model, max_seq)]
     layers += [LayerSpec(TensorParallelBlock, d_model, heads, grid) for _ in range(blocks)]
     layers += [LayerSpec(Head, vocab, d_model)]

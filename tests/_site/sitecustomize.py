@@ -24,6 +24,8 @@ def _cached(real):
         except (OSError, ValueError):
             pass
         info = real()
+        if not info.get("arch"):  # py-cpuinfo's own process failed: ask again next time, keep nothing
+            return info
         tmp = f"{_CACHE}.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump(info, f)

@@ -8,6 +8,7 @@ first F of stage s is followed by S - s - 1 more before the first gradient retur
 """
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -138,6 +139,8 @@ def test_fit_budget_refuses_a_warm_up_deeper_than_the_budget():
         fit_budget(deepspeed_1f1b(4, 8), [4.0, 2.178723, 2.0, 1.0])
     assert (e.value.stage, e.value.held) == (1, 3)
     assert str(e.value) == "stage 1 holds 3 micro-batches between F and B, more than its budget of 2.18"
+    again = pickle.loads(pickle.dumps(e.value))
+    assert (type(again), str(again), again.stage, again.held) == (OverBudget, str(e.value), 1, 3)
 
 
 def test_the_search_keeps_within_the_budget_and_beats_or_ties_the_greedy_pass():

@@ -17,7 +17,8 @@ from ds_pipemorph.runtime.engine import PipeMorphEngine
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 waits = [w == "1" for w in sys.argv[1].split(",")]
-fake = types.SimpleNamespace(transport=types.SimpleNamespace(direct=types.SimpleNamespace(sender_waits=waits[rank])))
+fake = types.SimpleNamespace(num_stages=2,
+                             transport=types.SimpleNamespace(direct=types.SimpleNamespace(sender_waits=waits[rank])))
 with open(f"model.rank{rank}", "w") as f:  # a file per rank: the ranks' stdout interleaves
     f.write(str(PipeMorphEngine._direct_link_model(fake)))
 dist.destroy_process_group()

@@ -80,6 +80,9 @@ class OverBudget(ValueError):
                          f"budget of {units:.3g}")
         self.stage, self.held, self.units = stage, held, units
 
+    def __reduce__(self):  # crosses processes (a search beside training) as it was raised
+        return OverBudget, (self.stage, self.held, self.units)
+
 
 def caps_within(units: Sequence[float]) -> list[int]:
     """The most micro-batches each stage may hold between ``F`` and ``B`` within ``units``."""
