@@ -55,8 +55,8 @@ DESCRIPTIONS: dict[str, str] = {
                         "runs within stock 1F1B's (`budget` 1.0) and measures each stage's activations per "
                         "micro-batch; from the second on, on every rank alike, every plan, re-plan and dispatch "
                         "keeps within the grant. It may be tighter than stock's but not below one micro-batch's "
-                        "activations on a stage (refused after the first iteration, naming the stage and the "
-                        "least that runs); not together with `budget`, a plan file (`schedule: plan`) or moving layers "
+                        "activations on a stage, nor below stock's `S - s` micro-batches under `schedule: 1f1b` "
+                        "(refused after the first iteration, naming the least that runs on every stage); not together with `budget`, a plan file (`schedule: plan`) or moving layers "
                         "or ranks (`rebalance`, `orchestrate`)",
     "adapt": "PipeMorph's control loop, with `schedule: adaptive`",
     "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "

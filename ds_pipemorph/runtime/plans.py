@@ -80,13 +80,18 @@ def granted_budget(cfg: PipeMorphConfig, stages: int, microbatches: int, f_bytes
     the same on every rank."""
     mib = cfg.memory.mib_per_stage(stages)
     units = units_of_bytes([m * MIB for m in mib], f_bytes, microbatches * max(1.0, share))
+    # What each stage must hold: one micro-batch; stock's S - s under the 1f1b order, which no W can relieve.
+    one_f_one_b = cfg.schedule == "1f1b"
+    need = [min(stages - s, microbatches) if one_f_one_b else 1 for s in range(stages)]
     for s, u in enumerate(units):
-        if u < 1.0 - EPS:
-            least = [_mib_up(f / MIB) for f in f_bytes]
+        if u < need[s] - EPS:
+            least = [_mib_up(n * f / MIB) for n, f in zip(need, f_bytes)]
+            what = (f"the {need[s]} micro-batches the 1f1b order holds there ({need[s]} x {f_bytes[s] / MIB:.4g} MiB"
+                    if one_f_one_b else f"one micro-batch's activations there ({f_bytes[s] / MIB:.4g} MiB")
             raise PipeMorphConfigError(
-                f"pipemorph.memory.budget_mb gives stage {s} {mib[s]:.4g} MiB, less than one micro-batch's "
-                f"activations there ({f_bytes[s] / MIB:.4g} MiB measured in the first iteration): the smallest "
-                f"budget_mb that runs is {least[s]:.4g} MiB on stage {s} ({_listed(least)} per stage)")
+                f"pipemorph.memory.budget_mb gives stage {s} {mib[s]:.4g} MiB, less than {what} measured in the "
+                f"first iteration): the smallest budget_mb that runs is {least[s]:.4g} MiB on stage {s} "
+                f"({_listed(least)} per stage, or {max(least):.4g} for every stage)")
     return MemoryBudget(_caps(cfg, stages, microbatches, units), units, tuple(mib))
 
 
@@ -114,10 +119,12 @@ def within_budget(cfg: PipeMorphConfig, plan: Schedule, what: str = "the plan", 
         return fit_budget(plan, budget.units, ratio=share)
     except OverBudget as e:
         if budget.mib is not None:  # one unit of stage s is budget.mib[s] / budget.units[s] MiB
-            least = _mib_up(e.held * budget.mib[e.stage] / budget.units[e.stage])
+            held = peak_units(plan, 0.0)  # forwards held between F and B: no W can relieve those
+            least = [_mib_up(max(1.0, h, u) * m / u) for h, u, m in zip(held, budget.units, budget.mib)]
             raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget_mb "
                                        f"({_listed(budget.mib)} MiB per stage) allows: {e}; raise memory.budget_mb "
-                                       f"to at least {least:.4g} MiB on stage {e.stage}") from None
+                                       f"to at least {least[e.stage]:.4g} MiB on stage {e.stage} ({_listed(least)} "
+                                       f"per stage, or {max(least):.4g} for every stage)") from None
         raise PipeMorphConfigError(f"{what} needs more activation memory than pipemorph.memory.budget "
                                    f"({cfg.memory.budget_in_force:g}x stock 1F1B) allows: {e}; raise memory.budget "
                                    f"or set it to null") from None

@@ -363,12 +363,32 @@ def test_a_grant_tighter_than_stock_1f1b_s_order_is_refused_for_1f1b_but_planned
         plan = build_plan(cfg, S, N, budget=granted_budget(cfg, S, N, f))
         assert max(peak_units(plan, 1.0)) <= 2.0, (schedule, peak_units(plan, 1.0))
     cfg = parse_config({"schedule": "1f1b", "memory": {"budget_mb": 2000 / 1024 / 1024}})
-    with pytest.raises(PipeMorphConfigError, match="^the '1f1b' plan needs more activation memory than "
-                                                   r"pipemorph.memory.budget_mb \(\[0.001907, ") as e:
-        build_plan(cfg, S, N, budget=granted_budget(cfg, S, N, f))
-    # Stage 0 holds S = 4 micro-batches of 1000 bytes under 1F1B, 4000 B = 0.0038147 MiB, rounded up.
-    assert str(e.value).endswith("stage 0 holds 4 micro-batches between F and B, more than its budget of 2; "
-                                 "raise memory.budget_mb to at least 0.003815 MiB on stage 0"), str(e.value)
+    with pytest.raises(PipeMorphConfigError) as e:
+        granted_budget(cfg, S, N, f)
+    # 1F1B holds S - s = 4, 3, 2, 1 micro-batches of 1000 B: 4000, 3000, 2000, 1000 B, in MiB rounded
+    # up to 4 significant digits; stage 0 is the first below its need (2000 B < 4000 B).
+    assert str(e.value) == ("pipemorph.memory.budget_mb gives stage 0 0.001907 MiB, less than the 4 micro-batches "
+                            "the 1f1b order holds there (4 x 0.0009537 MiB measured in the first iteration): the "
+                            "smallest budget_mb that runs is 0.003815 MiB on stage 0 ([0.003815, 0.002862, 0.001908, "
+                            "0.0009537] per stage, or 0.003815 for every stage)")
+    granted_budget(parse_config({"schedule": "1f1b", "memory": {"budget_mb": 0.003815}}), S, N, f)  # that runs
+
+
+def test_a_plan_over_a_budget_mb_grant_names_the_least_grant_of_every_stage():
+    from ds_pipemorph.plan.ir.memory import MemoryBudget
+    from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
+    from ds_pipemorph.runtime.plans import within_budget
+
+    cfg = parse_config({"schedule": "zb", "memory": {"budget_mb": 1}})
+    # 1 MiB per stage is 2 micro-batches' activations on every stage (0.5 MiB each); 1F1B's order holds
+    # 4, 3, 2, 1 of them between F and B: 2, 1.5, 1 (the grant, which holds) and 1 MiB.
+    budget = MemoryBudget(caps=(2, 2, 2, 2), units=(2.0, 2.0, 2.0, 2.0), mib=(1.0, 1.0, 1.0, 1.0))
+    with pytest.raises(PipeMorphConfigError) as e:
+        within_budget(cfg, deepspeed_1f1b(4, 8), "the '1f1b' plan", budget=budget)
+    assert str(e.value) == ("the '1f1b' plan needs more activation memory than pipemorph.memory.budget_mb ([1, 1, 1, 1] "
+                            "MiB per stage) allows: stage 0 holds 4 micro-batches between F and B, more than its "
+                            "budget of 2; raise memory.budget_mb to at least 2 MiB on stage 0 ([2, 1.5, 1, 1] per "
+                            "stage, or 2 for every stage)")
 
 
 def test_a_grant_below_one_micro_batch_names_the_stage_its_measure_and_the_least_that_runs():
@@ -380,7 +400,7 @@ def test_a_grant_below_one_micro_batch_names_the_stage_its_measure_and_the_least
         granted_budget(cfg, 4, 8, [MIB, MIB, int(1.5 * MIB), 2 * MIB])
     assert str(e.value) == ("pipemorph.memory.budget_mb gives stage 2 1 MiB, less than one micro-batch's activations "
                             "there (1.5 MiB measured in the first iteration): the smallest budget_mb that runs is "
-                            "1.5 MiB on stage 2 ([1, 1, 1.5, 2] per stage)")
+                            "1.5 MiB on stage 2 ([1, 1, 1.5, 2] per stage, or 2 for every stage)")
     exact = granted_budget(cfg, 4, 8, [MIB, MIB, MIB, 2 * MIB])  # exactly one micro-batch: runs (fused-like)
     assert exact.units == (2.0, 2.0, 1.0, 1.0) and exact.caps == (2, 2, 1, 1)
 
