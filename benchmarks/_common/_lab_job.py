@@ -227,9 +227,11 @@ def _fifos(engine, modes: list[str]) -> list:
     queues; 1 for a direct link whose sends do not block (gloo's isend: one FIFO); None otherwise."""
     if getattr(engine, "adapter", None) is not None:  # the control loop's own, per link
         return engine.adapter.policy.fifos()
+    from ds_pipemorph.runtime.transport.protocol import sender_waits_on
+
     direct = engine.transport.direct
-    on = getattr(direct, "sender_waits_on", lambda link: getattr(direct, "sender_waits", True))
-    return [engine.transport.queues_of(k) if m == "delegated" else (None if on(k) else 1) for k, m in enumerate(modes)]
+    return [engine.transport.queues_of(k) if m == "delegated" else (None if sender_waits_on(direct, k) else 1)
+            for k, m in enumerate(modes)]
 
 
 def _run_row(spec: JobSpec, row: Row, index: int, data) -> dict:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..plan.ir.links import Route
 from ..plan.ir.ops import Kind
-from ..runtime.transport.protocol import LinkControl, Payload, Transport
+from ..runtime.transport.protocol import LinkControl, Payload, Transport, sender_waits_on
 
 
 class TransportWrapper:
@@ -31,8 +31,7 @@ class TransportWrapper:
 
     def inner_waits_on(self, link: int) -> bool:
         """The wrapped path's ``sender_waits_on``, or its ``sender_waits`` for every link."""
-        per_link = getattr(self.inner, "sender_waits_on", None)
-        return per_link(link) if per_link is not None else getattr(self.inner, "sender_waits", True)
+        return sender_waits_on(self.inner, link)
 
     def post_recv(self, kind: Kind, mb: int) -> None:
         self.inner.post_recv(kind, mb)

@@ -79,6 +79,7 @@ from .schedule import PipeMorphSchedule
 from .shutdown import release_at_exit
 from .train_loss import sum_in_order
 from .transport.direct import bound_sends
+from .transport.protocol import sender_waits_on
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,7 @@ class PipeMorphEngine(PipelineEngine):
         model leaves out the ``send_window``'s wait once that many messages to the peer are not
         received). One model when every link has the same, else one per link."""
         direct, links = self.transport.direct, max(1, self.num_stages - 1)
-        on = getattr(direct, "sender_waits_on", lambda link: getattr(direct, "sender_waits", True))
-        waits = [bool(on(link)) for link in range(links)]
+        waits = [sender_waits_on(direct, link) for link in range(links)]
         if dist.get_backend() == "gloo":  # NCCL: every rank's sends block; no host collective needed
             flag = torch.tensor(waits, dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -99,6 +99,14 @@ def directions_on(stage_id: int, link: int) -> tuple[tuple[str, bool], ...]:
                  if link_of(stage_id, kind, sending) == link)
 
 
+def sender_waits_on(path, link: int) -> bool:
+    """Whether a send on ``link`` holds the training process on the direct path ``path``: its own
+    ``sender_waits_on(link)`` where it answers per link (a delay injector blocks only the links it
+    delays), else its ``sender_waits`` for every link (True when it does not say: NCCL's rule)."""
+    per_link = getattr(path, "sender_waits_on", None)
+    return bool(per_link(link)) if per_link is not None else bool(getattr(path, "sender_waits", True))
+
+
 @runtime_checkable
 class Transport(Protocol):
     """Messages between neighbouring stages; the contract is in this module's docstring."""
