@@ -11,8 +11,8 @@ every step):
   (``_bare_runner.py``): this machine's floor for any runtime. It posts every receive of the
   iteration up front, and so does ours here (``recv_window`` = the micro-batch count): the two post
   alike and the ratio is the runtime's own cost;
-- ``ours_window2``: our engine again with the default ``recv_window`` of 2, which bounds receive
-  memory and posts each next receive between two ops (on this machine every call between ops pays a
+- ``ours_window2``: our engine again with a ``recv_window`` of 2 (the default is 1), which bounds
+  receive memory and posts each next receive between two ops (on this machine every call between ops pays a
   cold start: a ``torch.empty`` right after a 10 ms sleep takes 0.1 ms, not 1 us);
 - ``torch_zbv``, ``torch_interleaved_zb``, ``torch_1f1b``: torch.distributed.pipelining's
   ``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble`` (two virtual stages per rank, each
@@ -59,7 +59,7 @@ from _util import CACHING_MALLOC, print_table, relaunch, write_json
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
 TARGET_OVER_PREDICTED = 1.05
 RUNNERS = ("bare_zb", "ours_window2", "torch_zbv", "torch_interleaved_zb", "torch_1f1b")
-LABELS = {"bare_zb": "plain torch.distributed loop (zb)", "ours_window2": "ours with recv_window 2 (the default)",
+LABELS = {"bare_zb": "plain torch.distributed loop (zb)", "ours_window2": "ours with recv_window 2",
           "torch_zbv": "torch ScheduleZBVZeroBubble",
           "torch_interleaved_zb": "torch ScheduleInterleavedZeroBubble", "torch_1f1b": "torch Schedule1F1B"}
 # Where an emulated op's 10 ms start (inject/emulated.py): "instruction" = when the runner began

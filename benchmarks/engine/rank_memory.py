@@ -14,7 +14,8 @@ the resident set after ``initialize`` (the "working set": activations, messages,
 Rows: ``stock``; ``1f1b``, ``zb`` and ``adaptive`` with the defaults (``adaptive`` may move a slow
 link to the delegates); ``adaptive-direct`` with ``delegation.mode: off``, and ``adaptive-direct-unbounded`` also without
 the send window (what a gloo rank keeps of an iteration's sends without it); ``adaptive-ready`` (ready
-dispatch, no delegation); ``adaptive-1.5x`` (``memory.budget: 1.5``); ``zb-nolimit`` (``budget: null``).
+dispatch, no delegation); ``adaptive-1.5x`` (``memory.budget: 1.5``); ``zb-nolimit`` (``budget: null``); ``1f1b-recv2``
+(``recv_window: 2``, two receives of each kind posted ahead instead of one).
 
     DS_ACCELERATOR=cpu python benchmarks/engine/rank_memory.py [--rows stock,1f1b,zb,...]
         [--act-mib 32] [--iterations 2] [--warmup 4] [--out out/rank_memory.json]
@@ -47,9 +48,9 @@ ROWS = {  # label -> pipemorph section (None: stock DeepSpeed)
     "adaptive-ready": {"schedule": "adaptive", "dispatch": "ready", "delegation": {"mode": "off"}},
     "adaptive-1.5x": {"schedule": "adaptive", "memory": {"budget": 1.5}, "delegation": {"mode": "off"}},
     "zb-nolimit": {"schedule": "zb", "memory": {"budget": None}},
-    "1f1b-recv1": {"schedule": "1f1b", "recv_window": 1},  # one receive of each kind posted ahead
+    "1f1b-recv2": {"schedule": "1f1b", "recv_window": 2},  # two receives of each kind posted ahead
 }
-DEFAULT_ROWS = "stock,1f1b,zb,adaptive-direct,adaptive,adaptive-ready"
+DEFAULT_ROWS = "stock,1f1b,zb,adaptive-direct,adaptive,adaptive-ready,1f1b-recv2"
 MIB = 1024 * 1024
 
 

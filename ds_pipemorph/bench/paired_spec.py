@@ -2,13 +2,14 @@
 
 A side is written ``PLAN[+MODIFIER...]``: PLAN is ``zb``, ``1f1b`` or ``plan:FILE`` (this
 package's engine with that plan), ``stock-1f1b`` (DeepSpeed's own engine) or ``pipemorph`` (the
-adaptive schedule with its control loop); modifiers are ``ordered``/``ready`` (dispatch) and
-``direct``/``delegated`` (every link's transport). Sides of this package's engine with a fixed plan
+adaptive schedule with its control loop); modifiers are ``ordered``/``ready`` (dispatch),
+``direct``/``delegated`` (every link's transport) and ``recvN`` (``recv_window`` N). Sides of this package's engine with a fixed plan
 share one job and switch at every iteration boundary; a side with another engine or a control loop
 of its own cannot, and then whole short jobs alternate. Errors are one sentence naming the option.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +21,7 @@ from ..plan.ir.lower import Dispatch
 PLANS = ("zb", "1f1b", "stock-1f1b", "pipemorph")
 MODIFIERS = {"ordered": ("dispatch", "ordered"), "ready": ("dispatch", "ready"),
              "direct": ("delegated", False), "delegated": ("delegated", True)}
+RECV_WINDOW = re.compile(r"recv([1-9][0-9]*)")  # recvN: ``recv_window`` N
 OWN_JOB = ("stock-1f1b", "pipemorph")  # cannot switch inside a job of the other side
 
 
@@ -30,6 +32,7 @@ class Side(BaseModel):
     plan_file: Optional[str] = None
     dispatch: Dispatch = Dispatch.ORDERED
     delegated: bool = False
+    recv_window: Optional[int] = None  # None: the config's default
 
     def section(self, budget: Optional[float] = 1.0) -> dict:
         """The ds_config ``pipemorph`` section of this side (fixed plans: no control loop) under the
@@ -39,6 +42,8 @@ class Side(BaseModel):
                "memory": {"budget": budget}}
         if self.plan_file:
             out["plan_file"] = self.plan_file
+        if self.recv_window is not None:
+            out["recv_window"] = self.recv_window
         return out
 
     def bench_row(self) -> tuple[str, Dispatch]:
@@ -64,15 +69,23 @@ def parse_side(text: str, option: str) -> Side:
     else:
         raise BadInput(f"{option}: '{head}' is not a plan: choose from {', '.join(PLANS)} or plan:FILE")
     for m in mods:
-        if m not in MODIFIERS:
-            raise BadInput(f"{option}: unknown modifier '{m}' in '{text}': choose from {', '.join(MODIFIERS)}")
-        key, value = MODIFIERS[m]
+        window = RECV_WINDOW.fullmatch(m)
+        if window:
+            key, value = "recv_window", int(window.group(1))
+        elif m in MODIFIERS:
+            key, value = MODIFIERS[m]
+        else:
+            raise BadInput(f"{option}: unknown modifier '{m}' in '{text}': choose from {', '.join(MODIFIERS)} "
+                           f"or recvN (N receives of each kind posted ahead)")
         if key in fields and key != "text":
             raise BadInput(f"{option}: '{text}' sets the {key} twice")
         fields[key] = value
     side = Side(**fields)
     if side.plan == "stock-1f1b" and (side.dispatch is not Dispatch.ORDERED or side.delegated):
         raise BadInput(f"{option}: stock-1f1b runs DeepSpeed's own engine: drop '+ready' and '+delegated'")
+    if side.recv_window is not None and (side.plan in OWN_JOB or side.plan == "plan"):
+        raise BadInput(f"{option}: '+recv{side.recv_window}' sets the receive window of this package's zb and 1f1b "
+                       f"plans only ({'a plan file names its own' if side.plan == 'plan' else side.plan + ' runs whole jobs'})")
     if side.plan == "pipemorph" and "delegated" in fields:
         raise BadInput(f"{option}: pipemorph chooses each link's transport itself: drop '+direct'/'+delegated'")
     return side

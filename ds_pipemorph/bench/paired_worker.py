@@ -80,6 +80,18 @@ def timed_step(step) -> float:
     return (span[0].item() + span[1].item()) / 1e6
 
 
+def posted_before_compute(stream: list[str]) -> int:
+    """Receives in the rank's executed stream (``1RECV_F0``, ``1F0``, ...) before its first F, B or W:
+    how many it posted up front, its receive window of each kind as it ran."""
+    n = 0
+    for text in stream:
+        name = text.lstrip("0123456789")
+        if name[:1] in ("F", "B", "W"):
+            break
+        n += name.startswith("RECV_")
+    return n
+
+
 def alternate(spec: PairedSpec, engine) -> list[dict]:
     """Run every iteration of ``spec`` on its side; per iteration: side, ms, loss, this rank's ops."""
     sides = sequence(spec.iterations, spec.warmup)
@@ -96,10 +108,11 @@ def alternate(spec: PairedSpec, engine) -> list[dict]:
         losses: list[float] = []
         ms = timed_step(lambda: losses.append(float(engine.train_batch(iter(data)).item())))
         ran = [r.op for r in engine.op_records if r.plan_op is not None and r.plan_op.kind.is_compute]
+        posted_first = posted_before_compute(engine.executed_stream)
         out.append({"index": i, "side": label, "config": side.text, "ms": ms, "measured": i >= spec.warmup,
                     "loss": losses[0], "dispatch": Dispatch.READY if len(engine.choosing_ns) > ready_before else Dispatch.ORDERED,
                     "links": [engine.transport.link_mode(k) for k in range(spec.stages - 1)],
-                    "ops": ran if spec.record_ops else None})
+                    "ops": ran if spec.record_ops else None, "posted_first": posted_first})
         if dist.get_rank() == 0:
             with open(spec.progress_file, "a") as f:
                 f.write(f"{i + 1} {len(sides)} {label}\n")
@@ -119,13 +132,15 @@ def main(spec_path: str) -> None:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"stage": stage, "ops": [r.pop("ops") for r in rows],
                                       "links": [r.pop("links") for r in rows],
+                                      "posted_first": [r.pop("posted_first") for r in rows],
                                       "dispatch": [r.pop("dispatch") for r in rows]})
     if dist.get_rank() == 0:
         stages = {}
         for rank_rows in per_rank:
             stages[str(rank_rows["stage"])] = rank_rows
         for k, r in enumerate(rows):  # what every stage ran in iteration k
-            r["stages"] = {s: {"ops": v["ops"][k], "links": v["links"][k], "dispatch": v["dispatch"][k]}
+            r["stages"] = {s: {"ops": v["ops"][k], "links": v["links"][k], "dispatch": v["dispatch"][k],
+                               "posted_first": v["posted_first"][k]}
                            for s, v in sorted(stages.items(), key=lambda kv: int(kv[0]))}
         write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "iterations": rows}, indent=2))
     dist.barrier()

@@ -130,7 +130,7 @@ DESCRIPTIONS: dict[str, str] = {
                    "consume them under ordered dispatch (NCCL's lowering issues each receive where its rules need "
                    "it); each holds its buffer, so the window bounds that memory; "
                    "at least the micro-batch count posts every receive of an iteration up front, the fewest "
-                   "calls between ops; `null`: 2; a plan file names its own (refused with `schedule: plan`)",
+                   "calls between ops; `null`: 1; a plan file names its own (refused with `schedule: plan`)",
     "send_window": "messages of one kind a stage keeps sent but not known received, per peer, where a send "
                    "completes only when waited for (gloo; NCCL's go as they complete): the next send, once "
                    "issued, waits for the oldest, so the window bounds the memory of sends in flight; applied "

@@ -1,7 +1,8 @@
 """`pipemorph paired` on the real engines: what ran in each iteration, and that training stays exact.
 
-One job alternates two plans, two dispatches and two transports at once (A = zb, ordered, direct;
-B = 1f1b, ready, delegated); each iteration's record says what every stage ran. A second job runs A
+One job alternates two plans, two dispatches, two transports and two receive windows at once (A =
+zb, ordered, direct, 2 receives of each kind posted ahead; B = 1f1b, ready, delegated); each
+iteration's record says what every stage ran. A second job runs A
 against itself: both plans compute the same gradients, so every iteration's loss must agree within
 1e-5 with it. Whole-job alternation (stock DeepSpeed against this engine) is checked for its order
 and bookkeeping. No assertion is about how long anything took.
@@ -45,7 +46,7 @@ def _run(tmp_path, name: str, *args: str) -> dict:
 def test_one_job_alternates_plan_dispatch_and_transport_and_trains_as_a_alone(tmp_path):
     # Without a memory limit zb defers Ws and differs from 1F1B even at 2 x 4 (within stock's memory
     # the two orders are the same there).
-    mixed = _run(tmp_path, "mixed", "zb", "1f1b+ready+delegated", "--budget", "none")
+    mixed = _run(tmp_path, "mixed", "zb+recv2", "1f1b+ready+delegated", "--budget", "none")
     alone = _run(tmp_path, "alone", "zb", "zb", "--budget", "none")
     rows = mixed["iterations"]
     # Two warm-up iterations (the cycle's end), then two cycles of A B A' B.
@@ -56,7 +57,7 @@ def test_one_job_alternates_plan_dispatch_and_transport_and_trains_as_a_alone(tm
     assert zb_ops != ONE_F_ONE_B  # the two sides really are different orders
     for r in rows:
         b = r["side"] == "B"
-        assert r["config"] == ("1f1b+ready+delegated" if b else "zb")
+        assert r["config"] == ("1f1b+ready+delegated" if b else "zb+recv2")
         for stage, ran in r["stages"].items():
             if b:  # ready dispatch may run a ready op early: each op once, in dependency order
                 assert sorted(ran["ops"]) == sorted(ONE_F_ONE_B[stage]), (r["index"], stage, ran["ops"])
@@ -65,11 +66,15 @@ def test_one_job_alternates_plan_dispatch_and_transport_and_trains_as_a_alone(tm
                 assert ran["ops"] == zb_ops[stage], (r["index"], stage, ran["ops"])
             assert ran["dispatch"] == ("ready" if b else "ordered")
             assert ran["links"] == (["delegated"] if b else ["direct"])
+            if not b:  # two receives of stage 0's gradients and of stage 1's activations up front
+                assert ran["posted_first"] == 2, (r["index"], stage, ran)
     # Ordered 1F1B would run exactly the hand-written order; under ready dispatch at least the last
     # stage has a single order that respects its dependencies, and it is 1F1B's.
     assert all(r["stages"]["1"]["ops"] == ONE_F_ONE_B["1"] for r in rows if r["side"] == "B")
     # Both plans compute the same gradients: the alternating job trains exactly as A alone.
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in alone["iterations"]], abs=1e-5)
+    # A alone ran with the default window: one receive up front
+    assert {ran["posted_first"] for r in alone["iterations"] for ran in r["stages"].values()} == {1}
     assert len({round(r["loss"], 6) for r in rows}) == len(rows)  # the model did train (losses move)
     c = mixed["comparison"]
     assert c["ratio"]["pairs"] == 4 and c["noise"]["pairs"] == 2
@@ -101,6 +106,10 @@ def test_stock_deepspeed_against_this_engine_alternates_whole_jobs(tmp_path):
     [
         (["zb", "zbb"], "B: 'zbb' is not a plan"),
         (["zb", "1f1b+fast"], "B: unknown modifier 'fast'"),
+        (["zb", "1f1b+recv0"], "B: unknown modifier 'recv0'"),
+        (["zb+recv1+recv2", "zb"], "A: 'zb+recv1+recv2' sets the recv_window twice"),
+        (["zb", "pipemorph+recv2"], "B: '+recv2' sets the receive window of this package's zb and 1f1b plans "
+                                    "only (pipemorph runs whole jobs)"),
         (["zb+ready+ordered", "zb"], "A: 'zb+ready+ordered' sets the dispatch twice"),
         (["stock-1f1b+ready", "zb"], "A: stock-1f1b runs DeepSpeed's own engine"),
         (["stock-1f1b", "1f1b"], "B: '1f1b' cannot be run in whole alternating jobs"),

@@ -25,13 +25,14 @@ def one_sentence_exit_2(r, needle):
 def test_lowered_prints_one_stream_per_rank(tmp_path):
     r = run("simulate", write(tmp_path, "p.yaml", PLAN), "--lowered")
     assert r.exit_code == 0, r.output
-    # receives up front (in the order the other stage sends), each send right after its producer
+    # one receive of each kind posted ahead (the default window, in the order the other stage
+    # sends), the next right after the op that consumed the last; each send right after its producer
     assert r.output.splitlines() == [
-        "0RECV_B0 0RECV_B1 0F0 0SEND_F0 0F1 0SEND_F1 0B0 0W0 0B1 0W1",
-        "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1W0 1F1 1B1 1SEND_B1 1W1",
+        "0RECV_B0 0F0 0SEND_F0 0F1 0SEND_F1 0B0 0RECV_B1 0W0 0B1 0W1",
+        "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1W0 1F1 1B1 1SEND_B1 1W1",
     ]
     r = run("simulate", write(tmp_path, "p.yaml", PLAN), "--lowered", "--json")
-    assert json.loads(r.output)["lowered"][0].startswith("0RECV_B0 0RECV_B1 0F0")
+    assert json.loads(r.output)["lowered"][0].startswith("0RECV_B0 0F0 0SEND_F0")
 
 
 def test_lowered_nccl_prints_the_streams_run_under_nccls_rules_with_groups_bracketed(tmp_path):
@@ -56,8 +57,8 @@ def test_export_writes_torch_actions_with_backward_input_as_I(tmp_path):
     r = run("export", write(tmp_path, "p.yaml", PLAN), "--format", "torch-csv", "-o", out, "--ranks", "2")
     assert r.exit_code == 0, r.output
     assert out.read_text().splitlines() == [
-        "0RECV_B0,0RECV_B1,0F0,0SEND_F0,0F1,0SEND_F1,0I0,0W0,0I1,0W1,0REDUCE_GRAD",
-        "1RECV_F0,1RECV_F1,1F0,1I0,1SEND_B0,1W0,1F1,1I1,1SEND_B1,1W1,1REDUCE_GRAD",
+        "0RECV_B0,0F0,0SEND_F0,0F1,0SEND_F1,0I0,0RECV_B1,0W0,0I1,0W1,0REDUCE_GRAD",
+        "1RECV_F0,1F0,1RECV_F1,1I0,1SEND_B0,1W0,1F1,1I1,1SEND_B1,1W1,1REDUCE_GRAD",
     ]
 
 
@@ -65,33 +66,33 @@ def test_a_fused_plan_sends_its_gradient_after_W(tmp_path):
     out = tmp_path / "s.csv"
     r = run("export", write(tmp_path, "p.yaml", dict(PLAN, backward="fused")), "-o", out)
     assert r.exit_code == 0, r.output
-    assert out.read_text().splitlines()[1] == "1RECV_F0,1RECV_F1,1F0,1I0,1W0,1SEND_B0,1F1,1I1,1W1,1REDUCE_GRAD,1SEND_B1"
+    assert out.read_text().splitlines()[1] == "1RECV_F0,1F0,1RECV_F1,1I0,1W0,1SEND_B0,1F1,1I1,1W1,1REDUCE_GRAD,1SEND_B1"
 
 
 def test_lowered_and_export_post_the_plans_recv_window_ahead_and_ready_dispatch_posts_all(tmp_path):
     """Three micro-batches in 1F1B order on 2 stages; stage 1 consumes F0, F1, F2 in order.
 
-    Default window 2: RECV_F0 RECV_F1 up front, RECV_F2 once F0 consumed its receive (after its
-    send); window 1: one ahead, each next one after the op that consumed the last; ready dispatch:
-    all three up front."""
+    Default window 1: one ahead, each next one after the op that consumed the last; window 2:
+    RECV_F0 RECV_F1 up front, RECV_F2 once F0 consumed its receive; ready dispatch: all three up
+    front."""
     plan = {"version": 1, "stages": 2, "microbatches": 3, "warmup": [2, 1],
             "schedule": [["F0", "F1", "B0", "W0", "F2", "B1", "W1", "B2", "W2"],
                          ["F0", "B0", "W0", "F1", "B1", "W1", "F2", "B2", "W2"]]}
     path = write(tmp_path, "p.yaml", plan)
     r = run("simulate", path, "--lowered")
     assert r.exit_code == 0, r.output
-    assert r.output.splitlines()[1] == ("1RECV_F0 1RECV_F1 1F0 1RECV_F2 1B0 1SEND_B0 1W0 1F1 1B1 1SEND_B1 1W1 "
-                                        "1F2 1B2 1SEND_B2 1W2")
-    one = write(tmp_path, "one.yaml", dict(plan, recv_window=1))
-    r = run("simulate", one, "--lowered")
     assert r.output.splitlines()[1] == ("1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1W0 1F1 1RECV_F2 1B1 1SEND_B1 1W1 "
                                         "1F2 1B2 1SEND_B2 1W2")
     out = tmp_path / "one.csv"
-    assert run("export", one, "-o", out).exit_code == 0
+    assert run("export", path, "-o", out).exit_code == 0
     assert out.read_text().splitlines()[1].startswith("1RECV_F0,1F0,1RECV_F1,1I0,1SEND_B0")
-    r = run("simulate", one, "--lowered", "--dispatch", "ready")
+    two = write(tmp_path, "two.yaml", dict(plan, recv_window=2))
+    r = run("simulate", two, "--lowered")
+    assert r.output.splitlines()[1] == ("1RECV_F0 1RECV_F1 1F0 1RECV_F2 1B0 1SEND_B0 1W0 1F1 1B1 1SEND_B1 1W1 "
+                                        "1F2 1B2 1SEND_B2 1W2")
+    r = run("simulate", two, "--lowered", "--dispatch", "ready")
     assert r.output.splitlines()[1].startswith("1RECV_F0 1RECV_F1 1RECV_F2 1F0 1B0 1SEND_B0")
-    r = run("simulate", one, "--lowered", "--dispatch", "eager")
+    r = run("simulate", two, "--lowered", "--dispatch", "eager")
     one_sentence_exit_2(r, "--dispatch")
 
 

@@ -61,7 +61,8 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/engine/memory_budget.py": Options("six engines on the GPT recipe, minutes"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/rank_memory.py": Node(
         ("tests/bench/test_rank_memory_bench.py::test_both_dispatches_with_the_default_settings_hold_no_more_than_stock_per_rank",),
-        "four of its rows (stock, adaptive in both dispatches, adaptive without the send window) with 8 MiB activations"),
+        "four of its rows (stock, adaptive with its defaults and under ready dispatch, adaptive without the send "
+        "window) with 8 MiB activations"),
     "python -m pytest": Node(("tests/docs/test_readme_commands.py::test_every_readme_command_is_in_the_registry",),
                              "the suite itself, of which this file is part"),
     "DS_ACCELERATOR=cpu deepspeed --num_gpus 4 recipes/gpt/train.py --steps 300": Node(

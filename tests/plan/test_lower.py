@@ -205,15 +205,19 @@ def test_a_window_below_one_is_refused():
 
 # -- the one lowering policy ---------------------------------------------------------------------
 
-def test_the_policy_posts_two_receives_ahead_by_default_and_a_plan_file_may_say_otherwise(tmp_path):
+def test_the_policy_posts_one_receive_ahead_by_default_and_a_plan_file_may_say_otherwise(tmp_path):
     from ds_pipemorph.plan.files.planfile import PlanFile
     from ds_pipemorph.plan.ir.lower import RECV_WINDOW, LoweringPolicy
 
     plan = zb_h1(Costs.uniform(3), 6)
-    assert RECV_WINDOW == 2 and LoweringPolicy() == LoweringPolicy(recv_window=2, fused=False)
-    assert LoweringPolicy().lower(plan) == lower(plan, recv_window=2)
-    # stage 1 of ZB-H1 receives F0, F1 and B0, B1 before its first op: two of each kind
-    assert LoweringPolicy().lines(plan)[1].split()[:5] == ["1RECV_F0", "1RECV_F1", "1RECV_B0", "1RECV_B1", "1F0"]
+    assert RECV_WINDOW == 1 and LoweringPolicy() == LoweringPolicy(recv_window=1, fused=False)
+    assert LoweringPolicy().lower(plan) == lower(plan, recv_window=1)
+    # stage 1 of ZB-H1 posts F0's and B0's receives before its first op, one of each kind; F1's
+    # once F0 has consumed its own (after F0's send)
+    assert LoweringPolicy().lines(plan)[1].split()[:5] == ["1RECV_F0", "1RECV_B0", "1F0", "1SEND_F0", "1RECV_F1"]
+    # a window of 2: two of each kind
+    assert LoweringPolicy(recv_window=2).lines(plan)[1].split()[:5] == ["1RECV_F0", "1RECV_F1", "1RECV_B0",
+                                                                        "1RECV_B1", "1F0"]
     # ready dispatch: every receive of the iteration up front, the rest unchanged
     ready = LoweringPolicy().for_dispatch("ready")
     assert ready == LoweringPolicy(recv_window=None) and ready.lower(plan) == lower(plan)
@@ -230,8 +234,8 @@ def test_the_policy_posts_two_receives_ahead_by_default_and_a_plan_file_may_say_
 
     path.write_text(json.dumps(base))
     assert PlanFile.read(path)[0].lowering == LoweringPolicy()  # a file without the field
-    path.write_text(json.dumps({**base, "recv_window": 1, "backward": "fused"}))
-    assert PlanFile.read(path)[0].lowering == LoweringPolicy(recv_window=1, fused=True)
+    path.write_text(json.dumps({**base, "recv_window": 3, "backward": "fused"}))
+    assert PlanFile.read(path)[0].lowering == LoweringPolicy(recv_window=3, fused=True)
     path.write_text(json.dumps({**base, "recv_window": 0}))
     from ds_pipemorph.fileio import BadInput
 

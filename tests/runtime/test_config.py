@@ -288,7 +288,7 @@ def test_the_configs_receive_window_lowers_built_plans():
     from ds_pipemorph.runtime.config import pending_notes
     from ds_pipemorph.runtime.plans import lowering_for
 
-    assert lowering_for(parse_config({"schedule": "zb"})) == LoweringPolicy(recv_window=2)
+    assert lowering_for(parse_config({"schedule": "zb"})) == LoweringPolicy(recv_window=1)
     assert lowering_for(parse_config({"schedule": "1f1b", "recv_window": 12})) == LoweringPolicy(recv_window=12)
     assert pending_notes(parse_config({"schedule": "zb", "dispatch": "ready", "recv_window": 4,
                                        "delegation": {"mode": "off"}})) == [
