@@ -27,8 +27,8 @@ from .common import announce, check_outputs, console, err_console, parse_floats,
 def paired(
     a: Annotated[str, typer.Argument(help="Side A, the reference: PLAN[+MODIFIER...] with PLAN zb, 1f1b, "
                                           "plan:FILE, stock-1f1b or pipemorph; modifiers ordered, ready, "
-                                          "direct, delegated, recvN (N receives of each kind posted ahead) "
-                                          "(e.g. zb+ready, 1f1b+recv2).")],
+                                          "direct, delegated, recvN (N receives of each kind posted ahead "
+                                          "under ordered dispatch); e.g. zb+ready, 1f1b+recv2.")],
     b: Annotated[str, typer.Argument(help="Side B, compared with A (B/A > 1: B takes longer).")],
     stages: int = typer.Option(4, min=2, help="Pipeline stages (one rank each)."),
     microbatches: int = typer.Option(12, min=1, help="Micro-batches per iteration."),

@@ -21,7 +21,7 @@ from ..plan.ir.lower import Dispatch
 PLANS = ("zb", "1f1b", "stock-1f1b", "pipemorph")
 MODIFIERS = {"ordered": ("dispatch", "ordered"), "ready": ("dispatch", "ready"),
              "direct": ("delegated", False), "delegated": ("delegated", True)}
-RECV_WINDOW = re.compile(r"recv([1-9][0-9]*)")  # recvN: ``recv_window`` N
+RECV_WINDOW = re.compile(r"recv([0-9]+)")  # recvN: ``recv_window`` N (N >= 1)
 OWN_JOB = ("stock-1f1b", "pipemorph")  # cannot switch inside a job of the other side
 
 
@@ -72,20 +72,28 @@ def parse_side(text: str, option: str) -> Side:
         window = RECV_WINDOW.fullmatch(m)
         if window:
             key, value = "recv_window", int(window.group(1))
+            if value < 1 or window.group(1).startswith("0"):
+                raise BadInput(f"{option}: '{m}' in '{text}': recvN takes a whole number N >= 1 (e.g. recv2)")
         elif m in MODIFIERS:
             key, value = MODIFIERS[m]
         else:
             raise BadInput(f"{option}: unknown modifier '{m}' in '{text}': choose from {', '.join(MODIFIERS)} "
-                           f"or recvN (N receives of each kind posted ahead)")
+                           f"or recvN (N receives of each kind posted ahead, e.g. recv2)")
         if key in fields and key != "text":
             raise BadInput(f"{option}: '{text}' sets the {key} twice")
         fields[key] = value
     side = Side(**fields)
     if side.plan == "stock-1f1b" and (side.dispatch is not Dispatch.ORDERED or side.delegated):
         raise BadInput(f"{option}: stock-1f1b runs DeepSpeed's own engine: drop '+ready' and '+delegated'")
-    if side.recv_window is not None and (side.plan in OWN_JOB or side.plan == "plan"):
-        raise BadInput(f"{option}: '+recv{side.recv_window}' sets the receive window of this package's zb and 1f1b "
-                       f"plans only ({'a plan file names its own' if side.plan == 'plan' else side.plan + ' runs whole jobs'})")
+    if side.recv_window is not None:
+        if side.plan in OWN_JOB or side.plan == "plan":
+            why = {"plan": "a plan file names its own", "stock-1f1b": "stock-1f1b is DeepSpeed's own engine",
+                   "pipemorph": "pipemorph runs its own control loop in whole jobs"}[side.plan]
+            raise BadInput(f"{option}: '+recv{side.recv_window}' sets the receive window of this package's zb and "
+                           f"1f1b sides only ({why})")
+        if side.dispatch is Dispatch.READY:
+            raise BadInput(f"{option}: '+recv{side.recv_window}' applies to ordered dispatch (ready dispatch posts "
+                           f"every receive up front): drop '+ready' or '+recv{side.recv_window}'")
     if side.plan == "pipemorph" and "delegated" in fields:
         raise BadInput(f"{option}: pipemorph chooses each link's transport itself: drop '+direct'/'+delegated'")
     return side

@@ -80,16 +80,19 @@ def timed_step(step) -> float:
     return (span[0].item() + span[1].item()) / 1e6
 
 
-def posted_before_compute(stream: list[str]) -> int:
-    """Receives in the rank's executed stream (``1RECV_F0``, ``1F0``, ...) before its first F, B or W:
-    how many it posted up front, its receive window of each kind as it ran."""
-    n = 0
+def posted_before_compute(stream: list[str]) -> dict[str, int]:
+    """Receives of each kind (``RECV_F``, ``RECV_B``) in the rank's lowered stream as the engine ran it
+    under ordered dispatch (``1RECV_F0``, ``1F0``, ...), before its first F, B or W: the receive
+    window the lowering in force gave it (fewer where a kind has fewer receives)."""
+    posted = {"RECV_F": 0, "RECV_B": 0}
     for text in stream:
         name = text.lstrip("0123456789")
         if name[:1] in ("F", "B", "W"):
             break
-        n += name.startswith("RECV_")
-    return n
+        kind = name.rstrip("0123456789")
+        if kind in posted:
+            posted[kind] += 1
+    return posted
 
 
 def alternate(spec: PairedSpec, engine) -> list[dict]:

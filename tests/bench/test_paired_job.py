@@ -67,14 +67,16 @@ def test_one_job_alternates_plan_dispatch_and_transport_and_trains_as_a_alone(tm
             assert ran["dispatch"] == ("ready" if b else "ordered")
             assert ran["links"] == (["delegated"] if b else ["direct"])
             if not b:  # two receives of stage 0's gradients and of stage 1's activations up front
-                assert ran["posted_first"] == 2, (r["index"], stage, ran)
+                assert ran["posted_first"] == ({"RECV_F": 0, "RECV_B": 2} if stage == "0"
+                                               else {"RECV_F": 2, "RECV_B": 0}), (r["index"], stage, ran)
     # Ordered 1F1B would run exactly the hand-written order; under ready dispatch at least the last
     # stage has a single order that respects its dependencies, and it is 1F1B's.
     assert all(r["stages"]["1"]["ops"] == ONE_F_ONE_B["1"] for r in rows if r["side"] == "B")
     # Both plans compute the same gradients: the alternating job trains exactly as A alone.
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in alone["iterations"]], abs=1e-5)
     # A alone ran with the default window: one receive up front
-    assert {ran["posted_first"] for r in alone["iterations"] for ran in r["stages"].values()} == {1}
+    assert all(ran["posted_first"] == ({"RECV_F": 0, "RECV_B": 1} if stage == "0" else {"RECV_F": 1, "RECV_B": 0})
+               for r in alone["iterations"] for stage, ran in r["stages"].items())
     assert len({round(r["loss"], 6) for r in rows}) == len(rows)  # the model did train (losses move)
     c = mixed["comparison"]
     assert c["ratio"]["pairs"] == 4 and c["noise"]["pairs"] == 2
@@ -106,10 +108,11 @@ def test_stock_deepspeed_against_this_engine_alternates_whole_jobs(tmp_path):
     [
         (["zb", "zbb"], "B: 'zbb' is not a plan"),
         (["zb", "1f1b+fast"], "B: unknown modifier 'fast'"),
-        (["zb", "1f1b+recv0"], "B: unknown modifier 'recv0'"),
+        (["zb", "1f1b+recv0"], "B: 'recv0' in '1f1b+recv0': recvN takes a whole number N >= 1"),
+        (["zb+ready+recv2", "zb"], "A: '+recv2' applies to ordered dispatch"),
         (["zb+recv1+recv2", "zb"], "A: 'zb+recv1+recv2' sets the recv_window twice"),
-        (["zb", "pipemorph+recv2"], "B: '+recv2' sets the receive window of this package's zb and 1f1b plans "
-                                    "only (pipemorph runs whole jobs)"),
+        (["zb", "pipemorph+recv2"], "B: '+recv2' sets the receive window of this package's zb and 1f1b sides "
+                                    "only (pipemorph runs its own control loop in whole jobs)"),
         (["zb+ready+ordered", "zb"], "A: 'zb+ready+ordered' sets the dispatch twice"),
         (["stock-1f1b+ready", "zb"], "A: stock-1f1b runs DeepSpeed's own engine"),
         (["stock-1f1b", "1f1b"], "B: '1f1b' cannot be run in whole alternating jobs"),

@@ -82,12 +82,12 @@ def test_receives_posted_ahead_deadlock_at_the_head_of_both_streams():
 
 
 @pytest.mark.parametrize("policy", [LoweringPolicy(), LoweringPolicy().for_dispatch("ready")],
-                         ids=["window 2", "ready"])
+                         ids=["window 1", "ready"])
 def test_the_default_lowering_and_ready_dispatch_deadlock_on_two_stage_1f1b(policy):
-    # deepspeed_1f1b(2, 2): stage 0 F0 F1 B0 W0 B1 W1, stage 1 F0 B0 W0 F1 B1 W1. A window of 2
-    # covers both receives of each kind, as ready dispatch's "all up front" does: rank 0 issues
-    # 0RECV_B0 0RECV_B1, passes 0F0 and 0F1 (issuing their sends behind those receives) and waits at
-    # 0B0; rank 1 issues 1RECV_F0 1RECV_F1 and waits at 1F0. The pair's heads are two receives.
+    # deepspeed_1f1b(2, 2): stage 0 F0 F1 B0 W0 B1 W1, stage 1 F0 B0 W0 F1 B1 W1. The default window
+    # posts one receive of each kind up front, ready dispatch all of them: rank 0 issues 0RECV_B0
+    # first and its sends queue behind it; rank 1 issues 1RECV_F0 and waits at 1F0. The pair's heads
+    # are two receives.
     with pytest.raises(Deadlock) as e:
         nccl_dry_run(policy.lower(deepspeed_1f1b(2, 2)))
     assert str(e.value) == (
@@ -238,7 +238,7 @@ def test_every_plan_family_lowers_to_streams_nccl_runs(fused):
 
 def test_receives_posted_ahead_deadlock_under_nccl_on_every_plan_family():
     # Whatever the plan, stages 0 and 1 both start with receives from each other (0RECV_B..., then
-    # 1RECV_F...) with the window of 2 or every receive up front (ready dispatch): the heads of the
+    # 1RECV_F...) with the default window or every receive up front (ready dispatch): the heads of the
     # pair's two streams are receives, so neither ever meets its send.
     for i, (name, sched) in enumerate(plan_families(random_per_shape=1, seed=2)):
         if i % 3:

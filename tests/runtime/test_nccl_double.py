@@ -57,7 +57,7 @@ def _case(name: str, streams, timeout_s: float = 5.0) -> dict:
 
 @pytest.mark.timeout(60)
 def test_default_lowering_deadlocks_under_the_double_and_ends_in_a_timeout(tmp_path):
-    streams = LoweringPolicy().lower(deepspeed_1f1b(2, 2))  # 0RECV_B0 0RECV_B1 0F0 ... / 1RECV_F0 1RECV_F1 ...
+    streams = LoweringPolicy().lower(deepspeed_1f1b(2, 2))  # 0RECV_B0 0F0 ... / 1RECV_F0 1F0 ...
     got = _play([_case("default", streams)], 2, tmp_path, timeout=50)
     for r in range(2):
         assert got["default", r]["error"] == "TransportTimeout", got["default", r]
