@@ -56,6 +56,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("STARTUP_TIMES " + json.dumps({"init_ms": init_ms, "times": times}), flush=True)
     engine.destroy()
+    dist.destroy_process_group()  # before the interpreter's exit tears gloo's threads down
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ def main() -> int:
                                               "args": vars(args),
                                               "shapes": [batches.shapes(k) for k in range(args.warmup + args.iterations)],
                                               "rows": rows}))
+    dist.destroy_process_group()  # before the interpreter's exit tears gloo's threads down
     return 0
 
 

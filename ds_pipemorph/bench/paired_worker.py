@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..fileio import load_model, write_atomic
 from ..paired import A_SIDE, sequence
 from ..plan.ir.lower import Dispatch
+from ..plan.ir.ops import Kind, parse_op
 from .paired_spec import PairedSpec, Side
 
 
@@ -84,14 +85,13 @@ def posted_before_compute(stream: list[str]) -> dict[str, int]:
     """Receives of each kind (``RECV_F``, ``RECV_B``) in the rank's lowered stream as the engine ran it
     under ordered dispatch (``1RECV_F0``, ``1F0``, ...), before its first F, B or W: the receive
     window the lowering in force gave it (fewer where a kind has fewer receives)."""
-    posted = {"RECV_F": 0, "RECV_B": 0}
+    posted = {str(Kind.RECV_F): 0, str(Kind.RECV_B): 0}
     for text in stream:
-        name = text.lstrip("0123456789")
-        if name[:1] in ("F", "B", "W"):
+        op = parse_op(text)
+        if op.kind.is_compute:
             break
-        kind = name.rstrip("0123456789")
-        if kind in posted:
-            posted[kind] += 1
+        if op.kind.is_recv:
+            posted[str(op.kind)] += 1
     return posted
 
 

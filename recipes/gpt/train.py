@@ -108,6 +108,8 @@ def main() -> int:
         print(f"final train loss {losses[-1]:.3f} (uniform baseline ln {VOCAB} = {UNIFORM:.3f})", flush=True)
         print(f"validation loss {val:.3f} on held-out files", flush=True)
     engine.destroy()  # ds_pipemorph's workers stop now (an exit would stop them too)
+    # Gloo's threads may still hold tensors: torn down by the interpreter's exit they abort the process.
+    dist.destroy_process_group()
     return 0
 
 

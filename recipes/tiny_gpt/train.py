@@ -113,6 +113,8 @@ def main() -> int:
     if args.save_params:
         save_stage(args.save_params, engine, losses)
     engine.destroy()  # its workers stop now (an exit would stop them too)
+    # Gloo's threads may still hold tensors: torn down by the interpreter's exit they abort the process.
+    dist.destroy_process_group()
     return 0
 
 
