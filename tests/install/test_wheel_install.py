@@ -40,6 +40,17 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
+def _reuse_deepspeed_ops(cache: Path) -> None:
+    """DeepSpeed's own CPU ops (its collectives and FusedAdam) as the session built them, into the
+    installed wheel's cache where it has none: built from the same DeepSpeed sources with the same
+    flags, ninja finds them up to date. The staging op is what this test builds from the wheel."""
+    session = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    for op in ("deepspeed_shm_comm", "fused_adam"):
+        built = session / op
+        if (built / f"{op}.so").is_file() and not (built / "lock").exists() and not (cache / op).exists():
+            shutil.copytree(built, cache / op, symlinks=True)
+
+
 @pytest.mark.timeout(300)
 def test_wheel_carries_the_staging_sources_the_planner_core_and_the_cli_but_no_recipes(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -66,6 +77,7 @@ def test_installed_wheel_runs_a_delegated_2_stage_job_with_the_losses_of_direct_
     # ops are cached there after the first run), so the suite's build from the checkout stays valid.
     env.update(PYTHONNOUSERSITE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                TORCH_EXTENSIONS_DIR=os.path.join(versioned_extensions_dir(), "installed-wheel"))
+    _reuse_deepspeed_ops(Path(env["TORCH_EXTENSIONS_DIR"]))
     # The system site's editable install must not shadow the wheel: pip installs into the venv only.
     p = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "-q",
                         str(wheel)], capture_output=True, text=True, env=env, timeout=300)

@@ -62,7 +62,7 @@ DISPATCHES: tuple[Dispatch, ...] = tuple(Dispatch)
 # Receives of each kind posted ahead of the ops that consume them. A posted receive holds its
 # buffer, so the window bounds the receive memory (one message per kind) where posting every
 # receive of the iteration would hold N; one ahead keeps a receive in place before its message
-# arrives (a window of 2 measured no faster, `pipemorph paired zb zb+recv1`, docs/memory.md).
+# arrives (a window of 2 measured no faster, `pipemorph paired zb+recv2 zb`, docs/memory.md).
 RECV_WINDOW = 1
 
 
