@@ -36,7 +36,7 @@ def simulate(
     vary: Optional[str] = typer.Option(None, "--vary", metavar="SPEC", help="Vary op times per micro-batch: jitter:SPREAD[,seed=K][,kinds=FB], heavy:frac=F,factor=X,stages=K[,seed=S] or table:FILE. Applies to every row."),
     link_trace_path: Optional[Path] = typer.Option(None, "--link-trace", metavar="FILE", help="Per-link delay over time, YAML/JSON: points: [{t: seconds, links_ms: [...]}, ...] (the inject.trace format); instead of --links-ms."),
     lowered: bool = typer.Option(False, "--lowered", help="Print the per-rank instruction streams with communication placed (one line per rank), as the engine runs them under --dispatch, instead of replaying."),
-    nccl: bool = typer.Option(False, "--nccl", help="With --lowered: the streams the engine runs under NCCL's point-to-point rules (NcclLowering, docs/nccl.md), each group issued as one batch_isend_irecv in [brackets]."),
+    nccl: bool = typer.Option(False, "--nccl", help="With --lowered: the streams the engine runs under NCCL's point-to-point rules (NcclLowering, docs/nccl.md), each group issued as one batch_isend_irecv, shown between square brackets."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead of the table."),
     gantt: Optional[Path] = typer.Option(None, "--gantt", help="Write a Gantt picture of the replayed plan (format from the suffix: .png, .pdf, .svg, ...)."),
     chrome: Optional[Path] = typer.Option(None, "--chrome", help="Write the replayed timeline as a Chrome/Perfetto trace."),

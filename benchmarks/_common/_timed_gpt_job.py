@@ -24,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
+from ds_pipemorph.runtime.shutdown import release_process_groups  # noqa: E402
 from data import VOCAB, ByteWindows  # noqa: E402
 from model import gpt  # noqa: E402
 
@@ -56,7 +57,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("STARTUP_TIMES " + json.dumps({"init_ms": init_ms, "times": times}), flush=True)
     engine.destroy()
-    dist.destroy_process_group()  # before the interpreter's exit tears gloo's threads down
+    release_process_groups()  # before the interpreter's exit tears gloo's threads down (the stock engine too)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.plan.ir.ops import recorded_op  # noqa: E402
+from ds_pipemorph.runtime.shutdown import release_process_groups  # noqa: E402
 import varlen  # noqa: E402
 
 
@@ -156,7 +157,7 @@ def main() -> int:
                                               "args": vars(args),
                                               "shapes": [batches.shapes(k) for k in range(args.warmup + args.iterations)],
                                               "rows": rows}))
-    dist.destroy_process_group()  # before the interpreter's exit tears gloo's threads down
+    release_process_groups()  # before the interpreter's exit tears gloo's threads down (the stock engine too)
     return 0
 
 

@@ -21,7 +21,7 @@ from ..plan.ir.lower import Dispatch
 PLANS = ("zb", "1f1b", "stock-1f1b", "pipemorph")
 MODIFIERS = {"ordered": ("dispatch", "ordered"), "ready": ("dispatch", "ready"),
              "direct": ("delegated", False), "delegated": ("delegated", True)}
-RECV_WINDOW = re.compile(r"recv([0-9]+)")  # recvN: ``recv_window`` N (N >= 1)
+RECV_WINDOW = re.compile(r"recv([0-9]{1,6})")  # recvN: ``recv_window`` N (N >= 1)
 OWN_JOB = ("stock-1f1b", "pipemorph")  # cannot switch inside a job of the other side
 
 
@@ -108,6 +108,9 @@ def check_job_sides(a: Side, b: Side) -> None:
     """Whole-job alternation runs ``pipemorph bench``'s rows: ``zb`` (direct or delegated),
     ``stock-1f1b`` and ``pipemorph``."""
     for opt, side in (("A", a), ("B", b)):
+        if side.recv_window is not None:
+            raise BadInput(f"{opt}: '{side.text}' cannot be run in whole alternating jobs (pipemorph bench's rows "
+                           f"post receives with the default window); compare it with a side of this engine instead")
         if side.plan in ("1f1b", "plan"):
             raise BadInput(f"{opt}: '{side.text}' cannot be run in whole alternating jobs (only zb, stock-1f1b "
                            f"and pipemorph can, as pipemorph bench runs them); compare it with a side of this "

@@ -30,6 +30,7 @@ from deepspeed.utils import RepeatingLoader  # noqa: E402
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.runtime.initialize import load_config  # noqa: E402
 from ds_pipemorph.staging.builder import announce_comm_build  # noqa: E402
+from ds_pipemorph.runtime.shutdown import release_process_groups  # noqa: E402
 from data import VOCAB, ByteWindows  # noqa: E402
 from model import gpt  # noqa: E402
 
@@ -108,8 +109,10 @@ def main() -> int:
         print(f"final train loss {losses[-1]:.3f} (uniform baseline ln {VOCAB} = {UNIFORM:.3f})", flush=True)
         print(f"validation loss {val:.3f} on held-out files", flush=True)
     engine.destroy()  # ds_pipemorph's workers stop now (an exit would stop them too)
-    # Gloo's threads may still hold tensors: torn down by the interpreter's exit they abort the process.
-    dist.destroy_process_group()
+    # Every process group destroyed and DeepSpeed's references to them dropped, which joins gloo's
+    # threads: left to the interpreter's exit, one could abort the process (a stock engine has no
+    # ds_pipemorph exit handler to do it).
+    release_process_groups()
     return 0
 
 

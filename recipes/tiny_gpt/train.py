@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
+from ds_pipemorph.runtime.shutdown import release_process_groups  # noqa: E402
 from ds_pipemorph.staging.builder import announce_comm_build  # noqa: E402
 from model import tiny_gpt  # noqa: E402
 from tp_layers import tiny_gpt_tensor_parallel  # noqa: E402
@@ -113,8 +114,10 @@ def main() -> int:
     if args.save_params:
         save_stage(args.save_params, engine, losses)
     engine.destroy()  # its workers stop now (an exit would stop them too)
-    # Gloo's threads may still hold tensors: torn down by the interpreter's exit they abort the process.
-    dist.destroy_process_group()
+    # Every process group destroyed and DeepSpeed's references to them dropped, which joins gloo's
+    # threads: left to the interpreter's exit, one could abort the process (a stock engine has no
+    # ds_pipemorph exit handler to do it).
+    release_process_groups()
     return 0
 
 

@@ -110,6 +110,7 @@ def test_stock_deepspeed_against_this_engine_alternates_whole_jobs(tmp_path):
         (["zb", "1f1b+fast"], "B: unknown modifier 'fast'"),
         (["zb", "1f1b+recv0"], "B: 'recv0' in '1f1b+recv0': recvN takes a whole number N >= 1"),
         (["zb+ready+recv2", "zb"], "A: '+recv2' applies to ordered dispatch"),
+        (["stock-1f1b", "zb+recv2"], "B: 'zb+recv2' cannot be run in whole alternating jobs"),
         (["zb+recv1+recv2", "zb"], "A: 'zb+recv1+recv2' sets the recv_window twice"),
         (["zb", "pipemorph+recv2"], "B: '+recv2' sets the receive window of this package's zb and 1f1b sides "
                                     "only (pipemorph runs its own control loop in whole jobs)"),

@@ -44,11 +44,16 @@ def _reuse_deepspeed_ops(cache: Path) -> None:
     """DeepSpeed's own CPU ops (its collectives and FusedAdam) as the session built them, into the
     installed wheel's cache where it has none: built from the same DeepSpeed sources with the same
     flags, ninja finds them up to date. The staging op is what this test builds from the wheel."""
-    session = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    session = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     for op in ("deepspeed_shm_comm", "fused_adam"):
         built = session / op
         if (built / f"{op}.so").is_file() and not (built / "lock").exists() and not (cache / op).exists():
-            shutil.copytree(built, cache / op, symlinks=True)
+            part = cache / f".{op}.copying"  # copied aside, then moved in whole
+            shutil.rmtree(part, ignore_errors=True)
+            shutil.copytree(built, part, symlinks=True, ignore=shutil.ignore_patterns("lock"))
+            os.replace(part, cache / op)
 
 
 @pytest.mark.timeout(300)
