@@ -72,7 +72,7 @@ def parse_side(text: str, option: str) -> Side:
         window = RECV_WINDOW.fullmatch(m)
         if window:
             key, value = "recv_window", int(window.group(1))
-            if value < 1 or window.group(1).startswith("0"):
+            if window.group(1).startswith("0"):  # recv0, recv01: N >= 1, written plainly
                 raise BadInput(f"{option}: '{m}' in '{text}': recvN takes a whole number N >= 1 (e.g. recv2)")
         elif m in MODIFIERS:
             key, value = MODIFIERS[m]
