@@ -1,12 +1,21 @@
 """Stable CLI output for tests (Typer reads these at import), a version-keyed extension cache, no
-shared memory left behind by the session's jobs, and CPU burners: ``cpu_burners`` for the tests that
-must hold on a busy host, and ``PIPEMORPH_TEST_BURNERS=N`` to run the whole session beside N of them
-(``PIPEMORPH_TEST_BURNERS=2 python -m pytest``: a 2-core host with two CPU-bound processes beside)."""
+shared memory left behind by the session's jobs, CPU burners (``cpu_burners`` for the tests that
+must hold on a busy host, and ``PIPEMORPH_TEST_BURNERS=N`` to run the whole session beside N of them:
+``PIPEMORPH_TEST_BURNERS=2 python -m pytest`` is a 2-core host with two CPU-bound processes beside),
+and tests marked ``alone``, which run with no other test beside them.
+
+The session runs on two pytest-xdist workers (``pytest.ini``), a module to a worker: most jobs wait on
+sleeps, links and timeouts more than they compute, so a second job beside them uses cores the first
+leaves idle. ``-n 0`` runs everything in one process, one test at a time."""
+import fcntl
 import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,12 +51,55 @@ if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
 _SHM_LEFTOVERS = ("deepspeed_allreduce_buffer_*", "pm_[0-9]*_*")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _remove_shared_memory_left_behind():
-    """After the session: remove those created while it ran (not in its last seconds, when another run's
-    rank may still be writing one it has not mapped yet) that no live process maps or holds open."""
-    start = time.time()
-    yield
+def _worker(config) -> bool:
+    """This process is a pytest-xdist worker (not the session's controller, not a session without xdist)."""
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    """The controller names the run (pytest-xdist hands the name to its workers): the lock files of
+    ``alone`` are named by it, and the controller removes them at the end."""
+    if not _worker(config) and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules of long jobs first, those of unit tests last (each module's tests in their order):
+    the two workers then end on short tests together, not one on a long job while the other waits. A
+    module's length is read from the longest timeout its tests set; tests that set none are quick."""
+    def ceiling(item) -> float:
+        mark = item.get_closest_marker("timeout")
+        return float(mark.args[0]) if mark and mark.args else 0.0
+    module = lambda item: item.nodeid.split("::")[0]  # noqa: E731
+    longest: dict[str, float] = {}
+    for item in items:
+        longest[module(item)] = max(longest.get(module(item), 0.0), ceiling(item))
+    items.sort(key=lambda item: -longest[module(item)])  # stable: a module's tests keep their order
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STARTED] = time.time()
+    if not _worker(session.config):
+        _session_burners[:] = _start_burners(_session_burner_count())
+
+
+def pytest_sessionfinish(session):
+    """Once, in the process that outlives every test: stop the burners, remove the lock files of
+    ``alone`` and the shared memory the session's jobs left behind."""
+    if _worker(session.config):
+        return
+    _stop_burners(_session_burners)
+    for f in _lock_files(session.config):
+        f.unlink(missing_ok=True)
+    _remove_shared_memory_left_behind(session.config.stash[_STARTED])
+
+
+_STARTED = pytest.StashKey[float]()
+
+
+def _remove_shared_memory_left_behind(start: float) -> None:
+    """Remove those created while the session ran (not in its last seconds, when another run's rank may
+    still be writing one it has not mapped yet) that no live process maps or holds open."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return
@@ -85,19 +137,59 @@ def _stop_burners(procs: list) -> None:
         p.wait()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _burners_beside_the_session():
-    """``PIPEMORPH_TEST_BURNERS=N``: N CPU-bound processes run beside the whole session."""
-    n = int(os.environ.get("PIPEMORPH_TEST_BURNERS", "0") or 0)
-    _session_burners[:] = _start_burners(n)
-    yield
-    _stop_burners(_session_burners)
+def _session_burner_count() -> int:
+    return int(os.environ.get("PIPEMORPH_TEST_BURNERS", "0") or 0)
 
 
 @pytest.fixture
 def cpu_burners():
     """Two CPU-bound processes beside the test (fewer if the session already runs some): on 2 cores,
-    every process of the test then waits for a CPU about half the time, in slices of the scheduler's."""
-    own = _start_burners(max(0, 2 - len(_session_burners)))
-    yield len(own) + len(_session_burners)
+    every process of the test then waits for a CPU about half the time, in slices of the scheduler's.
+    A test that asks for them is to be marked ``alone`` too, or the other worker's job adds to them."""
+    session = _session_burner_count()
+    own = _start_burners(max(0, 2 - session))
+    yield len(own) + session
     _stop_burners(own)
+
+
+# ``alone``: every test holds a shared lock on one file from its setup to its teardown, a test marked
+# ``alone`` an exclusive one. A turnstile before it keeps the workers' stream of shared locks from
+# starving the exclusive one: an ``alone`` test takes the turnstile first, and no test takes the
+# shared lock while the turnstile is held.
+def _lock_files(config) -> list[Path]:
+    run = config.workerinput["testrunuid"] if _worker(config) else getattr(config.option, "testrunuid", None)
+    if run is None:
+        return []
+    base = Path(tempfile.gettempdir()) / f"pipemorph-tests-{run}"
+    return [base.with_suffix(".turnstile"), base.with_suffix(".lock")]
+
+
+@contextmanager
+def _flock(path: Path, mode: int):
+    with open(path, "a") as f:
+        fcntl.flock(f, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Outermost, so that a test's timeout does not count the time it waits for the lock."""
+    if not _worker(item.config):
+        yield
+        return
+    turnstile, lock = _lock_files(item.config)
+    if item.get_closest_marker("alone"):
+        with _flock(turnstile, fcntl.LOCK_EX), _flock(lock, fcntl.LOCK_EX):
+            yield
+        return
+    with _flock(turnstile, fcntl.LOCK_SH):
+        held = open(lock, "a")
+        fcntl.flock(held, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(held, fcntl.LOCK_UN)
+        held.close()

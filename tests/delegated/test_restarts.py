@@ -15,6 +15,8 @@ from ds_pipemorph.runtime.transport.delegated.delegate_proc import RECV_POINTS, 
 N = 4
 CASES = [("send", p, 1) for p in SEND_POINTS] + [("recv", p, 1) for p in RECV_POINTS]
 
+pytestmark = pytest.mark.alone  # two burners and the job: no other test's job beside them
+
 
 @pytest.mark.timeout(900)
 def test_a_delegate_killed_at_any_point_of_the_exchange_is_restarted_on_both_ends_and_loses_nothing(cpu_burners):

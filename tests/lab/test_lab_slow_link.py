@@ -25,6 +25,7 @@ from lab_helpers import namespaces  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it compares what the link costs each engine, in milliseconds
 @pytest.mark.timeout(600)
 def test_pipemorph_reads_a_real_slow_link_re_plans_for_it_and_pays_less_for_it_than_stock(lab_capable, tmp_path):
     out = tmp_path / "slow.json"

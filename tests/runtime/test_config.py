@@ -211,7 +211,7 @@ def test_config_is_read_from_a_dict_a_path_or_base64_json_as_deepspeed_reads_it(
     assert cfg["pipemorph"]["schedule"] == "zb"  # the caller's dict is not touched
 
 
-def test_unreadable_configs_are_refused_in_one_sentence(tmp_path):
+def test_unreadable_configs_are_refused_in_one_sentence(tmp_path, monkeypatch):
     import base64
 
     from ds_pipemorph.runtime.initialize import load_config
@@ -220,7 +220,8 @@ def test_unreadable_configs_are_refused_in_one_sentence(tmp_path):
     bad.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
-    missing = str(tmp_path / "nope.json")
+    monkeypatch.chdir(tmp_path)
+    missing = "nope.json"  # relative: the message gives a path of up to 80 characters whole
     cases = [
         (missing, f"DeepSpeed config '{missing}' is neither an existing file nor base64-encoded JSON"),
         (str(listed), f"DeepSpeed config {listed}: expected a JSON object, got list"),

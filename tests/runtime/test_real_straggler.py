@@ -93,6 +93,7 @@ def test_a_burner_dies_with_the_process_that_started_it():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the burners load stage 1's core, and nothing else may load the other
 @pytest.mark.timeout(2400)
 def test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_training_is_unchanged(tmp_path):
     cores = usable_cores()
@@ -131,6 +132,7 @@ def test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_training_is
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the burners load stage 1's core, and nothing else may load the other
 @pytest.mark.timeout(1200)
 def test_gpt_blocks_with_burners_from_the_start_report_the_loops_prediction_and_train_the_same(tmp_path):
     if len(usable_cores()) < 2:
