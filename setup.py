@@ -57,7 +57,7 @@ setup(
         "milp": ["highspy>=1.7"],
         # control.interference.SlowdownModel (a random forest) and benchmarks/control/interference_predictor.py
         "interference": ["scikit-learn>=1.3", "joblib>=1.2"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.8", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["pipemorph=ds_pipemorph_cli.app:console_main"]},
     cmdclass={"build_py": BuildWithSources},

@@ -103,7 +103,7 @@ step() {  # step NAME KEYS -- CMD...: runs CMD within what is left of the budget
   row "$name" "$rc" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')" "$keys" "$note" "$@"
 }
 
-step cuda_tests "$OUT/cuda_tests.xml" -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+step cuda_tests "$OUT/cuda_tests.xml" -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider -n 0 \
   --junitxml "$OUT/cuda_tests.xml" \
   tests/staging/test_staging_nvcc.py tests/staging/test_device_path.py tests/runtime/test_oprecords.py
 step op_timing "$OUT/op_timing.json" -- "$PYTHON" scripts/gpu_check/op_timing.py "$OUT/op_timing.json"

@@ -2,11 +2,12 @@
 shared memory left behind by the session's jobs, CPU burners (``cpu_burners`` for the tests that
 must hold on a busy host, and ``PIPEMORPH_TEST_BURNERS=N`` to run the whole session beside N of them:
 ``PIPEMORPH_TEST_BURNERS=2 python -m pytest`` is a 2-core host with two CPU-bound processes beside),
-and tests marked ``alone``, which run with no other test beside them.
+and tests marked ``alone``, which run while no other test is in its setup, call or teardown.
 
-The session runs on two pytest-xdist workers (``pytest.ini``), a module to a worker: most jobs wait on
-sleeps, links and timeouts more than they compute, so a second job beside them uses cores the first
-leaves idle. ``-n 0`` runs everything in one process, one test at a time."""
+The session runs on two pytest-xdist workers (``pytest.ini``), each module's tests on one worker (its
+module-scoped jobs start once), the modules in the order ``pytest_collection_modifyitems`` gives: most
+jobs wait on sleeps, links and timeouts more than they compute, so a second job beside them uses cores
+the first leaves idle. ``-n 0`` runs everything in one process, one test at a time."""
 import fcntl
 import hashlib
 import os
@@ -142,10 +143,11 @@ def _session_burner_count() -> int:
 
 
 @pytest.fixture
-def cpu_burners():
+def cpu_burners(request):
     """Two CPU-bound processes beside the test (fewer if the session already runs some): on 2 cores,
     every process of the test then waits for a CPU about half the time, in slices of the scheduler's.
-    A test that asks for them is to be marked ``alone`` too, or the other worker's job adds to them."""
+    A test that asks for them is marked ``alone``: another worker's job would add to them."""
+    assert request.node.get_closest_marker("alone"), f"{request.node.nodeid} asks for cpu_burners: mark it alone"
     session = _session_burner_count()
     own = _start_burners(max(0, 2 - session))
     yield len(own) + session

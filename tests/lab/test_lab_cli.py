@@ -34,6 +34,7 @@ def test_without_the_privilege_to_make_namespaces_one_sentence_and_nothing_creat
     assert namespaces(lab_prefix("nopriv")) == []
 
 
+@pytest.mark.alone  # `lab ls` lists every lab on the machine: no other test's may be there
 @pytest.mark.timeout(300)
 def test_a_lab_stays_between_commands_until_down(lab_capable):
     prefix = lab_prefix("clit")

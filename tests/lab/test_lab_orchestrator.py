@@ -22,6 +22,7 @@ PAIR = (2, 3)
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it compares all-reduce and iteration times across rows run one after another
 @pytest.mark.timeout(1500)
 def test_engine_moves_a_measured_slow_data_parallel_link_into_the_pipeline_and_trains_unchanged(lab_capable, tmp_path):
     out = tmp_path / "lab_orchestrator.json"

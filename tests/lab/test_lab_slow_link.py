@@ -55,6 +55,7 @@ def test_pipemorph_reads_a_real_slow_link_re_plans_for_it_and_pays_less_for_it_t
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # no lab of another test may exist when it checks that none is left
 @pytest.mark.timeout(900)
 def test_gpt_blocks_on_two_nodes_train_the_same_under_every_engine_and_leave_no_namespace(lab_capable, tmp_path):
     out = tmp_path / "gpt.json"

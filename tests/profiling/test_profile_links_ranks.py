@@ -20,6 +20,7 @@ PROFILE = {
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # one-way medians within 3 ms of the latency's: no other job on the cores
 @pytest.mark.timeout(150)
 def test_four_ranks_find_the_injected_30ms_on_link_2(tmp_path):
     base = tmp_path / "profile.yaml"

@@ -25,6 +25,7 @@ def _trace(path, iteration: int) -> str:
     return str(path)
 
 
+@pytest.mark.alone  # slowdowns learned in some iterations and compared in later ones: no other job may start between
 @pytest.mark.timeout(540)
 def test_a_slowed_stage_loses_layers_and_training_is_unchanged(tmp_path):
     pm = {"schedule": "zb", "timeout_s": 60, "inject": {"compute_trace": _trace(tmp_path / "trace.yaml", SLOW_FROM)}}
