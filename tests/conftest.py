@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -187,11 +187,7 @@ def pytest_runtest_protocol(item, nextitem):
         with _flock(turnstile, fcntl.LOCK_EX), _flock(lock, fcntl.LOCK_EX):
             yield
         return
-    with _flock(turnstile, fcntl.LOCK_SH):
-        held = open(lock, "a")
-        fcntl.flock(held, fcntl.LOCK_SH)
-    try:
+    with ExitStack() as held:
+        with _flock(turnstile, fcntl.LOCK_SH):  # passed through: released once the shared lock is held
+            held.enter_context(_flock(lock, fcntl.LOCK_SH))
         yield
-    finally:
-        fcntl.flock(held, fcntl.LOCK_UN)
-        held.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .launch import SHARED, SHARED_CEILING, Launch, View, launch_shared
+from .launch import SHARED, SHARED_CEILING, Launch, launch_shared, views_of
 
 
 def _shared(ranks: int, out: Path) -> dict:
@@ -25,8 +25,7 @@ def _shared(ranks: int, out: Path) -> dict:
         folders = {key: out / f"files_{key}" for key in registered}
         if ended.exists():
             done = json.loads(ended.read_text())
-            run = Launch(done["returncode"], done["output"], out)
-            views = {key: View(run, f"{key}.") for key in registered}
+            views = views_of(Launch(done["returncode"], done["output"], out), registered)
         else:
             tests = {}
             for key, (build, _) in registered.items():

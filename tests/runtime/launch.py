@@ -101,8 +101,12 @@ def launch_shared(nproc: int, tests: dict[str, list[dict]], out_dir: Path, timeo
     namespace (``<key>.<name>``, checkpoint folders too); a view per test. A job that raises ends the
     launch: the tests whose jobs came after it find their results missing, with the launch's output."""
     jobs = [_prefixed(f"{key}.", job) for key, test_jobs in tests.items() for job in test_jobs]
-    run = launch(nproc, jobs, out_dir, timeout)
-    return {key: View(run, f"{key}.") for key in tests}
+    return views_of(launch(nproc, jobs, out_dir, timeout), tests)
+
+
+def views_of(run: Launch, keys) -> dict[str, View]:
+    """A view per test key of a shared launch (its jobs named ``<key>.<name>``)."""
+    return {key: View(run, f"{key}.") for key in keys}
 
 
 # The session's shared launches: ranks -> key -> (a builder of the jobs, given a folder of their own
