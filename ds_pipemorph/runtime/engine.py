@@ -126,6 +126,7 @@ class PipeMorphEngine(PipelineEngine):
     def _reset_iteration_state(self) -> None:
         self._batches: list = []  # this iteration's micro-batches, in data-iterator order
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> loss (last stage)
+        self._detached_losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss, detached (last stage)
         self._output_grads: dict[int, object] = {}  # buffer -> received gradient(s) of the outputs
         self._input_grads: dict[int, object] = {}  # micro-batch -> gradient(s) to send upstream
         self._weight_work: dict[int, list] = {}  # micro-batch -> WeightGradWorks: the stage's, then its checkpointed chunks'
@@ -541,8 +542,12 @@ class PipeMorphEngine(PipelineEngine):
                 raise PipeMorphConfigError(
                     f"stage {self.stage_id}: F{micro_batch} must produce a scalar loss tensor for B")
             self._losses[buffer_id] = loss
-            self.fwd_outputs.append(loss.detach())
-            if len(self.fwd_outputs) == self.micro_batches:  # the last forward: the iteration's loss
+            self._detached_losses[micro_batch] = loss.detach()
+            if len(self._detached_losses) == self.micro_batches:  # the last forward: the iteration's loss
+                # Added in micro-batch order, the order of stock's forwards, whatever order ready
+                # dispatch ran them in (activations can be in out of order): another order can round
+                # a bf16 sum differently.
+                self.fwd_outputs = [self._detached_losses[m] for m in sorted(self._detached_losses)]
                 self.total_loss = sum_in_order(self.fwd_outputs)
                 if self.early_loss is not None:
                     self.early_loss.send(self._scale_loss_by_gas(self.total_loss))

@@ -5,7 +5,9 @@ with every receive of the iteration up front: ``for_dispatch("ready")``) and cha
 which compute op goes next. ``ReadyProgram`` cuts the stream's compiled steps
 (``runtime.schedule``) into the receives posted before the first compute op and one unit per
 compute op: its instructions and the sends that follow it in the stream (a fused B m takes its
-W m and the gradient's send along, as the lowering placed them). The receives are posted through
+W m and the gradient's send along, as the lowering placed them, when it is W m's turn: every W
+before it in the hint ran; else B m runs with the send and W m alone at its turn, so that the Ws
+add their gradients in the hint's order whatever order the Bs ran in). The receives are posted through
 the inbox (``runtime.inbox``: each completion is a readiness event), all of them at the first
 moment the stage has no op to run (or would hold one for a message): a stage with ops that need no
 message, the first stage's warm-up forwards, runs them first, as every stage's first message is
@@ -60,6 +62,7 @@ class Unit(NamedTuple):
     also: list  # ops of the hint it runs besides its own (the W of a fused backward)
     takes: bool  # F: takes a pipe buffer
     releases: bool  # B: releases it, after the unit
+    own: int  # how many of ``entries`` are the op's own, before the sends that follow it
 
 
 class ReadyProgram:
@@ -81,10 +84,13 @@ class ReadyProgram:
         self.posts: list = []
         self.post_texts: list[str] = []
         self.units: dict[Op, Unit] = {}
+        self.split: dict[Op, Unit] = {}  # fused B m -> B m with the gradient's send, run when W m is not next
         unit = None
         for op, cmds in zip(stream, steps):
             if op.is_compute:
-                unit = self.units[op.local()] = Unit(entries(cmds), [str(op)], [], op.kind is Kind.F, op.kind is Kind.B)
+                own = entries(cmds)
+                unit = self.units[op.local()] = Unit(own, [str(op)], [], op.kind is Kind.F, op.kind is Kind.B,
+                                                     len(own))
             elif unit is None and op.kind.is_recv:
                 self.posts += entries(cmds)
                 self.post_texts.append(str(op))
@@ -98,9 +104,9 @@ class ReadyProgram:
             ops = schedule.ops
             for i, a in enumerate(ops):
                 if fused_at(ops, i):
-                    b = ops[i + 1]
-                    w = self.units.pop(b)
-                    u = self.units[a]
+                    b, w, u = ops[i + 1], self.units[ops[i + 1]], self.units[a]
+                    self.split[a] = Unit(u.entries + w.entries[w.own:], u.texts + w.texts[1:], [], False, True, u.own)
+                    self.units[b] = Unit(w.entries[:w.own], w.texts[:1], [], False, False, w.own)
                     u.entries.extend(w.entries)
                     u.texts.extend(w.texts)
                     u.also.append(b)
@@ -169,6 +175,8 @@ def run_ready(engine, program: ReadyProgram) -> int:
             continue  # the message the hint's first op waits for came: pick again
         rule.started(op)
         unit = program.units[op]
+        if unit.also and not rule.w_in_turn(op.mb):  # a W before W m has not run: B m and W m split
+            unit = program.split[op]
         for other in unit.also:
             rule.started(other)
         m = op.mb

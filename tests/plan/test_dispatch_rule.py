@@ -87,3 +87,26 @@ def test_patience_holds_for_the_hints_first_op_only_when_its_message_lands_befor
     full.arrive("B", 0)
     assert full.pending[0] == Op("F", 1) and full.pick() == Op("B", 0)
     assert full.hold(Op("B", 0), 0.0, 5.0, {("F", 1): 1.0}.get) is None
+
+
+def test_a_fused_backward_whose_activation_came_first_runs_split_and_its_w_waits_for_the_ws_before_it():
+    # The last stage of a 1F1B plan, each B fused with its W; F1's activation is in before F0's.
+    rule = ReadyRule([Op(k, m) for m in (0, 1) for k in ("F", "B", "W")], 1, needs_input=True, needs_grad=False)
+    rule.arrive("F", 1)
+    ran = []
+
+    def run_all():
+        while (op := rule.pick()) is not None:
+            rule.started(op)
+            ran.append(str(op))
+            if op.kind == "B" and rule.w_in_turn(op.mb):  # the fused W runs with its B
+                rule.started(Op("W", op.mb))
+                ran[-1] += "+W"
+
+    run_all()
+    assert ran == ["F1", "B1"]  # W0 has not run: B1 runs alone, its W waits
+    assert not rule.w_in_turn(1)
+    rule.arrive("F", 0)
+    run_all()
+    # The weight gradients are added W0 then W1, as under ordered dispatch
+    assert ran == ["F1", "B1", "F0", "B0+W", "W1"] and rule.finished

@@ -14,10 +14,12 @@ from ds_pipemorph.plan.sched.warmup import initial_warmup
 
 
 class ScanRule:
-    """The rule as written: among the ops not run yet, the first of the hint that is ready."""
+    """The rule as written: among the ops not run yet, the first of the hint that is ready. ``fused``:
+    the micro-batches whose B is directly followed by its W in the hint (a fused backward)."""
 
-    def __init__(self, hint, cap, needs_input, needs_grad):
+    def __init__(self, hint, cap, needs_input, needs_grad, fused=False):
         self.pending = list(hint)
+        self.fused = {a.mb for a, b in zip(hint, hint[1:]) if a.kind == "B" and b == Op("W", a.mb)} if fused else set()
         self.cap, self.needs_input, self.needs_grad = cap, needs_input, needs_grad
         self.forwarded, self.backwarded = set(), set()
         self.inflight = self.peak = 0
@@ -28,7 +30,10 @@ class ScanRule:
         if op.kind == "B":  # its own forward is done, its gradient is in (last stage: none needed)
             return op.mb in self.forwarded and (not self.needs_grad or arrived("B", op.mb))
         # W: its own backward is done, and it is the first W still to run (Ws run in hint order)
-        return op.mb in self.backwarded and next(o for o in self.pending if o.kind == "W") == op
+        return op.mb in self.backwarded and self._first_w() == op
+
+    def _first_w(self):
+        return next((o for o in self.pending if o.kind == "W"), None)
 
     def pick(self, arrived):
         return next((op for op in self.pending if self.ready(op, arrived)), None)
@@ -67,9 +72,21 @@ def _drive(seed: int) -> None:
                       | {("B", op.mb) for op in hint if op.kind == "B" and needs_grad})
     rng.shuffle(messages)
     mode = rng.choice(["ask", "push", "both"])
-    ref = ScanRule(hint, cap, needs_input, needs_grad)
+    fused = len(set(hint)) == len(hint) and rng.random() < 0.5  # a fused backward: a valid hint's
+    ref = ScanRule(hint, cap, needs_input, needs_grad, fused)
     rule = ReadyRule(hint, cap, needs_input=needs_input, needs_grad=needs_grad)
     came: set = set()
+
+    def start(op):  # as the engine and the replay do: a fused B's W runs with it when it is that W's turn
+        ref.started(op)
+        rule.started(op)
+        if op.kind == "B" and op.mb in ref.fused:
+            w = Op("W", op.mb)
+            turn = w in ref.pending and ref.ready(w, arrived)
+            assert rule.w_in_turn(op.mb) == turn, (seed, hint, ref.pending)
+            if turn:
+                ref.started(w)
+                rule.started(w)
 
     def arrived(kind, mb):
         return (kind, mb) in came
@@ -87,12 +104,9 @@ def _drive(seed: int) -> None:
         if want is None and not messages:
             break
         if want is not None and rng.random() < 0.85:  # start it (else: the stage waits and picks again)
-            ref.started(want)
-            rule.started(want)
+            start(want)
         elif ref.pending and rng.random() < 0.1:  # starting an op the rule did not pick is allowed too
-            op = rng.choice(ref.pending)
-            ref.started(op)
-            rule.started(op)
+            start(rng.choice(ref.pending))
         assert list(rule.pending) == ref.pending
         assert (rule.pending[0] if rule.pending else None) == (ref.pending[0] if ref.pending else None)
         assert rule.finished == (not ref.pending)

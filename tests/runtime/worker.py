@@ -57,6 +57,23 @@ GPT_VOCAB, GPT_SEQ = 23, 12
 VARLEN_SEQ = 8
 
 
+def _announce_late(engine, rank: int, kind: str, mb: int, ms: float) -> None:
+    """On ``rank``, every iteration's receive of (kind, mb) starts ``ms`` late in its inbox thread and
+    the inbox does not wait for it (no settling): the next message of its kind is announced first, as
+    on a host too busy to run the receive's thread, and ready dispatch takes the two out of order."""
+    if dist.get_rank() != rank:
+        return
+    inbox = engine.inbox
+    inbox.settle_s = 0.0
+    receive = inbox._receive
+
+    def late(fut, k, m, recorder):
+        if (str(k), m) == (kind, mb):
+            time.sleep(ms / 1000)
+        receive(fut, k, m, recorder)
+    inbox._receive = late
+
+
 def _varlen():
     """recipes/gpt/varlen.py, loaded by its path (the tiny_gpt recipe's ``model`` is imported as ``model``)."""
     import importlib.util
@@ -147,6 +164,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         half = _half_dtype(cfg)  # a bf16/fp16 model takes inputs and labels of its dtype, as in stock
         return data if half is None else [(x.to(half), y.to(half)) for x, y in data]
 
+    if job.get("late_notice"):  # {"rank", "kind", "mb", "ms"}: that rank's inbox announces one message late
+        _announce_late(engine, **job["late_notice"])
     switch_error = None
     if job.get("switch_dispatch"):
         try:

@@ -12,7 +12,8 @@ has not run, the first one in the hint that is ready now:
   accumulated in the hint's order whatever the order of the backwards, so a stage adds its
   micro-batches' gradients in the same order as under ordered dispatch (bf16/fp16 training then
   gives the same bits under both dispatches). A W fused with its B (``fused_backward``) runs with
-  it, ahead of that order if its B does. When the memory budget holds a forward back and the next
+  it when it is that W's turn (``w_in_turn``, asked once the B started); otherwise the two run
+  split, the gradient leaving after the B and the W at its turn. When the memory budget holds a forward back and the next
   W in the hint's order waits for its B, the W of the earliest backward already run is ready too
   (the memory frees; the order of accumulation then differs from the hint's); when a B would exceed
   the budget (``w_share`` above 1: B leaves more for W than F left for B), that W runs first.
@@ -129,6 +130,11 @@ class ReadyRule:
             nxt = self._w_pos[self._w_next] if self._w_next < len(self._w_pos) else None
             return nxt is not None and self._ops[nxt] == op and op.mb in self.backwarded
         return op.mb in self.backwarded
+
+    def w_in_turn(self, mb: int) -> bool:
+        """Whether ``W mb`` may run now as far as the Ws' order goes (its B ran, every W before it in the
+        hint ran): asked after a fused ``B mb`` started, whose W runs with it only then."""
+        return self.is_ready(Op(Kind.W, mb), _ANY)
 
     def arrive(self, kind: Kind, mb: int) -> None:
         """The message (kind Kind.F or Kind.B, micro-batch) is in, and stays in for the iteration."""

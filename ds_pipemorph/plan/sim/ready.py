@@ -190,8 +190,11 @@ class _Run:
         if self.patience and rule.hold(op, t, self.dur[s][k][op.mb], lands.get) is not None:
             return None
         rule.started(op)
-        if k == 1 and self.fused[s][op.mb]:  # W m runs with it (``_start``)
-            rule.started(Op(Kind.W, op.mb))
+        if k == 1 and self.fused[s][op.mb]:
+            if rule.w_in_turn(op.mb):  # W m runs with it (``_start``)
+                rule.started(Op(Kind.W, op.mb))
+            else:  # a W before it has not run: split, W m at its turn, the gradient leaves after B m
+                self.fused[s][op.mb] = False
         return self.pos[s][(k, op.mb)]
 
     def _start(self, s: int, i: int, t: float) -> None:
