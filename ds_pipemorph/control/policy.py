@@ -9,7 +9,9 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
 * else re-plan: at once with Alg. 2's closed-form warm-up (``react``, milliseconds), then with the
   deterministic search (``refine``), bounded by ``search_evals`` evaluations rather than by time so
   the same input gives the same plan on any machine; the runtime runs the search beside training
-  and switches to its plan when it lands (``propose`` does both in one call);
+  and switches to its plan when it lands (``propose`` does both in one call). The plan in force stays,
+  with the new targets, when it fits the memory the new delays allow and its replay under them is
+  faster than the new plan's; after ``react`` the search then still runs (``Decision.refine``);
 * model each direct link as its transport behaves (``direct``, one model for every link or one per
   link): where a send holds the training process until its message has crossed (NCCL; a link the
   sleep injector delays), one message in flight that blocks its sender (``Direct()``); where it does
@@ -33,12 +35,12 @@ Pure Python: no torch, no deepspeed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from ..plan.ir.links import DIRECT, LATENCY, Delegated, Direct, LinkModel, Route, per_link
-from ..plan.ir.memory import MemoryBudget, caps_within, fit_budget
-from ..plan.ir.ops import Schedule
+from ..plan.ir.memory import MemoryBudget, caps_within, fit_budget, fits
+from ..plan.ir.ops import Schedule, peak_inflight
 from ..plan.ir.profile import Costs
 from ..plan.sched.bounds import lower_bound_ms
 from ..plan.sched.listsched import list_schedule
@@ -79,7 +81,8 @@ class Decision:
     (empty under delegation "off"); ``queues``: delegated link -> delegate FIFOs per
     direction. ``costs``: the op times and target delays (``costs.links``) planned for;
     ``tolerance_ms``: per link, the delay the plan absorbs; ``predicted_ms``: its replayed iteration
-    time; ``reason``: one sentence for the log.
+    time; ``reason``: one sentence for the log; ``refine``: the search may still find a faster plan
+    for ``costs`` (the runtime runs it beside training).
     """
 
     plan: Optional[Schedule]
@@ -89,6 +92,7 @@ class Decision:
     tolerance_ms: list[float]
     predicted_ms: float
     reason: str
+    refine: bool = False
 
     @property
     def target_ms(self) -> list[float]:
@@ -204,18 +208,46 @@ class ControlPolicy:
         """The decision for ``costs`` (from ``observe``) with the search; changes nothing, so one rank
         can compute it for all."""
         kept = self._keep(costs)
-        return kept if isinstance(kept, Decision) else self._replan(costs, self._searched(costs), f"re-planned: {kept}")
+        if isinstance(kept, Decision):
+            return kept
+        return self._better_of(self._replan(costs, self._searched(costs), f"re-planned: {kept}"))
 
     def react(self, costs: Costs) -> Decision:
         """The first reaction to ``costs``: keep the plan in force when it is close enough, else
-        Alg. 2's closed-form warm-up turned into an order by one list-scheduling pass (milliseconds).
-        When it brings a plan, ``refine`` (the search, run beside training) may still find a faster one."""
+        Alg. 2's closed-form warm-up turned into an order by one list-scheduling pass (milliseconds),
+        unless the plan in force replays faster under ``costs`` and fits their memory (then kept).
+        Either way ``refine`` (the search, run beside training) may still find a faster one."""
         kept = self._keep(costs)
         if isinstance(kept, Decision):
             return kept
         warmup = adapted_warmup(costs, self.N, caps=self._caps_for(list(costs.links)))
         plan = list_schedule(costs, self.N, warmup, policy=ListPolicy(units=self.units, w_share=self.w_share))
-        return self._replan(costs, plan, f"closed-form warm-up: {kept}")
+        return replace(self._better_of(self._replan(costs, plan, f"closed-form warm-up: {kept}")), refine=True)
+
+    def _better_of(self, proposed: Decision) -> Decision:
+        """``proposed`` (a new plan for its costs), or a decision that keeps the plan in force when that
+        plan fits the memory allowed under the new delays and its replay is faster than the new one's."""
+        costs = proposed.costs
+        target = list(costs.links)
+        if not self._fits(self.plan_in_force, target):
+            return proposed
+        model = self._model(target, self.link_queues)
+        now = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
+        if proposed.predicted_ms <= now + 1e-6:  # a tie: the new plan, planned for these delays
+            return proposed
+        tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
+                              link_model=model)
+        modes = self._link_modes(target)
+        return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
+                        now, f"kept the plan in force: {now:.1f} ms under the new delays, the new plan "
+                             f"{proposed.predicted_ms:.1f} ms ({proposed.reason})")
+
+    def _fits(self, plan: Schedule, target: list[float]) -> bool:
+        """``plan`` keeps within the caps and the memory budget allowed under ``target``."""
+        caps = self._caps_for(target)
+        if caps is not None and any(p > c for p, c in zip(peak_inflight(plan), caps)):
+            return False
+        return self.units is None or fits(plan, self.units, self.w_share)
 
     def refine(self, costs: Costs) -> Decision:
         """After ``react``'s plan was adopted for ``costs``: the search's plan when it is faster than
@@ -230,7 +262,7 @@ class ControlPolicy:
                               link_model=model)
         modes = self._link_modes(list(costs.links))
         return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
-                        now, f"kept the closed-form plan: the search found nothing faster than {now:.1f} ms")
+                        now, f"kept the plan in force: the search found nothing faster than {now:.1f} ms")
 
     def _keep(self, costs: Costs) -> Union[Decision, str]:
         """A decision that keeps the plan in force, when the slow links are the same ones and it is

@@ -230,12 +230,12 @@ class Adapter:
         first = self.policy.react if self.background else self.policy.propose
         proposal = [_on_rank0(self.rank, lambda: (first(costs), None))]
         dist.broadcast_object_list(proposal, src=0)  # one planner: the others wait idle, not planning too
-        decision = self._adopt(_raise_failed(proposal[0]), links, oh, t,
-                               "closed-form" if self.background else "search")
-        if decision is not None and self.background:  # refine it beside training
-            self._pending = decision.costs
+        reaction = _raise_failed(proposal[0])
+        decision = self._adopt(reaction, links, oh, t, "closed-form" if self.background else "search")
+        if self.background and reaction[0].refine:  # a new plan or a kept one: the search may do better
+            self._pending = reaction[0].costs
             if self._planner is not None:
-                self._planner.submit(self.policy, decision.costs)
+                self._planner.submit(self.policy, reaction[0].costs)
         return decision
 
     def _prewarm(self, engine) -> None:

@@ -136,7 +136,8 @@ def _as_list(v: Optional[Union[int, list[int]]], stages: int = 1) -> list[int]:
 class AdaptConfig(SectionModel):
     enabled: bool = True
     every_iterations: int = Field(1, ge=1)
-    # background: a re-plan first adopts Alg. 2's closed-form warm-up, and rank 0's worker process
+    # background: a re-plan first adopts Alg. 2's closed-form warm-up (or keeps the plan in force
+    # where that replays faster and still fits the memory), and rank 0's worker process
     # runs the search beside training; every rank switches to its plan at the first boundary after
     # it lands. inline: the search runs at the boundary while every rank waits for it.
     replan: ReplanMode = "background"

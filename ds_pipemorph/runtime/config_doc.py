@@ -62,7 +62,8 @@ DESCRIPTIONS: dict[str, str] = {
     "adapt.enabled": "measure F, B, W and every link each iteration and re-plan (Alg. 2) when the detector sees a "
                      "link slower than the plan absorbs; all ranks adopt the same plan at the next iteration",
     "adapt.every_iterations": "run the detector every this many iterations, at iteration boundaries",
-    "adapt.replan": "`background`: a re-plan first adopts Alg. 2's closed-form warm-up, rank 0 runs the search in "
+    "adapt.replan": "`background`: a re-plan first adopts Alg. 2's closed-form warm-up (or keeps the plan in force "
+                    "where that replays faster and still fits the memory), rank 0 runs the search in "
                     "a low-priority worker process beside training, and every rank switches to the searched plan "
                     "at the first boundary after it lands; `inline`: the search runs at the boundary while every "
                     "rank waits",

@@ -10,6 +10,7 @@ import pytest
 from ds_pipemorph.control.detector import DetectorConfig
 from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, ControlPolicy, QueueSettings
 from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.bounds import lower_bound_ms
 from ds_pipemorph.plan.sched.listsched import list_schedule
@@ -284,3 +285,49 @@ def test_caps_are_relaxed_only_for_links_that_are_really_delegated():
 def test_a_direct_model_other_than_a_blocking_send_or_one_fifo_is_refused():
     with pytest.raises(ValueError, match="Direct"):
         ControlPolicy(initial_plan(), Costs.uniform(S, 10.0), N, None, 1, "auto", CFG, QueueSettings(2, 8), direct=LATENCY)
+
+
+def test_a_first_reaction_keeps_the_plan_in_force_when_the_closed_form_plan_replays_slower():
+    # Skewed stages (stage 1's F and B, stage 0's W twice the others), 4 stages x 6 micro-batches in
+    # the 1F1B warm-up, and a 2 ms delay on link 0: Alg. 2's warm-up for it is slower than what runs.
+    from ds_pipemorph.plan.sched.warmup import adapted_warmup
+
+    f, b, w = [10.0, 20.0, 10.0, 10.0], [10.0, 20.0, 10.0, 10.0], [20.0, 10.0, 10.0, 10.0]
+    plan = list_schedule(Costs(f, b, w, [0.0] * 3), 6, initial_warmup([4, 3, 2, 1]))
+    policy = ControlPolicy(plan, Costs(f, b, w, [0.0] * 3), 6)
+    slow = Costs(f, b, w, [2.0, 0.0, 0.0])
+    in_force = replay(plan, slow, 6, link_model=DIRECT).iteration_ms
+    closed_form = replay(list_schedule(slow, 6, adapted_warmup(slow, 6)), slow, 6, link_model=DIRECT).iteration_ms
+    assert in_force < closed_form  # the case: 312 against 324 ms
+
+    decision = policy.react(slow)
+    assert decision.plan is None and decision.predicted_ms == pytest.approx(in_force)
+    assert decision.refine and decision.target_ms == [2.0, 0.0, 0.0] and "kept the plan in force" in decision.reason
+    policy.adopt(decision)
+    assert policy.plan_in_force == plan and policy.detector.planned_for == [2.0, 0.0, 0.0]
+    # the search beside training starts from it: what it proposes is never slower than the plan in force
+    refined = policy.refine(slow)
+    assert refined.predicted_ms <= in_force + 1e-6
+    # the inline path (search at once) keeps the same rule
+    assert ControlPolicy(plan, Costs(f, b, w, [0.0] * 3), 6).propose(slow).predicted_ms <= in_force + 1e-6
+
+
+def test_a_plan_in_force_beyond_the_memory_the_new_delays_allow_is_never_kept():
+    # Planned for a delegated 30 ms link 1 (stages 1 and 2 may hold N activations); then link 1
+    # recovers and link 0 is 5 ms slow: stage 2's cap is back to 2. The plan in force would replay
+    # faster than the new one, but it holds 3 activations on stage 2: it must go.
+    from ds_pipemorph.plan.sched.warmup import adapted_warmup
+
+    f, b, w = [10.0, 10.0, 20.0, 10.0], [20.0] * 4, [10.0, 10.0, 20.0, 10.0]
+    caps = [4, 3, 2, 1]
+    start = Costs(f, b, w, [0.0] * 3)
+    policy = ControlPolicy(list_schedule(start, 8, initial_warmup(caps)), start, 8, caps=caps, delegation="always")
+    policy.adopt(policy.react(Costs(f, b, w, [0.0, 30.0, 0.0])))
+    relaxed = policy.plan_in_force
+    assert peak_inflight(relaxed)[2] > caps[2]
+    now = Costs(f, b, w, [5.0, 0.0, 0.0])
+    closed_form = list_schedule(now, 8, adapted_warmup(now, 8, caps=[8, 8, 2, 1]))  # link 0's stages relaxed
+    model = [Delegated(2)] * 3
+    assert replay(relaxed, now, 8, link_model=model).iteration_ms < replay(closed_form, now, 8, link_model=model).iteration_ms
+    back = policy.react(now)
+    assert back.plan is not None and all(p <= c for p, c in zip(peak_inflight(back.plan), [8, 8, 2, 1]))
