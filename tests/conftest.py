@@ -49,9 +49,10 @@ if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
 
 
 # Every process the session starts imports the package and the tests' helpers, about a hundred modules.
-# Where Python does not write bytecode (``PYTHONDONTWRITEBYTECODE``, read-only checkouts), each of them
-# compiled all of that again: about 0.2 s of CPU per rank of every job. Compiled here once (the
-# controller, before any worker starts), they read it. An up-to-date file is not compiled again.
+# Where Python does not write bytecode (``PYTHONDONTWRITEBYTECODE``), each of them compiled all of that
+# again: about 0.2 s of CPU per rank of every job. Compiled here once, into the checkout's own
+# ``__pycache__`` folders (the controller, before any worker starts), they read it. An up-to-date file
+# is not compiled again; a folder that cannot be written is left as it is.
 _CHECKOUT_DIR = Path(__file__).resolve().parents[1]
 if "PYTEST_XDIST_WORKER" not in os.environ:
     for _folder in ("ds_pipemorph", "tests", "benchmarks", "recipes", "scripts", "cli"):

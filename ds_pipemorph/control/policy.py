@@ -235,12 +235,18 @@ class ControlPolicy:
         now = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms
         if proposed.predicted_ms <= now + 1e-6:  # a tie: the new plan, planned for these delays
             return proposed
+        return self._kept(costs, now, f"{now:.1f} ms under the new delays, the new plan "
+                                      f"{proposed.predicted_ms:.1f} ms ({proposed.reason})")
+
+    def _kept(self, costs: Costs, now_ms: float, why: str) -> Decision:
+        """The decision that keeps the plan in force for ``costs`` (its replay: ``now_ms``): the links'
+        modes and tolerances under them, the queues each link has."""
+        target = list(costs.links)
         tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
-                              link_model=model)
+                              link_model=self._model(target, self.link_queues))
         modes = self._link_modes(target)
         return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
-                        now, f"kept the plan in force: {now:.1f} ms under the new delays, the new plan "
-                             f"{proposed.predicted_ms:.1f} ms ({proposed.reason})")
+                        now_ms, f"kept the plan in force: {why}")
 
     def _fits(self, plan: Schedule, target: list[float]) -> bool:
         """``plan`` keeps within the caps and the memory budget allowed under ``target``."""
@@ -258,11 +264,7 @@ class ControlPolicy:
         better = self._replan(costs, found, "refined by the search")
         if better.predicted_ms < now - 1e-6:
             return better
-        tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
-                              link_model=model)
-        modes = self._link_modes(list(costs.links))
-        return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
-                        now, f"kept the plan in force: the search found nothing faster than {now:.1f} ms")
+        return self._kept(costs, now, f"the search found nothing faster than {now:.1f} ms")
 
     def _keep(self, costs: Costs) -> Union[Decision, str]:
         """A decision that keeps the plan in force, when the slow links are the same ones and it is
@@ -277,12 +279,8 @@ class ControlPolicy:
         if kept > (1 + KEEP_WITHIN) * bound:
             return (f"the plan in force would take {kept:.1f} ms, more than {KEEP_WITHIN:.0%} above the "
                     f"lower bound {bound:.1f} ms")
-        tol = link_tolerances(self.plan_in_force, costs, self.N, resolution_ms=TOLERANCE_RESOLUTION_MS,
-                              link_model=model)
-        modes = self._link_modes(target)
-        return Decision(None, modes, self._queues_of(modes, self.link_queues), costs, [t.replay_ms for t in tol],
-                        kept, f"kept the plan in force: {kept:.1f} ms under the new delays, within "
-                              f"{KEEP_WITHIN:.0%} of the lower bound {bound:.1f} ms")
+        return self._kept(costs, kept, f"{kept:.1f} ms under the new delays, within {KEEP_WITHIN:.0%} of the "
+                                       f"lower bound {bound:.1f} ms")
 
     def _searched(self, costs: Costs) -> Schedule:
         """The deterministic search's plan for ``costs`` (``search_evals`` replays at most)."""

@@ -127,6 +127,7 @@ class PipeMorphEngine(PipelineEngine):
         self._batches: list = []  # this iteration's micro-batches, in data-iterator order
         self._losses: dict[int, torch.Tensor] = {}  # buffer -> loss (last stage)
         self._detached_losses: dict[int, torch.Tensor] = {}  # micro-batch -> its loss, detached (last stage)
+        self._detached_extras: dict[int, dict] = {}  # micro-batch -> the module's additional losses, detached
         self._output_grads: dict[int, object] = {}  # buffer -> received gradient(s) of the outputs
         self._input_grads: dict[int, object] = {}  # micro-batch -> gradient(s) to send upstream
         self._weight_work: dict[int, list] = {}  # micro-batch -> WeightGradWorks: the stage's, then its checkpointed chunks'
@@ -552,12 +553,14 @@ class PipeMorphEngine(PipelineEngine):
                 if self.early_loss is not None:
                     self.early_loss.send(self._scale_loss_by_gas(self.total_loss))
             extra = self.module.get_additional_losses()
-            if extra is not None:
-                if self.total_additional_losses is None:
-                    self.total_additional_losses = {}
-                for name, value in extra.items():
-                    prev = self.total_additional_losses.get(name)
-                    self.total_additional_losses[name] = value.detach() if prev is None else prev + value.detach()
+            if extra is not None:  # added up in micro-batch order too, once every forward ran
+                self._detached_extras[micro_batch] = {name: value.detach() for name, value in extra.items()}
+            if self._detached_extras and len(self._detached_losses) == self.micro_batches:
+                totals = self.total_additional_losses = self.total_additional_losses or {}
+                for m in sorted(self._detached_extras):
+                    for name, value in self._detached_extras[m].items():
+                        prev = totals.get(name)
+                        totals[name] = value if prev is None else prev + value
         if held is not None:  # what F saved for B, the loss's included
             self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
 

@@ -68,7 +68,8 @@ class Unit(NamedTuple):
 class ReadyProgram:
     """A stage's stream for ready dispatch, built once per plan: ``posts`` (instruction entries),
     ``post_texts``, and ``units`` by compute op (local form, ``F3``). ``fused``: the policy's
-    fused backward (B m directly followed by W m in the plan runs as one unit); ``hooks``: the
+    fused backward (B m directly followed by W m in the plan runs as one unit when it is W m's turn;
+    ``split`` holds B m with the gradient's send for the other case, ``units`` W m alone); ``hooks``: the
     engine hooks in force, whose ``after_op`` follows the inbox's receive handlers as it follows
     the others (already in ``handlers``)."""
 

@@ -4,8 +4,9 @@ they still work.
 Stock DeepSpeed adds each micro-batch's loss to ``total_loss`` inside the forward and, after the
 last instruction, broadcasts the mean from the last stage over the pipeline: every stage waits in
 that broadcast at the end of the iteration, behind the slowest. Here the last stage keeps each
-detached loss (``fwd_outputs``, as stock does) and, at its last forward, adds them up in the same
-order with the same operations (the same bits as stock's running sum), scales by the accumulation
+detached loss and, at its last forward, adds them up in micro-batch order (stock's, whatever order
+ready dispatch ran the forwards in) with the same operations (the same bits as stock's running
+sum; ``fwd_outputs`` then holds them in that order, as stock's does), scales by the accumulation
 steps and, where it can, starts the broadcast right away; the other stages post their side of it
 when their iteration starts. ``train_batch`` then only collects a value that has long arrived. (A
 ``train_batch`` that failed before it collected its loss leaves the broadcast pending: the next one

@@ -139,16 +139,26 @@ def test_ready_dispatch_runs_the_streams_posts_then_units_of_a_compute_op_and_it
             text = [str(op) for op in streams[s]]
             posts = [t for t in text if "RECV" in t]
             assert prog.post_texts == posts == text[:len(posts)]
-            # in the plan's order, the units give back the stream after its receives
-            units = [prog.units[op] for op in plan[s] if op in prog.units]
+            # in the plan's order, the units give back the stream after its receives (a fused W runs
+            # with its B's unit)
+            fused_ws = {w for u in prog.units.values() for w in u.also}
+            units = [prog.units[op] for op in plan[s] if op in prog.units and op not in fused_ws]
             assert [t for u in units for t in u.texts] == text[len(posts):]
             for op, u in prog.units.items():
                 assert u.texts[0] == f"{s}{op}"
                 if fused and op.kind == "B" and Op("W", op.mb) in u.also:  # B m W m [SEND_B m]: one unit
+                    w, split = prog.units[Op("W", op.mb)], prog.split[op]
                     assert u.texts[:2] == [f"{s}B{op.mb}", f"{s}W{op.mb}"]
-                    assert Op("W", op.mb) not in prog.units
-                assert [t for t in u.texts if "SEND" in t] == \
-                    [t for t in u.texts[1:] if not t[1:].startswith(("F", "B", "W"))]
+                    # out of W's turn: B m with the gradient's send, then W m alone, the same instructions
+                    assert split.texts == [u.texts[0], *u.texts[2:]] and w.texts == [u.texts[1]]
+                    assert split.releases and not w.releases and not split.also and not w.also
+                    names = lambda unit: [name for _, name, *_ in unit.entries]  # noqa: E731
+                    assert sorted(names(split) + names(w)) == sorted(names(u))
+                    assert names(w) == names(u)[split.own:split.own + w.own]
+                    assert not [t for t in w.texts if "SEND" in t]
+                if op not in fused_ws:
+                    assert [t for t in u.texts if "SEND" in t] == \
+                        [t for t in u.texts[1:] if not t[1:].startswith(("F", "B", "W"))]
             # what the units run is what ordered dispatch runs for the same stream, buffers aside
             ran = [name for _, name, *_ in prog.posts] + [name for u in units for _, name, *_ in u.entries]
             assert ran == lowered_text(sched)[:-4]

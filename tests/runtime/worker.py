@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 import weakref
+from concurrent.futures import wait as futures_wait
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +59,10 @@ VARLEN_SEQ = 8
 
 
 def _announce_late(engine, rank: int, kind: str, mb: int, ms: float) -> None:
-    """On ``rank``, every iteration's receive of (kind, mb) starts ``ms`` late in its inbox thread and
-    the inbox does not wait for it (no settling): the next message of its kind is announced first, as
-    on a host too busy to run the receive's thread, and ready dispatch takes the two out of order."""
+    """On ``rank``, every iteration's receive of (kind, mb) starts in its inbox thread only once the
+    next message of its kind is in (at most ``ms`` later), and the inbox does not wait for it (no
+    settling): the next message is announced first, as on a host too busy to run the first one's
+    thread, and ready dispatch may take the two out of order."""
     if dist.get_rank() != rank:
         return
     inbox = engine.inbox
@@ -69,9 +71,21 @@ def _announce_late(engine, rank: int, kind: str, mb: int, ms: float) -> None:
 
     def late(fut, k, m, recorder):
         if (str(k), m) == (kind, mb):
-            time.sleep(ms / 1000)
+            deadline = time.monotonic() + ms / 1000
+            while (k, m + 1) not in inbox._futures and time.monotonic() < deadline:  # posted right after
+                time.sleep(0.001)
+            nxt = inbox._futures.get((k, m + 1))
+            if nxt is not None:
+                futures_wait([nxt], timeout=max(0.0, deadline - time.monotonic()))
         receive(fut, k, m, recorder)
     inbox._receive = late
+
+
+def _settle(engine, ms: float) -> None:
+    """The inbox waits up to ``ms`` for a message posted before one announced (``runtime.inbox``): on a
+    loaded host a receive thread can wake later than the 2 ms the engine allows by default."""
+    if engine.inbox is not None:
+        engine.inbox.settle_s = ms / 1000
 
 
 def _varlen():
@@ -166,6 +180,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
 
     if job.get("late_notice"):  # {"rank", "kind", "mb", "ms"}: that rank's inbox announces one message late
         _announce_late(engine, **job["late_notice"])
+    if job.get("settle_ms"):
+        _settle(engine, job["settle_ms"])
     switch_error = None
     if job.get("switch_dispatch"):
         try:

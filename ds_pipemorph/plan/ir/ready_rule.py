@@ -11,10 +11,11 @@ has not run, the first one in the hint that is ready now:
 - ``W m``: ``B m`` is done and every W before it in the hint has run: weight gradients are
   accumulated in the hint's order whatever the order of the backwards, so a stage adds its
   micro-batches' gradients in the same order as under ordered dispatch (bf16/fp16 training then
-  gives the same bits under both dispatches). A W fused with its B (``fused_backward``) runs with
-  it when it is that W's turn (``w_in_turn``, asked once the B started); otherwise the two run
-  split, the gradient leaving after the B and the W at its turn. When the memory budget holds a forward back and the next
-  W in the hint's order waits for its B, the W of the earliest backward already run is ready too
+  gives the same bits under both dispatches). A W fused with its B (``fused_backward``) runs
+  with it when it is that W's turn (``w_in_turn``, asked once the B started); otherwise the two
+  run split, the gradient leaving after the B and the W at its turn. When the memory budget holds
+  a forward back and the next W in the hint's order waits for its B, the W of the earliest
+  backward already run is ready too
   (the memory frees; the order of accumulation then differs from the hint's); when a B would exceed
   the budget (``w_share`` above 1: B leaves more for W than F left for B), that W runs first.
 
@@ -238,7 +239,7 @@ class ReadyRule:
                 self._push_next_w()
                 self.pend_w += 1
             self.inflight -= 1
-        elif kind == Kind.W:  # a W fused with its B may start before the Ws ahead of it: skip it then
+        elif kind == Kind.W:  # a W run early to free memory starts before the Ws ahead of it: skip it then
             k = bisect_left(self._w_open, i)
             if k < len(self._w_open) and self._w_open[k] == i:
                 del self._w_open[k]

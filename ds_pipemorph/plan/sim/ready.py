@@ -64,7 +64,8 @@ def replay_varying(schedule: Schedule, costs: Costs, microbatches: int, *,
     delay in ms or ``(time_ms, delay_ms)`` breakpoints; default ``costs.links``. ``caps`` bound
     the activations a stage holds under ready dispatch (an ordered replay follows its order, which
     sets its own peak). ``fused_backward`` and ``link_model`` are as in ``simulate.replay``; under
-    ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it. ``patience``:
+    ready dispatch a ``B m`` whose hint is followed by ``W m`` runs fused with it when it is that W's
+    turn (``ReadyRule.w_in_turn``), else split from it. ``patience``:
     ready dispatch's patience (``ReadyRule.hold``), on as in the engine; off, the bare rule.
     ``units`` and ``w_share``: the memory budget per stage under ready dispatch (``plan.ir.memory``).
     Each of these is put in the one form the replay takes here, once: ``profile.op_durations``,
