@@ -322,7 +322,7 @@ def main(spec_path: str) -> None:
                        "dispatch": dispatch, "budget": None if schedule == "stock-1f1b" else spec.budget,
                        **summarize(times), "predicted_ms": predicted, "replans": replans}
                 if adapter is not None:
-                    row["plans_kept"] = kept  # re-plan decisions that kept the plan in force (near the bound)
+                    row["plans_kept"] = kept  # re-plan decisions that kept the plan in force
                     row["switch_ms"] = switch_ms  # (iteration, ms) moving links between transports after re-plans
                 if trace is not None:
                     row["trace_skew_s"] = round(skew, 3)

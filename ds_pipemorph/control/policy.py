@@ -10,8 +10,9 @@ times, per link the delay (``control.estimate``). The policy owns the straggler 
   deterministic search (``refine``), bounded by ``search_evals`` evaluations rather than by time so
   the same input gives the same plan on any machine; the runtime runs the search beside training
   and switches to its plan when it lands (``propose`` does both in one call). The plan in force stays,
-  with the new targets, when it fits the memory the new delays allow and its replay under them is
-  faster than the new plan's; after ``react`` the search then still runs (``Decision.refine``);
+  with the new targets, when every link keeps its route, the plan fits the memory the new delays
+  allow and its replay under them is faster than the new plan's; after ``react`` the search then
+  still runs (``Decision.refine``);
 * model each direct link as its transport behaves (``direct``, one model for every link or one per
   link): where a send holds the training process until its message has crossed (NCCL; a link the
   sleep injector delays), one message in flight that blocks its sender (``Direct()``); where it does
@@ -215,8 +216,9 @@ class ControlPolicy:
     def react(self, costs: Costs) -> Decision:
         """The first reaction to ``costs``: keep the plan in force when it is close enough, else
         Alg. 2's closed-form warm-up turned into an order by one list-scheduling pass (milliseconds),
-        unless the plan in force replays faster under ``costs`` and fits their memory (then kept).
-        Either way ``refine`` (the search, run beside training) may still find a faster one."""
+        unless the plan in force replays faster under ``costs``, fits their memory and keeps every
+        link's route (then kept). After either, ``refine`` (the search, run beside training) may still
+        find a faster one; a plan kept by ``_keep`` (near the lower bound) is not searched again."""
         kept = self._keep(costs)
         if isinstance(kept, Decision):
             return kept
@@ -225,11 +227,13 @@ class ControlPolicy:
         return replace(self._better_of(self._replan(costs, plan, f"closed-form warm-up: {kept}")), refine=True)
 
     def _better_of(self, proposed: Decision) -> Decision:
-        """``proposed`` (a new plan for its costs), or a decision that keeps the plan in force when that
-        plan fits the memory allowed under the new delays and its replay is faster than the new one's."""
+        """``proposed`` (a new plan for its costs), or a decision that keeps the plan in force when the
+        links keep their routes (a kept plan changes nothing in the transport), that plan fits the memory
+        allowed under the new delays and its replay is faster than the new one's."""
         costs = proposed.costs
         target = list(costs.links)
-        if not self._fits(self.plan_in_force, target):
+        if self._link_modes(target) != self._link_modes(list(self.detector.planned_for)) or \
+                not self._fits(self.plan_in_force, target):
             return proposed
         model = self._model(target, self.link_queues)
         now = replay(self.plan_in_force, costs, self.N, link_model=model).iteration_ms

@@ -553,14 +553,13 @@ class PipeMorphEngine(PipelineEngine):
                 if self.early_loss is not None:
                     self.early_loss.send(self._scale_loss_by_gas(self.total_loss))
             extra = self.module.get_additional_losses()
-            if extra is not None:  # added up in micro-batch order too, once every forward ran
-                self._detached_extras[micro_batch] = {name: value.detach() for name, value in extra.items()}
+            if extra is not None:  # copied now (a module may update them in place), added up in micro-batch order
+                self._detached_extras[micro_batch] = {name: value.detach().clone() for name, value in extra.items()}
             if self._detached_extras and len(self._detached_losses) == self.micro_batches:
-                totals = self.total_additional_losses = self.total_additional_losses or {}
-                for m in sorted(self._detached_extras):
-                    for name, value in self._detached_extras[m].items():
-                        prev = totals.get(name)
-                        totals[name] = value if prev is None else prev + value
+                names = dict.fromkeys(name for m in sorted(self._detached_extras) for name in self._detached_extras[m])
+                self.total_additional_losses = {
+                    name: sum_in_order([self._detached_extras[m][name] for m in sorted(self._detached_extras)
+                                        if name in self._detached_extras[m]]) for name in names}
         if held is not None:  # what F saved for B, the loss's included
             self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
 

@@ -9,7 +9,7 @@ import pytest
 
 from ds_pipemorph.control.detector import DetectorConfig
 from ds_pipemorph.control.policy import GROW_GAIN, KEEP_WITHIN, Decision, ControlPolicy, QueueSettings
-from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated
+from ds_pipemorph.plan.ir.links import DIRECT, LATENCY, Delegated, Route
 from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.bounds import lower_bound_ms
@@ -331,3 +331,16 @@ def test_a_plan_in_force_beyond_the_memory_the_new_delays_allow_is_never_kept():
     assert replay(relaxed, now, 8, link_model=model).iteration_ms < replay(closed_form, now, 8, link_model=model).iteration_ms
     back = policy.react(now)
     assert back.plan is not None and all(p <= c for p, c in zip(peak_inflight(back.plan), [8, 8, 2, 1]))
+
+
+def test_a_reaction_that_moves_a_link_to_the_delegates_brings_its_plan_even_when_the_plan_in_force_replays_faster():
+    # The case above under delegation "auto": link 0 (direct sends that block) moves to the delegates.
+    # A kept plan changes nothing in the transport, so a route that changes always comes with a plan.
+    f, b, w = [10.0, 20.0, 10.0, 10.0], [10.0, 20.0, 10.0, 10.0], [20.0, 10.0, 10.0, 10.0]
+    plan = list_schedule(Costs(f, b, w, [0.0] * 3), 6, initial_warmup([4, 3, 2, 1]))
+    policy = ControlPolicy(plan, Costs(f, b, w, [0.0] * 3), 6, delegation="auto")
+    slow = Costs(f, b, w, [2.0, 0.0, 0.0])
+    decision = policy.react(slow)
+    in_force = replay(plan, slow, 6, link_model=[Delegated(decision.queues[0]), DIRECT, DIRECT]).iteration_ms
+    assert in_force < decision.predicted_ms  # kept, it would have been faster
+    assert decision.plan is not None and decision.link_modes == {0: Route.DELEGATED, 1: Route.DIRECT, 2: Route.DIRECT}

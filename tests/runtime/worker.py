@@ -178,6 +178,8 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         half = _half_dtype(cfg)  # a bf16/fp16 model takes inputs and labels of its dtype, as in stock
         return data if half is None else [(x.to(half), y.to(half)) for x, y in data]
 
+    if job.get("late_notice") and job.get("settle_ms"):
+        raise ValueError("a job announces a message late with no settling, or settles: not both")
     if job.get("late_notice"):  # {"rank", "kind", "mb", "ms"}: that rank's inbox announces one message late
         _announce_late(engine, **job["late_notice"])
     if job.get("settle_ms"):
