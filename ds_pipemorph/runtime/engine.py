@@ -556,10 +556,10 @@ class PipeMorphEngine(PipelineEngine):
             if extra is not None:  # copied now (a module may update them in place), added up in micro-batch order
                 self._detached_extras[micro_batch] = {name: value.detach().clone() for name, value in extra.items()}
             if self._detached_extras and len(self._detached_losses) == self.micro_batches:
-                names = dict.fromkeys(name for m in sorted(self._detached_extras) for name in self._detached_extras[m])
-                self.total_additional_losses = {
-                    name: sum_in_order([self._detached_extras[m][name] for m in sorted(self._detached_extras)
-                                        if name in self._detached_extras[m]]) for name in names}
+                per_mb = [self._detached_extras[m] for m in sorted(self._detached_extras)]
+                names = dict.fromkeys(name for extras in per_mb for name in extras)
+                self.total_additional_losses = {name: sum_in_order([e[name] for e in per_mb if name in e])
+                                                for name in names}
         if held is not None:  # what F saved for B, the loss's included
             self._mem_ops.setdefault("F", {})[micro_batch] = self._meter.live - held
 

@@ -101,7 +101,7 @@ def _four_stage_jobs(out_dir) -> tuple[list[dict], list[tuple[str, str]]]:
     # runs before F2, split from its W, which waits for W2.
     jobs.append({"name": "late_fused_z1", "stages": 4, "micro_batches": 8, "ds": Z1,
                  "pipemorph": {**_pm("plan", dispatch="ready"), "plan_file": fused},
-                 "late_notice": {"rank": 3, "kind": "F", "mb": 2, "ms": 150}})
+                 "late_notice": {"rank": 3, "kind": "F", "mb": 2, "ms": 2000}})
     checks.append(("late_fused_z1", "stock_z1"))
     for job in jobs:
         job["steps"] = 4
