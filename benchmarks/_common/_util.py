@@ -1,12 +1,15 @@
 """Shared by the benchmark scripts: a rich table when available, an atomic JSON write, the malloc
-settings that keep freed memory, and re-launching a script under torchrun."""
+settings that keep freed memory, re-launching a script under torchrun, and work folders that are
+removed when the script succeeds."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,14 +61,36 @@ def relaunch(script: str, nproc: int, *args: str) -> int:
     return subprocess.call(cmd, env=env)
 
 
+_WORK_FOLDERS: list[Path] = []
+
+
+def work_folder(prefix: str) -> Path:
+    """A new temporary folder for a run's logs and files. ``exit_on_bad_input`` removes it when the run
+    succeeds and names it when the run fails, for a reader of the logs in it."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    _WORK_FOLDERS.append(path)
+    return path
+
+
 def exit_on_bad_input(main) -> int:
     """Run a benchmark's ``main``; bad input (a rate, a path, no privilege for the lab) ends it with one
-    ``error:`` sentence and exit code 2 instead of a traceback."""
+    ``error:`` sentence and exit code 2 instead of a traceback. The ``work_folder``s of a run that
+    returns 0 are removed; those of a failed run are kept, and named."""
+    code = 1
     try:
-        return main()
+        code = main() or 0
+        return code
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+        return code
+    finally:
+        for path in _WORK_FOLDERS:
+            if code == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists():
+                print(f"the run's files are kept under {path}", file=sys.stderr)
+        _WORK_FOLDERS.clear()
 
 
 def check_out(path: str) -> None:

@@ -34,13 +34,12 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
-from _util import print_table, relaunch, write_json
+from _util import exit_on_bad_input, print_table, relaunch, work_folder, write_json
 
 STAGES, REPLICAS, MICROBATCHES, OP_MS, SLOW_MS = 4, 2, 12, 10.0, 30.0
 WORLD = STAGES * REPLICAS
@@ -159,7 +158,7 @@ def main() -> int:
     if args.worker:
         worker(args.worker)
         return 0
-    work = Path(tempfile.mkdtemp(prefix="pipemorph-orchestrator-"))
+    work = work_folder("pipemorph-orchestrator-")
     t = time.perf_counter()
     placements = plan_placements(work)
     place_s = time.perf_counter() - t
@@ -196,4 +195,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

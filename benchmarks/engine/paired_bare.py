@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
-from _util import print_table, relaunch, write_json
+from _util import exit_on_bad_input, print_table, relaunch, work_folder, write_json
 
 
 def _args():
@@ -48,7 +47,7 @@ def ranks(args) -> None:
     from ds_pipemorph.bench.paired_worker import build_engine, timed_step
 
     deepspeed.init_distributed(dist_backend="gloo")
-    work = tempfile.mkdtemp(prefix="pipemorph-paired-bare-")
+    work = str(work_folder("pipemorph-paired-bare-"))
     spec = PairedSpec(a=parse_side("zb", "A"), b=parse_side("zb", "B"), stages=args.stages,
                       microbatches=args.microbatches, op_ms=args.op_ms, links_ms=[0.0] * (args.stages - 1),
                       cycles=cycles_for(args.pairs), warmup=args.warmup, out=os.path.join(work, "unused.json"),
@@ -92,4 +91,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_bad_input(main))

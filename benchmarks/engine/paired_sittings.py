@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from itertools import combinations
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
-from _util import print_table, write_json
+from _util import exit_on_bad_input, print_table, work_folder, write_json
 
 from ds_pipemorph.paired import cycles_for
 from ds_pipemorph.bench.paired_launch import run
@@ -47,7 +46,7 @@ def main() -> None:
     links = [float(x) for x in args.links_ms.split(",")] if args.links_ms else [0.0] * (args.stages - 1)
     sittings = []
     for k in range(args.sittings):
-        work = Path(tempfile.mkdtemp(prefix="pipemorph-paired-"))
+        work = work_folder("pipemorph-paired-")
         spec = PairedSpec(a=parse_side(args.a, "--a"), b=parse_side(args.b, "--b"), stages=args.stages,
                           microbatches=args.microbatches, op_ms=args.op_ms, links_ms=links,
                           cycles=cycles_for(args.pairs), warmup=args.warmup, seed=0,
@@ -77,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_bad_input(main))

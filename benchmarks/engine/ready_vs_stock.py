@@ -39,13 +39,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
-from _util import BadInput, check_out, print_table, write_json
+from _util import BadInput, check_out, exit_on_bad_input, print_table, work_folder, write_json
 
 from ds_pipemorph.bench import plain_sleep, stage_time
 from ds_pipemorph.bench.launch import run_job
@@ -65,7 +64,7 @@ STAGE_COLUMNS = {"idle": "idle", "replay_idle": "replay idle", "busy_over": "ops
 
 def sitting(k: int, args) -> dict:
     """One job: both engines on the same tables, stock first in odd sittings; the two rows."""
-    work = Path(tempfile.mkdtemp(prefix="pipemorph-ready-vs-stock-"))
+    work = work_folder("pipemorph-ready-vs-stock-")
     schedules = ["stock-1f1b", "zb"] if k % 2 == 0 else ["zb", "stock-1f1b"]
     spec = BenchSpec(stages=STAGES, microbatches=MICROBATCHES, op_ms=OP_MS,
                      scenarios=[Scenario(name="multimodal", links_ms=[0.0] * (STAGES - 1))],
@@ -139,4 +138,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_bad_input(main))

@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _lab_job import NODES, JobResult, JobSpec, Row, run_job  # noqa: E402
-from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab  # noqa: E402
 
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/lab_failover.json")
     args = ap.parse_args(argv)
     check_out(args.out)
-    work = Path(tempfile.mkdtemp(prefix="lab-failover-"))
+    work = work_folder("lab-failover-")
     rows, payload = [], {"benchmark": "lab_failover", "timeout_s": args.timeout_s, "work": str(work)}
     if args.case in ("two", "both"):
         r = run_two(work, args.iterations, args.fault_after, args.timeout_s)

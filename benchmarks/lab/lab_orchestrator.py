@@ -34,13 +34,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
-from _util import check_out, exit_on_bad_input, print_table, write_json
+from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json
 
 from _lab_dp_job import NODES, REPLICAS, STAGES, WIDTH, JobSpec, Row, ballast_elements, node_command, run_job, run_nodes
 from ds_pipemorph.lab import Lab, parse_rate
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
     a, b = (int(x) for x in args.pair.split("-"))
     rate = parse_rate(args.rate)
     grad_mb = (ballast_elements(args.ballast_mb) + WIDTH * WIDTH + WIDTH) * 4 / 1e6  # every parameter of a stage
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="pipemorph-lab-orchestrator-"))
+    work = Path(args.work) if args.work else work_folder("pipemorph-lab-orchestrator-")
     work.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     t_all = time.perf_counter()

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _lab_job import NODES, JobSpec, Row, rows_for, run_job  # noqa: E402
-from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab, RateTrace  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     trace = RateTrace(points=[{"t": 0, "rate": calm}, {"t": args.calm_s, "rate": slow},
                               {"t": args.calm_s + args.slow_s, "rate": calm}])
     act_rows = rows_for(args.message_ms / 1e3, slow)
-    work = Path(tempfile.mkdtemp(prefix="lab-rate-trace-"))
+    work = work_folder("lab-rate-trace-")
     spec = JobSpec(rows=[Row(name="pipemorph", pipemorph={"schedule": "adaptive", "delegation": {"mode": "auto"}},
                              iterations=args.iterations)],
                    microbatches=args.microbatches, op_ms=args.op_ms, act_rows=act_rows, timeout_s=args.timeout_s,
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         applied = [(round(t, 3), format_rate(r)) for t, r in started[0][1].applied] if started else []
     if job.results is None:
         print(job.log_text()[-6000:], file=sys.stderr)
-        print(f"the job failed (exit codes {job.codes}); logs under {work}", file=sys.stderr)
+        print(f"the job failed (exit codes {job.codes})", file=sys.stderr)
         return 1
     t0 = started[0][0]
     row = job.results["rows"][0]

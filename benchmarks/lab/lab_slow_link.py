@@ -46,13 +46,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _lab_job import JobSpec, Row, add_link_options, gpt_message_bytes, rows_for, run_job  # noqa: E402
-from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json  # noqa: E402
 
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 from ds_pipemorph.lab import Lab  # noqa: E402
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
     rate = link_rate(args)
     spec = job_spec(args, rate)
     slow = SLOW_LINK[args.model]
-    work = Path(tempfile.mkdtemp(prefix="lab-slow-link-"))
+    work = work_folder("lab-slow-link-")
     spec.out, spec.progress = str(work / "job.json"), str(work / "progress")
     wire_ms = 8 * spec.message_bytes / rate * 1e3
     applied = []
@@ -184,7 +183,7 @@ def main(argv=None) -> int:
     if job.results is None or any(c != 0 for c in job.codes):
         print(job.log_text()[-6000:], file=sys.stderr)
         if job.results is None:
-            print(f"the job failed (exit codes {job.codes}); logs under {work}", file=sys.stderr)
+            print(f"the job failed (exit codes {job.codes})", file=sys.stderr)
             return 1
     table = [summarize(r, args.warmup, slow) for r in job.results["rows"]]
     by = {t["row"]: t for t in table}

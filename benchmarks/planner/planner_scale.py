@@ -22,13 +22,12 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
-from _util import print_table, write_json
+from _util import exit_on_bad_input, print_table, work_folder, write_json
 
 from ds_pipemorph.plan.sched import listsched
 
@@ -199,7 +198,7 @@ def profile_64x1024(kind: str, seed: int) -> dict:
 def cli_64x1024(seed: int, runs: int) -> list:
     """Section 4: ``pipemorph plan`` and ``pipemorph simulate`` at 64x1024 as whole processes."""
     cli = pipemorph()
-    work = Path(tempfile.mkdtemp(prefix="pipemorph-scale-"))
+    work = work_folder("pipemorph-scale-")
     rows, results = [], []
     for kind in ("uniform", "uniform, 60 ms on link 32", "heterogeneous"):
         prof = work / f"profile-{kind.split(',')[0]}-{len(results)}.json"
@@ -250,4 +249,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_bad_input(main))
