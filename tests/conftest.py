@@ -12,6 +12,7 @@ import compileall
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"{versioned_extensions_dir()}-{_C
 
 
 # Every process the session starts asks py-cpuinfo about this machine once, not twice per rank of
-# every job (tests/_site/sitecustomize.py): the answer is kept for this boot of this machine.
+# every job: the answer is kept for this boot of this machine; and it ends without the interpreter's
+# last walk over every object it holds (tests/_site/sitecustomize.py says what that costs and changes).
 _SITE = Path(__file__).resolve().parent / "_site"
 _BOOT = Path("/proc/sys/kernel/random/boot_id")
 if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
@@ -46,6 +48,7 @@ if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
     os.environ["PIPEMORPH_TEST_CPUINFO"] = str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) /
                                                f"cpuinfo-{_BOOT.read_text().strip()}.json")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE), os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("PIPEMORPH_TEST_FREEZE_AT_EXIT", "1")
 
 
 # Every process the session starts imports the package and the tests' helpers, about a hundred modules.
@@ -58,6 +61,17 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     for _folder in ("ds_pipemorph", "tests", "benchmarks", "recipes", "scripts", "cli"):
         if (_CHECKOUT_DIR / _folder).is_dir():
             compileall.compile_dir(_CHECKOUT_DIR / _folder, quiet=2, workers=1)
+
+
+# The files the session's processes leave in the temporary folder (torchrun's log folders, the socket
+# folders of multiprocessing in a process that was killed, a benchmark's work folder) go to one folder
+# of the session's: removed when the session passes, kept and named when it fails. Set here, in the
+# controller before any worker starts: the workers and every process they start inherit it.
+_SESSION_TMP = None  # the folder, in the process that made it
+if "PYTEST_XDIST_WORKER" not in os.environ and "PIPEMORPH_TEST_TMPDIR" not in os.environ:
+    _SESSION_TMP = tempfile.mkdtemp(prefix="pipemorph-tests-")
+    os.environ["PIPEMORPH_TEST_TMPDIR"] = os.environ["TMPDIR"] = _SESSION_TMP
+    tempfile.tempdir = None  # read TMPDIR again
 
 
 # Shared memory a killed or early-exiting rank never removes: DeepSpeed's CPU all-reduce buffers and
@@ -105,15 +119,22 @@ def pytest_sessionstart(session):
         _session_burners[:] = _start_burners(_session_burner_count())
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
     """Once, in the process that outlives every test: stop the burners, remove the lock files of
-    ``alone`` and the shared memory the session's jobs left behind."""
+    ``alone``, the shared memory the session's jobs left behind and, when the session passed, its
+    temporary folder."""
     if _worker(session.config):
         return
     _stop_burners(_session_burners)
     for f in _lock_files(session.config):
         f.unlink(missing_ok=True)
     _remove_shared_memory_left_behind(session.config.stash[_STARTED])
+    if _SESSION_TMP is None:
+        return
+    if exitstatus == 0:
+        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+    else:
+        print(f"\nthe session's temporary files are kept under {_SESSION_TMP}")
 
 
 _STARTED = pytest.StashKey[float]()

@@ -27,7 +27,7 @@ REPO = HERE.parents[1]
 
 SLOW, CALM = 10, 24  # the iterations a link slows and recovers at
 EVALS = 40000  # about 20x the default effort: the search then outlasts several iterations
-# Every test's run, one after another in one 4-rank job (one start of torchrun and DeepSpeed for all).
+# Every test's run, one after another in one 4-rank job (one start of the ranks and DeepSpeed for all).
 # Delegation last: the fork server its delegates come from runs on in the ranks once started.
 RUNS = {
     "delay": {"iterations": 36, "op_ms": 10, "microbatches": 8,
@@ -55,7 +55,7 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("adapt")
     (out / "spec.json").write_text(json.dumps({"runs": RUNS}))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [sys.executable, str(REPO / "tests" / "runtime" / "forkrun.py"), "4",
            str(HERE / "adapt_worker.py"), str(out / "spec.json"), str(out)]
     p = run_group(cmd, JOB_TIMEOUT, cwd=REPO, env=env)
     return out, (p.stdout + p.stderr)[-4000:]

@@ -28,7 +28,7 @@ def test_profile_out_holds_the_measured_op_times_and_link_delays_and_plans(tmp_p
     spec = {"iterations": 8, "op_ms": 6, "microbatches": 4, "links_ms": [0, 30]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+    cmd = [sys.executable, str(REPO / "tests" / "runtime" / "forkrun.py"), "3",
            str(HERE / "export_worker.py"), str(tmp_path / "spec.json"), str(tmp_path)]
     p = run_group(cmd, 170, cwd=REPO, env=env)
     log = p.stdout + p.stderr

@@ -24,7 +24,7 @@ def test_auto_mode_loads_the_staging_op_at_engine_start(tmp_path):
     builds = needs_build(StagingRingBuilder())  # a fresh machine's first job compiles it; later ones load it
     env = {**os.environ, "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, str(REPO / "tests" / "runtime" / "forkrun.py"), "2",
            str(HERE / "engine_start_worker.py"), str(tmp_path), "off", "auto", "always"]
     p = run_group(cmd, 840, cwd=REPO, env=env)
     output = p.stdout + p.stderr

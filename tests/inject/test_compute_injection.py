@@ -32,7 +32,7 @@ DOUBLED = 2 * OP_MS * 0.92
 def launch(tmp_path, spec: dict, timeout: float) -> dict:
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [sys.executable, str(REPO / "tests" / "runtime" / "forkrun.py"), "4",
            str(HERE / "compute_worker.py"), str(tmp_path / "spec.json"), str(tmp_path)]
     p = run_group(cmd, timeout, cwd=REPO, env=env)
     assert (tmp_path / "compute.rank0.json").exists(), (p.stdout + p.stderr)[-4000:]

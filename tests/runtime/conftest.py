@@ -1,5 +1,5 @@
 """The session's shared launches: the jobs every module registered with ``launch.shared_jobs`` for a
-rank count, one after another in one start of torchrun and DeepSpeed (modules in collection order).
+rank count, one after another in one start of the ranks and DeepSpeed (modules in collection order).
 
 Under pytest-xdist each worker is a session of its own and collects every module: the first worker to
 ask for a launch runs it in the folder the workers share, under a file lock, and writes down how it

@@ -1,6 +1,7 @@
-"""Launch ``worker.py`` under torchrun with a list of jobs and read back what each rank wrote.
+"""Launch ``worker.py`` with a list of jobs and read back what each rank wrote: its ranks forked from
+one process that imported torch, DeepSpeed and the package once (``forkrun.py``), or under torchrun.
 
-``launch_shared`` runs the jobs of several tests in one launch (one start of torchrun and DeepSpeed);
+``launch_shared`` runs the jobs of several tests in one launch (one start of the ranks and DeepSpeed);
 each test reads its own jobs through a ``Launch`` view, by the names it gave them. ``shared_jobs``
 registers a module's jobs for the session's one shared launch of their rank count (the ``shared4`` and
 ``shared3`` fixtures, tests/runtime/conftest.py)."""
@@ -41,13 +42,16 @@ class Launch:
         return path.read_text()
 
 
-def launch(nproc: int, jobs: list[dict], out_dir: Path, timeout: float) -> Launch:
+def launch(nproc: int, jobs: list[dict], out_dir: Path, timeout: float, *, torchrun: bool = False) -> Launch:
+    """Run ``jobs`` on ``nproc`` ranks: forked by ``forkrun.py`` (its exit report: ``rank R exited with
+    code C``), or under ``torchrun --standalone`` (``torchrun=True``, its own report)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "jobs.json"
     spec.write_text(json.dumps(jobs))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "worker.py"), str(spec), str(out_dir)]
+    starter = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if torchrun else \
+        [str(HERE / "forkrun.py"), str(nproc)]
+    cmd = [sys.executable, *starter, str(HERE / "worker.py"), str(spec), str(out_dir)]
     p = run_group(cmd, timeout, cwd=REPO, env=env)
     return Launch(p.returncode, p.stdout + p.stderr, out_dir)
 

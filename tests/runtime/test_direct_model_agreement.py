@@ -32,7 +32,7 @@ def test_the_direct_link_model_is_the_blocking_one_on_every_rank_if_any_rank_blo
     script.write_text(WORKER)
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), waits],
+    p = run_group([sys.executable, str(repo / "tests" / "runtime" / "forkrun.py"), "2", str(script), waits],
                   150, cwd=tmp_path, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert [(tmp_path / f"model.rank{r}").read_text() for r in (0, 1)] == [model, model]

@@ -158,7 +158,7 @@ def _replica_jobs():
     return jobs, checks
 
 
-# The 4-rank tests' jobs in one launch (one start of torchrun and DeepSpeed), each test's in its own
+# The 4-rank tests' jobs in one launch (one start of the ranks and DeepSpeed), each test's in its own
 # order; its ceiling is the sum of theirs as launches of their own (380 and 180 s).
 SHARED_TIMEOUT = 560
 

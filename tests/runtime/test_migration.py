@@ -93,7 +93,7 @@ def _checkpoint_jobs() -> list[dict]:
     ]
 
 
-# The 4-rank tests' jobs in one launch (one start of torchrun and DeepSpeed), each test's in its own
+# The 4-rank tests' jobs in one launch (one start of the ranks and DeepSpeed), each test's in its own
 # order; its ceiling is the sum of theirs as launches of their own (400, 400, 400, 280 s).
 SHARED_TIMEOUT = 1480
 TEST_TIMEOUT = SHARED_TIMEOUT + 60  # the first test to ask for the launch waits for all of it

@@ -40,7 +40,7 @@ def _play(cases: list[dict], ranks: int, tmp_path, timeout: float) -> dict:
     spec = tmp_path / "streams.json"
     spec.write_text(json.dumps(cases))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+    p = run_group([sys.executable, str(HERE / "forkrun.py"), str(ranks),
                    str(HERE / "stream_player.py"), str(spec), str(tmp_path)], timeout, cwd=REPO, env=env)
     out = {}
     for case in cases:

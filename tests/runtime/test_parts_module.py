@@ -41,7 +41,7 @@ def test_a_pipeline_module_built_on_parts_holds_them(tmp_path):
     parts = tmp_path / "parts.yaml"
     parts.write_text(yaml.safe_dump({"version": 1, "parts": [0, 3, 5]}))
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, str(REPO / "tests" / "runtime" / "forkrun.py"), "2",
            str(tmp_path / "worker.py"), str(tmp_path), str(parts)]
     p = run_group(cmd, 300, cwd=REPO, env=env)
     got = {}

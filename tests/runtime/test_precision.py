@@ -28,7 +28,7 @@ from .plans_io import write_plan
 
 BF16 = {"bf16": {"enabled": True}}
 Z1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
-# The 4-rank tests' jobs run in one launch (one start of torchrun and DeepSpeed), each test's in
+# The 4-rank tests' jobs run in one launch (one start of the ranks and DeepSpeed), each test's in
 # its own order; its ceiling is the sum of theirs as launches of their own (560, 560, 700, 560 s).
 SHARED_TIMEOUT = 2380
 TEST_TIMEOUT = SHARED_TIMEOUT + 60  # the first test to ask for the launch waits for all of it

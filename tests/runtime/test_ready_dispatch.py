@@ -102,7 +102,7 @@ def _timeline_jobs(out_dir):
             {"name": "departs", "stages": 2, "micro_batches": 2, "pipemorph": section}]
 
 
-# The tests' jobs in two launches, by rank count (one start of torchrun and DeepSpeed each); each
+# The tests' jobs in two launches, by rank count (one start of the ranks and DeepSpeed each); each
 # test's in its own order. A launch's ceiling is the sum of its tests' as launches of their own.
 TIMEOUT_2, TIMEOUT_4 = 440, 600
 

@@ -1,5 +1,6 @@
-"""Runs training jobs under torchrun and writes what they produced; the tests compare the files.
+"""Runs training jobs on N ranks and writes what they produced; the tests compare the files.
 
+    python tests/runtime/forkrun.py N tests/runtime/worker.py SPEC.json OUT_DIR
     torchrun --standalone --nproc_per_node N tests/runtime/worker.py SPEC.json OUT_DIR
 
 SPEC is a list of jobs: {"name", "stages", "dp", "micro_batches", "steps", "tied", "model" ("mlp",
