@@ -65,8 +65,8 @@ _WORK_FOLDERS: list[Path] = []
 
 
 def work_folder(prefix: str) -> Path:
-    """A new temporary folder for a run's logs and files. ``exit_on_bad_input`` removes it when the run
-    succeeds and names it when the run fails, for a reader of the logs in it."""
+    """A new temporary folder for a run's logs and files. The ``exit_on_bad_input`` call the run is in
+    removes it when the run succeeds and names it when the run fails, for a reader of the logs in it."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
     _WORK_FOLDERS.append(path)
     return path
@@ -74,8 +74,9 @@ def work_folder(prefix: str) -> Path:
 
 def exit_on_bad_input(main) -> int:
     """Run a benchmark's ``main``; bad input (a rate, a path, no privilege for the lab) ends it with one
-    ``error:`` sentence and exit code 2 instead of a traceback. The ``work_folder``s of a run that
-    returns 0 are removed; those of a failed run are kept, and named."""
+    ``error:`` sentence and exit code 2 instead of a traceback. The ``work_folder``s this run made are
+    removed when it returns 0 or its input was bad; those of a failed run are kept, and named."""
+    first = len(_WORK_FOLDERS)
     code = 1
     try:
         code = main() or 0
@@ -85,12 +86,12 @@ def exit_on_bad_input(main) -> int:
         code = 2
         return code
     finally:
-        for path in _WORK_FOLDERS:
-            if code == 0:
+        for path in _WORK_FOLDERS[first:]:
+            if code in (0, 2):
                 shutil.rmtree(path, ignore_errors=True)
             elif path.exists():
                 print(f"the run's files are kept under {path}", file=sys.stderr)
-        _WORK_FOLDERS.clear()
+        del _WORK_FOLDERS[first:]
 
 
 def check_out(path: str) -> None:

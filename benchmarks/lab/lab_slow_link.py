@@ -225,7 +225,7 @@ def main(argv=None) -> int:
               f"and iteration; PipeMorph shaped at {pm['median_ms']} ms is {pm['median_ms'] / wire_bound:.2f}x that, "
               f"{pm['speedup_vs_stock']}x faster than stock")
     write_json(args.out, {"benchmark": "lab_slow_link", "model": args.model, "nodes": spec.nodes,
-                          "slow_link": slow, "rate_bits": rate, "gpt_batch": args.gpt_batch,
+                          "lab": lab.lab_id, "slow_link": slow, "rate_bits": rate, "gpt_batch": args.gpt_batch,
                           "message_bytes": spec.message_bytes, "wire_ms": wire_ms, "wire_bound_ms": wire_bound,
                           "op_ms": args.op_ms, "microbatches": args.microbatches,
                           "warmup": args.warmup, "iterations": args.iterations, "exit_codes": job.codes,
