@@ -64,11 +64,17 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 
 
 # The files the session's processes leave in the temporary folder (torchrun's log folders, the socket
-# folders of multiprocessing in a process that was killed, a benchmark's work folder) go to one folder
-# of the session's: removed when the session passes, kept and named when it fails. Set here, in the
-# controller before any worker starts: the workers and every process they start inherit it.
+# folders of multiprocessing in a process that was killed, a benchmark's work folder, pytest's own
+# ``tmp_path`` folders) go to one folder of the session's: removed when the session passes, kept and
+# named when it fails, the newest ``KEEP_FAILED`` of those kept (as pytest keeps its last three). Set
+# here, in the controller before any worker starts: the workers and every process they start inherit it.
 _SESSION_TMP = None  # the folder, in the process that made it
+KEEP_FAILED = 3
 if "PYTEST_XDIST_WORKER" not in os.environ and "PIPEMORPH_TEST_TMPDIR" not in os.environ:
+    _kept = sorted((d for d in Path(tempfile.gettempdir()).glob("pipemorph-tests-*") if d.is_dir()),
+                   key=lambda d: d.stat().st_mtime)
+    for _old in _kept[:-KEEP_FAILED]:
+        shutil.rmtree(_old, ignore_errors=True)
     _SESSION_TMP = tempfile.mkdtemp(prefix="pipemorph-tests-")
     os.environ["PIPEMORPH_TEST_TMPDIR"] = os.environ["TMPDIR"] = _SESSION_TMP
     tempfile.tempdir = None  # read TMPDIR again
@@ -131,7 +137,7 @@ def pytest_sessionfinish(session, exitstatus):
     _remove_shared_memory_left_behind(session.config.stash[_STARTED])
     if _SESSION_TMP is None:
         return
-    if exitstatus == 0:
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         shutil.rmtree(_SESSION_TMP, ignore_errors=True)
     else:
         print(f"\nthe session's temporary files are kept under {_SESSION_TMP}")

@@ -62,20 +62,29 @@ def relaunch(script: str, nproc: int, *args: str) -> int:
 
 
 _WORK_FOLDERS: list[Path] = []
+_KEPT: set[Path] = set()
 
 
 def work_folder(prefix: str) -> Path:
     """A new temporary folder for a run's logs and files. The ``exit_on_bad_input`` call the run is in
-    removes it when the run succeeds and names it when the run fails, for a reader of the logs in it."""
+    removes it when the run succeeds (unless ``keep`` was called) and names it when the run fails."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
     _WORK_FOLDERS.append(path)
+    return path
+
+
+def keep(path: Path) -> Path:
+    """Keep the ``work_folder`` ``path`` whatever the run returns (it holds the log of a rank that
+    failed); it is named when the run ends."""
+    _KEPT.add(path)
     return path
 
 
 def exit_on_bad_input(main) -> int:
     """Run a benchmark's ``main``; bad input (a rate, a path, no privilege for the lab) ends it with one
     ``error:`` sentence and exit code 2 instead of a traceback. The ``work_folder``s this run made are
-    removed when it returns 0 or its input was bad; those of a failed run are kept, and named."""
+    removed when it returns 0 or its input was bad; those of a failed run, and those it kept, are kept
+    and named."""
     first = len(_WORK_FOLDERS)
     code = 1
     try:
@@ -85,12 +94,17 @@ def exit_on_bad_input(main) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 2
         return code
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+        code = code or 0
+        raise
     finally:
         for path in _WORK_FOLDERS[first:]:
-            if code in (0, 2):
+            if code in (0, 2) and path not in _KEPT:
                 shutil.rmtree(path, ignore_errors=True)
             elif path.exists():
                 print(f"the run's files are kept under {path}", file=sys.stderr)
+            _KEPT.discard(path)
         del _WORK_FOLDERS[first:]
 
 

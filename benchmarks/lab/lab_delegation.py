@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _lab_job import NODES, JobSpec, Row, add_link_options, rows_for, run_job  # noqa: E402
-from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, keep, print_table, work_folder, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
@@ -89,8 +89,8 @@ def main(argv=None) -> int:
         job = run_job(lab, spec, work, on_progress=shape_after_reference)
     if job.results is None or any(c != 0 for c in job.codes):
         print(job.log_text()[-6000:], file=sys.stderr)
+        print(f"a rank failed (exit codes {job.codes}); logs under {keep(work)}", file=sys.stderr)
         if job.results is None:
-            print(f"the job failed (exit codes {job.codes})", file=sys.stderr)
             return 1
     table = [summarize(r, args.warmup, wire_ms) for r in job.results["rows"]]
     print_table(f"link 1 at {format_rate(rate)}, {spec.message_bytes} B per message (8S/R = {wire_ms:.1f} ms), "

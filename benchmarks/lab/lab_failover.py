@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     check_out(args.out)
     work = work_folder("lab-failover-")
-    rows, payload = [], {"benchmark": "lab_failover", "timeout_s": args.timeout_s, "work": str(work)}
+    rows, payload = [], {"benchmark": "lab_failover", "timeout_s": args.timeout_s}
     if args.case in ("two", "both"):
         r = run_two(work, args.iterations, args.fault_after, args.timeout_s)
         rows.append(["two networks", r["faulted_codes"], r.get("max_param_diff"), r["faulted_s"], r["fault_free_s"],

@@ -61,7 +61,7 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", default="1M,4M,8M", help="profile-links message sizes")
     ap.add_argument("--reps", type=int, default=5, help="profile-links timed exchanges per direction and size")
     ap.add_argument("--out", default="out/lab_orchestrator.json")
-    ap.add_argument("--work", help="keep the matrix, the report and every node's log here (default: a temporary directory)")
+    ap.add_argument("--work", help="keep the matrix, the report and every node's log here (default: a temporary directory, removed when the run succeeds)")
     return ap.parse_args(argv)
 
 
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
                           "matrix": matrix, "shaped_pair": found, "predicted": pred, "decision_lines": decision_lines,
                           "decisions": decisions, "summary": summary, "rows": res["rows"], "loss_diff": loss_diff,
                           "load_average_before": list(load_before), "load_average_after": list(load_after),
-                          "cores": os.cpu_count(), "work": str(work), "lab_id": lab_id})
+                          "cores": os.cpu_count(), "work": args.work, "lab_id": lab_id})
     ok = found["found"] and bool(rows[IN_RUN]["remaps"]) and all(r["ok"] for m in rows[IN_RUN]["remaps"] for r in m["reports"])
     return 0 if ok else 1
 

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         applied = [(round(t, 3), format_rate(r)) for t, r in started[0][1].applied] if started else []
     if job.results is None:
         print(job.log_text()[-6000:], file=sys.stderr)
-        print(f"the job failed (exit codes {job.codes})", file=sys.stderr)
+        print(f"the job failed (exit codes {job.codes}); logs under {work}", file=sys.stderr)
         return 1
     t0 = started[0][0]
     row = job.results["rows"][0]

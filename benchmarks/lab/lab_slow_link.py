@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _lab_job import JobSpec, Row, add_link_options, gpt_message_bytes, rows_for, run_job  # noqa: E402
-from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, keep, print_table, work_folder, write_json  # noqa: E402
 
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 from ds_pipemorph.lab import Lab  # noqa: E402
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
         job = run_job(lab, spec, work, on_setting=on_setting)
     if job.results is None or any(c != 0 for c in job.codes):
         print(job.log_text()[-6000:], file=sys.stderr)
+        print(f"a rank failed (exit codes {job.codes}); logs under {keep(work)}", file=sys.stderr)
         if job.results is None:
-            print(f"the job failed (exit codes {job.codes})", file=sys.stderr)
             return 1
     table = [summarize(r, args.warmup, slow) for r in job.results["rows"]]
     by = {t["row"]: t for t in table}

@@ -10,7 +10,7 @@ file, the others read it there.
 At its exit, after every other atexit handler (registered first, it runs last), a process moves the
 objects it still holds out of the garbage collector's reach (``gc.freeze``), when
 ``PIPEMORPH_TEST_FREEZE_AT_EXIT`` is set: the interpreter's last collection then walks none of them.
-That walk over torch's, DeepSpeed's and sympy's objects costs about 0.6 s of CPU in every process
+That walk over torch's, DeepSpeed's and sympy's objects costs about 0.5 s of CPU in every process
 that imported them, hundreds of processes per session. Objects are still freed as their references
 go; only reference cycles alive at exit stay uncollected, whose finalizers Python does not promise to
 run at exit. Nothing else changes; without the variables this module does nothing.

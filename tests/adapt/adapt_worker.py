@@ -1,6 +1,6 @@
 """Runs the adaptive engine on an emulated 4-stage pipeline while the test changes a link's delay.
 
-    torchrun --standalone --nproc_per_node 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
+    python tests/runtime/forkrun.py 4 tests/adapt/adapt_worker.py SPEC.json OUT_DIR
 
 SPEC.json holds one spec, or {"runs": {"<name>": SPEC, ...}}: the runs one after another in the same
 ranks (one job start for several tests), each on engines of its own.

@@ -1,6 +1,6 @@
 """Trains the adaptive engine on an emulated 3-stage pipeline with ``profile_out`` and a slow link.
 
-    torchrun --standalone --nproc_per_node 3 tests/adapt/export_worker.py SPEC.json OUT_DIR
+    python tests/runtime/forkrun.py 3 tests/adapt/export_worker.py SPEC.json OUT_DIR
 
 SPEC: {"iterations": K, "op_ms": t, "microbatches": N, "links_ms": [ms per link]}. The delay is
 injected through ``pipemorph.inject`` (testing only; the control loop never reads it). Rank 0 copies

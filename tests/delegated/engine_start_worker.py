@@ -1,7 +1,7 @@
-"""A 2-stage PipeMorph engine per delegation mode, under torchrun; records what each rank's process holds
+"""A 2-stage PipeMorph engine per delegation mode; records what each rank's process holds
 before its first ``train_batch``.
 
-    torchrun --standalone --nproc_per_node 2 tests/delegated/engine_start_worker.py OUT_DIR MODE [MODE ...]
+    python tests/runtime/forkrun.py 2 tests/delegated/engine_start_worker.py OUT_DIR MODE [MODE ...]
 
 Per mode and rank it writes OUT_DIR/<mode>.rank<r>.json: whether the staging op's shared library was mapped
 into the process (``/proc/self/maps``) right after the engine was built, the command lines of the rank's

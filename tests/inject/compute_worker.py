@@ -1,6 +1,6 @@
 """Trains an emulated 4-stage pipeline once per run, each run with its own ``pipemorph.inject`` section.
 
-    torchrun --standalone --nproc_per_node 4 tests/inject/compute_worker.py SPEC.json OUT_DIR
+    python tests/runtime/forkrun.py 4 tests/inject/compute_worker.py SPEC.json OUT_DIR
 
 SPEC: {"op_ms": t, "microbatches": N, "runs": [{"name": ..., "iterations": K, "inject": {...}}, ...]}; a run
 refused at start-up (PipeMorphConfigError) records its sentence as {"error": ...}.

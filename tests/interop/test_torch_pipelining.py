@@ -105,7 +105,7 @@ def pipelined(tmp_path_factory):
         outs[name].mkdir()
         args += [str(path), str(outs[name])]
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, str(REPO / "tests" / "runtime" / "forkrun.py"), str(S),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={S}",
            str(HERE / "torch_pipelining_worker.py"), args[0], str(N), *args[1:]]
     p = run_group(cmd, TIMEOUT, cwd=REPO, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

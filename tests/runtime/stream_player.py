@@ -1,6 +1,6 @@
 """Plays lowered streams through the direct path under NCCL's rules (``inject.nccl_double``), no engine.
 
-    torchrun --standalone --nproc_per_node S tests/runtime/stream_player.py SPEC.json OUT_DIR
+    python tests/runtime/forkrun.py S tests/runtime/stream_player.py SPEC.json OUT_DIR
 
 SPEC: {"name", "timeout_s", "streams": per rank, its ops as [kind, mb]} (rank r is stage r), and
 optionally "iterations" (default 1), "groups" (true: each run ``plan.ir.nccl.nccl_groups`` names is

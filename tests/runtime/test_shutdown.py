@@ -9,6 +9,9 @@ import textwrap
 
 import pytest
 
+# The interpreter's own teardown, as users' processes end (not the test session's faster one).
+USERS_EXIT = {k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_FREEZE_AT_EXIT"}
+
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys, torch, torch.distributed as dist
     from ds_pipemorph.runtime.shutdown import release_process_groups, exit_process
@@ -40,7 +43,7 @@ def test_exit_process_runs_atexit_flushes_joins_gloo_threads_and_exits_with_the_
     script = tmp_path / "end.py"
     script.write_text(SCRIPT.replace("{port}", str(port)))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
-                       env={**os.environ, "DS_ACCELERATOR": "cpu"})
+                       env={**USERS_EXIT, "DS_ACCELERATOR": "cpu"})
     assert p.returncode == 3, p.stderr[-3000:]
     assert "terminate called" not in p.stderr
     counts, rest = p.stdout.split(";", 1)
@@ -64,7 +67,7 @@ def test_exit_process_flushes_what_c_code_printed_to_a_file(tmp_path):
     script, out = tmp_path / "c_out.py", tmp_path / "stdout.txt"
     script.write_text(C_OUTPUT)
     # PYTHONUNBUFFERED would make the C library's stdout unbuffered too: the child runs without it.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"DS_ACCELERATOR": "cpu"}
+    env = {k: v for k, v in USERS_EXIT.items() if k != "PYTHONUNBUFFERED"} | {"DS_ACCELERATOR": "cpu"}
     with open(out, "w") as f:
         p = subprocess.run([sys.executable, str(script)], stdout=f, stderr=subprocess.PIPE, text=True, timeout=100,
                            env=env)

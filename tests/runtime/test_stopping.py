@@ -31,7 +31,9 @@ class Job:
                  launcher: str = "torchrun"):
         self.dir, self.mode = tmp, mode
         self.log = open(tmp / "log.txt", "w+")
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+        # The interpreter's own teardown, as users' processes end (not the session's faster one).
+        env = {**{k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_FREEZE_AT_EXIT"},
+               "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if launcher == "deepspeed":
             cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD), "--master_port",
