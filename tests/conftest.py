@@ -39,8 +39,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", f"{versioned_extensions_dir()}-{_C
 
 
 # Every process the session starts asks py-cpuinfo about this machine once, not twice per rank of
-# every job: the answer is kept for this boot of this machine; and it ends without the interpreter's
-# last walk over every object it holds (tests/_site/sitecustomize.py says what that costs and changes).
+# every job: the answer is kept for this boot of this machine; and its garbage collector does not walk
+# what importing torch and DeepSpeed made, nor, at exit, what it still holds (tests/_site/sitecustomize.py
+# says what that costs and changes).
 _SITE = Path(__file__).resolve().parent / "_site"
 _BOOT = Path("/proc/sys/kernel/random/boot_id")
 if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
@@ -48,7 +49,7 @@ if _BOOT.exists() and "PIPEMORPH_TEST_CPUINFO" not in os.environ:
     os.environ["PIPEMORPH_TEST_CPUINFO"] = str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) /
                                                f"cpuinfo-{_BOOT.read_text().strip()}.json")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(_SITE), os.environ.get("PYTHONPATH")) if p)
-    os.environ.setdefault("PIPEMORPH_TEST_FREEZE_AT_EXIT", "1")
+    os.environ.setdefault("PIPEMORPH_TEST_GC_FREEZE", "1")
 
 
 # Every process the session starts imports the package and the tests' helpers, about a hundred modules.

@@ -1,19 +1,21 @@
 """Loaded by every Python process the test session starts (``tests/conftest.py`` puts this folder
-first on ``PYTHONPATH`` and names a file in ``PIPEMORPH_TEST_CPUINFO``).
+first on ``PYTHONPATH`` and sets the variables below).
 
 DeepSpeed's CPU op builders ask py-cpuinfo what the CPU is each time a rank first loads an op
 (``-march`` and SIMD flags, twice per process), and py-cpuinfo answers by starting two Python
 processes: about 0.7 s of CPU per question, 1.4 s per rank of every job the session starts. The
 answer is this machine's, the same for every process: the first process to ask writes it to the
-file, the others read it there.
+file ``PIPEMORPH_TEST_CPUINFO`` names, the others read it there.
 
-At its exit, after every other atexit handler (registered first, it runs last), a process moves the
-objects it still holds out of the garbage collector's reach (``gc.freeze``), when
-``PIPEMORPH_TEST_FREEZE_AT_EXIT`` is set: the interpreter's last collection then walks none of them.
-That walk over torch's, DeepSpeed's and sympy's objects costs about 0.5 s of CPU in every process
-that imported them, hundreds of processes per session. Objects are still freed as their references
-go; only reference cycles alive at exit stay uncollected, whose finalizers Python does not promise to
-run at exit. Nothing else changes; without the variables this module does nothing.
+With ``PIPEMORPH_TEST_GC_FREEZE`` set, the garbage collector stops walking what the imports of torch
+and DeepSpeed made (``gc.freeze`` once each import is done) and, at exit, what the process still
+holds (``gc.freeze`` after every other atexit handler: registered first, it runs last). Those walks
+over torch's, DeepSpeed's and sympy's objects cost about 0.6 s of CPU during a rank's run (a 4-rank
+``recipes/tiny_gpt/train.py --steps 40``: 1.0 s of collection per rank, 0.4 s frozen) and 0.5 s at
+its exit, in hundreds of processes per session. Objects are still freed as their references go; only
+reference cycles made by those imports, or alive at exit, stay uncollected (Python does not promise
+to run finalizers at exit). The tests of how a process ends run without it. Nothing else changes;
+without the variables this module does nothing.
 """
 import atexit
 import gc
@@ -24,6 +26,7 @@ import os
 import sys
 
 _CACHE = os.environ.get("PIPEMORPH_TEST_CPUINFO")
+_FREEZE = bool(os.environ.get("PIPEMORPH_TEST_GC_FREEZE"))
 
 
 def _cached(real):
@@ -44,26 +47,39 @@ def _cached(real):
     return get_cpu_info
 
 
-class _WrapCpuinfo(importlib.abc.MetaPathFinder):
-    """When ``cpuinfo`` is imported, replace its ``get_cpu_info`` with the cached one."""
+def _wrap_cpuinfo(module) -> None:
+    module.get_cpu_info = _cached(module.get_cpu_info)
+
+
+def _freeze(_module) -> None:
+    gc.freeze()
+
+
+# module name -> what runs once the module is imported
+_AFTER = {**({"cpuinfo": _wrap_cpuinfo} if _CACHE else {}),
+          **({"torch": _freeze, "deepspeed": _freeze} if _FREEZE else {})}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """When a module of ``_AFTER`` is imported, run its function on it."""
 
     def find_spec(self, name, path, target=None):
-        if name != "cpuinfo":
+        if name not in _AFTER:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        run = spec.loader.exec_module
+        run, after = spec.loader.exec_module, _AFTER[name]
 
         def exec_module(module):
             run(module)
-            module.get_cpu_info = _cached(module.get_cpu_info)
+            after(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
-if _CACHE:
-    sys.meta_path.insert(0, _WrapCpuinfo())
+if _AFTER:
+    sys.meta_path.insert(0, _AfterImport())
 
-if os.environ.get("PIPEMORPH_TEST_FREEZE_AT_EXIT"):
+if _FREEZE:
     atexit.register(gc.freeze)

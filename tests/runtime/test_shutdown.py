@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 # The interpreter's own teardown, as users' processes end (not the test session's faster one).
-USERS_EXIT = {k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_FREEZE_AT_EXIT"}
+USERS_EXIT = {k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_GC_FREEZE"}
 
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys, torch, torch.distributed as dist

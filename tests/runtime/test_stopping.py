@@ -32,7 +32,7 @@ class Job:
         self.dir, self.mode = tmp, mode
         self.log = open(tmp / "log.txt", "w+")
         # The interpreter's own teardown, as users' processes end (not the session's faster one).
-        env = {**{k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_FREEZE_AT_EXIT"},
+        env = {**{k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_GC_FREEZE"},
                "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if launcher == "deepspeed":
