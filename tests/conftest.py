@@ -71,10 +71,22 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 # here, in the controller before any worker starts: the workers and every process they start inherit it.
 _SESSION_TMP = None  # the folder, in the process that made it
 KEEP_FAILED = 3
+_FAILED = "SESSION_FAILED"  # written into a folder kept after a failed session (a live one has none)
+
+
+def _kept_folders() -> list[Path]:
+    """The folders failed sessions kept, oldest first."""
+    kept = []
+    for d in Path(tempfile.gettempdir()).glob("pipemorph-tests-*"):
+        try:
+            kept.append(((d / _FAILED).stat().st_mtime, d))
+        except OSError:  # a live session's, or one removed meanwhile
+            continue
+    return [d for _, d in sorted(kept)]
+
+
 if "PYTEST_XDIST_WORKER" not in os.environ and "PIPEMORPH_TEST_TMPDIR" not in os.environ:
-    _kept = sorted((d for d in Path(tempfile.gettempdir()).glob("pipemorph-tests-*") if d.is_dir()),
-                   key=lambda d: d.stat().st_mtime)
-    for _old in _kept[:-KEEP_FAILED]:
+    for _old in _kept_folders()[:-(KEEP_FAILED - 1)]:  # with this session's, if it fails, KEEP_FAILED
         shutil.rmtree(_old, ignore_errors=True)
     _SESSION_TMP = tempfile.mkdtemp(prefix="pipemorph-tests-")
     os.environ["PIPEMORPH_TEST_TMPDIR"] = os.environ["TMPDIR"] = _SESSION_TMP
@@ -141,6 +153,7 @@ def pytest_sessionfinish(session, exitstatus):
     if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         shutil.rmtree(_SESSION_TMP, ignore_errors=True)
     else:
+        Path(_SESSION_TMP, _FAILED).write_text(f"pytest exit status {int(exitstatus)}\n")
         print(f"\nthe session's temporary files are kept under {_SESSION_TMP}")
 
 

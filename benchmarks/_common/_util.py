@@ -83,8 +83,8 @@ def keep(path: Path) -> Path:
 def exit_on_bad_input(main) -> int:
     """Run a benchmark's ``main``; bad input (a rate, a path, no privilege for the lab) ends it with one
     ``error:`` sentence and exit code 2 instead of a traceback. The ``work_folder``s this run made are
-    removed when it returns 0 or its input was bad; those of a failed run, and those it kept, are kept
-    and named."""
+    removed when it returns (or exits with) 0, or 2 for bad input; those of a failed run, and those it
+    kept, are kept and named."""
     first = len(_WORK_FOLDERS)
     code = 1
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _lab_job import NODES, JobSpec, Row, rows_for, run_job  # noqa: E402
-from _util import check_out, exit_on_bad_input, print_table, work_folder, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, keep, print_table, work_folder, write_json  # noqa: E402
 
 from ds_pipemorph.lab import Lab, RateTrace  # noqa: E402
 from ds_pipemorph.lab.shape import format_rate, parse_rate  # noqa: E402
@@ -108,10 +108,11 @@ def main(argv=None) -> int:
 
         job = run_job(lab, spec, work, on_progress=start_trace)
         applied = [(round(t, 3), format_rate(r)) for t, r in started[0][1].applied] if started else []
-    if job.results is None:
+    if job.results is None or any(c != 0 for c in job.codes):
         print(job.log_text()[-6000:], file=sys.stderr)
-        print(f"the job failed (exit codes {job.codes}); logs under {work}", file=sys.stderr)
-        return 1
+        print(f"a rank failed (exit codes {job.codes}); logs under {keep(work)}", file=sys.stderr)
+        if job.results is None:
+            return 1
     t0 = started[0][0]
     row = job.results["rows"][0]
     end = max(i["start_s"] - t0 + i["ms"] / 1e3 for i in row["iterations"])

@@ -7,15 +7,16 @@ processes: about 0.7 s of CPU per question, 1.4 s per rank of every job the sess
 answer is this machine's, the same for every process: the first process to ask writes it to the
 file ``PIPEMORPH_TEST_CPUINFO`` names, the others read it there.
 
-With ``PIPEMORPH_TEST_GC_FREEZE`` set, the garbage collector stops walking what the imports of torch
-and DeepSpeed made (``gc.freeze`` once each import is done) and, at exit, what the process still
-holds (``gc.freeze`` after every other atexit handler: registered first, it runs last). Those walks
-over torch's, DeepSpeed's and sympy's objects cost about 0.6 s of CPU during a rank's run (a 4-rank
-``recipes/tiny_gpt/train.py --steps 40``: 1.0 s of collection per rank, 0.4 s frozen) and 0.5 s at
-its exit, in hundreds of processes per session. Objects are still freed as their references go; only
-reference cycles made by those imports, or alive at exit, stay uncollected (Python does not promise
-to run finalizers at exit). The tests of how a process ends run without it. Nothing else changes;
-without the variables this module does nothing.
+With ``PIPEMORPH_TEST_GC_FREEZE`` set, the garbage collector stops walking every object alive when
+``import torch`` and ``import deepspeed`` are done (``gc.freeze``; not once a process group exists:
+what a job made is left to the collector), and, at exit, what the process still holds (``gc.freeze``
+after every other atexit handler: registered first, it runs last). Those walks cost about 0.6 s of
+CPU during a rank's run (a 4-rank ``recipes/tiny_gpt/train.py --steps 40``: 1.0 s of collection per
+rank, 0.4 s frozen) and 0.5 s at its exit, in hundreds of processes per session. Frozen objects are
+still freed as their references go; only reference cycles among them are never collected (and Python
+does not promise to run finalizers at exit). Every script and worker the tests start imports torch
+and DeepSpeed before it builds a model, a process group or an engine. The tests of how a process ends
+run without it. Nothing else changes; without the variables this module does nothing.
 """
 import atexit
 import gc
@@ -52,6 +53,9 @@ def _wrap_cpuinfo(module) -> None:
 
 
 def _freeze(_module) -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return  # a job's objects exist: they stay the collector's
     gc.freeze()
 
 

@@ -5,9 +5,8 @@ every rank imports (torch, DeepSpeed, the package), as ``torchrun --standalone``
 
 Each rank of a torchrun job imports all of that itself: about 2.5 s of CPU per rank on this 2-core
 machine, for every job the tests start. Forked ranks share the imported modules and start training at
-once, as torch's own distributed tests (``MultiProcessTestCase``) fork theirs. What torchrun itself
-does (its rendezvous, restarts, its exit report) is tested through torchrun and the deepspeed launcher
-elsewhere; the tests that read its report launch with it.
+once. What torchrun itself does (its rendezvous, restarts, its exit report) is tested through torchrun
+and the deepspeed launcher elsewhere; the tests that read its report launch with it.
 
 As torchrun's agent: this process hosts the job's TCP store on a port it holds from before the ranks
 start (``TORCHELASTIC_USE_AGENT_STORE``: no rank races another process for it), and gives each rank
@@ -75,8 +74,9 @@ def _rank(rank: int, world: int, port: int, listener: int, script: str, args: li
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     code = 0
+    script_globals = None  # held through the exit below, as the interpreter holds ``__main__`` through its own
     try:
-        runpy.run_path(script, run_name="__main__")
+        script_globals = runpy.run_path(script, run_name="__main__")  # noqa: F841
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
 
     def stop(sig) -> None:
         nonlocal deadline
-        for pid in ranks:
+        for pid in list(ranks):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -129,24 +129,29 @@ def main(argv: list[str]) -> int:
         for rank in range(world):
             pid = os.fork()
             if pid == 0:
-                _rank(rank, world, port, listener, script, args)
+                try:
+                    _rank(rank, world, port, listener, script, args)
+                finally:
+                    os._exit(1)  # never back into this loop
             ranks[pid] = rank
-    except OSError:
+        import torch.distributed as dist
+
+        # Served by a thread of this process, started while the signals are held: that thread never takes
+        # one, the main thread's handlers below do.
+        store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(minutes=30),  # noqa: F841
+                              wait_for_workers=False, master_listen_fd=listener)
+    except BaseException:
         stop(signal.SIGKILL)
         raise
     for sig in SIGNALS:
         signal.signal(sig, lambda sig, _frame: stop(sig))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(minutes=30),  # noqa: F841
-                          wait_for_workers=False, master_listen_fd=listener)
 
     failed: dict[int, int] = {}
-    while ranks:
-        pid, status = os.waitpid(-1, os.WNOHANG) if deadline is not None else os.waitpid(-1, 0)
+    while ranks:  # polled, so that a deadline set by a signal is kept while every rank still runs
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 stop(signal.SIGKILL)
                 deadline = float("inf")
             time.sleep(0.05)
@@ -157,7 +162,8 @@ def main(argv: list[str]) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
             failed[rank] = code
-            stop(signal.SIGTERM)  # the first failure ends the rest, as torchrun's does
+            if deadline is None:  # the first failure ends the rest, as torchrun's does
+                stop(signal.SIGTERM)
     for rank, code in sorted(failed.items()):
         print(f"rank {rank} exited with code {code}", file=sys.stderr)
     return 1 if failed else 0
