@@ -95,8 +95,7 @@ def exit_on_bad_input(main) -> int:
         code = 2
         return code
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) or e.code is None else 1
-        code = code or 0
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
         raise
     finally:
         for path in _WORK_FOLDERS[first:]:
