@@ -10,10 +10,10 @@ GPT blocks of ``recipes/gpt``):
 
 - **B + W / fused**: each round runs one micro-batch's forward and fused backward on the stock
   layer (``torch.autograd.backward``), another through B (``bw_split.backward_input``) + W with
-  the layers routed through the store (``wgrad_store.install``), and another through B + W of the
-  generic graph split (the stock layer), in an order that rotates by round; the row is the median of
-  the per-round ratios with its 95 % bootstrap interval (``ds_pipemorph.paired``). The forward is not
-  timed; ``F store / F`` is the store's forward against the stock forward, the same way.
+  the weight-gradient store (``runtime.wgrad_store``, the engine's path), and another through B + W
+  of the generic graph split alone (``store=False``), in an order that rotates by round; the row is
+  the median of the per-round ratios with its 95 % bootstrap interval (``ds_pipemorph.paired``).
+  The forward is the stock module's in every way and is not timed.
 - **allocators**: ``glibc`` is this machine's default malloc, which returns large freed blocks to
   the system, so a backward that keeps tensors longer (what B keeps for W) faults fresh pages in;
   ``caching`` keeps freed memory as a GPU's caching allocator does (``_util.CACHING_MALLOC``).
@@ -32,7 +32,6 @@ Prints the tables and writes JSON (default ``split_backward.json``).
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -53,7 +52,6 @@ from ds_pipemorph.paired import Interval, bootstrap_median  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 from ds_pipemorph.plan.ir.profile import Costs  # noqa: E402
 from ds_pipemorph.plan.sched.baselines import zb_h1  # noqa: E402
-from ds_pipemorph.runtime import wgrad_store  # noqa: E402
 from ds_pipemorph.runtime.act_meter import SavedBytes  # noqa: E402
 from ds_pipemorph.runtime.bw_split import backward_input  # noqa: E402
 from ds_pipemorph.runtime.recompute import Recompute, split_checkpoint  # noqa: E402
@@ -103,53 +101,43 @@ def _input(d, dtype):
     return torch.randn(*tokens(d), d, dtype=dtype, requires_grad=True)
 
 
-def one_round(stock, stored, d, dtype, order) -> dict:
-    """Forward + backward of one micro-batch in each way, in ``order``; milliseconds of each part."""
+def one_round(mod, d, dtype, order) -> dict:
+    """Forward + backward of one micro-batch in each way, in ``order``; milliseconds of the backward."""
     out = {}
+    params = list(mod.parameters())
     for way in order:
-        mod = stored if way == "store" else stock
-        params = list(mod.parameters())
         x = _input(d, dtype)
-        t = time.perf_counter()
         y = mod(x)
-        t_f = time.perf_counter()
         g = torch.randn_like(y)
         t0 = time.perf_counter()
         if way == "fused":
             torch.autograd.backward(y, g)
         else:
             with Recompute(params) as chunks:
-                _, work = backward_input([y], [g], [x], params)
+                _, work = backward_input([y], [g], [x], params, store=way == "store")
             del y
             for w in [work, *chunks.works]:
                 w.run()
-        out[way] = ((time.perf_counter() - t0) * 1e3, (t_f - t) * 1e3)
+        out[way] = (time.perf_counter() - t0) * 1e3
     return out
 
 
 def speed(kind: str, d: int, blocks: int, dtype, pairs: int) -> dict:
     torch.manual_seed(0)
-    stock = layer(kind, d, blocks, dtype)
-    stored = copy.deepcopy(stock)
-    wgrad_store.install(stored)
+    mod = layer(kind, d, blocks, dtype)
     ways = ["fused", "store", "graph"]
     for i in range(2):  # warm-up
-        one_round(stock, stored, d, dtype, ways)
-    rounds = [one_round(stock, stored, d, dtype, ways[i % 3:] + ways[:i % 3]) for i in range(pairs)]
-    res = {"fused_ms": [round(r["fused"][0], 3) for r in rounds]}
+        one_round(mod, d, dtype, ways)
+    rounds = [one_round(mod, d, dtype, ways[i % 3:] + ways[:i % 3]) for i in range(pairs)]
+    res = {"fused_ms": [round(r["fused"], 3) for r in rounds]}
     for way in ("store", "graph"):
-        ci = bootstrap_median([r[way][0] / r["fused"][0] for r in rounds])
-        res[way] = {"ms": [round(r[way][0], 3) for r in rounds], "over_fused": dataclasses.asdict(ci)}
-    ci = bootstrap_median([r["store"][1] / r["fused"][1] for r in rounds])
-    res["forward_store_over_stock"] = dataclasses.asdict(ci)
+        ci = bootstrap_median([r[way] / r["fused"] for r in rounds])
+        res[way] = {"ms": [round(r[way], 3) for r in rounds], "over_fused": dataclasses.asdict(ci)}
     return res
 
 
 def bytes_held(stage, d, dtype, store: bool) -> tuple[int, int]:
     """(after F, after B) bytes for one micro-batch; the stage input and parameters not counted."""
-    if store:
-        stage = copy.deepcopy(stage)
-        wgrad_store.install(stage)
     params = list(stage.parameters())
     x = _input(d, dtype)
     with SavedBytes([*params, x]) as meter:
@@ -160,7 +148,7 @@ def bytes_held(stage, d, dtype, store: bool) -> tuple[int, int]:
             # the same tensors as ours keeps, counted here from the chunks' inputs.
             return (len(stage.blocks) - 1) * x.numel() * x.element_size(), 0  # the first one is the stage input
         with Recompute(params) as chunks:
-            _, work = backward_input([out], [torch.ones_like(out)], [x], params)
+            _, work = backward_input([out], [torch.ones_like(out)], [x], params, store=store)
         works = [work, *chunks.works]
         del out
         after_b = meter.live + sum(g.numel() * g.element_size() for w in works for g in w.kept_grads())
@@ -253,12 +241,11 @@ def main() -> int:
         for r in run["speed"]:
             fused = sorted(r["fused_ms"])[len(r["fused_ms"]) // 2]
             speed_rows.append([alloc, r["dtype"], r["d_model"], r["layer"], f"{fused:.2f}",
-                               _ci(r["store"]["over_fused"]), _ci(r["graph"]["over_fused"]),
-                               _ci(r["forward_store_over_stock"])])
+                               _ci(r["store"]["over_fused"]), _ci(r["graph"]["over_fused"])])
     tok = ", ".join(f"d={d}: {'x'.join(map(str, tokens(d)))}" for d in args.dims)
     print_table(f"B + W against one fused backward, per layer type ({args.blocks} GPT block(s); tokens {tok}), "
                 "1 thread, median [95 % CI]", ["malloc", "dtype", "d", "layer", "fused ms", "B+W / fused (store)",
-                                               "B+W / fused (graph)", "F store / F"], speed_rows)
+                                               "B+W / fused (graph)"], speed_rows)
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     mem_rows = []
     for run in runs.values():

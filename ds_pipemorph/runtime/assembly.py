@@ -6,8 +6,7 @@
    pipeline hooks, fp16 on a device without it, ZeRO above stage 1, torch autocast, what tensor
    parallelism refuses, what a plug-in refuses for this job);
 2. DeepSpeed's own ``PipelineEngine.__init__``;
-3. ``split_backward``: checkpointed chunks recompute once, in B (``runtime.recompute``), and Linear
-   and LayerNorm layers leave their weight gradients to W (``runtime.wgrad_store``);
+3. ``split_backward``: checkpointed chunks recompute once, in B (``runtime.recompute``);
 4. ``router_hooks`` and ``nccl_rules``: the plug-ins' transport hooks and whether the direct path
    runs under NCCL's point-to-point rules;
 5. ``refuse_engine``: what is refused once the engine exists, in this order: moving layers or ranks
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.ir.lower import Dispatch
-from . import tensor_parallel, wgrad_store
+from . import tensor_parallel
 from .ab_compare import Compare
 from .adapt import Adapter
 from .boundary import Boundary
@@ -118,14 +117,13 @@ def refuse_job(pipemorph: PipeMorphConfig, config_class, model) -> None:
 
 def split_backward(engine) -> None:
     """Checkpointed chunks recompute once, in B, and leave their weight gradients for W
-    (``runtime.recompute``); Linear and LayerNorm layers leave theirs to W as tensors
-    (``runtime.wgrad_store``). Sets ``engine.checkpointing``."""
+    (``runtime.recompute``). Sets ``engine.checkpointing``. (Linear and LayerNorm layers need
+    nothing: ``runtime.wgrad_store`` recognises them in the graph the stock modules build.)"""
     engine.checkpointing = engine.module.activation_checkpoint_interval > 0
     if engine.checkpointing:
         engine.module.activation_checkpoint_func = split_checkpoint
         engine.module.is_checkpointable_results_interval = None  # DeepSpeed's choice of chunks depends on it
         engine.module._precompute_checkpointable_values()
-    wgrad_store.install(engine.module)
 
 
 def router_hooks(engine, pipemorph: PipeMorphConfig) -> list[TransportHooks]:

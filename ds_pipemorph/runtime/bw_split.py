@@ -9,12 +9,11 @@ parameters reachable from each group of them only, so autograd evaluates only th
 outputs of the frontier nodes and the parameter-only region below them: nothing of B is computed
 twice.
 
-Linear and LayerNorm layers routed through ``wgrad_store`` (the engine routes every such layer of a
-stage) are not entered again: on the input path, when their parameters are reached from such layers
-only, B's pass through them computes the input gradient and keeps what the weight gradient needs
-(the layer's input and output gradient) in a ``WeightGradStore``; W computes those gradients
-directly. When every parameter of a stage is left to the store, B runs without ``retain_graph``
-and frees the graph as a fused backward does.
+Linear and LayerNorm layers are not entered again (``wgrad_store``): on the input path, when their
+parameters are reached from such layers only, B asks autograd for the gradient arriving at each
+Linear and for the LayerNorms' parameter gradients beside the input gradient, and keeps them with
+each Linear's input; W computes the Linears' weight GEMMs directly. When every parameter of a stage
+goes this way, B runs without ``retain_graph`` and frees the graph as a fused backward does.
 
 A frontier node of a custom ``torch.autograd.Function`` (Megatron-style layers: one Function whose
 backward computes the input gradient, all-reduces it over the tensor-parallel group and computes the
@@ -22,8 +21,7 @@ weight gradient, or accumulates it into ``main_grad`` itself) is never entered a
 runs once, in B, as in a fused backward, and a hook keeps the gradients it returned for its
 parameter-side edges; W enters the graph below it, at those edges, with them. Its collectives and
 side effects happen once, in B, and W runs none of them. This package's own Functions that leave
-their parameter side for W to enter again (``wgrad_store``'s layers when their parameters are
-reached elsewhere too, ``recompute``'s chunks) say so with ``W_REENTERS = True``.
+their parameter side for W to enter again (``recompute``'s chunks) say so with ``W_REENTERS = True``.
 
 Parts of the graph that do not lead to any input (the whole graph of a first stage whose input
 needs no gradient, or an output that does not depend on the input) are entered at their output
@@ -79,7 +77,7 @@ class WeightGradWork:
 
     groups: list
     clamp_nodes: list = field(default_factory=list)  # (node, captured grad tuple) when clamped
-    store: Optional[WeightGradStore] = None  # the deferred Linear and LayerNorm layers (``wgrad_store``)
+    store: Optional[WeightGradStore] = None  # the Linear and LayerNorm layers ``wgrad_store`` computes
 
     def run(self) -> None:
         """Compute the parameter gradients and accumulate them into ``.grad``; frees the graph."""
@@ -103,16 +101,38 @@ class WeightGradWork:
         return kept + (self.store.grads() if self.store is not None else [])
 
 
+@dataclass
+class _Plan:
+    """What the analysis of one graph decided, by the position of each node in the walk's order
+    (``_walk``), so that the next graph of the same shape (the next micro-batch through the stage)
+    reuses it: computed once per shape, not once per B."""
+
+    linears: list  # wgrad_store.Linear with the node's position in ``node``
+    in_b: list  # indices of the parameters whose gradients B computes for W (``wgrad_store``)
+    frontier: list  # positions of the frontier nodes W re-enters (a pre-hook keeps their input)
+    once: list  # (position, [child slots on the parameter side]) of custom Functions run once in B
+    groups: list  # ([parameter indices], [("frontier" | "once", position) or ("root", output index)])
+    clamp: bool
+    retain: bool  # W re-enters the graph: B keeps it
+
+
+_ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)  # AccumulateGrad
+_PLANS: dict[tuple, _Plan] = {}  # a graph's shape (``_walk``) -> its plan; the newest few kept
+_PLANS_KEPT = 16
+
+
 def backward_input(
     outputs: Sequence[torch.Tensor],
     output_grads: Sequence[Optional[torch.Tensor]],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
+    store: bool = True,
 ) -> tuple[list[Optional[torch.Tensor]], WeightGradWork]:
     """B: gradients w.r.t. ``inputs`` (None where an input needs none) and the work W needs.
 
     ``outputs`` are the stage outputs (or the scaled loss, with ``output_grads`` of ones);
     outputs with no graph are skipped. ``params`` are the stage's trainable parameters.
+    ``store=False`` leaves every layer to the generic split (for comparisons).
     """
     outs, ograds = [], []
     for t, g in zip(outputs, output_grads):
@@ -125,175 +145,225 @@ def backward_input(
         return dinputs, WeightGradWork([])
 
     roots = [get_gradient_edge(t) for t in outs]
-    input_nodes = {get_gradient_edge(inputs[i]).node for i in input_idx}
-    params = [p for p in params if p.requires_grad]
-    param_bit: dict[Node, int] = {}
-    for k, node in enumerate(_accumulators(params)):
-        param_bit[node] = param_bit.get(node, 0) | 1 << k
+    params, acc_index = _accumulators(params)
+    order, shape = _walk(roots, [inputs[i] for i in input_idx], acc_index)
+    key = (shape, store and bool(input_idx), len(params))
+    plan = _PLANS.get(key)
+    if plan is None:
+        input_nodes = {get_gradient_edge(inputs[i]).node for i in input_idx}
+        plan = _analyse(order, roots, input_nodes, acc_index, params, key[1])
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
 
-    # Post-order walk: per node, whether it leads to an input and which parameters lie below it.
-    leads_in: dict[Node, bool] = {}
-    below: dict[Node, int] = {}
-    children: dict[Node, list[Node]] = {}
-    stack = [(e.node, False) for e in roots if e.node is not None]
+    captured: dict[int, tuple] = {}
+    returned: dict[int, tuple] = {}
+    handles = [order[i].register_prehook(lambda g, i=i: captured.__setitem__(i, g)) for i in plan.frontier]
+    handles += [order[i].register_hook(lambda gi, _go, i=i: returned.__setitem__(i, gi)) for i, _ in plan.once]
+    kept = WeightGradStore(plan.linears, plan.in_b, order, params) if plan.linears or plan.in_b else None
+    try:
+        if input_idx:  # the graph is kept for W only where W re-enters it
+            extra = kept.extra_inputs() if kept is not None else []
+            grads = torch.autograd.grad(outs, [inputs[i] for i in input_idx] + extra, grad_outputs=ograds,
+                                        retain_graph=plan.retain, allow_unused=True)
+            for i, g in zip(input_idx, grads):
+                dinputs[i] = g
+            if kept is not None:
+                kept.keep(grads[len(input_idx):])
+    finally:
+        for h in handles:
+            h.remove()
+
+    slots = dict(plan.once)
+
+    def to_group(picked, ents) -> _Group:
+        grp = _Group(params=[params[k] for k in picked])
+        for kind, i in ents:
+            if kind == "once":  # enter below it, at its parameter-side edges
+                nf = order[i].next_functions
+                got = returned.get(i, ())
+                for slot in slots[i]:
+                    if slot < len(got) and got[slot] is not None:
+                        grp.edges.append(GradientEdge(*nf[slot]))
+                        grp.grads.append(got[slot])
+            elif kind == "frontier":  # a node that got no gradient at all in B contributes nothing
+                for slot, g in enumerate(captured.get(i, ())):
+                    if g is not None:
+                        grp.edges.append(GradientEdge(order[i], slot))
+                        grp.grads.append(g)
+            else:
+                grp.edges.append(roots[i])
+                grp.grads.append(ograds[i])
+        return grp
+
+    work = WeightGradWork([to_group(ks, ents) for ks, ents in plan.groups])
+    if plan.clamp:
+        work.clamp_nodes = [(order[i], captured[i]) for i in plan.frontier if i in captured]
+    work.store = kept
+    return dinputs, work
+
+
+def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
+    """Every node of the graph below ``roots``, in the order a depth-first walk finds them, and the
+    graph's shape: the walk written out, per node found its type, its number of children and, for
+    an accumulator, which parameter (its index) or stage input (-2 - its index) it accumulates
+    into; a child found before is written as its position, a missing child as None. The walk is
+    determined by the graph, so two graphs of the same shape differ only in their tensors."""
+    position: dict[Node, int] = {}
+    order: list[Node] = []
+    leaf_input = {id(t): -2 - k for k, t in enumerate(inputs) if t.grad_fn is None}
+    at_input = {t.grad_fn: -2 - k for k, t in enumerate(inputs) if t.grad_fn is not None}
+    shape: list = [tuple(e.output_nr for e in roots)]
+    stack = [e.node for e in reversed(roots)]
     while stack:
-        node, done = stack.pop()
-        if done:
-            kids = children[node]
-            leads_in[node] = node in input_nodes or any(leads_in[c] for c in kids)
-            mask = param_bit.get(node, 0)
-            for c in kids:
-                mask |= below[c]
-            below[node] = mask
+        node = stack.pop()
+        if node is None:
+            shape.append(None)
             continue
-        if node in children:
+        seen = position.get(node)
+        if seen is not None:
+            shape.append(seen)
             continue
-        kids = [fn for fn, _ in node.next_functions if fn is not None]
-        children[node] = kids
-        stack.append((node, True))
-        stack.extend((c, False) for c in kids if c not in children)
+        position[node] = len(order)
+        order.append(node)
+        nf = node.next_functions
+        kind = type(node)
+        shape.append(kind)
+        shape.append(len(nf))
+        if kind is _ACCUMULATE:
+            k = acc_index.get(node)
+            shape.append(k if k is not None else leaf_input.get(id(node.variable), -1))
+        elif at_input:
+            shape.append(at_input.get(node, -1))
+        stack.extend(fn for fn, _ in reversed(nf))
+    return order, tuple(shape)
 
-    allowed = _deferring(children, leads_in, param_bit)
+
+def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, store: bool) -> _Plan:
+    """The frontier nodes, W's groups and the layers ``wgrad_store`` computes, for one graph."""
+    n_nodes = len(order)
+    position = {node: i for i, node in enumerate(order)}
+    kids = [tuple(position[fn] if fn is not None else -1 for fn, _ in node.next_functions) for node in order]
+    children = [[c for c in ks if c >= 0] for ks in kids]
+    param_bit = [0] * n_nodes
+    for i, node in enumerate(order):
+        k = acc_index.get(node)
+        if k is not None:
+            param_bit[i] = 1 << k
+    # Post-order: per node, whether it leads to an input and which parameters lie below it.
+    leads_in = [False] * n_nodes
+    below = [0] * n_nodes
+    done = [False] * n_nodes
+    for start in range(n_nodes):
+        stack = [start]
+        while stack:
+            i = stack[-1]
+            if done[i]:
+                stack.pop()
+                continue
+            pending = [c for c in children[i] if not done[c]]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            done[i] = True
+            leads_in[i] = order[i] in input_nodes or any(leads_in[c] for c in children[i])
+            mask = param_bit[i]
+            for c in children[i]:
+                mask |= below[c]
+            below[i] = mask
+
+    owned: set = set()
+    linears, in_b = [], []
+    if store:
+        layers = wgrad_store.find({order[i]: [order[c] for c in children[i]] for i in range(n_nodes)},
+                                  {order[i]: leads_in[i] for i in range(n_nodes)}, acc_index, params)
+        owned = {position[n] for n in layers.nodes}
+        for lin in layers.linears:
+            lin.node = position[lin.node]
+            linears.append(lin)
+        in_b = layers.in_b
 
     # Entry points of W: frontier nodes (captured in B) and output edges off the input path.
-    entries = []  # (node_or_edge, param mask of its parameter side, is_frontier)
-    for node, kids in children.items():
-        if not leads_in[node] or node in allowed:
+    entries = []  # (kind, position or output index, param mask of its parameter side)
+    for i in range(n_nodes):
+        if not leads_in[i] or i in owned:
             continue
         side = 0
-        for c in kids:
+        for c in children[i]:
             if not leads_in[c]:
                 side |= below[c]
         if side:
-            entries.append((node, side, True))
-    for e, g in zip(roots, ograds):
-        if e.node is not None and not leads_in[e.node] and below[e.node]:
-            entries.append(((e, g), below[e.node], False))
+            node = order[i]
+            once = isinstance(node, BackwardCFunction) and not getattr(type(node)._forward_cls, "W_REENTERS", False)
+            entries.append(("once" if once else "frontier", i, side))
+    for j, e in enumerate(roots):
+        if e.node is not None:
+            i = position[e.node]
+            if not leads_in[i] and below[i]:
+                entries.append(("root", j, below[i]))
 
     # Group entries that share a parameter (one autograd.grad call per group, no double counting).
     groups: list[list] = []
     for ent in entries:
-        merged = [grp for grp in groups if grp[0] & ent[1]]
-        new = [ent[1], [ent]]
+        merged = [grp for grp in groups if grp[0] & ent[2]]
+        new = [ent[2], [ent]]
         for grp in merged:
             new[0] |= grp[0]
             new[1] += grp[1]
             groups.remove(grp)
         groups.append(new)
-    clamp = any(
-        below[c] & mask
-        for mask, ents in groups
-        for node, _, frontier in ents
-        if frontier
-        for c in children[node]
-        if leads_in[c]
-    )
-
-    captured: dict[Node, tuple] = {}
-    # A custom Function's backward computes every gradient it returns whatever autograd needs, and may
-    # communicate or accumulate on its own: keep what it returned for its parameter side (post-hook)
-    # so that W starts below it; any other frontier node W re-enters with its captured input (pre-hook).
-    run_once = {n for n, _, f in entries if f and isinstance(n, BackwardCFunction)
-                and not getattr(type(n)._forward_cls, "W_REENTERS", False)}
-    returned: dict[Node, tuple] = {}
-    frontier_nodes = [n for n, _, f in entries if f and n not in run_once]
-    handles = [
-        n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in frontier_nodes
-    ] + [n.register_hook(lambda gi, _go, n=n: returned.__setitem__(n, gi)) for n in run_once]
-    store = WeightGradStore(allowed, set(children))
-    try:
-        if input_idx:
-            with store:  # the graph is kept for W only where W re-enters it
-                grads = torch.autograd.grad(outs, [inputs[i] for i in input_idx], grad_outputs=ograds,
-                                            retain_graph=bool(entries), allow_unused=True)
-            for i, g in zip(input_idx, grads):
-                dinputs[i] = g
-    finally:
-        for h in handles:
-            h.remove()
-
-    def to_group(mask, ents) -> _Group:
-        picked = [k for k in range(len(params)) if mask >> k & 1]
-        grp = _Group(params=[params[k] for k in picked])
-        for ent, _, frontier in ents:
-            if frontier and ent in run_once:  # enter below it, at its parameter-side edges
-                for (child, nr), g in zip(ent.next_functions, returned.get(ent, ())):
-                    if child is not None and not leads_in[child] and g is not None:
-                        grp.edges.append(GradientEdge(child, nr))
-                        grp.grads.append(g)
-            elif frontier:  # a node that got no gradient at all in B contributes nothing
-                for slot, g in enumerate(captured.get(ent, ())):
-                    if g is not None:
-                        grp.edges.append(GradientEdge(ent, slot))
-                        grp.grads.append(g)
-            else:
-                edge, g = ent
-                grp.edges.append(edge)
-                grp.grads.append(g)
-        return grp
-
-    if clamp:
+    clamp = any(below[c] & mask for mask, ents in groups for kind, i, _ in ents if kind != "root"
+                for c in children[i] if leads_in[c])
+    if clamp:  # one call with every frontier node pinned to its captured gradient
         mask = 0
-        ents = []
-        for m, e in groups:
+        for m, _ in groups:
             mask |= m
-            ents += e
-        work = WeightGradWork([to_group(mask, ents)], [(n, captured[n]) for n in frontier_nodes if n in captured])
-    else:
-        work = WeightGradWork([to_group(m, e) for m, e in groups if e])
-    if store.entries:
-        store.seal()
-        work.store = store
-    return dinputs, work
+        groups = [[mask, entries]]
+    once = [(i, [s for s, c in enumerate(kids[i]) if c >= 0 and not leads_in[c]]) for kind, i, _ in entries
+            if kind == "once"]
+    return _Plan(
+        linears=linears, in_b=in_b,
+        frontier=[i for kind, i, _ in entries if kind == "frontier"], once=once,
+        groups=[([k for k in range(len(params)) if m >> k & 1], [(kind, i) for kind, i, _ in ents])
+                for m, ents in groups if ents],
+        clamp=clamp, retain=bool(entries))
 
 
 _ACCUMULATORS: dict[int, tuple] = {}  # id(parameter) -> (the parameter, its AccumulateGrad node)
+_LAST: tuple = ((), [], {})  # the last call's (parameters and whether each needs a gradient, trainable, index)
 
 
-def _accumulators(params: Sequence[torch.Tensor]) -> list[Node]:
-    """The nodes that accumulate into each parameter's ``.grad``. ``get_gradient_edge`` makes a view
-    to find one (microseconds per parameter, per B), so the nodes of the last call's parameters are
-    kept (and with them the parameters: a node holds its tensor); the next call with other
-    parameters (after a migration) drops them."""
-    global _ACCUMULATORS
+def _accumulators(params: Sequence[torch.Tensor]) -> tuple[list, dict]:
+    """The trainable parameters and, for each, the node that accumulates into its ``.grad`` (node ->
+    index). ``get_gradient_edge`` makes a view to find one (microseconds per parameter, per B), so
+    the nodes of the last call's parameters are kept (and with them the parameters: a node holds
+    its tensor); the next call with other parameters (after a migration) drops them."""
+    global _ACCUMULATORS, _LAST
+    ident = tuple((id(p), p.requires_grad) for p in params)
+    if ident == _LAST[0]:
+        return _LAST[1], _LAST[2]
+    trainable = [p for p in params if p.requires_grad]
     kept: dict[int, tuple] = {}
-    nodes = []
-    for p in params:
+    index: dict[Node, int] = {}
+    leaves = True
+    for k, p in enumerate(trainable):
         hit = _ACCUMULATORS.get(id(p))
         node = hit[1] if hit is not None and hit[0] is p else get_gradient_edge(p).node
         if p.is_leaf:  # (a non-leaf's node is new with every graph)
             kept[id(p)] = (p, node)
-        nodes.append(node)
+        else:
+            leaves = False
+        index.setdefault(node, k)
     _ACCUMULATORS = kept
-    return nodes
+    _LAST = (ident, trainable, index) if leaves else ((), [], {})
+    return trainable, index
 
 
 def forget_parameters() -> None:
     """Drop the kept accumulator nodes (and with them the parameters): an engine that is destroyed,
     or whose layers moved, calls it."""
-    global _ACCUMULATORS
+    global _ACCUMULATORS, _LAST
     _ACCUMULATORS = {}
-
-
-def _deferring(children: dict, leads_in: dict, param_bit: dict) -> set:
-    """The nodes of ``wgrad_store`` layers that may leave their weight gradients to the store: on
-    the input path (B runs them), every other child a parameter's accumulator, and every parameter
-    reached from such deferring nodes only (one reached elsewhere too is W's graph's to accumulate,
-    once)."""
-    layers = {n for n in children if type(n) in wgrad_store.NODE_TYPES and leads_in[n]
-              and all(leads_in[c] or c in param_bit for c in children[n])}
-    if not layers:
-        return layers
-    parents: dict[Node, list] = {}
-    for node, kids in children.items():
-        for c in kids:
-            if c in param_bit:
-                parents.setdefault(c, []).append(node)
-    changed = True
-    while changed:
-        changed = False
-        for n in list(layers):
-            if any(p not in layers for c in children[n] if c in param_bit for p in parents[c]):
-                layers.discard(n)
-                changed = True
-    return layers
+    _LAST = ((), [], {})
+    _PLANS.clear()

@@ -42,7 +42,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..fileio import BadInput, first_line
 from ..plan.partition.parts import check_parts, layer_moves
-from . import flat_optimizer, wgrad_store
+from . import flat_optimizer
 from .clip import freeze_clip_set
 from .transfer import (Purpose, Transfer, blob_tags, from_blob, packed_state, recv_blob, rng_kept,
                        send_blob, to_blob, unpacked_state)
@@ -213,7 +213,6 @@ def _unpack(engine, layers: list[int], blob: torch.Tensor) -> list[_Incoming]:
             module = module.bfloat16()
         elif engine.fp16_enabled():
             module = module.half()
-        wgrad_store.install(module)  # as the engine routed the stage's own layers
         inc = _Incoming(entry["layer"], module, module)
         params = dict(module.named_parameters())
         if sorted(params) != sorted(entry["params"]):

@@ -1,42 +1,52 @@
-"""Weight gradients of Linear and LayerNorm layers left for W as tensors, not as a graph to re-enter.
+"""Weight gradients of a stage's Linear and LayerNorm layers, read off torch's own graph.
 
 The generic split (``bw_split``) leaves W the part of the autograd graph below each frontier node
-and re-enters it: one engine call per group of parameters, and the whole graph kept from B to W.
-For the layers that carry a transformer stage's parameters that is more than W needs. A Linear's
-weight gradient is one GEMM of two tensors, the layer's input and the gradient arriving at its
-output; a LayerNorm's are two vectors of its width. So
-the stage's ``nn.Linear`` and ``nn.LayerNorm`` modules run through the autograd functions below
-(``install``): their backward computes the input gradient and, while a ``WeightGradStore`` collects
-(B), hands the weight-gradient computation to it instead of running it. W (``WeightGradStore.run``)
-runs those GEMMs and reductions and accumulates their results with one ``torch.autograd.backward``
-call on the parameters: autograd's ``AccumulateGrad`` runs once per parameter and fires every hook
-registered on it (DeepSpeed's bf16 and ZeRO gradient hooks), as after a fused backward. Megatron's
-zero-bubble fork keeps a queue of weight-gradient closures in the same way.
+and re-enters it: the whole graph kept from B to W, and one more pass of the engine through it. For
+the layers that carry a transformer stage's parameters that is more than W needs, and the layers
+are recognised in the graph the stock modules build, so nothing is routed or wrapped:
 
-A layer defers only when ``bw_split`` lets it (``allowed``): its node lies on the path to the stage
-inputs and each of its parameters is reached from deferring layers only. Anywhere else (a layer
-whose output does not lead to an input, a weight also used by another op) the layer's node is an
-ordinary node of the graph and W reaches it as before; without a store (a fused backward, stock
-code around the module) the functions compute every gradient at once, as torch does.
+- a **Linear** is an ``AddmmBackward0`` (with a bias) or ``MmBackward0`` (without) whose second
+  matrix is the weight transposed (``TBackward0`` over the weight's ``AccumulateGrad``). Its weight
+  gradient is one GEMM of two tensors: the layer's input, which the node saved (``_saved_mat1`` /
+  ``_saved_self``), and the gradient arriving at the node, which B asks autograd for as one more
+  of its ``inputs`` (a ``GradientEdge``). B keeps both and W runs the GEMM, in the arrangement
+  torch's ``mm_mat2_backward`` uses, so the result is bit for bit the fused backward's. The bias
+  gradient, a sum over rows of that gradient, B asks autograd for directly (the bias among
+  ``inputs``): the node computes it as in a fused backward, and W only accumulates it.
+- a **LayerNorm** is a ``NativeLayerNormBackward0``. Its weight gradients are two vectors of its
+  width that come out of the same kernel as its input gradient, so B asks for them too (its
+  parameters among ``inputs``) and W only accumulates them; keeping what W would need to compute
+  them later (the input and the gradient) would cost far more.
 
-Kept for W per deferred Linear: its input (what the forward saved anyway) and the gradient of its
-output. A LayerNorm's weight gradients are two vectors of its width that come out of the same
-kernel as its input gradient: B computes them, and W only accumulates them. When every parameter of a
-stage defers, B frees the graph as it goes, as a fused backward does.
+W accumulates every such gradient with one ``torch.autograd.backward`` call on the parameters, so
+autograd's ``AccumulateGrad`` runs once per parameter and fires every hook registered on it
+(DeepSpeed's bf16 and ZeRO gradient hooks), as after a fused backward. Megatron's zero-bubble fork
+keeps a queue of weight-gradient closures in the same spirit.
+
+A layer's gradients go this way only when each of its parameters is reached from such layers only
+(``find``); anywhere else (a weight also used by another op, a Linear under autocast, whose weight
+reaches the GEMM through a cast) the layer is an ordinary node of the graph and W re-enters it.
+When every parameter of a stage goes this way, B frees the graph as it goes, as a fused backward
+does. The inputs kept for W are held as saved tensors of a small autograd node (``_Kept``), so every
+saved-tensor hook in force (the engine's activation meter, a user's offloading hooks) sees them as
+it sees the graph's.
 """
 from __future__ import annotations
 
-import types
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge, Node
+
+# node name -> (child index of the input, child index of the transposed weight, saved input's attribute)
+_LINEAR = {"AddmmBackward0": (1, 2, "_saved_mat1"), "MmBackward0": (0, 1, "_saved_self")}
+_NORM = "NativeLayerNormBackward0"
 
 
 class _Kept(torch.autograd.Function):
-    """Holds tensors for W as autograd holds a node's saved tensors, so that every saved-tensor hook
-    in force (the engine's activation meter, a user's offloading hooks) sees them as it sees the
-    graph's: packed now, unpacked at W, released when the store is."""
+    """Holds tensors for W as autograd holds a node's saved tensors: packed now, unpacked at W,
+    released when the store is."""
 
     @staticmethod
     def forward(ctx, anchor, *tensors):
@@ -49,188 +59,139 @@ class _Kept(torch.autograd.Function):
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)  # gives ``_Kept`` a node (an input that needs a gradient)
+# Whether a saved-tensor hook is in force (torch has no public query; without it, always hold).
+_hooks_in_force = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _tracing: True)
+
+
+@dataclass
+class Linear:
+    node: object  # its node (``find``), or the node's position in a walk (``bw_split``)
+    weight: int  # index into the stage's parameters
+    saved: str  # the node's attribute holding the layer's input
+
+
+@dataclass
+class Layers:
+    """The layers of one graph whose weight gradients the store computes (``find``)."""
+
+    linears: list  # Linear
+    in_b: list  # indices of the parameters whose gradients B computes (biases, LayerNorms')
+    nodes: set  # every node these layers own (theirs, the transposes, the accumulators)
+
+
+def find(children: dict, leads_in: dict, acc_index: dict, params: list) -> Layers:
+    """The Linear and LayerNorm nodes on the input path whose parameters are reached from such
+    nodes only. ``children``: every node's child nodes; ``leads_in``: whether a node leads to a
+    stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index in ``params``."""
+    owned: dict[Node, tuple] = {}  # node -> (kind, the param-side nodes it owns, details)
+    for n in children:
+        if not leads_in[n]:
+            continue
+        name = type(n).__name__
+        spec = _LINEAR.get(name)
+        nf = n.next_functions
+        if spec is not None:
+            at_in, at_w, _ = spec
+            t = nf[at_w][0]
+            if t is None or type(t).__name__ != "TBackward0" or not leads_in.get(nf[at_in][0], False):
+                continue
+            acc = t.next_functions[0][0]
+            bias = nf[0][0] if name == "AddmmBackward0" else None
+            if acc not in acc_index or (bias is not None and bias not in acc_index):
+                continue
+            if name == "AddmmBackward0" and (n._saved_alpha != 1 or n._saved_beta != 1):
+                continue
+            owned[n] = ("linear", (t, acc) + ((bias,) if bias is not None else ()),
+                        (Linear(n, acc_index[acc], spec[2]), [acc_index[bias]] if bias is not None else []))
+        elif name == _NORM:
+            accs = [c for c, _ in nf[1:3] if c is not None]
+            if not accs or not leads_in.get(nf[0][0], False) or any(c not in acc_index for c in accs):
+                continue
+            owned[n] = ("norm", tuple(accs), (None, [acc_index[c] for c in accs]))
+    if not owned:
+        return Layers([], [], set())
+    # Each parameter (and each transpose) must be reached from the layers that own it only.
+    watched = {c for _, side, _ in owned.values() for c in side}
+    parents: dict[Node, list] = {}
+    for node, kids in children.items():
+        for c in kids:
+            if c in watched:
+                parents.setdefault(c, []).append(node)
+    changed = True
+    while changed:
+        changed = False
+        mine = {c: n for n, (_, side, _) in owned.items() for c in side}
+        for n, (kind, side, _) in list(owned.items()):
+            for c in side:
+                ok = all(p is n or (mine.get(p) is not None and type(p).__name__ == "TBackward0")
+                         for p in parents.get(c, ()))
+                if type(c).__name__ == "TBackward0":
+                    ok = parents.get(c, []) == [n]
+                if not ok:
+                    del owned[n]
+                    changed = True
+                    break
+    linears = [lin for _, _, (lin, _) in owned.values() if lin is not None]
+    in_b = [k for _, _, (_, ks) in owned.values() for k in ks]
+    nodes = set(owned) | {c for _, side, _ in owned.values() for c in side}
+    return Layers(linears, in_b, nodes)
 
 
 class WeightGradStore:
-    """The weight-gradient work of one B, run by W.
+    """What one B keeps for the layers ``find`` chose, and W's computation of their gradients.
+    ``linears`` name their nodes by their position in ``order`` (``bw_split``); ``in_b`` are the
+    parameters whose gradients B computes."""
 
-    Process-wide (autograd may run a backward on its device threads) and stacked: a checkpointed
-    chunk recomputed inside B collects into its own store while the stage's waits.
-    """
+    def __init__(self, linears: list, in_b: list, order: list, params: list):
+        self.params = params
+        self.linears = linears
+        self._nodes = [order[lin.node] for lin in linears]
+        self.inputs = [getattr(n, lin.saved) for n, lin in zip(self._nodes, linears)]  # before B frees them
+        self.in_b = in_b
+        self.gys: list = []
+        self.b_grads: list = []
+        self._kept: Optional[torch.Tensor] = None
 
-    _stack: list["WeightGradStore"] = []
+    def extra_inputs(self) -> list:
+        """What B asks autograd for beside the stage inputs: the gradient arriving at each Linear
+        and the gradients of the ``in_b`` parameters."""
+        return [GradientEdge(n, 0) for n in self._nodes] + [self.params[k] for k in self.in_b]
 
-    def __init__(self, allowed: set, nodes: set):
-        self.allowed = allowed  # the autograd nodes (the layers' ``ctx``) that may defer
-        self.nodes = nodes  # every node of the graph B runs (``allowed`` among them)
-        self.entries: list[tuple] = []  # (compute, output gradient, saved tensors, params)
-        self._kept: Optional[torch.Tensor] = None  # after ``seal``: holds the entries' saved tensors
-
-    def __enter__(self) -> "WeightGradStore":
-        WeightGradStore._stack.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        WeightGradStore._stack.remove(self)
-
-    @staticmethod
-    def collecting(ctx) -> Optional["WeightGradStore"]:
-        """The store of the B whose graph holds the node ``ctx``, or None (a fused backward, or W
-        entering the graph again). Chosen by the node, not by the order of the stack: a device thread
-        may run a node of the stage's graph while a checkpointed chunk's B is on top of it."""
-        for store in reversed(WeightGradStore._stack):
-            if ctx in store.nodes:
-                return store
-        return None
-
-    def put(self, compute, grad: torch.Tensor, saved: tuple, params: tuple) -> None:
-        """Keep ``compute(grad, *saved) -> gradients of params`` for W: ``saved`` are tensors the
-        forward saved, ``grad`` the gradient B computed for the layer's output."""
-        self.entries.append((compute, grad, saved, params))
-
-    def seal(self) -> None:
-        """After B: hold the entries' saved tensors as saved tensors (``_Kept``), not as plain references,
-        and let go of the graph's nodes (only B chooses by them)."""
-        self.allowed, self.nodes = set(), set()
-        saved = [t.detach() for _, _, ts, _ in self.entries for t in ts]  # no edge into the graph B ran
-        with torch.enable_grad():
-            self._kept = _Kept.apply(_ANCHOR, *saved)
-        self.entries = [(c, g, len(ts), p) for c, g, ts, p in self.entries]
+    def keep(self, grads) -> None:
+        """After B: ``grads`` are what autograd returned for ``extra_inputs``. Where a saved-tensor
+        hook is in force, the Linears' inputs are held as saved tensors (``_Kept``), so the hook
+        sees them until W as it saw them in the graph; otherwise as they are."""
+        n = len(self.linears)
+        self.gys, self.b_grads = list(grads[:n]), list(grads[n:])
+        if _hooks_in_force(False) is not None:
+            with torch.enable_grad():
+                self._kept = _Kept.apply(_ANCHOR, *(t.detach() for t in self.inputs))
+            self.inputs = []
+        self._nodes = []
 
     def grads(self) -> list[torch.Tensor]:
-        """The output gradients kept (for the memory report)."""
-        return [grad for _, grad, _, _ in self.entries if grad is not None]
+        """The gradients kept for W (for the memory report): at each Linear's output, and those B
+        computed for the ``in_b`` parameters."""
+        return [g for g in self.gys + self.b_grads if g is not None]
 
     def run(self) -> None:
-        """Compute every kept weight gradient and accumulate them in one autograd call."""
-        saved = iter(self._kept.grad_fn.saved_tensors)
-        summed: dict[int, list] = {}
-        for compute, grad, n, params in self.entries:
-            for p, g in zip(params, compute(grad, *(next(saved) for _ in range(n)))):
-                if g is None or p is None:
-                    continue
-                slot = summed.get(id(p))
-                if slot is None:
-                    summed[id(p)] = [p, g]
-                else:
-                    slot[1] = slot[1] + g
-        self.entries, self._kept = [], None
+        """Compute every kept weight gradient and accumulate them in one autograd call. A weight's
+        gradient is computed as torch's ``mm_mat2_backward`` computes it for ``x @ weight.t()``:
+        ``gy^T x`` for a contiguous weight, ``(x^T gy)^T`` otherwise."""
+        summed: dict[int, torch.Tensor] = {}
+
+        def add(k, g):
+            summed[k] = g if k not in summed else summed[k] + g
+
+        inputs = self._kept.grad_fn.saved_tensors if self._kept is not None else self.inputs
+        for lin, gy, x in zip(self.linears, self.gys, inputs):
+            if gy is None:
+                continue
+            w = self.params[lin.weight]
+            add(lin.weight, gy.t().mm(x) if w.stride(1) == 1 and w.stride(0) == w.size(1) else x.t().mm(gy).t())
+        for k, g in zip(self.in_b, self.b_grads):
+            if g is not None:
+                add(k, g)
+        self.linears, self.gys, self.b_grads, self.inputs, self._kept = [], [], [], [], None
         if summed:
-            tensors, grads = zip(*summed.values())
-            torch.autograd.backward(list(tensors), grad_tensors=list(grads))
-
-
-def _linear_wgrad(x, gy, need_w, need_b):
-    x2 = x.reshape(-1, x.shape[-1])
-    gy2 = gy.reshape(-1, gy.shape[-1])
-    return (gy2.t().mm(x2) if need_w else None, gy2.sum(0) if need_b else None)
-
-
-class _Linear(torch.autograd.Function):
-    W_REENTERS = True  # in B only the input gradient (or the store's); W enters again for the rest (bw_split)
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.params = (weight, bias)  # the parameters themselves, whatever saved-tensor hooks return
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
-        w, b = ctx.params
-        need_w, need_b = ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2]
-        store = WeightGradStore.collecting(ctx)
-        if store is not None:  # B: the input gradient only
-            if ctx in store.allowed and (need_w or need_b):
-                store.put(lambda gy, x: _linear_wgrad(x, gy, need_w, need_b), gy, (x,),
-                          (w if need_w else None, b if need_b else None))
-            return gx, None, None
-        gw, gb = _linear_wgrad(x, gy, need_w, need_b)
-        return gx, gw, gb
-
-
-def _computed(_grad, *grads):
-    return grads
-
-
-def _norm_grads(gy, x, shape, mean, rstd, weight, bias, mask):
-    return torch.ops.aten.native_layer_norm_backward(gy, x, shape, mean, rstd, weight, bias, mask)
-
-
-class _LayerNorm(torch.autograd.Function):
-    W_REENTERS = True  # as _Linear
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps):
-        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.shape = shape
-        ctx.params = (weight, bias)
-        return out
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        need = list(ctx.needs_input_grad[:3])
-        need[2] = need[2] and bias is not None
-        need[1] = need[1] and weight is not None
-        store = WeightGradStore.collecting(ctx)
-        if store is not None and ctx in store.allowed and (need[1] or need[2]):
-            # B: the weight gradients of a norm are two vectors of the layer's width, computed in the
-            # same kernel as the input gradient: B computes them and W only accumulates them (what
-            # W would need to compute them later, the input and the gradient, is far larger).
-            gx, gw, gb = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, need)
-            got = [(p, g) for p, g, n in zip(ctx.params, (gw, gb), need[1:]) if n]
-            store.put(_computed, None, tuple(g for _, g in got), tuple(p for p, _ in got))
-            return gx, None, None, None, None
-        if store is not None:  # B, a norm whose parameters W reaches through the graph: input gradient only
-            gx = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, [need[0], False, False])[0] \
-                if need[0] else None
-            return gx, None, None, None, None
-        gx, gw, gb = _norm_grads(gy, x, ctx.shape, mean, rstd, weight, bias, need)
-        return gx, gw, gb, None, None
-
-
-NODE_TYPES = (_Linear._backward_cls, _LayerNorm._backward_cls)
-
-
-def _autocast_on() -> bool:
-    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
-
-
-def _linear_forward(self, x):
-    if not torch.is_grad_enabled() or _autocast_on() or not (self.weight.requires_grad or x.requires_grad):
-        return F.linear(x, self.weight, self.bias)
-    return _Linear.apply(x, self.weight, self.bias)
-
-
-def _norm_forward(self, x):
-    if not torch.is_grad_enabled() or _autocast_on():
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-    return _LayerNorm.apply(x, self.weight, self.bias, list(self.normalized_shape), self.eps)
-
-
-def install(module: torch.nn.Module) -> int:
-    """Route the ``nn.Linear`` and ``nn.LayerNorm`` layers of ``module`` (those that keep the stock
-    ``forward``) through the store's functions; returns how many. The parameters are unchanged."""
-    count = 0
-    for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward:
-            m.forward = types.MethodType(_linear_forward, m)
-        elif isinstance(m, torch.nn.LayerNorm) and type(m).forward is torch.nn.LayerNorm.forward \
-                and m.elementwise_affine:
-            m.forward = types.MethodType(_norm_forward, m)
-        else:
-            continue
-        count += 1
-    return count
-
-
-def uninstall(module: torch.nn.Module) -> None:
-    """Give the layers ``install`` routed their stock forward back."""
-    for m in module.modules():
-        fwd = m.__dict__.get("forward")
-        if isinstance(fwd, types.MethodType) and fwd.__func__ in (_linear_forward, _norm_forward):
-            del m.forward
+            torch.autograd.backward([self.params[k] for k in summed], grad_tensors=list(summed.values()))

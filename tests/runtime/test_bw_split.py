@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 
-from ds_pipemorph.runtime import wgrad_store
 from ds_pipemorph.runtime.bw_split import backward_input
 
 
@@ -82,8 +81,6 @@ def test_b_then_w_over_three_micro_batches_equals_fused_backward_with_accumulati
     mod = make_module()
     params = list(mod.parameters())
     stage = copy.deepcopy(mod)  # the reference is the stock module's fused backward
-    if store:
-        assert wgrad_store.install(stage) > 0
     stage_params = list(stage.parameters())
     xs = [make_input() for _ in range(3)]
     gys, ref_dx = [], []
@@ -99,7 +96,7 @@ def test_b_then_w_over_three_micro_batches_equals_fused_backward_with_accumulati
     for x, gy, want in zip(xs, gys, ref_dx):
         x = x.clone().requires_grad_(x.is_floating_point())
         y = stage(x)
-        (dx,), work = backward_input([y], [gy], [x], stage_params)
+        (dx,), work = backward_input([y], [gy], [x], stage_params, store=store)
         if want is not None:
             torch.testing.assert_close(dx, want)
         works.append(work)
@@ -116,7 +113,7 @@ def test_w_of_a_linear_stack_reenters_each_linear_once_and_never_the_input_path(
     mod = _mlp()
     x = torch.randn(4, 8, requires_grad=True)
     y = mod(x)
-    _, work = backward_input([y], [torch.ones_like(y)], [x], list(mod.parameters()))
+    _, work = backward_input([y], [torch.ones_like(y)], [x], list(mod.parameters()), store=False)
     assert not work.clamp_nodes
     assert len(work.groups) == 2  # one autograd call per Linear
     assert all(type(e.node).__name__ == "AddmmBackward0" for g in work.groups for e in g.edges)
@@ -155,19 +152,19 @@ def test_a_custom_function_on_the_input_path_runs_its_backward_once_in_b_and_nev
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_a_store_linear_whose_weight_another_output_reaches_too_is_entered_again_in_w():
-    # The store's own Function returns only the input gradient in B when its weight is reached elsewhere
-    # too (a tied weight): W must enter it again for the weight and bias, not take B's (absent) ones.
+def test_a_linear_whose_weight_another_output_reaches_too_is_entered_again_in_w():
+    # A Linear's weight reached elsewhere too is not the store's: W enters its node again for the
+    # weight and the bias, and B computes neither.
     torch.manual_seed(0)
     ref = torch.nn.Linear(8, 8)
     stage = copy.deepcopy(ref)
-    assert wgrad_store.install(torch.nn.Sequential(stage)) == 1
     x, gy, gz = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)
     xr = x.clone().requires_grad_(True)
     torch.autograd.backward([ref(xr), ref.weight.sum(0)], [gy, gz])
     xs = x.clone().requires_grad_(True)
     (dx,), work = backward_input([stage(xs), stage.weight.sum(0)], [gy, gz], [xs], list(stage.parameters()))
     torch.testing.assert_close(dx, xr.grad)
+    assert work.store is None and len(work.groups) == 1
     work.run()
     for p, r in zip(stage.parameters(), ref.parameters()):
         assert p.grad is not None

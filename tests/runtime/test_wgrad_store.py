@@ -1,7 +1,8 @@
-"""The weight-gradient store (``runtime.wgrad_store``), in one process: Linear and LayerNorm layers
-leave their weight gradients to W as tensors. The gradients equal the stock module's fused backward
-(an independent computation: the same weights without the store), every parameter's accumulation
-hook fires once per W, and a stage whose parameters all defer frees its graph in B."""
+"""The weight-gradient store (``runtime.wgrad_store``), in one process: the Linear and LayerNorm
+layers of stock modules, recognised in their graph, leave W their weight GEMMs as tensors. The
+gradients equal a fused backward of the same module bit for bit (an independent computation: a
+copy of the weights, ``torch.autograd.backward``), every parameter's accumulation hook fires once
+per W, and a stage whose parameters all go this way frees its graph in B."""
 from __future__ import annotations
 
 import copy
@@ -13,6 +14,7 @@ import torch
 
 from ds_pipemorph.runtime import wgrad_store
 from ds_pipemorph.runtime.act_meter import SavedBytes, tensor_bytes
+from ds_pipemorph.runtime import bw_split
 from ds_pipemorph.runtime.bw_split import backward_input
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes" / "gpt"))
@@ -25,7 +27,7 @@ def _gpt_stage(dtype) -> torch.nn.Module:
 
 
 class TiedHead(torch.nn.Module):
-    """A Linear whose weight a later op uses again directly (as a tied output head does)."""
+    """A Linear whose weight a later op uses again, not as a Linear's (untransposed)."""
 
     def __init__(self):
         super().__init__()
@@ -33,7 +35,7 @@ class TiedHead(torch.nn.Module):
 
     def forward(self, x):
         h = self.norm(torch.tanh(self.lin(x)))
-        return torch.nn.functional.linear(h, self.lin.weight)
+        return h @ self.lin.weight
 
 
 def _split(stage, xs, gys):
@@ -58,17 +60,27 @@ def _fused(stage, xs, gys):
     return dxs
 
 
+def _linears(stage) -> list:
+    return [m for m in stage.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _in_b(stage) -> int:
+    """How many parameters B computes the gradients of: every bias, every LayerNorm parameter."""
+    return sum(m.bias is not None for m in _linears(stage)) + sum(
+        (m.weight is not None) + (m.bias is not None) for m in stage.modules() if isinstance(m, torch.nn.LayerNorm))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpt_blocks_give_the_fused_gradients_and_every_layer_defers(dtype):
+def test_gpt_blocks_give_the_fused_gradients_and_every_layer_is_the_stores(dtype):
     stock = _gpt_stage(dtype)
     stage = copy.deepcopy(stock)
-    assert wgrad_store.install(stage) == 13  # 4 Linear + 2 LayerNorm per block, the final norm
     xs = [torch.randn(2, 8, 32, dtype=dtype) for _ in range(3)]
     gys = [torch.randn(2, 8, 32, dtype=dtype) for _ in range(3)]
     want_dx = _fused(stock, xs, gys)
     x = xs[0].clone().requires_grad_()
     _, work = backward_input([stage(x)], [gys[0]], [x], list(stage.parameters()))
-    assert not work.groups and len(work.store.entries) == 13  # nothing of the graph is re-entered
+    assert not work.groups  # nothing of the graph is re-entered
+    assert len(work.store.linears) == len(_linears(stage)) == 8 and len(work.store.in_b) == _in_b(stage) == 18
     work.run()
     stage.zero_grad(set_to_none=True)
     got_dx = _split(stage, xs, gys)
@@ -81,17 +93,17 @@ def test_gpt_blocks_give_the_fused_gradients_and_every_layer_defers(dtype):
 def test_a_weight_also_used_outside_its_layer_goes_through_the_graph_and_accumulates_once():
     stock = TiedHead()
     stage = copy.deepcopy(stock)
-    wgrad_store.install(stage)
     fired = {name: 0 for name, _ in stage.named_parameters()}
     for name, p in stage.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _p, name=name: fired.__setitem__(name, fired[name] + 1))
     xs, gys = [torch.randn(4, 16)], [torch.randn(4, 16)]
     want_dx = _fused(stock, xs, gys)
     x = xs[0].clone().requires_grad_()
-    (dx,), work = backward_input([stage(x)], gys, [x], list(stage.parameters()))
-    # The norm defers; the Linear's weight is also the head's, so the Linear's node is W's to re-enter.
-    assert len(work.store.entries) == 1 and len(work.groups) == 1
-    assert {id(p) for p in work.store.entries[0][3]} == {id(stage.norm.weight), id(stage.norm.bias)}
+    params = list(stage.parameters())
+    (dx,), work = backward_input([stage(x)], gys, [x], params)
+    # The norm is the store's; the Linear's weight is also the product's, so its node is W's to re-enter.
+    assert not work.store.linears and len(work.groups) == 1
+    assert {id(params[k]) for k in work.store.in_b} == {id(stage.norm.weight), id(stage.norm.bias)}
     assert all(v == 0 for v in fired.values())
     work.run()
     assert fired == {name: 1 for name in fired}  # once per parameter, as after a fused backward
@@ -100,35 +112,33 @@ def test_a_weight_also_used_outside_its_layer_goes_through_the_graph_and_accumul
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_a_stage_whose_parameters_all_defer_frees_its_graph_in_b_and_keeps_only_what_w_needs():
+def test_a_stage_whose_parameters_all_go_to_the_store_frees_its_graph_in_b_and_keeps_only_what_w_needs():
     stage = _gpt_stage(torch.float32)
-    wgrad_store.install(stage)
     kept: list[torch.Tensor] = []  # what W needs, recorded independently: each Linear's input ...
-    for m in stage.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(lambda m, args, out: kept.append(args[0]))
+    grads = 0  # ... and, beside it, the gradient at each Linear's output and the gradients B computed
+    for m in _linears(stage):
+        m.register_forward_hook(lambda m, args, out: kept.append(args[0]))
+        grads += 2 * 8 * m.out_features * 4 + (m.out_features * 4 if m.bias is not None else 0)
+    grads += sum(p.numel() * 4 for m in stage.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters())
     x = torch.randn(2, 8, 32, requires_grad=True)
     with SavedBytes(stage.parameters()) as meter:
         y = stage(x)
         after_f = meter.live
-        norms = sum(isinstance(m, torch.nn.LayerNorm) for m in stage.modules())
         (dx,), work = backward_input([y], [torch.randn_like(y)], [x], list(stage.parameters()))
         del y
-        # ... and each LayerNorm's weight and bias gradients, computed in B (fp32, width 32)
-        want = tensor_bytes(kept) + norms * 2 * 32 * 4
-        assert meter.live == want < after_f
+        assert meter.live == tensor_bytes(kept) < after_f
+        assert tensor_bytes(work.kept_grads()) == grads
         work.run()
         del work
         assert meter.live == 0
 
 
 @pytest.mark.parametrize("case", ["no bias", "frozen weight"])
-def test_a_layer_norm_with_one_parameter_to_learn_defers_it_alone(case):
+def test_a_layer_norm_with_one_parameter_to_learn_leaves_it_alone_to_the_store(case):
     stock = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8, bias=case != "no bias"))
     if case == "frozen weight":
         stock[1].weight.requires_grad_(False)
     stage = copy.deepcopy(stock)
-    wgrad_store.install(stage)
     xs, gys = [torch.randn(4, 8)], [torch.randn(4, 8)]
     want_dx = _fused(stock, xs, gys)
     got_dx = _split(stage, xs, gys)
@@ -139,16 +149,93 @@ def test_a_layer_norm_with_one_parameter_to_learn_defers_it_alone(case):
             torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_without_grad_or_under_autocast_the_layers_run_as_stock():
-    lin, norm = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
-    seq = torch.nn.Sequential(lin, norm)
-    wgrad_store.install(seq)
-    x = torch.randn(2, 8, requires_grad=True)
-    assert type(seq(x).grad_fn) in wgrad_store.NODE_TYPES
-    with torch.no_grad():
-        assert seq(x).grad_fn is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert type(lin(x).grad_fn) not in wgrad_store.NODE_TYPES
-    wgrad_store.uninstall(seq)
-    assert "forward" not in lin.__dict__ and "forward" not in norm.__dict__
-    assert type(seq(x).grad_fn).__name__ == "NativeLayerNormBackward0"
+class _Odd(torch.nn.Module):
+    """Linears the store cannot take as they are: a weight stored transposed (not contiguous), a
+    GEMM scaled by alpha, a Linear without bias on a 3-d input, and one under autocast (its weight
+    reaches the GEMM through a cast)."""
+
+    def __init__(self):
+        super().__init__()
+        self.t = torch.nn.Parameter(torch.randn(16, 12).t())  # (12, 16), column-major
+        self.a, self.nb, self.c = torch.nn.Linear(12, 12), torch.nn.Linear(12, 12, bias=False), torch.nn.Linear(12, 12)
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x, self.t)
+        h = torch.addmm(self.a.bias, h.reshape(-1, 12), self.a.weight.t(), alpha=2.0).view_as(h)
+        h = self.nb(torch.tanh(h))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.c(h).float()
+
+
+def test_linears_off_the_common_form_give_the_fused_gradients():
+    stock = _Odd()
+    stage = copy.deepcopy(stock)
+    assert not stage.t.is_contiguous()
+    xs, gys = [torch.randn(2, 5, 16) for _ in range(2)], [torch.randn(2, 5, 12) for _ in range(2)]
+    want_dx = _fused(stock, xs, gys)
+    x = xs[0].clone().requires_grad_()
+    _, work = backward_input([stage(x)], [gys[0]], [x], list(stage.parameters()))
+    # the transposed weight and the bias-free Linear are the store's; alpha and the cast are the graph's
+    assert {id(work.store.params[lin.weight]) for lin in work.store.linears} == {id(stage.t), id(stage.nb.weight)}
+    work.run()
+    stage.zero_grad(set_to_none=True)
+    got_dx = _split(stage, xs, gys)
+    for a, b in zip(got_dx, want_dx):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for p, q in zip(stage.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+class _Branchy(torch.nn.Module):
+    """A forward whose graph changes with its input: a second Linear only for wide batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h + self.b(x).relu() if x.shape[0] > 2 else h
+
+
+def test_graphs_of_other_shapes_get_their_own_analysis_and_the_same_shape_reuses_it():
+    stock = _Branchy()
+    stage = copy.deepcopy(stock)
+    xs = [torch.randn(n, 8) for n in (4, 2, 4, 2, 3)]
+    gys = [torch.randn(n, 8) for n in (4, 2, 4, 2, 3)]
+    bw_split.forget_parameters()
+    want_dx = _fused(stock, xs, gys)
+    got_dx = _split(stage, xs, gys)
+    assert len(bw_split._PLANS) == 2  # the batch size is no part of a graph's shape; the branch is
+    for a, b in zip(got_dx, want_dx):
+        torch.testing.assert_close(a, b)
+    for p, q in zip(stage.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_weight_two_linears_share_is_summed_from_both_and_accumulated_once():
+    class Tied(torch.nn.Module):  # a tied output head: the input layer's weight, used as a Linear's again
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.tanh(self.lin(x)), self.lin.weight)
+
+    stock = Tied()
+    stage = copy.deepcopy(stock)
+    fired = []
+    stage.lin.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    xs, gys = [torch.randn(3, 16) for _ in range(2)], [torch.randn(3, 16) for _ in range(2)]
+    want_dx = _fused(stock, xs, gys)
+    x = xs[0].clone().requires_grad_()
+    _, work = backward_input([stage(x)], [gys[0]], [x], list(stage.parameters()))
+    assert len(work.store.linears) == 2 and not work.groups
+    work.run()
+    assert len(fired) == 1
+    stage.zero_grad(set_to_none=True)
+    got_dx = _split(stage, xs, gys)
+    for a, b in zip(got_dx, want_dx):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for p, q in zip(stage.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the head's part first, as autograd adds them
