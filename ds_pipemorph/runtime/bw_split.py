@@ -207,35 +207,35 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
     """Every node of the graph below ``roots``, in the order a depth-first walk finds them, and the
     graph's shape: the walk written out, per node found its type, its number of children and, for
     an accumulator, which parameter (its index) or stage input (-2 - its index) it accumulates
-    into; a child found before is written as its position, a missing child as None. The walk is
-    determined by the graph, so two graphs of the same shape differ only in their tensors."""
-    position: dict[Node, int] = {}
-    order: list[Node] = []
+    into; a child found before is written as its position, a missing child as -1. The walk is
+    determined by the graph, so two graphs of the same shape differ only in their tensors. (Every B
+    runs it: it is written for speed.)"""
+    position: dict = {None: -1}
     leaf_input = {id(t): -2 - k for k, t in enumerate(inputs) if t.grad_fn is None}
     at_input = {t.grad_fn: -2 - k for k, t in enumerate(inputs) if t.grad_fn is not None}
     shape: list = [tuple(e.output_nr for e in roots)]
-    stack = [e.node for e in reversed(roots)]
+    append = shape.append
+    stack = [e.node for e in roots]
+    pop, push, seen = stack.pop, stack.extend, position.get
     while stack:
-        node = stack.pop()
-        if node is None:
-            shape.append(None)
+        node = pop()
+        at = seen(node)
+        if at is not None:
+            append(at)
             continue
-        seen = position.get(node)
-        if seen is not None:
-            shape.append(seen)
-            continue
-        position[node] = len(order)
-        order.append(node)
+        position[node] = len(position) - 1
         nf = node.next_functions
         kind = type(node)
-        shape.append(kind)
-        shape.append(len(nf))
+        append(kind)
+        append(len(nf))
         if kind is _ACCUMULATE:
             k = acc_index.get(node)
-            shape.append(k if k is not None else leaf_input.get(id(node.variable), -1))
+            append(k if k is not None else leaf_input.get(id(node.variable), -1))
         elif at_input:
-            shape.append(at_input.get(node, -1))
-        stack.extend(fn for fn, _ in reversed(nf))
+            append(at_input.get(node, -1))
+        push([fn for fn, _ in nf])
+    order = list(position)
+    del order[0]
     return order, tuple(shape)
 
 
