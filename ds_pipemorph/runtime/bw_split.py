@@ -117,6 +117,7 @@ class _Plan:
 
 
 _ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)  # AccumulateGrad
+_ADDMM = type(torch.addmm(torch.zeros(1, requires_grad=True), torch.zeros(1, 1), torch.zeros(1, 1)).grad_fn)
 _PLANS: dict[tuple, _Plan] = {}  # a graph's shape (``_walk``) -> its plan; the newest few kept
 _PLANS_KEPT = 16
 
@@ -207,7 +208,8 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
     """Every node of the graph below ``roots``, in the order a depth-first walk finds them, and the
     graph's shape: the walk written out, per node found its type, its number of children and, for
     an accumulator, which parameter (its index) or stage input (-2 - its index) it accumulates
-    into; a child found before is written as its position, a missing child as -1. The walk is
+    into (an input's own node: -2 - its index; a GEMM: whether it scales by 1); a child found
+    before is written as its position, a missing child as -1. The walk is
     determined by the graph, so two graphs of the same shape differ only in their tensors. (Every B
     runs it: it is written for speed.)"""
     position: dict = {None: -1}
@@ -231,7 +233,10 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
         if kind is _ACCUMULATE:
             k = acc_index.get(node)
             append(k if k is not None else leaf_input.get(id(node.variable), -1))
-        elif at_input:
+            continue
+        if kind is _ADDMM:  # a Linear's GEMM scales by 1 (``wgrad_store.find`` reads the scales)
+            append(node._saved_alpha == 1 and node._saved_beta == 1)
+        if at_input:
             append(at_input.get(node, -1))
         push([fn for fn, _ in nf])
     order = list(position)

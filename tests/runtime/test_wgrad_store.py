@@ -239,3 +239,30 @@ def test_a_weight_two_linears_share_is_summed_from_both_and_accumulated_once():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for p, q in zip(stage.parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the head's part first, as autograd adds them
+
+
+def test_a_gemm_whose_scale_changes_between_graphs_of_one_shape_is_analysed_again():
+    class Scaled(torch.nn.Module):  # one Linear's GEMM, scaled by 1 on some calls and by 2 on others
+        def __init__(self):
+            super().__init__()
+            self.lin, self.alpha = torch.nn.Linear(8, 8), 1.0
+
+        def forward(self, x):
+            return torch.addmm(self.lin.bias, x, self.lin.weight.t(), alpha=self.alpha)
+
+    stock = Scaled()
+    stage = copy.deepcopy(stock)
+    xs, gys = [torch.randn(4, 8) for _ in range(4)], [torch.randn(4, 8) for _ in range(4)]
+    want, got = [], []
+    for k, (x, gy) in enumerate(zip(xs, gys)):
+        stock.alpha = stage.alpha = 2.0 if k % 2 else 1.0
+        want.append(_fused(stock, [x], [gy])[0])
+        x = x.clone().requires_grad_()
+        (dx,), work = backward_input([stage(x)], [gy], [x], list(stage.parameters()))
+        assert bool(work.store and work.store.linears) == (k % 2 == 0)  # a scaled GEMM is the graph's
+        work.run()
+        got.append(dx)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for p, q in zip(stage.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
