@@ -27,9 +27,10 @@ A layer's gradients go this way only when each of its parameters is reached from
 (``find``); anywhere else (a weight also used by another op, a Linear under autocast, whose weight
 reaches the GEMM through a cast) the layer is an ordinary node of the graph and W re-enters it.
 When every parameter of a stage goes this way, B frees the graph as it goes, as a fused backward
-does. The inputs kept for W are held as saved tensors of a small autograd node (``_Kept``), so every
-saved-tensor hook in force (the engine's activation meter, a user's offloading hooks) sees them as
-it sees the graph's.
+does. The Linears' inputs are read from their nodes when B starts (so a saved-tensor hook's unpack
+runs for them then, not when autograd reaches each node), and while a saved-tensor hook is in force
+(the engine's activation meter, a user's offloading hooks) they are held as saved tensors of a small
+autograd node (``_Kept``), so the hook sees them until W as it saw them in the graph.
 """
 from __future__ import annotations
 
