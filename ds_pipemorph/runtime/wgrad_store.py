@@ -39,6 +39,9 @@ from typing import Optional
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.overrides import has_torch_function
+
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch's own, after its checks
 
 # node name -> (child index of the input, child index of the transposed weight, saved input's attribute)
 _LINEAR = {"AddmmBackward0": (1, 2, "_saved_mat1"), "MmBackward0": (0, 1, "_saved_self")}
@@ -179,20 +182,39 @@ class WeightGradStore:
         """Compute every kept weight gradient and accumulate them in one autograd call. A weight's
         gradient is computed as torch's ``mm_mat2_backward`` computes it for ``x @ weight.t()``:
         ``gy^T x`` for a contiguous weight, ``(x^T gy)^T`` otherwise."""
-        summed: dict[int, torch.Tensor] = {}
+        params = self.params
+        ks: list[int] = []
+        grads: list[torch.Tensor] = []
+        at: dict[int, int] = {}
 
         def add(k, g):
-            summed[k] = g if k not in summed else summed[k] + g
+            j = at.get(k)
+            if j is None:
+                at[k] = len(ks)
+                ks.append(k)
+                grads.append(g)
+            else:  # a weight two Linears share: summed in the order autograd would add them
+                grads[j] = grads[j] + g
 
         inputs = self._kept.grad_fn.saved_tensors if self._kept is not None else self.inputs
         for lin, gy, x in zip(self.linears, self.gys, inputs):
-            if gy is None:
-                continue
-            w = self.params[lin.weight]
-            add(lin.weight, gy.t().mm(x) if w.stride(1) == 1 and w.stride(0) == w.size(1) else x.t().mm(gy).t())
+            if gy is not None:
+                w = params[lin.weight]
+                add(lin.weight, gy.t().mm(x) if w.stride(1) == 1 and w.stride(0) == w.size(1) else x.t().mm(gy).t())
         for k, g in zip(self.in_b, self.b_grads):
             if g is not None:
                 add(k, g)
         self.linears, self.gys, self.b_grads, self.inputs, self._kept = [], [], [], [], None
-        if summed:
-            torch.autograd.backward([self.params[k] for k in summed], grad_tensors=list(summed.values()))
+        if ks:
+            accumulate(tuple(params[k] for k in ks), tuple(grads))
+
+
+def accumulate(tensors: tuple, grads: tuple) -> None:
+    """``torch.autograd.backward(tensors, grads)``: every tensor's ``AccumulateGrad`` runs once, with
+    its hooks. The gradients here are computed for exactly these tensors (their shapes and dtypes),
+    so torch's check of them (``_make_grads``, tens of microseconds a call) is skipped where torch
+    has the engine's entry point and no tensor overrides torch functions."""
+    if _engine_run_backward is None or has_torch_function(tensors):
+        torch.autograd.backward(list(tensors), grad_tensors=list(grads))
+    else:
+        _engine_run_backward(tensors, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
