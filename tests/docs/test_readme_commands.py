@@ -87,10 +87,9 @@ REGISTRY: dict[str, Here | Node | Options] = {
     "DS_ACCELERATOR=cpu python benchmarks/engine/engine_zb_vs_1f1b.py": Options("dozens of 4-rank iterations per runner"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/ready_dispatch.py --workloads heavy,none": Options(
         "one job switching dispatch every iteration per workload"),
-    "DS_ACCELERATOR=cpu python benchmarks/engine/real_compute_ab.py": Options(
-        "eight training jobs of 44 iterations and 24 whole jobs; tests/bench/test_real_compute_ab_bench.py runs a short form"),
-    "DS_ACCELERATOR=cpu python benchmarks/engine/real_compute_ab.py --budgets 1 --schedules zb --stock-pairs 6": Options(
-        "two in-job rows and 24 whole jobs; tests/bench/test_real_compute_ab_bench.py runs one cycle of whole jobs"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/real_compute_ab.py --stock-pairs 8": Options(
+        "eight training jobs of 44 iterations and 32 whole jobs; tests/bench/test_real_compute_ab_bench.py runs a short form "
+        "and one cycle of whole jobs"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py": Options(
         "eight jobs of two engines, 4 of them on 4 ranks; tests/bench/test_varlen_real_bench.py runs a short form"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/split_backward.py": Options(
