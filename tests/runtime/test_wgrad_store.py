@@ -60,6 +60,17 @@ def _fused(stage, xs, gys):
     return dxs
 
 
+def _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx) -> None:
+    """From fresh gradients, B + W of every micro-batch on ``stage`` gives exactly the input and
+    parameter gradients the fused backward gave on ``stock`` (``want_dx``, ``stock``'s ``.grad``)."""
+    stage.zero_grad(set_to_none=True)
+    got_dx = _split(stage, xs, gys)
+    for a, b in zip(got_dx, want_dx):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for p, q in zip(stage.parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 def _linears(stage) -> list:
     return [m for m in stage.modules() if isinstance(m, torch.nn.Linear)]
 
@@ -82,12 +93,7 @@ def test_gpt_blocks_give_the_fused_gradients_and_every_layer_is_the_stores(dtype
     assert not work.groups  # nothing of the graph is re-entered
     assert len(work.store.linears) == len(_linears(stage)) == 8 and len(work.store.in_b) == _in_b(stage) == 18
     work.run()
-    stage.zero_grad(set_to_none=True)
-    got_dx = _split(stage, xs, gys)
-    for a, b in zip(got_dx, want_dx):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for p, q in zip(stage.parameters(), stock.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the same kernels, in the same order
+    _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)  # the same kernels, in the same order
 
 
 def test_a_weight_also_used_outside_its_layer_goes_through_the_graph_and_accumulates_once():
@@ -178,12 +184,7 @@ def test_linears_off_the_common_form_give_the_fused_gradients():
     # the transposed weight and the bias-free Linear are the store's; alpha and the cast are the graph's
     assert {id(work.store.params[lin.weight]) for lin in work.store.linears} == {id(stage.t), id(stage.nb.weight)}
     work.run()
-    stage.zero_grad(set_to_none=True)
-    got_dx = _split(stage, xs, gys)
-    for a, b in zip(got_dx, want_dx):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for p, q in zip(stage.parameters(), stock.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)
 
 
 class _Branchy(torch.nn.Module):
@@ -233,12 +234,7 @@ def test_a_weight_two_linears_share_is_summed_from_both_and_accumulated_once():
     assert len(work.store.linears) == 2 and not work.groups
     work.run()
     assert len(fired) == 1
-    stage.zero_grad(set_to_none=True)
-    got_dx = _split(stage, xs, gys)
-    for a, b in zip(got_dx, want_dx):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for p, q in zip(stage.parameters(), stock.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the head's part first, as autograd adds them
+    _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)  # the head's part first, as autograd adds them
 
 
 def test_a_gemm_whose_scale_changes_between_graphs_of_one_shape_is_analysed_again():
