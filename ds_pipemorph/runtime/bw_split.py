@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
@@ -118,7 +119,8 @@ class _Plan:
 
 _ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)  # AccumulateGrad
 _ADDMM = type(torch.addmm(torch.zeros(1, requires_grad=True), torch.zeros(1, 1), torch.zeros(1, 1)).grad_fn)
-_PLANS: dict[tuple, _Plan] = {}  # a graph's shape (``_walk``) -> its plan; the newest few kept
+_PLANS: dict[tuple, _Plan] = {}  # a graph's shape (``_walk``) -> its plan; the last few stored kept
+_NOOP_SAVE = getattr(getattr(torch.utils.checkpoint, "_NoopSaveInputs", None), "_backward_cls", None)
 _PLANS_KEPT = 16
 
 
@@ -146,16 +148,17 @@ def backward_input(
         return dinputs, WeightGradWork([])
 
     roots = [get_gradient_edge(t) for t in outs]
-    params, acc_index = _accumulators(params)
+    params, acc_index, hooked, leaves = _accumulators(params)
     order, shape = _walk(roots, [inputs[i] for i in input_idx], acc_index)
-    key = (shape, store and bool(input_idx), len(params))
-    plan = _PLANS.get(key)
+    key = (shape, store and bool(input_idx), len(params), hooked)
+    plan = _PLANS.get(key) if leaves else None  # (a non-leaf parameter's node is no accumulator: no shape)
     if plan is None:
         input_nodes = {get_gradient_edge(inputs[i]).node for i in input_idx}
-        plan = _analyse(order, roots, input_nodes, acc_index, params, key[1])
-        if len(_PLANS) >= _PLANS_KEPT:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        plan = _analyse(order, roots, input_nodes, acc_index, params, hooked, key[1])
+        if leaves:
+            if len(_PLANS) >= _PLANS_KEPT:  # the first stored goes first
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
 
     captured: dict[int, tuple] = {}
     returned: dict[int, tuple] = {}
@@ -174,6 +177,8 @@ def backward_input(
     finally:
         for h in handles:
             h.remove()
+        if kept is not None:
+            kept.release_hooks()
 
     slots = dict(plan.once)
 
@@ -235,7 +240,7 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
             append(k if k is not None else leaf_input.get(id(node.variable), -1))
             continue
         if kind is _ADDMM:  # a Linear's GEMM scales by 1 (``wgrad_store.find`` reads the scales)
-            append(node._saved_alpha == 1 and node._saved_beta == 1)
+            append(getattr(node, "_saved_alpha", None) == 1 and getattr(node, "_saved_beta", None) == 1)
         if at_input:
             append(at_input.get(node, -1))
         push([fn for fn, _ in nf])
@@ -244,8 +249,11 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
     return order, tuple(shape)
 
 
-def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, store: bool) -> _Plan:
-    """The frontier nodes, W's groups and the layers ``wgrad_store`` computes, for one graph."""
+def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, hooked: frozenset,
+             store: bool) -> _Plan:
+    """The frontier nodes, W's groups and the layers ``wgrad_store`` computes, for one graph. A
+    graph holding a region of torch's non-reentrant checkpoint is left to the generic split: reading
+    a Linear's input there would recompute the region."""
     n_nodes = len(order)
     position = {node: i for i, node in enumerate(order)}
     kids = [tuple(position[fn] if fn is not None else -1 for fn, _ in node.next_functions) for node in order]
@@ -280,11 +288,14 @@ def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, stor
 
     owned: set = set()
     linears, in_b = [], []
+    if store and _NOOP_SAVE is not None and any(type(n) is _NOOP_SAVE for n in order):
+        store = False
     if store:
         layers = wgrad_store.find({order[i]: [order[c] for c in children[i]] for i in range(n_nodes)},
-                                  {order[i]: leads_in[i] for i in range(n_nodes)}, acc_index, params)
+                                  {order[i]: leads_in[i] for i in range(n_nodes)}, acc_index, params, hooked)
         owned = {position[n] for n in layers.nodes}
-        for lin in layers.linears:
+        # in the order autograd runs the nodes (the newest first), in which it adds a shared weight's parts
+        for lin in sorted(layers.linears, key=lambda lin: -lin.node._sequence_nr()):
             lin.node = position[lin.node]
             linears.append(lin)
         in_b = layers.in_b
@@ -336,18 +347,21 @@ def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, stor
 
 
 _ACCUMULATORS: dict[int, tuple] = {}  # id(parameter) -> (the parameter, its AccumulateGrad node)
-_LAST: tuple = ((), [], {})  # the last call's (parameters and whether each needs a gradient, trainable, index)
+_LAST: tuple = ((), None)  # the last call's parameters (identity, needs a gradient, has hooks) and its result
 
 
-def _accumulators(params: Sequence[torch.Tensor]) -> tuple[list, dict]:
-    """The trainable parameters and, for each, the node that accumulates into its ``.grad`` (node ->
-    index). ``get_gradient_edge`` makes a view to find one (microseconds per parameter, per B), so
-    the nodes of the last call's parameters are kept (and with them the parameters: a node holds
-    its tensor); the next call with other parameters (after a migration) drops them."""
+def _accumulators(params: Sequence[torch.Tensor]) -> tuple[list, dict, frozenset, bool]:
+    """The trainable parameters; for each, the node that accumulates into its ``.grad`` (node ->
+    index); the indices of those with hooks of their own (``Tensor.register_hook``); and whether
+    every one is a leaf. ``get_gradient_edge`` makes a view to find a node (microseconds per
+    parameter, per B), so the nodes of the last call's parameters are kept (and with them the
+    parameters: a node holds its tensor); the next call with other parameters (after a migration)
+    drops them."""
     global _ACCUMULATORS, _LAST
-    ident = tuple((id(p), p.requires_grad) for p in params)
-    if ident == _LAST[0]:
-        return _LAST[1], _LAST[2]
+    ident = tuple((id(p), p.requires_grad, bool(p._backward_hooks)) for p in params)
+    last = _LAST
+    if ident == last[0]:
+        return last[1]
     trainable = [p for p in params if p.requires_grad]
     kept: dict[int, tuple] = {}
     index: dict[Node, int] = {}
@@ -360,9 +374,11 @@ def _accumulators(params: Sequence[torch.Tensor]) -> tuple[list, dict]:
         else:
             leaves = False
         index.setdefault(node, k)
+    hooked = frozenset(k for k, p in enumerate(trainable) if p._backward_hooks)
     _ACCUMULATORS = kept
-    _LAST = (ident, trainable, index) if leaves else ((), [], {})
-    return trainable, index
+    result = (trainable, index, hooked, leaves)
+    _LAST = (ident, result) if leaves else ((), None)
+    return result
 
 
 def forget_parameters() -> None:
@@ -370,5 +386,5 @@ def forget_parameters() -> None:
     or whose layers moved, calls it."""
     global _ACCUMULATORS, _LAST
     _ACCUMULATORS = {}
-    _LAST = ((), [], {})
+    _LAST = ((), None)
     _PLANS.clear()

@@ -8,9 +8,11 @@ are recognised in the graph the stock modules build, so nothing is routed or wra
 - a **Linear** is an ``AddmmBackward0`` (with a bias) or ``MmBackward0`` (without) whose second
   matrix is the weight transposed (``TBackward0`` over the weight's ``AccumulateGrad``). Its weight
   gradient is one GEMM of two tensors: the layer's input, which the node saved (``_saved_mat1`` /
-  ``_saved_self``), and the gradient arriving at the node, which B asks autograd for as one more
-  of its ``inputs`` (a ``GradientEdge``). B keeps both and W runs the GEMM, in the arrangement
-  torch's ``mm_mat2_backward`` uses, so the result is bit for bit the fused backward's. The bias
+  ``_saved_self``), and the gradient arriving at the node, which a pre-hook on the node keeps in B
+  (after any hook on the tensor the node produced has run). B keeps both and W runs the GEMM, in
+  the arrangement torch's ``mm_mat2_backward`` uses; a weight several Linears share gets their
+  parts summed in the order autograd adds them. The gradients are the fused backward's bit for bit
+  (tested in fp32 and bf16). The bias
   gradient, a sum over rows of that gradient, B asks autograd for directly (the bias among
   ``inputs``): the node computes it as in a fused backward, and W only accumulates it.
 - a **LayerNorm** is a ``NativeLayerNormBackward0``. Its weight gradients are two vectors of its
@@ -18,19 +20,24 @@ are recognised in the graph the stock modules build, so nothing is routed or wra
   parameters among ``inputs``) and W only accumulates them; keeping what W would need to compute
   them later (the input and the gradient) would cost far more.
 
-W accumulates every such gradient with one ``torch.autograd.backward`` call on the parameters, so
-autograd's ``AccumulateGrad`` runs once per parameter and fires every hook registered on it
-(DeepSpeed's bf16 and ZeRO gradient hooks), as after a fused backward. Megatron's zero-bubble fork
-keeps a queue of weight-gradient closures in the same spirit.
+W accumulates every such gradient with one call of autograd's engine on the parameters (``accumulate``:
+what ``torch.autograd.backward`` runs), so autograd's ``AccumulateGrad`` runs once per parameter
+and fires every hook registered on it (DeepSpeed's bf16 and ZeRO gradient hooks), as after a fused
+backward. Megatron's zero-bubble fork keeps a queue of weight-gradient closures in the same spirit.
 
-A layer's gradients go this way only when each of its parameters is reached from such layers only
-(``find``); anywhere else (a weight also used by another op, a Linear under autocast, whose weight
-reaches the GEMM through a cast) the layer is an ordinary node of the graph and W re-enters it.
+A layer's gradients go this way only when each of its parameters is a leaf reached from such
+layers only (``find``); anywhere else (a weight also used by another op, a Linear under autocast,
+whose weight reaches the GEMM through a cast, a bias or norm parameter with a ``register_hook`` of
+its own, which B and W would both run) the layer is an ordinary node of the graph and W re-enters it.
 When every parameter of a stage goes this way, B frees the graph as it goes, as a fused backward
-does. The Linears' inputs are read from their nodes when B starts (so a saved-tensor hook's unpack
-runs for them then, not when autograd reaches each node), and while a saved-tensor hook is in force
-(the engine's activation meter, a user's offloading hooks) they are held as saved tensors of a small
-autograd node (``_Kept``), so the hook sees them until W as it saw them in the graph.
+does. The Linears' inputs are read from their nodes when B starts, so a saved-tensor hook's unpack
+runs for them then, not when autograd reaches each node: under torch's non-reentrant checkpoint
+inside a stage (``torch.utils.checkpoint(..., use_reentrant=False)``) that recomputes the region
+again before B (the gradients stay exact; the engine's own ``activation_checkpoint_interval``
+recomputes once). They are held detached, with their versions (a change in place before W is an
+error), and while a saved-tensor hook is in force (the engine's activation meter, a user's
+offloading hooks) as saved tensors of a small autograd node (``_Kept``), so the hook sees them
+until W as it saw them in the graph.
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from torch.overrides import has_torch_function
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch's own, after its checks
 
+_ACCUMULATE = type(torch.empty(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # AccumulateGrad
 # node name -> (child index of the input, child index of the transposed weight, saved input's attribute)
 _LINEAR = {"AddmmBackward0": (1, 2, "_saved_mat1"), "MmBackward0": (0, 1, "_saved_self")}
 _NORM = "NativeLayerNormBackward0"
@@ -83,10 +91,16 @@ class Layers:
     nodes: set  # every node these layers own (theirs, the transposes, the accumulators)
 
 
-def find(children: dict, leads_in: dict, acc_index: dict, params: list) -> Layers:
+def find(children: dict, leads_in: dict, acc_index: dict, params: list, hooked: frozenset = frozenset()) -> Layers:
     """The Linear and LayerNorm nodes on the input path whose parameters are reached from such
     nodes only. ``children``: every node's child nodes; ``leads_in``: whether a node leads to a
-    stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index in ``params``."""
+    stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index in ``params``;
+    ``hooked``: indices of parameters with hooks of their own (``Tensor.register_hook``): a layer
+    whose bias or norm parameter has one stays the graph's (B would run the hook on the gradient it
+    computes, and W again on accumulating it)."""
+    def accumulator(c) -> bool:
+        return type(c) is _ACCUMULATE and c in acc_index
+
     owned: dict[Node, tuple] = {}  # node -> (kind, the param-side nodes it owns, details)
     for n in children:
         if not leads_in[n]:
@@ -95,21 +109,23 @@ def find(children: dict, leads_in: dict, acc_index: dict, params: list) -> Layer
         spec = _LINEAR.get(name)
         nf = n.next_functions
         if spec is not None:
-            at_in, at_w, _ = spec
+            at_in, at_w, saved = spec
             t = nf[at_w][0]
             if t is None or type(t).__name__ != "TBackward0" or not leads_in.get(nf[at_in][0], False):
                 continue
             acc = t.next_functions[0][0]
             bias = nf[0][0] if name == "AddmmBackward0" else None
-            if acc not in acc_index or (bias is not None and bias not in acc_index):
+            if not accumulator(acc) or (bias is not None and (not accumulator(bias) or acc_index[bias] in hooked)):
                 continue
-            if name == "AddmmBackward0" and (n._saved_alpha != 1 or n._saved_beta != 1):
+            if not hasattr(n, saved) or (name == "AddmmBackward0" and (getattr(n, "_saved_alpha", None) != 1
+                                                                        or getattr(n, "_saved_beta", None) != 1)):
                 continue
             owned[n] = ("linear", (t, acc) + ((bias,) if bias is not None else ()),
-                        (Linear(n, acc_index[acc], spec[2]), [acc_index[bias]] if bias is not None else []))
+                        (Linear(n, acc_index[acc], saved), [acc_index[bias]] if bias is not None else []))
         elif name == _NORM:
             accs = [c for c, _ in nf[1:3] if c is not None]
-            if not accs or not leads_in.get(nf[0][0], False) or any(c not in acc_index for c in accs):
+            if not accs or not leads_in.get(nf[0][0], False) or not all(accumulator(c) for c in accs) \
+                    or any(acc_index[c] in hooked for c in accs):
                 continue
             owned[n] = ("norm", tuple(accs), (None, [acc_index[c] for c in accs]))
     if not owned:
@@ -144,34 +160,53 @@ def find(children: dict, leads_in: dict, acc_index: dict, params: list) -> Layer
 class WeightGradStore:
     """What one B keeps for the layers ``find`` chose, and W's computation of their gradients.
     ``linears`` name their nodes by their position in ``order`` (``bw_split``); ``in_b`` are the
-    parameters whose gradients B computes."""
+    parameters whose gradients B computes.
+
+    The gradient arriving at each Linear is kept by a pre-hook on its node, which autograd runs
+    after the hooks registered on the tensor the node produced (``Tensor.register_hook``), so W's
+    GEMM sees the gradient B's input gradient saw."""
 
     def __init__(self, linears: list, in_b: list, order: list, params: list):
         self.params = params
         self.linears = linears
-        self._nodes = [order[lin.node] for lin in linears]
-        self.inputs = [getattr(n, lin.saved) for n, lin in zip(self._nodes, linears)]  # before B frees them
+        nodes = [order[lin.node] for lin in linears]
+        self.inputs = [getattr(n, lin.saved) for n, lin in zip(nodes, linears)]  # before B frees them
         self.in_b = in_b
-        self.gys: list = []
+        self.gys: list = [None] * len(linears)
         self.b_grads: list = []
+        self._versions: list = []
         self._kept: Optional[torch.Tensor] = None
+        self._hooks = [n.register_prehook(self._keeper(i)) for i, n in enumerate(nodes)]
+
+    def _keeper(self, i: int):
+        def keep(grads):
+            self.gys[i] = grads[0]
+        return keep
 
     def extra_inputs(self) -> list:
-        """What B asks autograd for beside the stage inputs: the gradient arriving at each Linear
-        and the gradients of the ``in_b`` parameters."""
-        return [GradientEdge(n, 0) for n in self._nodes] + [self.params[k] for k in self.in_b]
+        """What B asks autograd for beside the stage inputs: the gradients of the ``in_b`` parameters."""
+        return [self.params[k] for k in self.in_b]
+
+    def release_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def keep(self, grads) -> None:
-        """After B: ``grads`` are what autograd returned for ``extra_inputs``. Where a saved-tensor
-        hook is in force, the Linears' inputs are held as saved tensors (``_Kept``), so the hook
-        sees them until W as it saw them in the graph; otherwise as they are."""
-        n = len(self.linears)
-        self.gys, self.b_grads = list(grads[:n]), list(grads[n:])
+        """After B: ``grads`` are what autograd returned for ``extra_inputs``. The Linears' inputs are
+        held detached (nothing of the graph stays alive through them) with their versions, so an
+        in-place change before W is an error, as autograd's own saved tensors make it; where a
+        saved-tensor hook is in force they are held as saved tensors (``_Kept``), so the hook sees
+        them until W as it saw them in the graph."""
+        self.b_grads = list(grads)
+        inputs = [t.detach() for t in self.inputs]
         if _hooks_in_force(False) is not None:
             with torch.enable_grad():
-                self._kept = _Kept.apply(_ANCHOR, *(t.detach() for t in self.inputs))
+                self._kept = _Kept.apply(_ANCHOR, *inputs)
             self.inputs = []
-        self._nodes = []
+        else:
+            self.inputs = inputs
+            self._versions = [t._version for t in inputs]
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients kept for W (for the memory report): at each Linear's output, and those B
@@ -193,10 +228,16 @@ class WeightGradStore:
                 at[k] = len(ks)
                 ks.append(k)
                 grads.append(g)
-            else:  # a weight two Linears share: summed in the order autograd would add them
+            else:  # a weight Linears share: summed in the order autograd adds them (``linears``' order)
                 grads[j] = grads[j] + g
 
-        inputs = self._kept.grad_fn.saved_tensors if self._kept is not None else self.inputs
+        if self._kept is not None:
+            inputs = self._kept.grad_fn.saved_tensors
+        else:
+            inputs = self.inputs
+            if any(t._version != v for t, v in zip(inputs, self._versions)):
+                raise RuntimeError("a Linear layer's input was modified in place between its B and its W; "
+                                   "W needs it as the forward saw it")
         for lin, gy, x in zip(self.linears, self.gys, inputs):
             if gy is not None:
                 w = params[lin.weight]
@@ -204,7 +245,7 @@ class WeightGradStore:
         for k, g in zip(self.in_b, self.b_grads):
             if g is not None:
                 add(k, g)
-        self.linears, self.gys, self.b_grads, self.inputs, self._kept = [], [], [], [], None
+        self.linears, self.gys, self.b_grads, self.inputs, self._versions, self._kept = [], [], [], [], [], None
         if ks:
             accumulate(tuple(params[k] for k in ks), tuple(grads))
 

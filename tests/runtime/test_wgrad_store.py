@@ -262,3 +262,78 @@ def test_a_gemm_whose_scale_changes_between_graphs_of_one_shape_is_analysed_agai
         torch.testing.assert_close(a, b)
     for p, q in zip(stage.parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("hooked", ["output", "parameters"])
+def test_a_hook_on_a_linears_output_or_on_a_bias_or_norm_parameter_acts_once_as_in_a_fused_backward(hooked):
+    def make(calls):
+        torch.manual_seed(0)
+        mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+        if hooked == "parameters":  # B computes these gradients: a hook must still run once, on accumulating
+            mod[0].bias.register_hook(lambda g: calls.append("bias") or g * 2)
+            mod[2].weight.register_hook(lambda g: calls.append("norm") or g * 2)
+        return mod
+
+    def forward(mod, x):
+        h = mod[0](x)
+        if hooked == "output":  # on the Linear's own output (2-d: the GEMM's output itself)
+            h.register_hook(lambda g: g * 3)
+        return mod[3](mod[2](mod[1](h)))
+
+    stock_calls, calls = [], []
+    stock, stage = make(stock_calls), make(calls)
+    params = list(stage.parameters())
+    for _ in range(2):
+        x, gy = torch.randn(4, 8), torch.randn(4, 8)
+        xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.autograd.backward(forward(stock, xr), gy)
+        (dx,), work = backward_input([forward(stage, xs)], [gy], [xs], params)
+        assert len(work.store.linears) == (2 if hooked == "output" else 1)  # a hooked bias: its Linear is the graph's
+        work.run()
+        torch.testing.assert_close(dx, xr.grad)
+    assert calls == stock_calls  # each parameter hook once per micro-batch
+    for (name, p), q in zip(stage.named_parameters(), stock.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_a_weight_three_linears_share_is_summed_as_autograd_sums_it():
+    class Thrice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = torch.tanh(self.lin(x))
+            return torch.nn.functional.linear(h, self.lin.weight) + torch.nn.functional.linear(h * h, self.lin.weight)
+
+    for seed in range(8):  # sums of three in another order differ in their last bits for most draws
+        torch.manual_seed(seed)
+        stock = Thrice()
+        stage = copy.deepcopy(stock)
+        xs, gys = [torch.randn(5, 16)], [torch.randn(5, 16)]
+        want_dx = _fused(stock, xs, gys)
+        _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)
+
+
+def test_w_holds_the_linears_inputs_without_their_graph_and_refuses_one_changed_in_place():
+    stage = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    (dx,), work = backward_input([stage(x)], [torch.randn(4, 8)], [x], list(stage.parameters()))
+    assert len(work.store.linears) == 2 and all(t.grad_fn is None for t in work.store.inputs)
+    work.run()
+    assert all(not p.grad.requires_grad for p in stage.parameters())  # W recorded no graph
+    (dx,), work = backward_input([stage(x)], [torch.randn(4, 8)], [x], list(stage.parameters()))
+    work.store.inputs[0].mul_(2)  # (the stage input itself, as the first Linear saved it)
+    with pytest.raises(RuntimeError, match="modified in place between its B and its W"):
+        work.run()
+
+
+def test_a_non_leaf_parameter_is_left_to_the_graph():
+    base = torch.randn(8, 8, requires_grad=True)
+    w = base * 2  # a parameter computed from another tensor
+    x = torch.randn(4, 8, requires_grad=True)
+    (dx,), work = backward_input([torch.nn.functional.linear(x, w)], [torch.ones(4, 8)], [x], [w])
+    assert work.store is None
+    work.run()
+    torch.testing.assert_close(w.grad, torch.ones(4, 8).t() @ x.detach())
+    assert base.grad is None
