@@ -337,3 +337,16 @@ def test_a_non_leaf_parameter_is_left_to_the_graph():
     work.run()
     torch.testing.assert_close(w.grad, torch.ones(4, 8).t() @ x.detach())
     assert base.grad is None
+
+
+def test_without_the_engines_entry_point_w_accumulates_through_torch_autograd_backward(monkeypatch):
+    stock = _gpt_stage(torch.float32)
+    stage = copy.deepcopy(stock)
+    fired = []
+    for p in stage.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    monkeypatch.setattr(wgrad_store, "_engine_run_backward", None)
+    xs, gys = [torch.randn(2, 8, 32)], [torch.randn(2, 8, 32)]
+    want_dx = _fused(stock, xs, gys)
+    _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)
+    assert len(fired) == len(list(stage.parameters()))
