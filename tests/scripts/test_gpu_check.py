@@ -311,15 +311,16 @@ def _peak_memory_module():
     return mod
 
 
-def _derived_bytes(pm) -> tuple[int, list[int], int]:
-    """(one message, F's bytes per micro-batch per stage, what B leaves for W = the output gradients it
-    keeps) of the CPU sizes: a block saves its input, fc1's output and the GELU's (1 + 4 + 4 messages),
-    the last stage's loss its prediction and target (2 more); W keeps each Linear's input (1 + 4) and
-    the gradient of each Linear's output (4 + 1)."""
+def _derived_bytes(pm) -> tuple[int, list[int], int, int]:
+    """(one message, F's bytes per micro-batch per stage, what B leaves for W = each Linear's input,
+    the gradients B keeps for W) of the CPU sizes: a block saves its input, fc1's output and the
+    GELU's (1 + 4 + 4 messages), the last stage's loss its prediction and target (2 more); W keeps
+    each Linear's input (1 + 4) and the gradient of each Linear's output (4 + 1), and the biases'
+    gradients B computed (4 + 1 widths)."""
     width, rows, blocks = pm.SIZES["cpu"]
     m = rows * width * 4
     f = [9 * blocks * m + (2 * m if s == pm.S - 1 else 0) for s in range(pm.S)]
-    return m, f, 5 * blocks * m
+    return m, f, 5 * blocks * m, 5 * blocks * (m + width * 4)
 
 
 @pytest.mark.timeout(480)
@@ -335,7 +336,7 @@ def test_the_memory_step_on_cpu_measures_what_the_engine_predicted(tmp_path):
     got = json.loads(keys.read_text())
     assert got["ok"] and got["failures"] == []
     assert got["key_numbers"]["device"] == "cpu" and "one B's transient" in got["key_numbers"]["what_else"]
-    m, f, kept = _derived_bytes(pm)
+    m, f, kept, grads = _derived_bytes(pm)
     S = pm.S
     assert got["key_numbers"]["profile_out_activation_mb"] == pytest.approx([x / 2**20 for x in f], rel=1e-6)
     rows = json.loads((tmp_path / "work" / "peak_memory.json").read_text())["rows"]
@@ -346,7 +347,7 @@ def test_the_memory_step_on_cpu_measures_what_the_engine_predicted(tmp_path):
         if job == "stock":  # S - s micro-batches of F's bytes, as the engine predicts stock's
             assert r["measured"] == (S - s) * f[s], (s, r)
             continue
-        assert (r["f"], r["w"], r["grads"]) == (f[s], kept, kept), (job, s, r)
+        assert (r["f"], r["w"], r["grads"]) == (f[s], kept, grads), (job, s, r)
         if job == "zb":  # the default: 1F1B's order, each W right after its B while a forward remains
             assert r["units"] == r["held_f"] == S - s and r["measured"] == (S - s) * f[s] == stock, (s, r)
         elif job == "adaptive":  # re-plans stay within stock's memory
@@ -359,7 +360,7 @@ def test_the_memory_step_on_cpu_measures_what_the_engine_predicted(tmp_path):
 
 def _ideal_result(pm) -> dict:
     """A result file as a CPU run of the memory step writes it, with the derived numbers."""
-    m, f, kept = _derived_bytes(pm)
+    m, f, kept, grads = _derived_bytes(pm)
     rows = []
     for job, section in pm.JOBS.items():
         for s in range(pm.S):
@@ -367,7 +368,7 @@ def _ideal_result(pm) -> dict:
                 row = {"job": job, "rank": s, "stage": s, "iteration": i, "measured": (pm.S - s) * f[s], "saved": 0,
                        "start": 0, "params": 1000, "in": m if s else 0, "out": m if s < pm.S - 1 else 0}
                 if section is not None:
-                    row.update(units=pm.S - s, held_f=pm.S - s, held_w=1, f=f[s], w=kept, grads=kept,
+                    row.update(units=pm.S - s, held_f=pm.S - s, held_w=1, f=f[s], w=kept, grads=grads,
                                stock_units=pm.S - s, recv_window=1, send_window=2)
                 rows.append(row)
     profile = "memory:\n  activation_mb: [" + ", ".join(f"{x / 2**20:.9g}" for x in f) + "]\n"
@@ -376,14 +377,14 @@ def _ideal_result(pm) -> dict:
 
 def test_the_memory_steps_checks_fail_a_rank_above_stock_or_outside_the_predictions_bounds():
     pm = _peak_memory_module()
-    m, f, kept = _derived_bytes(pm)
+    m, f, kept, grads = _derived_bytes(pm)
     result = _ideal_result(pm)
     assert pm.compare(result)[1] == []
     row = next(r for r in result["rows"] if (r["job"], r["rank"], r["iteration"]) == ("zb", 1, 1))
     # the device's bound: the prediction, one B's transient and the output gradients of a pending W; on
     # CUDA also the held outputs, the windows' messages and the parameters' gradients and optimizer step
     lower, predicted, upper = pm.bounds(row, f[1], "cpu")
-    assert (lower, predicted, upper) == (3 * f[1], 3 * f[1], 4 * f[1] + kept)
+    assert (lower, predicted, upper) == (3 * f[1], 3 * f[1], 4 * f[1] + grads)
     # (the windows: recv_window 1 + send_window 2 messages of each kind, in and out)
     assert pm.bounds(row, f[1], "cuda")[2] - upper == 3 * m + (1 + 2) * 2 * m + pm.OPTIMIZER_FACTOR * 1000
     row["measured"] = int(1.2 * row["measured"])  # within the bounds, above stock's x 1.10: (a)
