@@ -59,7 +59,7 @@ def describe_activation_bytes(measured: Sequence[ActivationBytes], share: Option
 
     line = (f"pipemorph: activation memory in iteration 1, MiB per stage: F keeps {mib(m.f for m in measured)} per "
             f"micro-batch for B, B keeps {mib(m.w for m in measured)} for W plus "
-            f"{mib(m.grads for m in measured)} of output gradients; the most held at once "
+            f"{mib(m.grads for m in measured)} of gradients; the most held at once "
             f"{mib(m.peak for m in measured)} (stock 1F1B: {mib(m.stock for m in measured)}"
             + (", plus one checkpointed chunk recomputed at a time in each backward)" if any(m.checkpointed for m in measured)
                else ")"))

@@ -18,7 +18,7 @@ def _two_stages(checkpointed: bool) -> list[ActivationBytes]:
 def test_the_line_names_stock_s_figure_and_on_a_checkpointed_job_the_recomputation_it_leaves_out():
     plain = describe_activation_bytes(_two_stages(False))
     assert plain == ("pipemorph: activation memory in iteration 1, MiB per stage: F keeps [4.0, 2.0] per micro-batch "
-                     "for B, B keeps [4.0, 2.0] for W plus [0.1, 0.0] of output gradients; the most held at once "
+                     "for B, B keeps [4.0, 2.0] for W plus [0.1, 0.0] of gradients; the most held at once "
                      "[9.0, 3.0] (stock 1F1B: [8.0, 2.0]); no memory budget")
     checkpointed = describe_activation_bytes(_two_stages(True))
     assert checkpointed == plain.replace("(stock 1F1B: [8.0, 2.0])", "(stock 1F1B: [8.0, 2.0], plus one checkpointed "
