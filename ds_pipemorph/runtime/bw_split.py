@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import torch.utils.checkpoint
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
@@ -117,10 +116,8 @@ class _Plan:
     retain: bool  # W re-enters the graph: B keeps it
 
 
-_ACCUMULATE = type(get_gradient_edge(torch.empty(0, requires_grad=True)).node)  # AccumulateGrad
 _ADDMM = type(torch.addmm(torch.zeros(1, requires_grad=True), torch.zeros(1, 1), torch.zeros(1, 1)).grad_fn)
 _PLANS: dict[tuple, _Plan] = {}  # a graph's shape (``_walk``) -> its plan; the last few stored kept
-_NOOP_SAVE = getattr(getattr(torch.utils.checkpoint, "_NoopSaveInputs", None), "_backward_cls", None)
 _PLANS_KEPT = 16
 
 
@@ -211,10 +208,10 @@ def backward_input(
 
 def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
     """Every node of the graph below ``roots``, in the order a depth-first walk finds them, and the
-    graph's shape: the walk written out, per node found its type, its number of children and, for
-    an accumulator, which parameter (its index) or stage input (-2 - its index) it accumulates
-    into (an input's own node: -2 - its index; a GEMM: whether it scales by 1); a child found
-    before is written as its position, a missing child as -1. The walk is
+    graph's shape: the walk written out, per node found its type, its number of children, and for
+    an accumulator which parameter (its index) or stage input (-2 - its index) it accumulates
+    into, for a stage input's own node -2 - its index, for a GEMM whether it scales by 1; a child
+    found before is written as its position, a missing child as -1. The walk is
     determined by the graph, so two graphs of the same shape differ only in their tensors. (Every B
     runs it: it is written for speed.)"""
     position: dict = {None: -1}
@@ -235,7 +232,7 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
         kind = type(node)
         append(kind)
         append(len(nf))
-        if kind is _ACCUMULATE:
+        if kind is wgrad_store.ACCUMULATE:
             k = acc_index.get(node)
             append(k if k is not None else leaf_input.get(id(node.variable), -1))
             continue
@@ -251,9 +248,7 @@ def _walk(roots: list, inputs: list, acc_index: dict) -> tuple[list, tuple]:
 
 def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, hooked: frozenset,
              store: bool) -> _Plan:
-    """The frontier nodes, W's groups and the layers ``wgrad_store`` computes, for one graph. A
-    graph holding a region of torch's non-reentrant checkpoint is left to the generic split: reading
-    a Linear's input there would recompute the region."""
+    """The frontier nodes, W's groups and the layers ``wgrad_store`` computes, for one graph."""
     n_nodes = len(order)
     position = {node: i for i, node in enumerate(order)}
     kids = [tuple(position[fn] if fn is not None else -1 for fn, _ in node.next_functions) for node in order]
@@ -288,11 +283,9 @@ def _analyse(order, roots, input_nodes: set, acc_index: dict, params: list, hook
 
     owned: set = set()
     linears, in_b = [], []
-    if store and _NOOP_SAVE is not None and any(type(n) is _NOOP_SAVE for n in order):
-        store = False
     if store:
         layers = wgrad_store.find({order[i]: [order[c] for c in children[i]] for i in range(n_nodes)},
-                                  {order[i]: leads_in[i] for i in range(n_nodes)}, acc_index, params, hooked)
+                                  {order[i]: leads_in[i] for i in range(n_nodes)}, acc_index, hooked)
         owned = {position[n] for n in layers.nodes}
         # in the order autograd runs the nodes (the newest first), in which it adds a shared weight's parts
         for lin in sorted(layers.linears, key=lambda lin: -lin.node._sequence_nr()):

@@ -50,7 +50,7 @@ from torch.overrides import has_torch_function
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch's own, after its checks
 
-_ACCUMULATE = type(torch.empty(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # AccumulateGrad
+ACCUMULATE = type(torch.empty(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # AccumulateGrad's type
 # node name -> (child index of the input, child index of the transposed weight, saved input's attribute)
 _LINEAR = {"AddmmBackward0": (1, 2, "_saved_mat1"), "MmBackward0": (0, 1, "_saved_self")}
 _NORM = "NativeLayerNormBackward0"
@@ -91,15 +91,15 @@ class Layers:
     nodes: set  # every node these layers own (theirs, the transposes, the accumulators)
 
 
-def find(children: dict, leads_in: dict, acc_index: dict, params: list, hooked: frozenset = frozenset()) -> Layers:
+def find(children: dict, leads_in: dict, acc_index: dict, hooked: frozenset = frozenset()) -> Layers:
     """The Linear and LayerNorm nodes on the input path whose parameters are reached from such
     nodes only. ``children``: every node's child nodes; ``leads_in``: whether a node leads to a
-    stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index in ``params``;
+    stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index in the stage's parameters;
     ``hooked``: indices of parameters with hooks of their own (``Tensor.register_hook``): a layer
     whose bias or norm parameter has one stays the graph's (B would run the hook on the gradient it
     computes, and W again on accumulating it)."""
     def accumulator(c) -> bool:
-        return type(c) is _ACCUMULATE and c in acc_index
+        return type(c) is ACCUMULATE and c in acc_index
 
     owned: dict[Node, tuple] = {}  # node -> (kind, the param-side nodes it owns, details)
     for n in children:
