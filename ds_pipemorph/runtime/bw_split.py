@@ -69,19 +69,25 @@ class WeightGradWork:
     released by the caller after B. W runs without ``retain_graph``, so it frees the saved
     tensors of the nodes it runs, and dropping this object frees the rest.
 
-    ``clamp_nodes`` is only set for the rare graph where a parameter is reached both from a
-    frontier node's parameter side and through its input side (one module applied twice in a
-    stage): W then runs as one call with every frontier node pinned to its captured gradient.
-    That is still exact, but autograd re-runs the input-path nodes between frontier nodes.
+    ``pinned`` are the frontier nodes with the gradients B captured at them, which a pre-hook on
+    each hands the node in W whatever reaches it there: the hooks registered on the tensor a node
+    produced (``Tensor.register_hook``) run when the engine reaches the node, once in B, whose
+    capture holds their result, and again when W enters it; pinned, W's gradients are B's (what
+    such a hook does besides returning a gradient, and a ``retain_grad`` on that tensor, which adds
+    to its ``.grad``, still happen twice). Pinning
+    is also what makes the rare graph exact where a parameter is reached both from a frontier
+    node's parameter side and through its input side (one module applied twice in a stage): W then
+    runs as one call (``_Plan.clamp``), in which autograd re-runs the input-path nodes between frontier
+    nodes and each frontier node still gets its captured gradient.
     """
 
     groups: list
-    clamp_nodes: list = field(default_factory=list)  # (node, captured grad tuple) when clamped
+    pinned: list = field(default_factory=list)  # (frontier node, the grad tuple B captured at it)
     store: Optional[WeightGradStore] = None  # the Linear and LayerNorm layers ``wgrad_store`` computes
 
     def run(self) -> None:
         """Compute the parameter gradients and accumulate them into ``.grad``; frees the graph."""
-        handles = [n.register_prehook(lambda _g, saved=g: saved) for n, g in self.clamp_nodes]
+        handles = [n.register_prehook(lambda _g, saved=g: saved) for n, g in self.pinned]
         try:
             for grp in self.groups:
                 if grp.edges:
@@ -90,7 +96,7 @@ class WeightGradWork:
             for h in handles:
                 h.remove()
         self.groups = []
-        self.clamp_nodes = []
+        self.pinned = []
         if self.store is not None:
             self.store.run()
             self.store = None
@@ -200,8 +206,7 @@ def backward_input(
         return grp
 
     work = WeightGradWork([to_group(ks, ents) for ks, ents in plan.groups])
-    if plan.clamp:
-        work.clamp_nodes = [(order[i], captured[i]) for i in plan.frontier if i in captured]
+    work.pinned = [(order[i], captured[i]) for i in plan.frontier if i in captured]
     work.store = kept
     return dinputs, work
 
