@@ -1,10 +1,21 @@
-"""Child process groups that never outlive a timeout (torchrun's ranks included)."""
+"""Child process groups that never outlive a timeout (torchrun's ranks included), and torchrun
+commands that leave nothing behind."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
+
+
+def torchrun(log_dir: "Path | str", *args: str) -> list[str]:
+    """``torchrun --log-dir=LOG_DIR ARGS`` with this interpreter. Left to itself, torchrun makes a
+    ``torchelastic_*`` folder in the temporary folder for every job and never removes it, so a
+    command run again and again fills that folder; given ``log_dir`` (a folder of the caller's work,
+    removed with it), it makes its per-rank folders there."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--log-dir={log_dir}", *args]
 
 
 def _descendants(pid: int) -> list:

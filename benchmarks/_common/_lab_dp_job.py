@@ -226,9 +226,12 @@ def main(spec_path: str) -> None:
 # launcher side
 
 
-def node_command(lab, k: int, script: str, args: list[str], port: int) -> list[str]:
-    """``torchrun`` for node ``k`` of an 8-node job (one rank per node), node 0 the master."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc_per_node", "1",
+def node_command(lab, k: int, script: str, args: list[str], port: int, work: Path) -> list[str]:
+    """``torchrun`` for node ``k`` of an 8-node job (one rank per node), node 0 the master; its log
+    folders in ``work``."""
+    from ds_pipemorph.procs import torchrun
+
+    return [*torchrun(work / f"torchrun{k}", "--nnodes", str(NODES), "--nproc_per_node", "1"),
             "--node_rank", str(k), "--master_addr", lab.addr(0), "--master_port", str(port), script, *args]
 
 
@@ -273,7 +276,7 @@ def run_job(lab, spec: JobSpec, work: Path, port: int = 29651, timeout_s: float 
     work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "spec.json"
     spec_path.write_text(spec.model_dump_json())
-    commands = [node_command(lab, k, str(Path(__file__).resolve()), [str(spec_path)], port) for k in range(NODES)]
+    commands = [node_command(lab, k, str(Path(__file__).resolve()), [str(spec_path)], port, work) for k in range(NODES)]
     logs = [work / f"node{k}.log" for k in range(NODES)]
     codes, texts, seconds = run_nodes(lab, commands, logs, timeout_s, Path(spec.progress), on_progress)
     out = Path(spec.out)

@@ -345,7 +345,9 @@ def read_progress(path: Path) -> list[dict]:
 
 
 def node_command(lab, k: int, spec_path: Path, net: int, port: int, nodes: int = NODES) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc_per_node", "1",
+    from ds_pipemorph.procs import torchrun
+
+    return [*torchrun(spec_path.parent / f"torchrun{k}", "--nnodes", str(nodes), "--nproc_per_node", "1"),
             "--node_rank", str(k), "--master_addr", lab.addr(0, net), "--master_port", str(port),
             str(Path(__file__).resolve()), str(spec_path)]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_pipemorph.fileio import BadInput, check_writable, write_atomic  # noqa: E402
+from ds_pipemorph.procs import torchrun  # noqa: E402
 
 # glibc settings (read at process start) that keep freed memory, as GPU caching allocators do: no
 # trimming, no mmap per large block, so nothing is faulted in again (GPU users never pay that).
@@ -56,9 +57,9 @@ def relaunch(script: str, nproc: int, *args: str) -> int:
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
            "PYTHONPATH": os.pathsep.join([str(repo), str(Path(script).resolve().parent),
                                           os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           script, *(args or sys.argv[1:])]
-    return subprocess.call(cmd, env=env)
+    with tempfile.TemporaryDirectory(prefix="relaunch-") as logs:
+        return subprocess.call(torchrun(logs, "--standalone", f"--nproc_per_node={nproc}", script,
+                                        *(args or sys.argv[1:])), env=env)
 
 
 _WORK_FOLDERS: list[Path] = []
@@ -121,8 +122,8 @@ def two_rank_job(name: str, config: dict, tmp: Path, script: Path, args: list[st
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           *[a.format(config=path) for a in args]]
+    cmd = torchrun(tmp / f"{name}-torchrun", "--standalone", "--nproc_per_node=2", str(script),
+                   *[a.format(config=path) for a in args])
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     out = p.stdout + p.stderr
     m = expect.search(out)

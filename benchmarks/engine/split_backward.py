@@ -17,6 +17,8 @@ GPT blocks of ``recipes/gpt``):
 - **allocators**: ``glibc`` is this machine's default malloc, which returns large freed blocks to
   the system, so a backward that keeps tensors longer (what B keeps for W) faults fresh pages in;
   ``caching`` keeps freed memory as a GPU's caching allocator does (``_util.CACHING_MALLOC``).
+  Each row also gives the median minor page faults one backward took in each way (a fault is the
+  first touch of a page the process got from the system).
 - **activation bytes per micro-batch** (glibc run), measured with the engine's meter
   (``act_meter.SavedBytes``: distinct storages autograd saves, and what the store keeps; the stage
   input and parameters not counted): after F (what F leaves for B), after B (what B leaves for W),
@@ -35,6 +37,8 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,14 +105,20 @@ def _input(d, dtype):
     return torch.randn(*tokens(d), d, dtype=dtype, requires_grad=True)
 
 
-def one_round(mod, d, dtype, order) -> dict:
-    """Forward + backward of one micro-batch in each way, in ``order``; milliseconds of the backward."""
-    out = {}
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def one_round(mod, d, dtype, order) -> tuple[dict, dict]:
+    """Forward + backward of one micro-batch in each way, in ``order``: milliseconds of the
+    backward, and the minor page faults it took."""
+    out, faults = {}, {}
     params = list(mod.parameters())
     for way in order:
         x = _input(d, dtype)
         y = mod(x)
         g = torch.randn_like(y)
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         if way == "fused":
             torch.autograd.backward(y, g)
@@ -119,7 +129,8 @@ def one_round(mod, d, dtype, order) -> dict:
             for w in [work, *chunks.works]:
                 w.run()
         out[way] = (time.perf_counter() - t0) * 1e3
-    return out
+        faults[way] = _minor_faults() - f0
+    return out, faults
 
 
 def speed(kind: str, d: int, blocks: int, dtype, pairs: int) -> dict:
@@ -128,11 +139,12 @@ def speed(kind: str, d: int, blocks: int, dtype, pairs: int) -> dict:
     ways = ["fused", "store", "graph"]
     for i in range(2):  # warm-up
         one_round(mod, d, dtype, ways)
-    rounds = [one_round(mod, d, dtype, ways[i % 3:] + ways[:i % 3]) for i in range(pairs)]
-    res = {"fused_ms": [round(r["fused"], 3) for r in rounds]}
+    rounds, faults = zip(*(one_round(mod, d, dtype, ways[i % 3:] + ways[:i % 3]) for i in range(pairs)))
+    res = {"fused_ms": [round(r["fused"], 3) for r in rounds], "fused_faults": [f["fused"] for f in faults]}
     for way in ("store", "graph"):
         ci = bootstrap_median([r[way] / r["fused"] for r in rounds])
-        res[way] = {"ms": [round(r[way], 3) for r in rounds], "over_fused": dataclasses.asdict(ci)}
+        res[way] = {"ms": [round(r[way], 3) for r in rounds], "over_fused": dataclasses.asdict(ci),
+                    "faults": [f[way] for f in faults]}
     return res
 
 
@@ -239,13 +251,16 @@ def main() -> int:
     speed_rows = []
     for alloc, run in runs.items():
         for r in run["speed"]:
-            fused = sorted(r["fused_ms"])[len(r["fused_ms"]) // 2]
+            fused = statistics.median(r["fused_ms"])
+            faults = "/".join(f"{statistics.median(f):.0f}" for f in (r["fused_faults"], r["store"]["faults"],
+                                                                      r["graph"]["faults"]))
             speed_rows.append([alloc, r["dtype"], r["d_model"], r["layer"], f"{fused:.2f}",
-                               _ci(r["store"]["over_fused"]), _ci(r["graph"]["over_fused"])])
+                               _ci(r["store"]["over_fused"]), _ci(r["graph"]["over_fused"]), faults])
     tok = ", ".join(f"d={d}: {'x'.join(map(str, tokens(d)))}" for d in args.dims)
     print_table(f"B + W against one fused backward, per layer type ({args.blocks} GPT block(s); tokens {tok}), "
                 "1 thread, median [95 % CI]", ["malloc", "dtype", "d", "layer", "fused ms", "B+W / fused (store)",
-                                               "B+W / fused (graph)"], speed_rows)
+                                               "B+W / fused (graph)", "page faults fused/store/graph"],
+                speed_rows)
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     mem_rows = []
     for run in runs.values():

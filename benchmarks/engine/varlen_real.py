@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE.parent / "_common"))  # the shared helpers
 
 from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
+from ds_pipemorph.procs import torchrun  # noqa: E402
 
 JOB = HERE.parent / "_common" / "_varlen_job.py"
 WORKLOADS = ("multimodal", "varlen")
@@ -67,7 +68,7 @@ def loadavg() -> str:
 
 def run_job(workload: str, ranks: int, hint: str, args, tmp: Path, name: str) -> dict:
     out = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(JOB),
+    cmd = [*torchrun(tmp / f"{name}-torchrun", "--standalone", f"--nproc_per_node={ranks}", str(JOB)),
            "--workload", workload, "--hint", hint, "--micro-batches", str(args.micro_batches),
            "--batch", str(args.batch), "--seq", str(args.seq), "--d-model", str(args.d_model),
            "--heads", str(args.heads), "--blocks", str(args.blocks), "--warmup", str(args.warmup),

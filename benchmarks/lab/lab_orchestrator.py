@@ -78,7 +78,7 @@ def profile_links(lab, work: Path, sizes: str, reps: int, port: int = 29711) -> 
     args = ["-m", "ds_pipemorph_cli.app", "profile-links", "--all-pairs", "--sizes", sizes, "--reps", str(reps),
             "-o", str(matrix), "--report", str(report)]
     logs = [work / f"profile-node{k}.log" for k in range(NODES)]
-    commands = [node_command(lab, k, args[0], args[1:], port) for k in range(NODES)]
+    commands = [node_command(lab, k, args[0], args[1:], port, work) for k in range(NODES)]
     codes, texts, _ = run_nodes(lab, commands, logs, 900.0, extra_env=cli_env(work))
     if any(codes) or not matrix.exists():
         raise RuntimeError(f"profile-links failed (exit codes {codes}):\n{texts[0][-3000:]}")

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the 
 from _util import check_out, exit_on_bad_input, print_table, write_json
 
 from ds_pipemorph.lab import Lab, parse_rate
+from ds_pipemorph.procs import torchrun
 
 NODES = 4
 
@@ -39,7 +40,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, Lab(nodes=NODES) as lab:
         lab.shape(a, b, rate, both=True)
         report = Path(tmp) / "report.json"
-        cmd = lambda k: [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc_per_node", "1",  # noqa: E731
+        cmd = lambda k: [*torchrun(Path(tmp) / f"torchrun{k}", "--nnodes", str(NODES), "--nproc_per_node", "1"),  # noqa: E731
                          "--node_rank", str(k), "--master_addr", lab.addr(0), "--master_port", "29711",
                          "-m", "ds_pipemorph_cli.app", "profile-links", "--all-pairs", "--sizes", args.sizes,
                          "--reps", str(args.reps), "--report", str(report)]

@@ -23,12 +23,14 @@ import re
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _util import print_table, write_json  # noqa: E402
+from ds_pipemorph.procs import torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
@@ -43,13 +45,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launchers(steps: int, baseline: bool) -> dict[str, tuple[list[str], dict]]:
-    """name -> (command, environment changes; None as a value removes the variable)."""
+def launchers(steps: int, baseline: bool, logs: Path) -> dict[str, tuple[list[str], dict]]:
+    """name -> (command, environment changes; None as a value removes the variable); torchrun's log
+    folders go to ``logs``."""
     cores = len(os.sched_getaffinity(0))
     script = [str(TRAIN), "--steps", str(steps)]
     out = {
-        "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-                      *script], {"OMP_NUM_THREADS": None}),
+        "torchrun": (torchrun(logs, "--standalone", f"--nproc_per_node={RANKS}", *script), {"OMP_NUM_THREADS": None}),
         "deepspeed": ([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(RANKS), "--master_port",
                        "{port}", *script], {"OMP_NUM_THREADS": None}),
     }
@@ -94,13 +96,14 @@ def main() -> None:
     if a.steps < 1 or a.repeats < 1:
         ap.error("--steps and --repeats must be at least 1")
     runs: dict[str, list[dict]] = {}
-    plan = launchers(a.steps, not a.no_baseline)
-    for r in range(a.repeats):
-        for name, (cmd, changes) in plan.items():
-            res = run_once(cmd, changes, a.timeout)
-            print(f"[{r + 1}/{a.repeats}] {name}: {res['train_s']:.1f} s for {res['steps']} steps "
-                  f"(launch {res['launch_s']:.1f} s, load {res['load_1min']})", flush=True)
-            runs.setdefault(name, []).append(res)
+    with tempfile.TemporaryDirectory(prefix="launchers-") as logs:
+        plan = launchers(a.steps, not a.no_baseline, Path(logs))
+        for r in range(a.repeats):
+            for name, (cmd, changes) in plan.items():
+                res = run_once(cmd, changes, a.timeout)
+                print(f"[{r + 1}/{a.repeats}] {name}: {res['train_s']:.1f} s for {res['steps']} steps "
+                      f"(launch {res['launch_s']:.1f} s, load {res['load_1min']})", flush=True)
+                runs.setdefault(name, []).append(res)
     med = {name: statistics.median(x["train_s"] for x in rs) for name, rs in runs.items()}
     ref = med["torchrun"]
     rows = [[name, f"{med[name]:.1f}", f"{statistics.median(x['launch_s'] for x in rs):.1f}",

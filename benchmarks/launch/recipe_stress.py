@@ -15,12 +15,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _util import print_table, write_json  # noqa: E402
+from ds_pipemorph.procs import torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
@@ -30,12 +32,12 @@ FINISHED = re.compile(r"^loss [\d.]+ -> [\d.]+ over \d+ steps", re.M)
 
 
 def one_run(steps: int, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
-           str(TRAIN), "--steps", str(steps)]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        with tempfile.TemporaryDirectory(prefix="recipe-stress-") as logs:
+            cmd = torchrun(logs, "--standalone", f"--nproc_per_node={RANKS}", str(TRAIN), "--steps", str(steps))
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         code = None

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..procs import kill_group, stop_group, versioned_extensions_dir
+from ..procs import kill_group, stop_group, torchrun, versioned_extensions_dir
 from .spec import BenchSpec
 
 POLL_S = 0.5
@@ -48,8 +48,8 @@ def run_job(spec: BenchSpec, spec_path: Path, work: Path, timeout_s: float,
     abort at process exit after finishing); a file left by an earlier run does not."""
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec.stages}",
-           "-m", "ds_pipemorph.bench.worker", str(spec_path)]
+    cmd = torchrun(work / "torchrun", "--standalone", f"--nproc_per_node={spec.stages}",
+                   "-m", "ds_pipemorph.bench.worker", str(spec_path))
     log_path = work / "ranks.log"
     progress_file = Path(spec.progress_file)
     out = Path(spec.out)

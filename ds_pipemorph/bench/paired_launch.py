@@ -18,6 +18,7 @@ from pathlib import Path
 from statistics import median
 from typing import Callable, Optional
 
+from .. import procs
 from ..procs import stop_group, versioned_extensions_dir
 from .launch import complete_lines
 from ..paired import A_SIDE, compare, sequence
@@ -38,8 +39,8 @@ class PairedRunError(RuntimeError):
 def torchrun(module: str, spec_path: Path, nproc: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", module, str(spec_path)]
+    cmd = procs.torchrun(log.parent / "torchrun", "--standalone", f"--nproc_per_node={nproc}",
+                         "-m", module, str(spec_path))
     with open(log, "a") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -27,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
+from ds_pipemorph.procs import torchrun  # noqa: E402
+
 from peak_memory import S, compare, table  # noqa: E402
 
 
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "DS_ACCELERATOR": "cuda" if on_gpu else "cpu",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     wrapper = [str(HERE / "on_gpu0.py")] if on_gpu else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={S}", *wrapper,
+    cmd = [*torchrun(a.work / "torchrun", "--standalone", f"--nproc_per_node={S}"), *wrapper,
            str(HERE / "peak_memory.py"), str(result_path), "--device", "cuda:0" if on_gpu else "cpu"]
     code, out, err = launch(cmd, left_s, REPO, env)
     (a.work / "launch.log").write_text(out + err)

@@ -28,6 +28,8 @@ left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget l
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from ds_pipemorph.procs import torchrun  # noqa: E402
+
 
 STAGES, DP, N, STEPS = 2, 2, 3, 2
 
@@ -59,7 +61,7 @@ def main() -> int:
     failures: list[str] = []
     keys: dict = {}
     with open(work / "nsight.log", "w") as log:
-        job = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={STAGES * DP}",
+        job = [*torchrun(work / "torchrun", "--standalone", f"--nproc_per_node={STAGES * DP}"),
                str(REPO / "scripts" / "gpu_check" / "on_gpu0.py"), str(REPO / "tests" / "nvtx" / "nvtx_job.py"),
                str(work), str(STAGES), str(DP), str(N), str(STEPS)]
         steps = [

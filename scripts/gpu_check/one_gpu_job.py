@@ -26,6 +26,8 @@ left_s = start_step()  # SIGTERM exits through run_group's cleanup; the budget l
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from ds_pipemorph.procs import torchrun  # noqa: E402
+
 from tests.runtime.launch import Launch, max_param_diff  # noqa: E402
 from tests.runtime.test_equivalence import TOL, _assert_equal_to_stock, _expected_peak  # noqa: E402
 from tests.runtime.test_precision import _assert_identical  # noqa: E402
@@ -108,7 +110,7 @@ def main() -> int:
     (work / "jobs.json").write_text(json.dumps(jobs()))
     env = {**os.environ, "DS_ACCELERATOR": "cuda", "GPU_CHECK_OP_TIMES": str(work / "op_times"),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
+    cmd = [*torchrun(work / "torchrun", "--standalone", f"--nproc_per_node={RANKS}"),
            str(REPO / "scripts" / "gpu_check" / "on_gpu0.py"), str(REPO / "tests" / "runtime" / "worker.py"),
            str(work / "jobs.json"), str(work)]
     code, out, err = launch(cmd, left_s, REPO, env)

@@ -49,7 +49,9 @@ def launch_worker(repo: Path, work: Path, jobs: list, nproc: int, backend: str, 
     (work / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "DS_ACCELERATOR": accelerator, "WORKER_DIST_BACKEND": backend,
            "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    from ds_pipemorph.procs import torchrun
+
+    cmd = [*torchrun(work / "torchrun", "--standalone", f"--nproc_per_node={nproc}"),
            str(repo / "tests" / "runtime" / "worker.py"), str(work / "jobs.json"), str(work)]
     code, out, err = launch(cmd, left_s, repo, env)
     output = out + err
