@@ -4,11 +4,8 @@ the slow link, the results file with each row's prediction and memory budget."""
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -25,9 +22,10 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 def test_short_demo_shows_progress_prints_the_table_and_writes_results(tmp_path):
     out = tmp_path / "demo.json"
     # A temporary folder of its own, which the command leaves as it found it (no torchrun log folder,
-    # no work folder of its own). Short: multiprocessing puts its forkserver's socket there, and a
-    # socket's path has at most 107 bytes.
-    tmp = Path(tempfile.mkdtemp(prefix="demo-"))
+    # no work folder of its own); long, as a scheduler's job folder may be: too long for the socket
+    # of the delegates' fork server (``supervision.short_socket_folder``).
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     # A terminal as rich sees one (progress is drawn only there), wide enough for every line.
     env = {**os.environ, "TTY_COMPATIBLE": "1", "COLUMNS": "160", "DS_ACCELERATOR": "cpu", "TMPDIR": str(tmp)}
     p = run_group([*command("pipemorph"), "demo", "--iterations", "2", "--out", str(out)],
@@ -36,7 +34,6 @@ def test_short_demo_shows_progress_prints_the_table_and_writes_results(tmp_path)
     assert p.returncode == 0, text + p.stderr
     # Nothing but torch's compile cache, which the next run reuses.
     assert [f.name for f in tmp.iterdir() if not f.name.startswith("torchinductor_")] == []
-    shutil.rmtree(tmp)
     # Progress: scenario k of 2, the row, warm-up and measured iterations of 4 + 2, elapsed time.
     assert re.search(r"scenario 1/2 no_delay: stock 1F1B \(row 1/6\), (warm-up )?iteration [1-6]/6 .*\d:\d\d:\d\d", text)
     assert re.search(r"scenario 2/2 20ms_link0: \S+.* \(row [4-6]/6\), (warm-up )?iteration [1-6]/6", text)

@@ -1,5 +1,7 @@
 """A training script without an ``if __name__ == "__main__"`` guard is not run again inside the delegates:
-the fork server's children are told of no main module (``supervision.main_module_hidden``)."""
+the fork server's children are told of no main module (``supervision.main_module_hidden``); and they
+start where the temporary folder is too long for a socket's path."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -32,3 +34,35 @@ def test_a_script_without_a_main_guard_runs_once_when_a_delegate_starts(tmp_path
                        cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert marker.read_text() == "ran\n"  # not again in the fork server's child
+
+
+LONG_TMPDIR_SCRIPT = textwrap.dedent('''
+    import os
+    from multiprocessing import util
+    from ds_pipemorph.runtime.transport.delegated.supervision import delegate_context, main_module_hidden
+    ctx = delegate_context()
+    with main_module_hidden():
+        child = ctx.Process(target=os.getpid)
+        child.start()
+    child.join(120)
+    assert child.exitcode == 0, child.exitcode
+    print(util.get_temp_dir())
+''')
+
+
+@pytest.mark.timeout(180)
+def test_delegates_start_under_a_temporary_folder_too_long_for_a_socket_path(tmp_path):
+    # A scheduler's job folder as TMPDIR: the fork server's socket, made in a folder of it, would
+    # pass the 107 bytes of a socket's path. Multiprocessing's folder goes under /tmp instead, and
+    # is removed when the process exits.
+    long_tmp = tmp_path / ("job-" + "x" * 100)
+    long_tmp.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(LONG_TMPDIR_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170, cwd=tmp_path,
+                       env={**os.environ, "TMPDIR": str(long_tmp)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    folder = p.stdout.strip().splitlines()[-1]
+    assert os.path.dirname(folder) == "/tmp" and os.path.basename(folder).startswith("pymp-")
+    assert not os.path.exists(folder)
+    assert list(long_tmp.iterdir()) == []

@@ -40,7 +40,29 @@ def delegate_context():
     delegate is still a fresh fork of a process that never ran CUDA or training threads."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", DELEGATE_MODULE])
+    short_socket_folder()
     return ctx
+
+
+_SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX socket's path (Linux's ``sun_path``, less its final zero)
+_LISTENER = "/pymp-xxxxxxxx/listener-xxxxxxxx"  # what multiprocessing adds to the temporary folder
+
+
+def short_socket_folder() -> None:
+    """The fork server listens on a socket that multiprocessing makes in a folder of its own in the
+    temporary folder; where ``TMPDIR`` is long (a scheduler's job folder) that path is too long for
+    a socket and every delegate start fails ("AF_UNIX path too long"). Before multiprocessing has
+    made its folder, a long temporary folder gets one under ``/tmp`` instead (as newer Pythons do
+    themselves), removed at exit as multiprocessing removes its own."""
+    import shutil
+    import tempfile
+    from multiprocessing import process, util
+
+    config = process.current_process()._config
+    if config.get("tempdir") is None and len(tempfile.gettempdir()) + len(_LISTENER) > _SOCKET_PATH_MAX:
+        folder = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+        util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+        config["tempdir"] = folder
 
 
 _HIDING = threading.RLock()
@@ -110,6 +132,7 @@ class Supervision:
         the delegate code in its own process, and the first delegate forked waits for that)."""
         from multiprocessing import forkserver
 
+        short_socket_folder()
         with main_module_hidden():
             forkserver.ensure_running()
 
