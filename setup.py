@@ -42,7 +42,8 @@ setup(
     package_dir={"ds_pipemorph_cli": "cli"},
     package_data={"ds_pipemorph.plan.sim": ["*.c"]},
     install_requires=[
-        # A range, so GPU users keep their own torch build; scripts/setup.sh pins the CPU wheel here.
+        # A range, so GPU users keep their own torch build; scripts/setup.sh installs torch==2.13.0 for
+        # development (PIPEMORPH_SKIP_TORCH=1 keeps the torch already installed).
         "torch>=2.4",
         "deepspeed>=0.19.8,<0.20",  # PipelineEngine._train_schedule (runtime/ds_compat.py)
         "pydantic>=2.6,<3",
