@@ -25,7 +25,9 @@ Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
 in that iteration; stock's order (DeepSpeed's 1F1B, ordered, backward fused) and the row's (its
 plan, ordered, or ready with the plan's caps) are replayed on it, and "replay: stock / row" is the
-median over the row's iterations. "share" is measured over predicted speed-up. Stock's own forward
+median over the row's iterations. "share of gain" is the part of the predicted gain measured,
+(measured - 1) / (predicted - 1) of the two speed-ups (none where the replay predicts none); the
+JSON also holds their quotient (``speedup_quotient``), which reads near 1 for any small gain. Stock's own forward
 and fused backward passes are timed too: "replay, stock's own ops" replays stock's order on those
 instead (its backward as one op), and "ops: row / stock" is the sum of the row's op times over
 stock's in the same iteration (what the split backward and our ops cost beyond stock's). The JSON also holds
@@ -129,9 +131,15 @@ def pairs(job: dict) -> dict[str, list[dict]]:
     return out
 
 
+def gain_share(measured: float, predicted: float):
+    """The part of the predicted gain over stock measured: (measured - 1) / (predicted - 1) of the
+    speed-ups; None where the replay predicts no gain."""
+    return (measured - 1) / (predicted - 1) if predicted > 1 else None
+
+
 def summarize(jobs: list[dict]) -> dict:
     """Per row: stock / row per iteration (median, 95 % interval), the replay's stock / row per
-    iteration (median), their quotient (share); mean ms of both; the engines' own ready/ordered
+    iteration (median), the part of the predicted gain measured (share) and their quotient; mean ms of both; the engines' own ready/ordered
     comparisons (B/A with its 95 % interval); the largest loss difference between the engines."""
     from ds_pipemorph.paired import bootstrap_median
 
@@ -154,7 +162,8 @@ def summarize(jobs: list[dict]) -> dict:
         rows[k] = {"measured_ms": statistics.fmean(p["row_ms"] for p in v), "iterations": len(v),
                    "predicted_ms": statistics.fmean(p["row_replay_ms"] for p in v),
                    "measured_speedup": measured.median, "measured_interval": [measured.lo, measured.hi],
-                   "predicted_speedup": predicted, "share": measured.median / predicted,
+                   "predicted_speedup": predicted, "share": gain_share(measured.median, predicted),
+                   "speedup_quotient": measured.median / predicted,
                    "predicted_speedup_own_ops": statistics.median(p["stock_own_replay_ms"] / p["row_replay_ms"] for p in v),
                    "ops_over_stock_ops": statistics.median(p["row_ops_ms"] / p["stock_ops_ms"] for p in v),
                    "iterations_detail": v}
@@ -217,7 +226,7 @@ def main() -> int:
                                   "-" if stock_row else "{:.3f} [{:.3f}, {:.3f}]".format(
                                       r["measured_speedup"], *r["measured_interval"]),
                                   "-" if stock_row else f"{r['predicted_speedup']:.3f}",
-                                  "-" if stock_row else f"{r['share']:.3f}",
+                                  "-" if stock_row or r["share"] is None else f"{r['share']:.0%}",
                                   "-" if stock_row else f"{r['predicted_speedup_own_ops']:.3f}",
                                   "-" if stock_row else f"{r['ops_over_stock_ops']:.3f}", pair_text])
     load_after = loadavg()
@@ -225,7 +234,7 @@ def main() -> int:
                 f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
                 f"(load {load_before} -> {load_after})",
                 ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
-                 "share", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"], table)
+                 "share of gain", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"], table)
     write_json(args.out, {"benchmark": "varlen_real", "args": vars(args), "loadavg_before": load_before,
                           "loadavg_after": load_after, "target_share": TARGET_SHARE, "results": results})
     return 0
