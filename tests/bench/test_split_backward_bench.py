@@ -21,6 +21,7 @@ def test_split_backward_benchmark_prints_both_tables_and_writes_consistent_bytes
                        text=True, timeout=280, env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin", **_keep()})
     assert p.returncode == 0, p.stderr[-2000:]
     assert "B+W / fused (store)" in p.stdout and "peak activation MiB per stage" in p.stdout
+    assert "page faults fused/store/graph" in p.stdout
     runs = json.loads(out.read_text())["runs"]
     assert sorted(runs) == ["caching", "glibc"]
     for run in runs.values():
@@ -28,6 +29,9 @@ def test_split_backward_benchmark_prints_both_tables_and_writes_consistent_bytes
             ("float32", "block"), ("float32", "Linear"), ("bfloat16", "block"), ("bfloat16", "Linear")]
         for r in run["speed"]:
             assert len(r["fused_ms"]) == len(r["store"]["ms"]) == len(r["graph"]["ms"]) == 3
+            # the minor page faults of each backward, one count per round and way
+            for faults in (r["fused_faults"], r["store"]["faults"], r["graph"]["faults"]):
+                assert len(faults) == 3 and all(isinstance(f, int) and f >= 0 for f in faults)
     assert runs["caching"]["memory"] == []  # bytes do not depend on the allocator: measured once
     for r in runs["glibc"]["memory"]:
         b = r["bytes_per_micro_batch"]
