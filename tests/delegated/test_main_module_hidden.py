@@ -23,31 +23,25 @@ SCRIPT = textwrap.dedent('''
     assert child.exitcode == 0, child.exitcode
     assert sys.modules["__main__"].__file__ == __file__  # the script's own main module, untouched
     assert spawn.get_preparation_data is real  # and multiprocessing as it was, for the script's own workers
+    from multiprocessing import util
+    print(util.get_temp_dir())  # where multiprocessing made the fork server's socket
 ''')
+
+
+def run_script(tmp_path, env=None) -> str:
+    """SCRIPT as a training script, run once: what it printed (its marker must say it ran once)."""
+    script, marker = tmp_path / "train.py", tmp_path / "runs.txt"
+    script.write_text(SCRIPT)
+    p = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=170,
+                       cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert marker.read_text() == "ran\n"  # not again in the fork server's child
+    return p.stdout
 
 
 @pytest.mark.timeout(180)
 def test_a_script_without_a_main_guard_runs_once_when_a_delegate_starts(tmp_path):
-    script, marker = tmp_path / "train.py", tmp_path / "runs.txt"
-    script.write_text(SCRIPT)
-    p = subprocess.run([sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=170,
-                       cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert marker.read_text() == "ran\n"  # not again in the fork server's child
-
-
-LONG_TMPDIR_SCRIPT = textwrap.dedent('''
-    import os
-    from multiprocessing import util
-    from ds_pipemorph.runtime.transport.delegated.supervision import delegate_context, main_module_hidden
-    ctx = delegate_context()
-    with main_module_hidden():
-        child = ctx.Process(target=os.getpid)
-        child.start()
-    child.join(120)
-    assert child.exitcode == 0, child.exitcode
-    print(util.get_temp_dir())
-''')
+    run_script(tmp_path)
 
 
 @pytest.mark.timeout(180)
@@ -57,12 +51,7 @@ def test_delegates_start_under_a_temporary_folder_too_long_for_a_socket_path(tmp
     # is removed when the process exits.
     long_tmp = tmp_path / ("job-" + "x" * 100)
     long_tmp.mkdir()
-    script = tmp_path / "train.py"
-    script.write_text(LONG_TMPDIR_SCRIPT)
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=170, cwd=tmp_path,
-                       env={**os.environ, "TMPDIR": str(long_tmp)})
-    assert p.returncode == 0, p.stderr[-3000:]
-    folder = p.stdout.strip().splitlines()[-1]
+    folder = run_script(tmp_path, env={**os.environ, "TMPDIR": str(long_tmp)}).strip().splitlines()[-1]
     assert os.path.dirname(folder) == "/tmp" and os.path.basename(folder).startswith("pymp-")
     assert not os.path.exists(folder)
     assert list(long_tmp.iterdir()) == []
