@@ -50,6 +50,14 @@ def write_json(path: str, payload: dict) -> None:
     print(f"wrote {path}")
 
 
+def gain_share(measured: float, predicted: float, least: float = 0.01):
+    """The part of a predicted gain that was measured: (measured - 1) / (predicted - 1) of two
+    speed-ups over the same baseline; None where the prediction is no gain of ``least`` or more
+    (the share of a gain that small is noise over nothing). The quotient of the speed-ups is no
+    such measure: it reads 0.9 or more for almost any small gain."""
+    return (measured - 1) / (predicted - 1) if predicted >= 1 + least else None
+
+
 def relaunch(script: str, nproc: int, *args: str) -> int:
     """Run ``script`` with ``args`` (default: this process's) under ``torchrun --standalone`` with
     ``nproc`` ranks on CPU unless ``DS_ACCELERATOR`` says otherwise; its exit code."""

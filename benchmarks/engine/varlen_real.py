@@ -26,7 +26,7 @@ iteration's table is the ms each op (F, B, W per stage and micro-batch) took in 
 in that iteration; stock's order (DeepSpeed's 1F1B, ordered, backward fused) and the row's (its
 plan, ordered, or ready with the plan's caps) are replayed on it, and "replay: stock / row" is the
 median over the row's iterations. "share of gain" is the part of the predicted gain measured,
-(measured - 1) / (predicted - 1) of the two speed-ups (none where the replay predicts none); the
+(measured - 1) / (predicted - 1) of the two speed-ups (none where the replay predicts less than 1 %); the
 JSON also holds their quotient (``speedup_quotient``), which reads near 1 for any small gain. Stock's own forward
 and fused backward passes are timed too: "replay, stock's own ops" replays stock's order on those
 instead (its backward as one op), and "ops: row / stock" is the sum of the row's op times over
@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "_common"))  # the shared helpers
 
-from _util import check_out, exit_on_bad_input, print_table, write_json  # noqa: E402
+from _util import check_out, exit_on_bad_input, gain_share, print_table, write_json  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 from ds_pipemorph.procs import torchrun  # noqa: E402
 
@@ -131,16 +131,11 @@ def pairs(job: dict) -> dict[str, list[dict]]:
     return out
 
 
-def gain_share(measured: float, predicted: float):
-    """The part of the predicted gain over stock measured: (measured - 1) / (predicted - 1) of the
-    speed-ups; None where the replay predicts no gain."""
-    return (measured - 1) / (predicted - 1) if predicted > 1 else None
-
-
 def summarize(jobs: list[dict]) -> dict:
     """Per row: stock / row per iteration (median, 95 % interval), the replay's stock / row per
-    iteration (median), the part of the predicted gain measured (share) and their quotient; mean ms of both; the engines' own ready/ordered
-    comparisons (B/A with its 95 % interval); the largest loss difference between the engines."""
+    iteration (median), the part of the predicted gain measured (share) and their quotient; mean ms
+    of both; the engines' own ready/ordered comparisons (B/A with its 95 % interval); the largest
+    loss difference between the engines."""
     from ds_pipemorph.paired import bootstrap_median
 
     per = {k: [] for k in ROWS[1:]}
@@ -234,7 +229,8 @@ def main() -> int:
                 f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
                 f"(load {load_before} -> {load_after})",
                 ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
-                 "share of gain", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"], table)
+                 "share of gain", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"],
+                table)
     write_json(args.out, {"benchmark": "varlen_real", "args": vars(args), "loadavg_before": load_before,
                           "loadavg_after": load_after, "target_share": TARGET_SHARE, "results": results})
     return 0

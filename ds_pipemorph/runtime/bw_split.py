@@ -72,13 +72,13 @@ class WeightGradWork:
     ``pinned`` are the frontier nodes with the gradients B captured at them, which a pre-hook on
     each hands the node in W whatever reaches it there: the hooks registered on the tensor a node
     produced (``Tensor.register_hook``) run when the engine reaches the node, once in B, whose
-    capture holds their result, and again when W enters it; pinned, W's gradients are B's (what
-    such a hook does besides returning a gradient, and a ``retain_grad`` on that tensor, which adds
-    to its ``.grad``, still happen twice). Pinning
-    is also what makes the rare graph exact where a parameter is reached both from a frontier
-    node's parameter side and through its input side (one module applied twice in a stage): W then
-    runs as one call (``_Plan.clamp``), in which autograd re-runs the input-path nodes between frontier
-    nodes and each frontier node still gets its captured gradient.
+    capture holds their result, and again when W enters it; pinned, W's gradients are B's. What
+    such a hook does besides returning a gradient still happens twice, and a ``retain_grad`` on
+    that tensor adds to its ``.grad`` a second time (the gradient with its hooks applied again).
+    Pinning is also what makes the rare graph exact where a parameter is reached both from a
+    frontier node's parameter side and through its input side (one module applied twice in a
+    stage): W then runs as one call (``_Plan.clamp``), in which autograd re-runs the input-path
+    nodes between frontier nodes and each frontier node still gets its captured gradient.
     """
 
     groups: list

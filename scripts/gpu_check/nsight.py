@@ -96,6 +96,7 @@ def main() -> int:
             keys = {"ranks": len(out["ranks"]), "iterations": out["iterations"],
                     "median_iteration_ms": {str(x["rank"]): x["iteration_ms"]["median"] for x in out["ranks"]},
                     "nvtx_active": [me["nvtx_active"] for me in ranks]}
+    shutil.rmtree(work / "torchrun", ignore_errors=True)  # torchrun's log folder: the ranks' output is in ours
     return write_keys(keys_path, failures, keys)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,8 @@ def start_step(reserve_s: float = 10.0) -> Callable[[], float]:
 
 def launch(cmd: list[str], left_s: Callable[[], float], cwd: Path, env: dict) -> tuple[Optional[int], str, str]:
     """(exit code, stdout, stderr) of ``cmd`` run within what ``left_s()`` says is left (exit code None:
-    it did not end in time)."""
+    it did not end in time). The log folder of a torchrun ``cmd`` (``--log-dir=``) is removed after
+    it: the ranks' output is in ours, the folder holds nothing else."""
     from ds_pipemorph.procs import run_group  # the drivers put the checkout on sys.path first
 
     timeout = left_s()
@@ -38,6 +40,10 @@ def launch(cmd: list[str], left_s: Callable[[], float], cwd: Path, env: dict) ->
         return p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired:
         return None, "", f"the launch did not end within the {max(timeout, 0):.0f} s left of the step's budget"
+    finally:
+        for arg in cmd:
+            if arg.startswith("--log-dir="):
+                shutil.rmtree(arg.split("=", 1)[1], ignore_errors=True)
 
 
 def launch_worker(repo: Path, work: Path, jobs: list, nproc: int, backend: str, accelerator: str,

@@ -23,8 +23,9 @@ def test_short_demo_shows_progress_prints_the_table_and_writes_results(tmp_path)
     out = tmp_path / "demo.json"
     # A temporary folder of its own, which the command leaves as it found it (no torchrun log folder,
     # no work folder of its own); long, as a scheduler's job folder may be: too long for the socket
-    # of the delegates' fork server (``supervision.short_socket_folder``).
-    tmp = tmp_path / "tmp"
+    # of the delegates' fork server (``supervision.short_socket_folder``), whatever folder pytest's
+    # own temporary folders are in.
+    tmp = tmp_path / ("tmp-" + "x" * 80)
     tmp.mkdir()
     # A terminal as rich sees one (progress is drawn only there), wide enough for every line.
     env = {**os.environ, "TTY_COMPATIBLE": "1", "COLUMNS": "160", "DS_ACCELERATOR": "cpu", "TMPDIR": str(tmp)}
@@ -32,7 +33,7 @@ def test_short_demo_shows_progress_prints_the_table_and_writes_results(tmp_path)
                   timeout=1400, env=env, cwd=tmp_path)
     text = ANSI.sub("", p.stdout)
     assert p.returncode == 0, text + p.stderr
-    # Nothing but torch's compile cache, which the next run reuses.
+    # Nothing but torch's compile cache (kept there for whatever runs next with this TMPDIR).
     assert [f.name for f in tmp.iterdir() if not f.name.startswith("torchinductor_")] == []
     # Progress: scenario k of 2, the row, warm-up and measured iterations of 4 + 2, elapsed time.
     assert re.search(r"scenario 1/2 no_delay: stock 1F1B \(row 1/6\), (warm-up )?iteration [1-6]/6 .*\d:\d\d:\d\d", text)

@@ -40,8 +40,9 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
             assert lo <= r["measured_speedup"] <= hi and r["predicted_speedup"] > 0
             m, pr = r["measured_speedup"], r["predicted_speedup"]
             assert r["speedup_quotient"] == m / pr
-            # the part of the predicted gain measured: all of it at m == pr, none at m == 1
-            assert r["share"] is None if pr <= 1 else r["share"] == pytest.approx((m - 1) / (pr - 1))
+            # the part of the predicted gain measured: all of it at m == pr, none at m == 1; none
+            # where the replay predicts less than 1 %
+            assert r["share"] is None if pr < 1.01 else r["share"] == pytest.approx((m - 1) / (pr - 1))
             assert len(r["iterations_detail"]) == 6
             assert r["predicted_speedup_own_ops"] > 0 and r["ops_over_stock_ops"] > 0
     assert res["max_loss_difference"] <= 1e-5  # every engine trains as stock does

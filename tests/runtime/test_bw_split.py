@@ -135,10 +135,10 @@ class HookedActivations(torch.nn.Module):
         self.lin.bias.register_hook(lambda g: g * 0.5)
         self.conv = torch.nn.Conv1d(4, 4, 3, padding=1)
 
-    def forward(self, x):
+    def forward(self, x):  # x: (8, 8), so the Linear's output is its GEMM's own (no view over it)
         h = self.lin(x)
         h.register_hook(lambda g: g * 3)
-        z = self.conv(torch.tanh(h))
+        z = self.conv(torch.tanh(h).view(2, 4, 8))
         z.register_hook(lambda g: g * 2)
         return torch.tanh(z)
 
@@ -151,7 +151,7 @@ def test_hooks_on_activations_that_w_enters_again_shape_its_gradients_once(store
     ref = HookedActivations()
     stage = HookedActivations()
     stage.load_state_dict(ref.state_dict())
-    xs, gys = [torch.randn(2, 4, 8) for _ in range(2)], [torch.randn(2, 4, 8) for _ in range(2)]
+    xs, gys = [torch.randn(8, 8) for _ in range(2)], [torch.randn(2, 4, 8) for _ in range(2)]
     works = []
     for x, gy in zip(xs, gys):
         xr = x.clone().requires_grad_(True)
@@ -159,7 +159,8 @@ def test_hooks_on_activations_that_w_enters_again_shape_its_gradients_once(store
         x = x.clone().requires_grad_(True)
         (dx,), work = backward_input([stage(x)], [gy], [x], list(stage.parameters()), store=store)
         torch.testing.assert_close(dx, xr.grad)
-        assert work.pinned  # the Conv's node and the Linear's, entered again in W
+        # the Conv's node and the Linear's GEMM, whose hooked outputs W enters again
+        assert sorted(type(n).__name__ for n, _ in work.pinned) == ["AddmmBackward0", "ConvolutionBackward0"]
         works.append(work)
     for work in works:
         work.run()

@@ -46,23 +46,33 @@ def delegate_context():
 
 _SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX socket's path (Linux's ``sun_path``, less its final zero)
 _LISTENER = "/pymp-xxxxxxxx/listener-xxxxxxxx"  # what multiprocessing adds to the temporary folder
+_SHORT_FOLDERS = ("/tmp", "/var/tmp", "/usr/tmp")  # where a folder for the socket goes instead
+_SHORTENING = threading.Lock()
 
 
 def short_socket_folder() -> None:
     """The fork server listens on a socket that multiprocessing makes in a folder of its own in the
     temporary folder; where ``TMPDIR`` is long (a scheduler's job folder) that path is too long for
     a socket and every delegate start fails ("AF_UNIX path too long"). Before multiprocessing has
-    made its folder, a long temporary folder gets one under ``/tmp`` instead (as newer Pythons do
-    themselves), removed at exit as multiprocessing removes its own."""
+    made its folder, a long temporary folder gets one in the first writable of ``/tmp``,
+    ``/var/tmp``, ``/usr/tmp`` instead (as newer Pythons do themselves), removed at exit as
+    multiprocessing removes its own (a rank killed outright leaves it there, as it leaves its own)."""
     import shutil
     import tempfile
     from multiprocessing import process, util
 
-    config = process.current_process()._config
-    if config.get("tempdir") is None and len(tempfile.gettempdir()) + len(_LISTENER) > _SOCKET_PATH_MAX:
-        folder = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
-        util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
-        config["tempdir"] = folder
+    with _SHORTENING:
+        config = process.current_process()._config
+        if config.get("tempdir") is not None:
+            return
+        if len(os.fsencode(tempfile.gettempdir())) + len(_LISTENER) <= _SOCKET_PATH_MAX:
+            return
+        for base in _SHORT_FOLDERS:
+            if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+                folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
+                util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+                config["tempdir"] = folder
+                return
 
 
 _HIDING = threading.RLock()
