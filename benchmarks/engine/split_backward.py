@@ -5,8 +5,9 @@ weight-gradient store and with the generic graph split; and the activation bytes
                                         [--allocators glibc,caching] [--out FILE]
 
 One process per allocator, one intra-op thread. Per dtype (fp32, bf16), model width d (4 heads,
-FFN 4d; tokens: 4 x 64 at d = 128, 8 x 128 at d = 256, 4 x 128 above) and layer type (``Linear`` d -> 4d, ``LayerNorm`` d, and ``--blocks``
-GPT blocks of ``recipes/gpt``):
+FFN 4d; tokens: 4 x 64 at d = 128, 8 x 128 at d = 256, 4 x 128 above) and layer type (``Linear``
+d -> 4d, ``LayerNorm`` d, ``block``: ``--blocks`` GPT blocks of ``recipes/gpt``, and ``encoder``:
+one ``torch.nn.TransformerEncoderLayer`` of the same width and heads, no dropout):
 
 - **B + W / fused**: each round runs one micro-batch's forward and fused backward on the stock
   layer (``torch.autograd.backward``), another through B (``bw_split.backward_input``) + W with
@@ -64,7 +65,7 @@ from model import Block  # noqa: E402
 HEADS = 4
 STAGES, MICRO_BATCHES = 4, 8
 ALLOCATORS = {"glibc": {}, "caching": CACHING_MALLOC}
-LAYERS = ("Linear", "LayerNorm", "block")
+LAYERS = ("Linear", "LayerNorm", "block", "encoder")
 
 
 def tokens(d: int) -> tuple[int, int]:
@@ -98,6 +99,8 @@ def layer(kind: str, d: int, blocks: int, dtype) -> torch.nn.Module:
         return torch.nn.Linear(d, 4 * d).to(dtype)
     if kind == "LayerNorm":
         return torch.nn.LayerNorm(d).to(dtype)
+    if kind == "encoder":
+        return torch.nn.TransformerEncoderLayer(d, HEADS, 4 * d, dropout=0.0, batch_first=True).to(dtype)
     return Stage(d, blocks, dtype)
 
 

@@ -9,9 +9,10 @@ parameters reachable from each group of them only, so autograd evaluates only th
 outputs of the frontier nodes and the parameter-only region below them: nothing of B is computed
 twice.
 
-Linear and LayerNorm layers are not entered again (``wgrad_store``): on the input path, when their
-parameters are reached from such layers only, B asks autograd for the gradient arriving at each
-Linear and for the LayerNorms' parameter gradients beside the input gradient, and keeps them with
+Linear and LayerNorm layers, and parameters an elementwise op applies (a bias added apart from its
+GEMM, a hand-written norm's scale), are not entered again (``wgrad_store``): on the input path, when
+their parameters are reached from such layers only, B asks autograd for the gradient arriving at each
+Linear and for the other parameters' gradients beside the input gradient, and keeps them with
 each Linear's input; W computes the Linears' weight GEMMs directly. When every parameter of a stage
 goes this way, B runs without ``retain_graph`` and frees the graph as a fused backward does.
 

@@ -1,4 +1,5 @@
-"""Weight gradients of a stage's Linear and LayerNorm layers, read off torch's own graph.
+"""Weight gradients of a stage's Linear and LayerNorm layers (and of parameters an elementwise op
+applies), read off torch's own graph.
 
 The generic split (``bw_split``) leaves W the part of the autograd graph below each frontier node
 and re-enters it: the whole graph kept from B to W, and one more pass of the engine through it. For
@@ -19,6 +20,12 @@ are recognised in the graph the stock modules build, so nothing is routed or wra
   width that come out of the same kernel as its input gradient, so B asks for them too (its
   parameters among ``inputs``) and W only accumulates them; keeping what W would need to compute
   them later (the input and the gradient) would cost far more.
+- an **elementwise parameter** is a parameter added to, subtracted from or multiplied with an
+  activation by one ``AddBackward0``, ``SubBackward0`` or ``MulBackward0`` (a bias added apart
+  from its GEMM, as ``nn.MultiheadAttention``'s packed input projection adds it, and then ``F.linear``
+  gives an ``MmBackward0``; the scale of a hand-written RMSNorm). Its gradient is the node's
+  output for it, reduced to its shape: an elementwise product at most, in the same class of cost as
+  the node's input gradient, so B asks for it as for a norm's.
 
 W accumulates every such gradient with one call of autograd's engine on the parameters (``accumulate``:
 what ``torch.autograd.backward`` runs), so autograd's ``AccumulateGrad`` runs once per parameter
@@ -54,6 +61,9 @@ ACCUMULATE = type(torch.empty(1, requires_grad=True).view(1).grad_fn.next_functi
 # node name -> (child index of the input, child index of the transposed weight, saved input's attribute)
 _LINEAR = {"AddmmBackward0": (1, 2, "_saved_mat1"), "MmBackward0": (0, 1, "_saved_self")}
 _NORM = "NativeLayerNormBackward0"
+# An elementwise op between an activation and a parameter (a bias added apart from its GEMM, as
+# ``nn.MultiheadAttention``'s input projection adds it; a scale, as a hand-written RMSNorm applies it)
+_ELEMENTWISE = frozenset({"AddBackward0", "SubBackward0", "MulBackward0"})
 
 
 class _Kept(torch.autograd.Function):
@@ -87,17 +97,17 @@ class Layers:
     """The layers of one graph whose weight gradients the store computes (``find``)."""
 
     linears: list  # Linear
-    in_b: list  # indices of the parameters whose gradients B computes (biases, LayerNorms')
+    in_b: list  # indices of the parameters whose gradients B computes (biases, norms', elementwise)
     nodes: set  # every node these layers own (theirs, the transposes, the accumulators)
 
 
 def find(children: dict, leads_in: dict, acc_index: dict, hooked: frozenset = frozenset()) -> Layers:
-    """The Linear and LayerNorm nodes on the input path whose parameters are reached from such
-    nodes only. ``children``: every node's child nodes; ``leads_in``: whether a node leads to a
-    stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index in the stage's parameters;
-    ``hooked``: indices of parameters with hooks of their own (``Tensor.register_hook``): a layer
-    whose bias or norm parameter has one stays the graph's (B would run the hook on the gradient it
-    computes, and W again on accumulating it)."""
+    """The Linear, LayerNorm and elementwise-parameter nodes on the input path whose parameters are
+    reached from such nodes only. ``children``: every node's child nodes; ``leads_in``: whether a
+    node leads to a stage input; ``acc_index``: a parameter's ``AccumulateGrad`` node -> its index
+    in the stage's parameters; ``hooked``: indices of parameters with hooks of their own
+    (``Tensor.register_hook``): a layer whose bias, norm or elementwise parameter has one stays the
+    graph's (B would run the hook on the gradient it computes, and W again on accumulating it)."""
     def accumulator(c) -> bool:
         return type(c) is ACCUMULATE and c in acc_index
 
@@ -128,6 +138,13 @@ def find(children: dict, leads_in: dict, acc_index: dict, hooked: frozenset = fr
                     or any(acc_index[c] in hooked for c in accs):
                 continue
             owned[n] = ("norm", tuple(accs), (None, [acc_index[c] for c in accs]))
+        elif name in _ELEMENTWISE:  # x (+, -, *) parameter: the parameter's gradient is B's, as a norm's
+            kids = [c for c, _ in nf]
+            accs = [c for c in kids if accumulator(c)]
+            if len(kids) != 2 or len(accs) != 1 or acc_index[accs[0]] in hooked \
+                    or not leads_in.get(kids[1] if accs[0] is kids[0] else kids[0], False):
+                continue
+            owned[n] = ("elementwise", tuple(accs), (None, [acc_index[accs[0]]]))
     if not owned:
         return Layers([], [], set())
     # Each parameter (and each transpose) must be reached from the layers that own it only.

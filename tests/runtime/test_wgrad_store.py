@@ -155,6 +155,44 @@ def test_a_layer_norm_with_one_parameter_to_learn_leaves_it_alone_to_the_store(c
             torch.testing.assert_close(p.grad, q.grad)
 
 
+class _RMSNorm(torch.nn.Module):
+    """A hand-written RMSNorm (a scale multiplied with the activation), then a shift subtracted, and
+    a bias added twice, which stays the graph's (one parameter, two elementwise nodes)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.scale, self.shift = torch.nn.Parameter(torch.rand(d) + 0.5), torch.nn.Parameter(torch.randn(d))
+        self.twice = torch.nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.scale - self.shift
+        return torch.tanh(h + self.twice) + self.twice
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_elementwise_parameters_are_the_stores_and_a_torch_encoder_layer_frees_its_graph_in_b(dtype):
+    # nn.MultiheadAttention's packed input projection adds its bias apart from its GEMM (an MmBackward0,
+    # then an AddBackward0): with that bias the store's too, nothing of the layer's graph is left for W.
+    torch.manual_seed(0)
+    stock = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                                _RMSNorm(16)).to(dtype)
+    stage = copy.deepcopy(stock)
+    xs = [torch.randn(2, 5, 16, dtype=dtype) for _ in range(3)]
+    gys = [torch.randn(2, 5, 16, dtype=dtype) for _ in range(3)]
+    want_dx = _fused(stock, xs, gys)
+    x = xs[0].clone().requires_grad_()
+    params = list(stage.parameters())
+    _, work = backward_input([stage(x)], [gys[0]], [x], params)
+    in_b = {id(params[k]) for k in work.store.in_b}
+    attn, norm = stage[0].self_attn, stage[1]
+    assert {id(attn.in_proj_bias), id(norm.scale), id(norm.shift)} <= in_b and id(norm.twice) not in in_b
+    assert len(work.store.linears) == 4  # the input and output projections, the two of the feed-forward
+    (group,) = work.groups  # W enters the graph for the twice-added bias only
+    assert [id(p) for p in group.params] == [id(norm.twice)]
+    work.run()
+    _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)
+
+
 class _Odd(torch.nn.Module):
     """Linears the store cannot take as they are: a weight stored transposed (not contiguous), a
     GEMM scaled by alpha, a Linear without bias on a 3-d input, and one under autocast (its weight
