@@ -84,7 +84,7 @@ class WeightGradWork:
 
     groups: list
     pinned: list = field(default_factory=list)  # (frontier node, the grad tuple B captured at it)
-    store: Optional[WeightGradStore] = None  # the Linear and LayerNorm layers ``wgrad_store`` computes
+    store: Optional[WeightGradStore] = None  # the layers and parameters ``wgrad_store`` computes
 
     def run(self) -> None:
         """Compute the parameter gradients and accumulate them into ``.grad``; frees the graph."""

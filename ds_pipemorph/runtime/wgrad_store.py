@@ -34,8 +34,9 @@ backward. Megatron's zero-bubble fork keeps a queue of weight-gradient closures 
 
 A layer's gradients go this way only when each of its parameters is a leaf reached from such
 layers only (``find``); anywhere else (a weight also used by another op, a Linear under autocast,
-whose weight reaches the GEMM through a cast, a bias or norm parameter with a ``register_hook`` of
-its own, which B and W would both run) the layer is an ordinary node of the graph and W re-enters it.
+whose weight reaches the GEMM through a cast, a bias, norm or elementwise parameter with a
+``register_hook`` of its own, which B and W would both run) the layer is an ordinary node of the
+graph and W re-enters it.
 When every parameter of a stage goes this way, B frees the graph as it goes, as a fused backward
 does. The Linears' inputs are read from their nodes when B starts, so a saved-tensor hook's unpack
 runs for them then, not when autograd reaches each node: under torch's non-reentrant checkpoint

@@ -1,5 +1,5 @@
 """The weight-gradient store (``runtime.wgrad_store``), in one process: the Linear and LayerNorm
-layers of stock modules, recognised in their graph, leave W their weight GEMMs as tensors. The
+layers of stock modules and the parameters one elementwise op applies, recognised in their graph, leave W their weight GEMMs as tensors. The
 gradients equal a fused backward of the same module bit for bit (an independent computation: a
 copy of the weights, ``torch.autograd.backward``), every parameter's accumulation hook fires once
 per W, and a stage whose parameters all go this way frees its graph in B."""
@@ -191,6 +191,39 @@ def test_elementwise_parameters_are_the_stores_and_a_torch_encoder_layer_frees_i
     assert [id(p) for p in group.params] == [id(norm.twice)]
     work.run()
     _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)
+    # The encoder layer alone: nothing left for W to enter, and after B only what W needs is held.
+    encoder = stage[0]
+    x = xs[0].clone().requires_grad_()
+    with SavedBytes(encoder.parameters()) as meter:
+        y = encoder(x)
+        _, work = backward_input([y], [gys[0]], [x], list(encoder.parameters()))
+        del y
+        assert not work.groups and meter.live == tensor_bytes(work.store.inputs if work.store._kept is None
+                                                              else work.store._kept.grad_fn.saved_tensors)
+        work.run()
+
+
+class _Squared(torch.nn.Module):
+    """A parameter twice in one elementwise op (``p * p``), then applied: not one op's alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return torch.tanh(x) * (self.p * self.p)
+
+
+def test_a_parameter_an_elementwise_op_takes_twice_goes_through_the_graph():
+    stock = _Squared()
+    stage = copy.deepcopy(stock)
+    xs, gys = [torch.randn(4, 8) for _ in range(2)], [torch.randn(4, 8) for _ in range(2)]
+    want_dx = _fused(stock, xs, gys)
+    x = xs[0].clone().requires_grad_()
+    _, work = backward_input([stage(x)], [gys[0]], [x], list(stage.parameters()))
+    assert work.store is None and len(work.groups) == 1
+    work.run()
+    _split_equals_fused_bit_for_bit(stage, stock, xs, gys, want_dx)
 
 
 class _Odd(torch.nn.Module):
@@ -307,16 +340,18 @@ def test_a_hook_on_a_linears_output_or_on_a_bias_or_norm_parameter_acts_once_as_
     def make(calls):
         torch.manual_seed(0)
         mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
-        if hooked == "parameters":  # B computes these gradients: a hook must still run once, on accumulating
+        mod.scale = torch.nn.Parameter(torch.rand(8) + 0.5)  # applied by one elementwise op
+        if hooked == "parameters":  # B would compute these gradients: a hook must still run once
             mod[0].bias.register_hook(lambda g: calls.append("bias") or g * 2)
             mod[2].weight.register_hook(lambda g: calls.append("norm") or g * 2)
+            mod.scale.register_hook(lambda g: calls.append("scale") or g * 3)
         return mod
 
     def forward(mod, x):
         h = mod[0](x)
         if hooked == "output":  # on the Linear's own output (2-d: the GEMM's output itself)
             h.register_hook(lambda g: g * 3)
-        return mod[3](mod[2](mod[1](h)))
+        return mod[3](mod[2](mod[1](h)) * mod.scale)
 
     stock_calls, calls = [], []
     stock, stage = make(stock_calls), make(calls)
@@ -327,6 +362,7 @@ def test_a_hook_on_a_linears_output_or_on_a_bias_or_norm_parameter_acts_once_as_
         torch.autograd.backward(forward(stock, xr), gy)
         (dx,), work = backward_input([forward(stage, xs)], [gy], [xs], params)
         assert len(work.store.linears) == (2 if hooked == "output" else 1)  # a hooked bias: its Linear is the graph's
+        assert (id(stage.scale) in {id(params[k]) for k in work.store.in_b}) == (hooked == "output")
         work.run()
         torch.testing.assert_close(dx, xr.grad)
     assert calls == stock_calls  # each parameter hook once per micro-batch
