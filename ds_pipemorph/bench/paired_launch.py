@@ -17,8 +17,7 @@ from pathlib import Path
 from statistics import median
 from typing import Callable, Optional
 
-from .. import procs
-from ..procs import stop_group, versioned_extensions_dir
+from ..procs import stop_group, torchrun, versioned_extensions_dir
 from .launch import complete_lines
 from ..paired import A_SIDE, compare, sequence
 from .paired_spec import PairedSpec
@@ -35,11 +34,11 @@ class PairedRunError(RuntimeError):
     """The ranks failed or timed out; the message names the log to read."""
 
 
-def torchrun(module: str, spec_path: Path, nproc: int, log: Path) -> subprocess.Popen:
+def start_ranks(module: str, spec_path: Path, nproc: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", versioned_extensions_dir())}
-    cmd = procs.torchrun(log.parent / "torchrun", "--standalone", f"--nproc_per_node={nproc}",
-                         "-m", module, str(spec_path))
+    cmd = torchrun(log.parent / "torchrun", "--standalone", f"--nproc_per_node={nproc}",
+                   "-m", module, str(spec_path))
     with open(log, "a") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -91,7 +90,7 @@ def _one_job(spec: PairedSpec, work: Path, deadline: float, progress: Optional[P
             done, total, side = seen
             progress(done, total, f"iteration {done} ({side})")
 
-    proc = torchrun("ds_pipemorph.bench.paired_worker", spec_path, spec.stages, log)
+    proc = start_ranks("ds_pipemorph.bench.paired_worker", spec_path, spec.stages, log)
     _wait(proc, deadline, log, poll)
     if not Path(spec.out).exists():
         raise PairedRunError(f"the ranks exited with code {proc.returncode} before writing results; see {log}")
@@ -116,7 +115,7 @@ def _whole_jobs(spec: PairedSpec, work: Path, deadline: float, progress: Optiona
         spec_path.write_text(job.model_dump_json())
         if progress is not None:
             progress(k, len(sides), f"job {k + 1} of {len(sides)} ({label}: {side.text})")
-        proc = torchrun("ds_pipemorph.bench.worker", spec_path, spec.stages, log)
+        proc = start_ranks("ds_pipemorph.bench.worker", spec_path, spec.stages, log)
         _wait(proc, deadline, log)
         if not out.exists():
             raise PairedRunError(f"job {k + 1} ({side.text}) exited with code {proc.returncode} before writing "

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import Node
 from torch.overrides import has_torch_function
 
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)  # torch's own, after its checks
