@@ -7,7 +7,9 @@ each iteration's micro-batches of ``recipes/gpt/varlen.py`` trained by each engi
 Two engines are built from the same seed and kept: ``stock`` (``deepspeed.initialize``: 1F1B,
 fused backward) and ours with the ``--hint`` plan as the hint of ready dispatch (B) and
 ``pipemorph.compare`` set to the same plan under ordered dispatch (A): ours alternates the two at
-its iteration boundaries (``A B A' B``). Iteration k's batches go to each engine in turn, the
+its iteration boundaries (``A B A' B``). Each draw of micro-batches is trained twice, by iterations
+2j and 2j + 1, so each A, B pair of ours runs one draw (the A'/A check compares two draws, so it
+holds the draws' variation as well as the machine's). Iteration k's batches go to each engine in turn, the
 order alternating with k, so both times of iteration k are taken within a second or two of each
 other on the same batches: what the machine's load does between jobs or minutes apart does not
 enter a ratio. Both engines train every iteration (they stay equal: ours trains exactly as stock
@@ -68,7 +70,7 @@ def time_stock_ops(engine) -> list:
     are micro-batch k: 1F1B keeps the micro-batches' order). Cleared by the caller per iteration."""
     from deepspeed.runtime.pipe import schedule
 
-    done, count = [], {"F": 0, "BW": 0}
+    done = []
     table = dict(engine._INSTRUCTION_MAP)
     for instr, kind in ((schedule.ForwardPass, "F"), (schedule.BackwardPass, "BW")):
         def run(self, *a, _fn=table[instr], _kind=kind, **kw):
@@ -108,7 +110,10 @@ def run(args, batches) -> list[dict]:
     ops = {row: [] for row in ROWS}
     stock_ops = time_stock_ops(engines["stock"])
     for k in range(args.warmup + args.iterations):
-        data = batches.of(k)
+        # Iterations 2j and 2j + 1 train the same draw: with an even warm-up they are one A, B pair of
+        # ours (``pipemorph.compare`` pairs iteration i with i - 1), so ready / ordered compares the two
+        # dispatches on the same micro-batches, as stock / row does per iteration.
+        data = batches.of(k // 2)
         order = ROWS[k % len(ROWS):] + ROWS[:k % len(ROWS)]
         for row in order:
             ms, loss = timed(engines[row], data)
@@ -155,7 +160,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"workload": args.workload, "ranks": dist.get_world_size(),
                                               "args": vars(args),
-                                              "shapes": [batches.shapes(k) for k in range(args.warmup + args.iterations)],
+                                              "shapes": [batches.shapes(k // 2) for k in range(args.warmup + args.iterations)],
                                               "rows": rows}))
     release_process_groups()  # before the interpreter's exit tears gloo's threads down (the stock engine too)
     return 0

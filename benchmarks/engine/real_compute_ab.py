@@ -167,11 +167,11 @@ def main() -> int:
                       _ci(r["ratio"]), "-" if r["noise"] is None else _ci(r["noise"]), r["verdict"]] for r in stock])
     write_json(args.out, {"benchmark": "real_compute_ab", "steps": args.steps, "results": results,
                           "stock_whole_jobs": stock})
+    return 0
 
 
 def _ci(interval: dict) -> str:
     return f"{interval['median']:.3f} [{interval['lo']:.3f}, {interval['hi']:.3f}]"
-    return 0
 
 
 if __name__ == "__main__":

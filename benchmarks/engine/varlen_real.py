@@ -19,7 +19,8 @@ each in turn, which goes first alternating with k: stock DeepSpeed (``deepspeed.
 same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
 every row is paired with stock per iteration, on the same batches, a second or two apart: stock /
 row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
-ordered is the engine's own comparison (B/A per pair, its 95 % interval).
+ordered is the engine's own comparison (B/A per pair, its 95 % interval); each draw of
+micro-batches is trained twice, by one A, B pair, so that comparison too is on the same batches.
 
 Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
@@ -189,8 +190,9 @@ def main() -> int:
         raise BadInput(f"--workloads: unknown '{unknown[0]}'; use a comma-separated list of {', '.join(WORKLOADS)}")
     if args.iterations < 12:
         raise BadInput(f"--iterations {args.iterations}: use at least 12 (the engine's comparison needs 6 pairs)")
-    if args.sittings < 1 or args.warmup < 0 or args.micro_batches < 2:
-        raise BadInput("--sittings must be at least 1, --warmup at least 0 and --micro-batches at least 2")
+    if args.sittings < 1 or args.warmup < 0 or args.warmup % 2 or args.micro_batches < 2:
+        raise BadInput("--sittings must be at least 1, --warmup even and at least 0 (each draw of micro-batches "
+                       "is one pair of iterations) and --micro-batches at least 2")
     if any(r < 2 or args.blocks % r for r in args.ranks):
         raise BadInput(f"--ranks: each must be at least 2 and divide --blocks {args.blocks}")
     cores = os.cpu_count() or 1

@@ -70,7 +70,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     from .engine_builder import EngineBuilder
     from .engine import PipeMorphEngine
     from .plans import build_plan, describe_start, w_share
-    from ..staging.builder import announce_adam_build, announce_comm_build
+    from ..staging.builder import prepare_adam_op, prepare_comm_op
 
     config = _config_source(args, config, config_params)
     if not isinstance(model, PipelineModule):
@@ -88,7 +88,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
                             training_data=training_data, collate_fn=collate_fn, config=as_given)
 
     threads = apply_cpu_threads(get_accelerator().device_name())
-    announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op in init_distributed
+    prepare_comm_op()  # the first start on a CPU builds DeepSpeed's collectives op in init_distributed
     deepspeed.zero.partition_parameters.shutdown_init_context()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
@@ -116,7 +116,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
     if dist.get_rank() == 0:
         for note in pending_notes(pm):
             logger.warning(note)
-    announce_adam_build(config_class, optimizer)
+    prepare_adam_op(config_class, optimizer)
     engine = PipeMorphEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=ds_mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_dict,

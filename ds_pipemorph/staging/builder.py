@@ -27,8 +27,11 @@ needs no guard and gets none.
 A JIT build takes tens of seconds to minutes on the first start and none later; ``announce_build`` logs one
 line before a build that will really compile (no prebuilt op, nothing in the extension cache), for our
 ring (``load``) and for the ops DeepSpeed builds inside its own code: its CPU collectives op, which
-``deepspeed.init_distributed`` builds on a CPU accelerator (``announce_comm_build``, called before it), and
-its FusedAdam op, which its engine builds for an "Adam" optimizer section (``announce_adam_build``).
+``deepspeed.init_distributed`` builds on a CPU accelerator (``prepare_comm_op``, called before it), and
+its FusedAdam op, which its engine builds for an "Adam" optimizer section (``prepare_adam_op``). Those
+two are loaded by us first, under the same guard (``load_guarded``), so that a lock an interrupted build
+of theirs left behind is removed too; DeepSpeed keeps loaded ops by name, and its own load then finds
+them loaded. Should our load fail, DeepSpeed's own load runs as it would have and reports the error.
 """
 from __future__ import annotations
 
@@ -197,10 +200,23 @@ def build_guard(name: str):
         os.close(fd)  # releases the flock
 
 
-def announce_comm_build() -> bool:
-    """Before ``deepspeed.init_distributed`` on a CPU accelerator: log that it will JIT-build DeepSpeed's
-    shared-memory collectives op, if it will (its first call makes DeepSpeed's torch backend, which loads
-    the op)."""
+def load_guarded(builder: OpBuilder, what: str) -> bool:
+    """Announce a build of ``builder``'s op (``announce_build``), then load it under ``build_guard``,
+    before DeepSpeed's own code loads it (which then finds it loaded). True if it had to compile. A
+    failed load is left to DeepSpeed's, which raises its own error where it would have."""
+    will_build = announce_build(builder, what)
+    try:
+        with build_guard(builder.name):
+            builder.load()
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's own load reports it, in its own words
+        logger.debug(f"pipemorph: loading {builder.name} ahead of DeepSpeed failed ({e}); DeepSpeed loads it")
+    return will_build
+
+
+def prepare_comm_op() -> bool:
+    """Before ``deepspeed.init_distributed`` on a CPU accelerator: load DeepSpeed's shared-memory
+    collectives op under the guard (``load_guarded``; its first call makes DeepSpeed's torch backend,
+    which loads the op), logging that it will JIT-build it, if it will."""
     from deepspeed import comm
     from deepspeed.accelerator import get_accelerator
 
@@ -212,12 +228,13 @@ def announce_comm_build() -> bool:
     builder = accel.create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return False
-    return announce_build(builder, f"DeepSpeed's CPU collectives op {builder.name}")
+    return load_guarded(builder, f"DeepSpeed's CPU collectives op {builder.name}")
 
 
-def announce_adam_build(config_class, client_optimizer) -> bool:
-    """Before DeepSpeed's engine is built: log that it will JIT-build its FusedAdam op, if it will (an
-    "Adam"/"AdamW" optimizer section without ``torch_adam`` and no optimizer object of the user's)."""
+def prepare_adam_op(config_class, client_optimizer) -> bool:
+    """Before DeepSpeed's engine is built: load its FusedAdam op under the guard (``load_guarded``),
+    logging that it will JIT-build it, if it will (an "Adam"/"AdamW" optimizer section without
+    ``torch_adam`` and no optimizer object of the user's)."""
     from deepspeed.accelerator import get_accelerator
 
     name = (getattr(config_class, "optimizer_name", None) or "").lower()
@@ -227,7 +244,7 @@ def announce_adam_build(config_class, client_optimizer) -> bool:
     builder = get_accelerator().create_op_builder("FusedAdamBuilder")
     if builder is None:
         return False
-    return announce_build(builder, f"DeepSpeed's FusedAdam op {builder.name}")
+    return load_guarded(builder, f"DeepSpeed's FusedAdam op {builder.name}")
 
 
 def cuda_ext_dir() -> Path:

@@ -29,7 +29,7 @@ from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.runtime.initialize import load_config  # noqa: E402
-from ds_pipemorph.staging.builder import announce_comm_build  # noqa: E402
+from ds_pipemorph.staging.builder import prepare_comm_op  # noqa: E402
 from ds_pipemorph.runtime.shutdown import release_process_groups  # noqa: E402
 from data import VOCAB, ByteWindows  # noqa: E402
 from model import gpt  # noqa: E402
@@ -61,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(args):
     """The engine (ds_pipemorph's, or with --stock DeepSpeed's) and the model it trains."""
-    announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op: say so
+    prepare_comm_op()  # the first start on a CPU builds DeepSpeed's collectives op: say so, and guard its build
     config = load_config(args.config)
     interval = int(config.get("pipeline", {}).get("activation_checkpoint_interval", 0) or 0)
     deepspeed.init_distributed()

@@ -30,7 +30,7 @@ from deepspeed.utils import RepeatingLoader  # noqa: E402
 
 import ds_pipemorph  # noqa: E402
 from ds_pipemorph.runtime.shutdown import release_process_groups  # noqa: E402
-from ds_pipemorph.staging.builder import announce_comm_build  # noqa: E402
+from ds_pipemorph.staging.builder import prepare_comm_op  # noqa: E402
 from model import tiny_gpt  # noqa: E402
 from tp_layers import tiny_gpt_tensor_parallel  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> int:
     if args.tensor_parallel < 1:
         ap.error(f"--tensor-parallel must be a positive integer, not {args.tensor_parallel}")
 
-    announce_comm_build()  # the first start on a CPU builds DeepSpeed's collectives op: say so
+    prepare_comm_op()  # the first start on a CPU builds DeepSpeed's collectives op: say so, and guard its build
     deepspeed.init_distributed()
     torch.manual_seed(0)
     data = CharWindows(args.seq, size=100_000)

@@ -1,7 +1,7 @@
 """benchmarks/engine/varlen_real.py runs in a short form (one job, tiny model) and its rows parse: stock,
 ours ordered and ready with both hints, each paired with stock per iteration and with the replay's
 time from the op times measured in that iteration, and the engine's own paired ready/ordered
-comparison; the three engines, trained side by side on the same batches, stay equal."""
+comparison on the same batches; the three engines, trained side by side on the same batches, stay equal."""
 from __future__ import annotations
 
 import json
@@ -53,5 +53,8 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
     assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"]]
     for job in res["sittings"]:
         assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
+        # Each A, B pair of ours trains one draw: iterations 2j (ordered) and 2j + 1 (ready) have its shapes.
+        assert job["rows"][1]["sides"][:4] == ["A", "B", "A'", "B"]
+        assert job["shapes"][0::2] == job["shapes"][1::2]
         heavy = [[t for t in shapes if t > 8] for shapes in job["shapes"]]
         assert all(h == [32] for h in heavy)  # one of 4 micro-batches 4x longer, every iteration

@@ -156,3 +156,45 @@ def test_an_op_already_loaded_needs_no_guard(staging_op, tmp_path, monkeypatch):
     with build_guard(StagingRingBuilder().name):
         pass
     assert not (tmp_path / "extensions").exists()  # no cache directory, no guard file made for nothing
+
+
+# DeepSpeed's FusedAdam as its engine makes it, after what ``initialize`` runs before building the engine.
+ADAM = """
+from types import SimpleNamespace
+import torch
+from ds_pipemorph.staging.builder import prepare_adam_op
+prepare_adam_op(SimpleNamespace(optimizer_name="adam", optimizer_params={}), None)
+from deepspeed.ops.adam import FusedAdam
+FusedAdam([torch.nn.Parameter(torch.zeros(4))])
+print("loaded")
+"""
+
+
+@pytest.fixture(scope="module")
+def adam_op():
+    """DeepSpeed's FusedAdam op built in the session's cache (the first engine test would build it too)."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+    builder.load()
+    return builder.name
+
+
+@pytest.mark.timeout(300)
+def test_a_lock_left_in_deepspeeds_own_op_build_is_removed_before_its_engine_loads_it(adam_op, tmp_path):
+    """DeepSpeed builds FusedAdam inside its engine, where no guard of ours runs: a job killed during that
+    build left torch's lock, and every later job waited for it without a word. ``initialize`` loads the
+    op first, under the guard."""
+    from ds_pipemorph.staging.builder import extension_dir
+
+    root = tmp_path / "extensions"
+    shutil.copytree(extension_dir(adam_op), root / adam_op, ignore=shutil.ignore_patterns("lock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+    lock = root / adam_op / "lock"
+    subprocess.run([sys.executable, "-c", KILLED_BUILD, str(lock)], check=True, env=env, timeout=120)
+
+    p = subprocess.run([sys.executable, "-c", ADAM], capture_output=True, text=True, env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "loaded" in p.stdout
+    assert f"removing {lock}" in p.stderr and "interrupted" in p.stderr
+    assert not lock.exists()
