@@ -106,7 +106,7 @@ def timed(engine, data) -> tuple[float, float]:
 def run(args, batches) -> list[dict]:
     ROWS = ["stock", args.hint]
     engines = {row: build(row, args) for row in ROWS}
-    out = {row: {"row": row, "times_ms": [], "losses": [], "first": []} for row in ROWS}
+    out = {row: {"row": row, "times_ms": [], "losses": [], "first": [], "lengths": []} for row in ROWS}
     ops = {row: [] for row in ROWS}
     stock_ops = time_stock_ops(engines["stock"])
     for k in range(args.warmup + args.iterations):
@@ -120,6 +120,7 @@ def run(args, batches) -> list[dict]:
             out[row]["times_ms"].append(ms)
             out[row]["losses"].append(loss)
             out[row]["first"].append(order.index(row))
+            out[row]["lengths"].append([x.shape[1] for x, _ in data])  # what this engine trained
             if row == "stock":
                 ops[row].append(list(stock_ops))
                 stock_ops.clear()
@@ -154,6 +155,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.warmup % 2:
+        ap.error(f"--warmup {args.warmup}: use an even number (each draw of micro-batches is one A, B pair)")
     deepspeed.init_distributed(dist_backend="gloo")
     batches = varlen.Batches(args.workload, args.micro_batches, args.batch, args.seq)
     rows = run(args, batches)

@@ -7,8 +7,8 @@ on the GPT recipe's blocks with micro-batches of varying length, and what the re
 Workloads (``recipes/gpt/varlen.py``, a ``PipelineModule(dynamic_shape=True)`` of the recipe's
 blocks, d = 128, 4 blocks, 8 windows of 64 bytes per micro-batch, fp32, Adam): ``multimodal``, a
 seeded quarter of the micro-batches 4x longer on the encoder (the first half of the blocks: stage 0
-of 2, stages 0-1 of 4), pooled to the common length before the text blocks, drawn anew each
-iteration; ``varlen``, language only, each micro-batch's length drawn from a long tail. One rank
+of 2, stages 0-1 of 4), pooled to the common length before the text blocks, drawn anew for
+each pair of iterations (below); ``varlen``, language only, each micro-batch's length drawn from a long tail. One rank
 per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (the rows say so).
 
 Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each hint,
@@ -21,6 +21,8 @@ every row is paired with stock per iteration, on the same batches, a second or t
 row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
 ordered is the engine's own comparison (B/A per pair, its 95 % interval); each draw of
 micro-batches is trained twice, by one A, B pair, so that comparison too is on the same batches.
+Ready always runs a draw second: stock's second run of a draw over its first (same pairs of
+iterations, its bootstrap interval) is printed as the control for what a second run gains by itself.
 
 Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
@@ -150,6 +152,12 @@ def summarize(jobs: list[dict]) -> dict:
             if r["row"] in HINTS:
                 paired[r["row"]].append(r["comparison"]["ratio"] if r["comparison"] else None)
                 loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(r["losses"], stock["losses"])))
+    # Each draw is trained twice in a row (a pair of ours); stock's second run of a draw over its first is
+    # what a second run gains by itself, the control for ready (always second) over ordered (first).
+    again = []
+    for job in jobs:
+        t, warm = next(r for r in job["rows"] if r["row"] == "stock")["times_ms"], job["args"]["warmup"]
+        again += [t[i + 1] / t[i] for i in range(warm, len(t) - 1, 2)]
     rows = {"stock 1F1B": {"measured_ms": statistics.fmean(stock_ms), "iterations": len(stock_ms),
                            "predicted_ms": statistics.fmean(p["stock_replay_ms"] for v in per.values() for p in v)}}
     for k, v in per.items():
@@ -163,7 +171,9 @@ def summarize(jobs: list[dict]) -> dict:
                    "predicted_speedup_own_ops": statistics.median(p["stock_own_replay_ms"] / p["row_replay_ms"] for p in v),
                    "ops_over_stock_ops": statistics.median(p["row_ops_ms"] / p["stock_ops_ms"] for p in v),
                    "iterations_detail": v}
-    return {"rows": rows, "ready_over_ordered": paired, "max_loss_difference": loss_diff}
+    second = bootstrap_median(again)
+    return {"rows": rows, "ready_over_ordered": paired, "max_loss_difference": loss_diff,
+            "stock_second_over_first": {"median": second.median, "lo": second.lo, "hi": second.hi, "pairs": len(again)}}
 
 
 def main() -> int:
@@ -227,6 +237,10 @@ def main() -> int:
                                   "-" if stock_row else f"{r['predicted_speedup_own_ops']:.3f}",
                                   "-" if stock_row else f"{r['ops_over_stock_ops']:.3f}", pair_text])
     load_after = loadavg()
+    for r in results:
+        c = r["stock_second_over_first"]
+        print(f"{r['workload']}, {r['ranks']} ranks: stock's second run of a draw over its first {c['median']:.3f} "
+              f"[{c['lo']:.3f}, {c['hi']:.3f}], {c['pairs']} pairs (ready runs each draw second, ordered first)")
     print_table(f"stock DeepSpeed 1F1B against ours, GPT recipe blocks, real compute, {args.micro_batches} micro-batches, "
                 f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
                 f"(load {load_before} -> {load_after})",

@@ -127,6 +127,9 @@ def main(spec_path: str) -> None:
     import deepspeed
 
     spec = load_model(spec_path, PairedSpec)
+    from ..staging.builder import prepare_comm_op
+
+    prepare_comm_op()  # DeepSpeed's CPU collectives op, loaded under the build guard before init_distributed does
     deepspeed.init_distributed(dist_backend="gloo")
     engine = build_engine(spec)
     rows = alternate(spec, engine)

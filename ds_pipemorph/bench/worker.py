@@ -274,6 +274,9 @@ def main(spec_path: str) -> None:
     import deepspeed
 
     spec = load_model(spec_path, BenchSpec)
+    from ..staging.builder import prepare_comm_op
+
+    prepare_comm_op()  # DeepSpeed's CPU collectives op, loaded under the build guard before init_distributed does
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     results, step, total = [], 0, len(spec.scenarios) * len(spec.rows())

@@ -13,12 +13,16 @@ A build interrupted by Ctrl-C or a kill leaves torch's build lock (``<NAME>/lock
 no owner) behind, and every later job waits for it forever without a word. So our ops build under
 ``build_guard``: an advisory lock beside the cache (``<NAME>.lock``, an ``flock`` released by the kernel
 when its holder dies, however it dies) is taken first; whoever holds it is the only process of ours
-building that op. A torch lock found then was left by a build that is over, unless that build's ninja or
-compilers outlived it (they survive a SIGKILL or an OOM kill of the Python process that started them):
-torch runs ninja with the build directory as its cwd, so while a live process has its cwd inside that
-directory the lock stays and the guard waits (polling, one warning naming the pids) until no such process
-is left; then the lock is removed, with one warning, and the op is built again. Processes of other users
-whose cwd we may not read, or in another PID namespace, are not seen. The guard file is opened read-only
+building that op. A torch lock found then is live while a process has it open: torch keeps the file
+open from taking the lock to releasing it, and the kernel closes it when its holder dies. That is how a
+build or load that does not take our guard holds it (stock DeepSpeed loading its own ops, in this job's
+process or another): the lock stays, and torch waits for its holder as it would without us. A lock no
+process has open was left by a build that is over, unless that build's ninja or compilers outlived it
+(they survive a SIGKILL or an OOM kill of the Python process that started them): torch runs ninja with
+the build directory as its cwd, so while a live build tool has its cwd inside that directory the lock
+stays and the guard waits (polling, one warning naming the pids) until no such process is left; then the
+lock is removed, with one warning, and the op is built again. Processes of other users whose open files
+or cwd we may not read, or in another PID namespace, are not seen. The guard file is opened read-only
 (created with mode 0666 less the umask if missing), so users sharing a cache all take it. Where it cannot be created (a
 read-only cache) or ``flock`` fails (NFS without a lock manager) the op loads as torch alone would,
 nothing removed (the latter with one warning). A prebuilt op, or one already loaded in this process,
@@ -147,11 +151,40 @@ def _processes_in(directory: Path) -> list[int]:
     return sorted(found)
 
 
+def _holders_of(path: Path) -> list[int]:
+    """Pids of the processes that have ``path`` open, as far as ``/proc`` lets us see (file descriptors
+    we may not read, and processes that vanish meanwhile, are skipped)."""
+    target = os.path.realpath(path)
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") == target:
+                    found.append(int(entry))
+                    break
+            except OSError:
+                continue
+    return sorted(found)
+
+
 def _remove_stale_lock(name: str, ext: Path) -> None:
-    """Called holding the guard: remove torch's lock in ``ext`` once no live process works in ``ext``."""
+    """Called holding the guard: remove torch's lock in ``ext`` once no live process works in ``ext``;
+    a lock that a process has open is live, and left to torch, which waits for its holder."""
     lock = ext / "lock"
     warned = False
     while lock.exists():
+        if _holders_of(lock):  # a build or load that does not take our guard holds it: not ours to take
+            return
         pids = _processes_in(ext)
         if not pids:
             logger.warning(f"pipemorph: removing {lock}, left by a build of {name} that was interrupted "
@@ -208,8 +241,10 @@ def load_guarded(builder: OpBuilder, what: str) -> bool:
     try:
         with build_guard(builder.name):
             builder.load()
-    except Exception as e:  # noqa: BLE001 - DeepSpeed's own load reports it, in its own words
-        logger.debug(f"pipemorph: loading {builder.name} ahead of DeepSpeed failed ({e}); DeepSpeed loads it")
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's own load then runs as it would have, and raises its own
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning(f"pipemorph: loading {what} ahead of DeepSpeed failed ({type(e).__name__}: {e}); "
+                           f"DeepSpeed loads it itself")
     return will_build
 
 
@@ -232,19 +267,23 @@ def prepare_comm_op() -> bool:
 
 
 def prepare_adam_op(config_class, client_optimizer) -> bool:
-    """Before DeepSpeed's engine is built: load its FusedAdam op under the guard (``load_guarded``),
-    logging that it will JIT-build it, if it will (an "Adam"/"AdamW" optimizer section without
-    ``torch_adam`` and no optimizer object of the user's)."""
+    """Before DeepSpeed's engine is built: load the Adam op its engine will load under the guard
+    (``load_guarded``), logging that it will JIT-build it, if it will: for an "Adam"/"AdamW" optimizer
+    section without ``torch_adam`` and no optimizer object of the user's, FusedAdam, or CPU Adam where
+    ZeRO offloads the optimizer to the CPU or NVMe (DeepSpeed's ``get_optimizer_configuration``)."""
     from deepspeed.accelerator import get_accelerator
 
     name = (getattr(config_class, "optimizer_name", None) or "").lower()
     params = getattr(config_class, "optimizer_params", None) or {}
     if client_optimizer is not None or name not in ("adam", "adamw") or params.get("torch_adam", False):
         return False
-    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+    offload = getattr(getattr(config_class, "zero_config", None), "offload_optimizer", None)
+    device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
+    kind, what = ("CPUAdamBuilder", "CPU Adam") if device in ("cpu", "nvme") else ("FusedAdamBuilder", "FusedAdam")
+    builder = get_accelerator().create_op_builder(kind)
     if builder is None:
         return False
-    return load_guarded(builder, f"DeepSpeed's FusedAdam op {builder.name}")
+    return load_guarded(builder, f"DeepSpeed's {what} op {builder.name}")
 
 
 def cuda_ext_dir() -> Path:

@@ -46,6 +46,8 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
             assert len(r["iterations_detail"]) == 6
             assert r["predicted_speedup_own_ops"] > 0 and r["ops_over_stock_ops"] > 0
     assert res["max_loss_difference"] <= 1e-5  # every engine trains as stock does
+    control = res["stock_second_over_first"]  # stock's second run of each draw over its first
+    assert control["pairs"] == 12 and 0 < control["lo"] <= control["median"] <= control["hi"]
     for hint in ("zb", "1f1b"):
         (pair,) = res["ready_over_ordered"][hint]
         assert pair["pairs"] == 6 and 0 < pair["lo"] <= pair["median"] <= pair["hi"]
@@ -53,8 +55,11 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
     assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"]]
     for job in res["sittings"]:
         assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
-        # Each A, B pair of ours trains one draw: iterations 2j (ordered) and 2j + 1 (ready) have its shapes.
-        assert job["rows"][1]["sides"][:4] == ["A", "B", "A'", "B"]
-        assert job["shapes"][0::2] == job["shapes"][1::2]
+        # Each A, B pair of ours trains one draw: iterations 2j (ordered) and 2j + 1 (ready) trained the
+        # same lengths (as each engine received them), and stock trained what ours did.
+        ours = job["rows"][1]
+        assert ours["sides"][:4] == ["A", "B", "A'", "B"]
+        assert ours["lengths"][0::2] == ours["lengths"][1::2] and ours["lengths"] == job["rows"][0]["lengths"]
+        assert ours["lengths"] == job["shapes"]
         heavy = [[t for t in shapes if t > 8] for shapes in job["shapes"]]
         assert all(h == [32] for h in heavy)  # one of 4 micro-batches 4x longer, every iteration

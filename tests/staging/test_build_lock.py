@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -158,8 +159,10 @@ def test_an_op_already_loaded_needs_no_guard(staging_op, tmp_path, monkeypatch):
     assert not (tmp_path / "extensions").exists()  # no cache directory, no guard file made for nothing
 
 
-# DeepSpeed's FusedAdam as its engine makes it, after what ``initialize`` runs before building the engine.
-ADAM = """
+# DeepSpeed's own ops as its code loads them (its engine's FusedAdam, init_distributed's CPU collectives
+# op), after what ``initialize`` runs first.
+DEEPSPEED_LOADS = {
+    "FusedAdamBuilder": """
 from types import SimpleNamespace
 import torch
 from ds_pipemorph.staging.builder import prepare_adam_op
@@ -167,34 +170,107 @@ prepare_adam_op(SimpleNamespace(optimizer_name="adam", optimizer_params={}), Non
 from deepspeed.ops.adam import FusedAdam
 FusedAdam([torch.nn.Parameter(torch.zeros(4))])
 print("loaded")
+""",
+    "ShareMemCommBuilder": """
+from ds_pipemorph.staging.builder import prepare_comm_op
+prepare_comm_op()
+from deepspeed.comm.torch import build_shm_op
+assert build_shm_op() is not None
+print("loaded")
+""",
+}
+# A load that does not take our guard, as stock DeepSpeed's: torch's baton held until a line arrives on stdin.
+UNGUARDED = """
+import sys
+from torch.utils.file_baton import FileBaton
+baton = FileBaton(sys.argv[1])
+assert baton.try_acquire()
+print("holding", flush=True)
+sys.stdin.readline()
+baton.release()
 """
 
 
-@pytest.fixture(scope="module")
-def adam_op():
-    """DeepSpeed's FusedAdam op built in the session's cache (the first engine test would build it too)."""
+def _deepspeed_op(kind: str, tmp_path):
+    """DeepSpeed's op ``kind`` built in the session's cache (loaded under the guard, as every job of
+    the session loads it), copied into a cache of the test's own; (name, its build directory, env)."""
     from deepspeed.accelerator import get_accelerator
 
-    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
-    builder.load()
-    return builder.name
+    from ds_pipemorph.staging.builder import extension_dir, load_guarded
+
+    builder = get_accelerator().create_op_builder(kind)
+    load_guarded(builder, kind)
+    root = tmp_path / "extensions"
+    shutil.copytree(extension_dir(builder.name), root / builder.name, ignore=shutil.ignore_patterns("lock"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+    return builder.name, root / builder.name, env
 
 
 @pytest.mark.timeout(300)
-def test_a_lock_left_in_deepspeeds_own_op_build_is_removed_before_its_engine_loads_it(adam_op, tmp_path):
-    """DeepSpeed builds FusedAdam inside its engine, where no guard of ours runs: a job killed during that
-    build left torch's lock, and every later job waited for it without a word. ``initialize`` loads the
-    op first, under the guard."""
-    from ds_pipemorph.staging.builder import extension_dir
-
-    root = tmp_path / "extensions"
-    shutil.copytree(extension_dir(adam_op), root / adam_op, ignore=shutil.ignore_patterns("lock"))
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
-    lock = root / adam_op / "lock"
+@pytest.mark.parametrize("kind", list(DEEPSPEED_LOADS))
+def test_a_lock_left_in_deepspeeds_own_op_build_is_removed_before_deepspeed_loads_it(kind, tmp_path):
+    """DeepSpeed builds these ops inside its own code, where no guard of ours runs: a job killed during
+    that build left torch's lock, and every later job waited for it without a word. ``initialize`` (and
+    the recipes and bench workers, before ``init_distributed``) load them first, under the guard."""
+    name, ext, env = _deepspeed_op(kind, tmp_path)
+    lock = ext / "lock"
     subprocess.run([sys.executable, "-c", KILLED_BUILD, str(lock)], check=True, env=env, timeout=120)
 
-    p = subprocess.run([sys.executable, "-c", ADAM], capture_output=True, text=True, env=env, timeout=240)
+    p = subprocess.run([sys.executable, "-c", DEEPSPEED_LOADS[kind]], capture_output=True, text=True, env=env,
+                       timeout=240)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "loaded" in p.stdout
     assert f"removing {lock}" in p.stderr and "interrupted" in p.stderr
+    assert not lock.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_lock_held_by_a_load_that_takes_no_guard_stays_and_the_guarded_load_waits_for_it(tmp_path):
+    """Stock DeepSpeed loads its ops without our guard, and torch takes the lock even to load a build
+    that is there: while such a process holds it, before any build tool runs, the lock is live."""
+    name, ext, env = _deepspeed_op("FusedAdamBuilder", tmp_path)
+    lock = ext / "lock"
+    holder = loading = None
+    try:
+        holder = subprocess.Popen([sys.executable, "-c", UNGUARDED, str(lock)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        assert holder.stdout.readline().strip() == "holding"  # bounded by the test's timeout
+        loading = subprocess.Popen([sys.executable, "-c", DEEPSPEED_LOADS["FusedAdamBuilder"]],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        time.sleep(15)  # the guarded load has long reached torch's wait (an import of DeepSpeed takes ~5 s)
+        assert loading.poll() is None and lock.exists()  # waiting, the live lock untouched
+
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=30) == 0  # its release found its lock: no one took it
+        out, err = loading.communicate(timeout=120)
+        assert loading.returncode == 0, err[-2000:]
+        assert "loaded" in out
+        assert "removing" not in err
+    finally:
+        _stop(holder, loading)
+
+
+@pytest.mark.timeout(420)
+def test_a_training_job_started_after_a_killed_adam_build_runs(tmp_path):
+    """The same through ``initialize``: the tiny GPT recipe (an "Adam" section) on 2 ranks, its cache
+    holding the lock a killed FusedAdam build left: the job trains instead of waiting forever."""
+    from ds_pipemorph.procs import torchrun
+
+    name, ext, env = _deepspeed_op("FusedAdamBuilder", tmp_path)
+    root = ext.parent
+    session = Path(os.environ["TORCH_EXTENSIONS_DIR"])  # the other ops the job loads, built already
+    for other in session.iterdir():
+        if other.is_dir() and other.name != name:
+            shutil.copytree(other, root / other.name, ignore=shutil.ignore_patterns("lock"))
+    lock = ext / "lock"
+    subprocess.run([sys.executable, "-c", KILLED_BUILD, str(lock)], check=True, env=env, timeout=120)
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_gpt" / "train.py"
+    cmd = torchrun(tmp_path / "torchrun", "--standalone", "--nproc_per_node=2", str(recipe), "--stages", "2",
+                   "--steps", "2")
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=360)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert f"removing {lock}" in out
     assert not lock.exists()
