@@ -274,3 +274,29 @@ def test_a_training_job_started_after_a_killed_adam_build_runs(tmp_path):
     assert p.returncode == 0, out[-3000:]
     assert f"removing {lock}" in out
     assert not lock.exists()
+
+
+@pytest.mark.parametrize("offload, expected", [(None, "FusedAdamBuilder"), ("cpu", "CPUAdamBuilder"),
+                                                 ("nvme", "CPUAdamBuilder"), ("none", "FusedAdamBuilder")])
+def test_the_adam_op_guarded_is_the_one_deepspeeds_engine_loads(offload, expected, monkeypatch):
+    """FusedAdam, or CPU Adam where ZeRO offloads the optimizer to the CPU or NVMe (the op DeepSpeed's
+    DeepSpeedCPUAdam loads); nothing for a torch Adam or an optimizer object of the user's."""
+    from types import SimpleNamespace
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    from ds_pipemorph.staging import builder as b
+
+    loaded = []
+    monkeypatch.setattr(b, "load_guarded", lambda builder, what: loaded.append(builder.name) or False)
+    zero = SimpleNamespace(offload_optimizer=None if offload is None else
+                           SimpleNamespace(device=OffloadDeviceEnum(offload)))
+    adam = SimpleNamespace(optimizer_name="adamw", optimizer_params={}, zero_config=zero)
+    b.prepare_adam_op(adam, None)
+    assert loaded == [get_accelerator().create_op_builder(expected).name]
+    loaded.clear()
+    b.prepare_adam_op(SimpleNamespace(optimizer_name="adam", optimizer_params={"torch_adam": True},
+                                      zero_config=zero), None)
+    b.prepare_adam_op(adam, client_optimizer=object())
+    assert loaded == []
