@@ -120,6 +120,7 @@ class Adapter:
         self._span_iterations = 0
         self._acted = False  # the policy took a decision at this exchange (a new plan, or the plan kept)
         self._prewarm_failed = False  # said once; a switch to the delegates still tries (and fails) on both ends
+        self._prewarmed = False  # the fork server was started ahead of a switch
         self._logged = 0  # overhead lines rank 0 logged (one per LOG_EVERY iterations)
         self.profile_out = profile_out
         self.rank = dist.get_rank()
@@ -197,7 +198,9 @@ class Adapter:
                 self.overhead_book.add(table[:, _LOCAL:_FLAG])
             return self._decide(table, oh)
         finally:
-            self._prewarm(engine)
+            t = time.perf_counter_ns()
+            if self._prewarm(engine):
+                oh.prewarm = _ms_since(t)
             oh.other = max(0.0, _ms_since(enter) - (oh.counted() - oh.stamps) - oh.sync)
             self.overheads.append(oh)
             if self.rank == 0 and self.iteration >= LOG_EVERY * (self._logged + 1):
@@ -238,16 +241,17 @@ class Adapter:
                 self._planner.submit(self.policy, reaction[0].costs)
         return decision
 
-    def _prewarm(self, engine) -> None:
+    def _prewarm(self, engine) -> bool:
         """Under delegation "auto" (where a slow link may move to the delegates), at the first slow
         observation of a link this rank is an end of: start what its delegates come from
         (``LinkControl.prewarm``; a fork server importing torch takes seconds), so that a switch a
-        few iterations later finds it ready. Until then no process of the delegates runs."""
+        few iterations later finds it ready. Until then no process of the delegates runs. True for the
+        call that started it, whose time the overhead report counts apart (a once-off cost)."""
         if self.policy.delegation != "auto" or not self.policy.may_delegate:
-            return  # off; always (started with the engine); or direct sends that do not block
+            return False  # off; always (started with the engine); or direct sends that do not block
         if self._prewarm_failed or not any(directions_on(self.stage_id, link) for link in self.policy.detector.rising
                                            if isinstance(self.policy.direct_models[link], Direct)):
-            return  # no rising link here that "auto" would move (its direct sends block)
+            return False  # no rising link here that "auto" would move (its direct sends block)
         try:
             engine.transport.prewarm()
         except Exception as e:  # noqa: BLE001  (only a head start, on this rank only: raising would leave the
@@ -256,6 +260,9 @@ class Adapter:
             logger.warning("pipemorph: rank %d cannot start the delegates' fork server ahead of a switch (%s); "
                            "a link switched to the delegates starts it then, or fails there on both ends",
                            self.rank, e)
+            return False
+        first, self._prewarmed = not self._prewarmed, True
+        return first  # the call that started it (later ones find it running)
 
     def _search_landed(self) -> tuple[Decision, float]:
         """Every rank: the landed search's decision and its seconds, broadcast from rank 0. A failed

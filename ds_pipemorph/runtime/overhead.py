@@ -40,6 +40,7 @@ class Overhead:
     detect: float = 0.0  # the straggler detector
     replan: float = 0.0  # search, tolerances, plan-hash check (iterations that re-plan only)
     export: float = 0.0  # writing profile_out (rank 0, iterations that re-plan only)
+    prewarm: float = 0.0  # starting the delegates' fork server ahead of a switch (once, under delegation "auto")
     other: float = 0.0  # the rest of the boundary's wall time in the adapter (tensors, bookkeeping)
     sync: float = 0.0  # barrier before the exchange: waiting for the last rank to finish (not counted)
 
@@ -87,18 +88,19 @@ class OverheadBook:
     def report(self, replans: int, stamp_ns: float) -> Optional[dict]:
         """Per iteration over the spans from the second one on (the first sets up the exchange): the
         costliest rank's total and parts, summed over spans and divided by their iterations; the
-        same without the spans that re-planned (``steady``) and the cost of one re-plan; shares of a
+        same without the spans that re-planned or started the delegates' fork server, once-off costs
+        (``steady``), and the cost of one re-plan; shares of a
         typical iteration, the median of the spans' wall time per iteration (a mean would count
         one-off stalls such as starting delegate processes after a re-plan). None: too early."""
         rows = self.rows[1:]
         if not rows:
             return None
-        n, i_replan = len(OVERHEAD_FIELDS), OVERHEAD_FIELDS.index("replan")
+        n, i_replan, i_prewarm = len(OVERHEAD_FIELDS), OVERHEAD_FIELDS.index("replan"), OVERHEAD_FIELDS.index("prewarm")
         worst = [r[int(r[:, _COUNTED].sum(1).argmax())] for r in rows]
         totals = [float(x[_COUNTED].sum()) for x in worst]
         spans = [float(r[0, n + 1]) for r in rows]
         period = statistics.median(float(r[:, n].max()) / k for r, k in zip(rows, spans))
-        steady = [(tot, k) for tot, k, x in zip(totals, spans, worst) if x[i_replan] == 0]
+        steady = [(tot, k) for tot, k, x in zip(totals, spans, worst) if x[i_replan] == 0 and x[i_prewarm] == 0]
         each = [float(x[i_replan]) for x in worst if x[i_replan] > 0]
         iterations = sum(spans)
         mean = sum(totals) / iterations
@@ -124,7 +126,8 @@ class OverheadBook:
         """One log line for a ``report``."""
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["parts_ms"].items() if k != "sync")
         steady = "" if r["steady_ms_per_iteration"] is None else (
-            f"; without re-plans {r['steady_ms_per_iteration']:.2f} ms ({r['steady_pct_of_iteration']:.2f}%)")
+            f"; without re-plans and the delegates' start {r['steady_ms_per_iteration']:.2f} ms "
+            f"({r['steady_pct_of_iteration']:.2f}%)")
         each = "" if r["replan_ms_each"] is None else f", {r['replan_ms_each']:.0f} ms per re-plan"
         return (f"profiler overhead {r['ms_per_iteration']:.2f} ms per iteration ({r['pct_of_iteration']:.2f}% of a "
                 f"{r['iteration_ms']:.0f} ms iteration){steady} over {r['iterations']} iterations ({r['exchanges']} "

@@ -121,7 +121,7 @@ def test_overhead_report_counts_the_costliest_rank_per_boundary_and_not_the_wait
     assert r["parts_ms"]["links"] == pytest.approx(2.0) and r["parts_ms"]["sync"] == 0.0
     assert len(r["parts_ms"]) == n
     line = OverheadBook.describe(r)
-    assert "profiler overhead 3.75 ms per iteration (2.50% of a 150 ms iteration); without re-plans 2.00 ms" in line
+    assert "profiler overhead 3.75 ms per iteration (2.50% of a 150 ms iteration); without re-plans and the delegates' start 2.00 ms" in line
     assert "2 ms per re-plan" in line and "over 2 iterations (2 exchanges)" in line
     assert OverheadBook().report(0, 1.0) is None
 
@@ -147,3 +147,22 @@ def test_an_exchange_every_few_iterations_is_charged_per_iteration_over_the_span
     assert r["parts_ms"]["exchange"] == pytest.approx(12.0 / 13, abs=1e-3)
     assert r["iteration_ms"] == pytest.approx(101.0)  # median of 101, 110 and 100 ms per iteration
     assert r["max_ms"] == pytest.approx(10.1) and r["replan_ms_each"] == pytest.approx(6.0)
+
+
+def test_the_span_that_started_the_delegates_counts_in_the_total_but_not_in_the_steady_cost():
+    """Starting the delegates' fork server ahead of a switch is a once-off cost, like a re-plan: it
+    counts in the cost per iteration and is named apart, but a short job's steady cost does not carry it."""
+    book = OverheadBook()
+
+    def row(iterations: float, period: float, **parts):
+        return [parts.get(k, 0.0) for k in OVERHEAD_FIELDS] + [period, iterations]
+
+    book.add(torch.tensor([row(1, 100.0, exchange=50.0)] * 2))  # the first span sets up the exchange: left out
+    book.add(torch.tensor([row(1, 100.0, exchange=2.0)] * 2))
+    book.add(torch.tensor([row(1, 100.0, exchange=2.0, prewarm=60.0), row(1, 100.0, exchange=2.0)]))
+    book.add(torch.tensor([row(2, 200.0, exchange=2.0)] * 2))
+    r = book.report(replans=0, stamp_ns=500.0)
+    assert r["ms_per_iteration"] == pytest.approx((2.0 + 62.0 + 2.0) / 4)
+    assert r["steady_ms_per_iteration"] == pytest.approx((2.0 + 2.0) / 3, abs=1e-3)  # the prewarm span left out
+    assert r["parts_ms"]["prewarm"] == pytest.approx(60.0 / 4) and r["replan_ms_each"] is None
+    assert "without re-plans and the delegates' start 1.33 ms" in OverheadBook.describe(r)
