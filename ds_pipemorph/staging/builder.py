@@ -129,19 +129,23 @@ def _build_tool(pid: str) -> bool:
     return comm in _BUILD_TOOLS or comm.startswith(("x86_64-", "aarch64-"))  # cross-named gcc/g++/ld
 
 
+def _other_pids() -> list[str]:
+    """The pids ``/proc`` lists, this process's left out (none where there is no ``/proc``)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    me = str(os.getpid())
+    return [e for e in entries if e.isdigit() and e != me]
+
+
 def _processes_in(directory: Path) -> list[int]:
     """Pids of live build tools (ninja, compilers, linkers; ``_BUILD_TOOLS``) whose cwd is ``directory``
     or inside it, as far as ``/proc`` lets us see (processes whose cwd we may not read, or that vanish
     meanwhile, are skipped)."""
     root = os.path.realpath(directory)
     found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
+    for entry in _other_pids():
         try:
             cwd = os.readlink(f"/proc/{entry}/cwd")
         except OSError:  # not ours to read, gone, or a zombie
@@ -156,13 +160,7 @@ def _holders_of(path: Path) -> list[int]:
     we may not read, and processes that vanish meanwhile, are skipped)."""
     target = os.path.realpath(path)
     found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+    for entry in _other_pids():
         try:
             fds = os.listdir(f"/proc/{entry}/fd")
         except OSError:
