@@ -119,7 +119,7 @@ def _print_notes(spec: BenchSpec, rows: list[dict]) -> None:
                 f"delegates' start")
             each = "" if oh["replan_ms_each"] is None else f", {oh['replan_ms_each']:.0f} ms per re-plan"
             start = oh["parts_ms"].get("prewarm", 0.0)
-            each += f", the delegates' start {start:.1f} ms" if start > 0 else ""
+            each += f", the delegates' start {start:.1f} ms per iteration" if start > 0 else ""
             console.print(f"{r['scenario']}: PipeMorph's profiler and control loop cost "
                           f"{oh['ms_per_iteration']:.1f} ms per iteration ({oh['pct_of_iteration']:.1f}% of a "
                           f"{oh['iteration_ms']:.0f} ms iteration, the median of all, warm-up included{steady}; link samples {oh['parts_ms']['links']:.1f} ms, "

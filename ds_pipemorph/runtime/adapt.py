@@ -65,6 +65,7 @@ from .transport.protocol import directions_on
 logger = logging.getLogger(__name__)
 
 LOG_EVERY = 100  # rank 0 logs the profiler's overhead every this many iterations (and in close())
+_PREWARMED = False  # this process started the delegates' fork server ahead of a switch (there is one per process)
 _LOCAL = 6  # columns of the all-gathered row before the overhead: stage, F, B, W, upstream rank, downstream rank
 _NONE = -1.0  # a neighbour column's value where the stage has no neighbour on that side
 _PERIOD = _LOCAL + len(OVERHEAD_FIELDS)  # after the shipped span's overhead: its wall time (ms) ...
@@ -120,7 +121,6 @@ class Adapter:
         self._span_iterations = 0
         self._acted = False  # the policy took a decision at this exchange (a new plan, or the plan kept)
         self._prewarm_failed = False  # said once; a switch to the delegates still tries (and fails) on both ends
-        self._prewarmed = False  # the fork server was started ahead of a switch
         self._logged = 0  # overhead lines rank 0 logged (one per LOG_EVERY iterations)
         self.profile_out = profile_out
         self.rank = dist.get_rank()
@@ -261,8 +261,9 @@ class Adapter:
                            "a link switched to the delegates starts it then, or fails there on both ends",
                            self.rank, e)
             return False
-        first, self._prewarmed = not self._prewarmed, True
-        return first  # the call that started it (later ones find it running)
+        global _PREWARMED
+        first, _PREWARMED = not _PREWARMED, True
+        return first  # the call that started it (later ones, of any engine of this process, find it running)
 
     def _search_landed(self) -> tuple[Decision, float]:
         """Every rank: the landed search's decision and its seconds, broadcast from rank 0. A failed

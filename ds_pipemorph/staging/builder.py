@@ -13,16 +13,18 @@ A build interrupted by Ctrl-C or a kill leaves torch's build lock (``<NAME>/lock
 no owner) behind, and every later job waits for it forever without a word. So our ops build under
 ``build_guard``: an advisory lock beside the cache (``<NAME>.lock``, an ``flock`` released by the kernel
 when its holder dies, however it dies) is taken first; whoever holds it is the only process of ours
-building that op. A torch lock found then is live while a process has it open: torch keeps the file
-open from taking the lock to releasing it, and the kernel closes it when its holder dies. That is how a
-build or load that does not take our guard holds it (stock DeepSpeed loading its own ops, in this job's
-process or another): the lock stays, and torch waits for its holder as it would without us. A lock no
-process has open was left by a build that is over, unless that build's ninja or compilers outlived it
-(they survive a SIGKILL or an OOM kill of the Python process that started them): torch runs ninja with
-the build directory as its cwd, so while a live build tool has its cwd inside that directory the lock
-stays and the guard waits (polling, one warning naming the pids) until no such process is left; then the
-lock is removed, with one warning, and the op is built again. Processes of other users whose open files
-or cwd we may not read, or in another PID namespace, are not seen. The guard file is opened read-only
+building that op. A torch lock found then is live while a process has it open (matched by device and
+inode): torch keeps the file open from taking the lock to releasing it, and the kernel closes it when
+its holder dies. That is how a build or load that does not take our guard holds it (stock DeepSpeed
+loading its own ops, in this job's process or another): the guard waits (polling, one warning naming the
+pids) until it is released, or its holder dies and leaves it stale. A lock no process has open was left
+by a build that is over, unless that build's ninja or compilers outlived it (they survive a SIGKILL or
+an OOM kill of the Python process that started them): torch runs ninja with the build directory as its
+cwd, so while a live build tool has its cwd inside that directory the guard waits the same way. A lock
+found with neither is checked once more a moment later (torch's release closes the file before it
+removes it), then removed, with one warning, and the op is built again. Processes whose open files or
+cwd we may not read (other users', or in another PID namespace) are not seen: a lock owned by another
+user is therefore left as it is, with one warning. The guard file is opened read-only
 (created with mode 0666 less the umask if missing), so users sharing a cache all take it. Where it cannot be created (a
 read-only cache) or ``flock`` fails (NFS without a lock manager) the op loads as torch alone would,
 nothing removed (the latter with one warning). A prebuilt op, or one already loaded in this process,
@@ -32,8 +34,8 @@ A JIT build takes tens of seconds to minutes on the first start and none later; 
 line before a build that will really compile (no prebuilt op, nothing in the extension cache), for our
 ring (``load``) and for the ops DeepSpeed builds inside its own code: its CPU collectives op, which
 ``deepspeed.init_distributed`` builds on a CPU accelerator (``prepare_comm_op``, called before it), and
-its FusedAdam op, which its engine builds for an "Adam" optimizer section (``prepare_adam_op``). Those
-two are loaded by us first, under the same guard (``load_guarded``), so that a lock an interrupted build
+its Adam op (FusedAdam, or CPU Adam where ZeRO offloads the optimizer), which its engine builds for an
+"Adam" optimizer section (``prepare_adam_op``). Those are loaded by us first, under the same guard (``load_guarded``), so that a lock an interrupted build
 of theirs left behind is removed too; DeepSpeed keeps loaded ops by name, and its own load then finds
 them loaded. Should our load fail, DeepSpeed's own load runs as it would have and reports the error.
 """
@@ -111,6 +113,7 @@ def announce_build(builder: OpBuilder, what: str) -> bool:
 
 
 _POLL_SECONDS = 2.0  # how often build_guard re-checks a process still working in a build directory
+_SETTLE_SECONDS = 0.2  # a lock found with no holder is checked again after this, before it is removed
 _flock_warned: set[str] = set()  # guard files this process has warned it cannot lock
 
 
@@ -129,14 +132,12 @@ def _build_tool(pid: str) -> bool:
     return comm in _BUILD_TOOLS or comm.startswith(("x86_64-", "aarch64-"))  # cross-named gcc/g++/ld
 
 
-def _other_pids() -> list[str]:
-    """The pids ``/proc`` lists, this process's left out (none where there is no ``/proc``)."""
+def _pids() -> list[str]:
+    """The pids ``/proc`` lists (none where there is no ``/proc``)."""
     try:
-        entries = os.listdir("/proc")
+        return [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
         return []
-    me = str(os.getpid())
-    return [e for e in entries if e.isdigit() and e != me]
 
 
 def _processes_in(directory: Path) -> list[int]:
@@ -145,7 +146,9 @@ def _processes_in(directory: Path) -> list[int]:
     meanwhile, are skipped)."""
     root = os.path.realpath(directory)
     found = []
-    for entry in _other_pids():
+    for entry in _pids():
+        if int(entry) == os.getpid():
+            continue
         try:
             cwd = os.readlink(f"/proc/{entry}/cwd")
         except OSError:  # not ours to read, gone, or a zombie
@@ -156,41 +159,76 @@ def _processes_in(directory: Path) -> list[int]:
 
 
 def _holders_of(path: Path) -> list[int]:
-    """Pids of the processes that have ``path`` open, as far as ``/proc`` lets us see (file descriptors
-    we may not read, and processes that vanish meanwhile, are skipped)."""
-    target = os.path.realpath(path)
+    """Pids of the processes that have the file ``path`` open, this one included, as far as ``/proc``
+    lets us see (file descriptors we may not read, and processes that vanish meanwhile, are skipped).
+    Matched by device and inode, so a holder that opened it under another path (a bind mount, another
+    mount namespace) is seen too."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    target, base = (st.st_dev, st.st_ino), os.path.basename(path)
     found = []
-    for entry in _other_pids():
+    for entry in _pids():
         try:
             fds = os.listdir(f"/proc/{entry}/fd")
         except OSError:
             continue
         for fd in fds:
+            where = f"/proc/{entry}/fd/{fd}"
             try:
-                if os.readlink(f"/proc/{entry}/fd/{fd}") == target:
-                    found.append(int(entry))
-                    break
+                if base in os.readlink(where):  # only a file of that name is stat'ed
+                    held = os.stat(where)
+                    if (held.st_dev, held.st_ino) == target:
+                        found.append(int(entry))
+                        break
             except OSError:
                 continue
     return sorted(found)
 
 
+def _still_stale(lock: Path, ext: Path, inode: int) -> bool:
+    """The same lock file (``inode``), still with no holder and no build tool in ``ext``, a moment after
+    it was found so: torch's release closes the file before it removes it, and in between a live lock
+    looks stale; a lock that exists keeps anyone else from taking a new one."""
+    time.sleep(_SETTLE_SECONDS)
+    try:
+        same = os.stat(lock).st_ino == inode
+    except OSError:  # released meanwhile: torch takes it from here
+        return False
+    return same and not _holders_of(lock) and not _processes_in(ext)
+
+
 def _remove_stale_lock(name: str, ext: Path) -> None:
-    """Called holding the guard: remove torch's lock in ``ext`` once no live process works in ``ext``;
-    a lock that a process has open is live, and left to torch, which waits for its holder."""
+    """Called holding the guard: remove torch's lock in ``ext`` once no process has it open and no build
+    tool works in ``ext``; while some process holds it, wait (polling, one warning) for it to be released
+    or its holder to die. A lock of another user, whose processes we may not see, is left (one warning)."""
     lock = ext / "lock"
-    warned = False
-    while lock.exists():
-        if _holders_of(lock):  # a build or load that does not take our guard holds it: not ours to take
-            return
-        pids = _processes_in(ext)
-        if not pids:
+    warned = set()
+    while True:
+        try:
+            st = os.stat(lock)
+        except OSError:
+            return  # no lock (or released while we waited): torch takes it from here
+        holders = _holders_of(lock)
+        pids = [] if holders else _processes_in(ext)
+        if not holders and not pids:
+            if st.st_uid != os.geteuid() and os.geteuid() != 0:
+                logger.warning(f"pipemorph: {lock} belongs to another user, whose processes may not be visible "
+                               f"here; leaving it (remove it by hand if no build of {name} runs: the load waits for it)")
+                return
+            if not _still_stale(lock, ext, st.st_ino):
+                continue
             logger.warning(f"pipemorph: removing {lock}, left by a build of {name} that was interrupted "
                            f"(no process is building it now); building again")
             lock.unlink(missing_ok=True)
             return
-        if not warned:
-            warned = True
+        if holders and "held" not in warned:
+            warned.add("held")
+            logger.warning(f"pipemorph: {lock} is held by process(es) {', '.join(map(str, holders))} (a build or "
+                           f"load of {name}, ours or not); waiting for it to be released")
+        elif pids and "tools" not in warned:
+            warned.add("tools")
             logger.warning(f"pipemorph: {lock} was left by an interrupted build of {name}, but process(es) "
                            f"{', '.join(map(str, pids))} still work in {ext} (a ninja or compiler that outlived "
                            f"it); waiting for them to finish before building again")

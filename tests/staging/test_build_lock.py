@@ -225,28 +225,41 @@ def test_a_lock_left_in_deepspeeds_own_op_build_is_removed_before_deepspeed_load
 
 
 @pytest.mark.timeout(300)
-def test_a_lock_held_by_a_load_that_takes_no_guard_stays_and_the_guarded_load_waits_for_it(tmp_path):
+@pytest.mark.parametrize("holder_ends", ["released", "killed"])
+def test_a_lock_held_by_a_load_that_takes_no_guard_is_waited_for_until_released_or_its_holder_dies(
+        holder_ends, tmp_path):
     """Stock DeepSpeed loads its ops without our guard, and torch takes the lock even to load a build
-    that is there: while such a process holds it, before any build tool runs, the lock is live."""
+    that is there: while such a process holds it, before any build tool runs, the lock is live and the
+    guarded load waits. Released, torch takes it from there; its holder killed, the lock is stale."""
     name, ext, env = _deepspeed_op("FusedAdamBuilder", tmp_path)
     lock = ext / "lock"
+    err_path = tmp_path / "load.err"
     holder = loading = None
     try:
         holder = subprocess.Popen([sys.executable, "-c", UNGUARDED, str(lock)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
         assert holder.stdout.readline().strip() == "holding"  # bounded by the test's timeout
-        loading = subprocess.Popen([sys.executable, "-c", DEEPSPEED_LOADS["FusedAdamBuilder"]],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        time.sleep(15)  # the guarded load has long reached torch's wait (an import of DeepSpeed takes ~5 s)
+        with open(err_path, "w") as err_file:
+            loading = subprocess.Popen([sys.executable, "-c", DEEPSPEED_LOADS["FusedAdamBuilder"]],
+                                       stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
+        _until(lambda: f"is held by process(es) {holder.pid}" in err_path.read_text(), 120,
+               "the warning naming the holder")
+        time.sleep(2.5)  # more than one re-check
         assert loading.poll() is None and lock.exists()  # waiting, the live lock untouched
 
-        holder.stdin.write("go\n")
-        holder.stdin.flush()
-        assert holder.wait(timeout=30) == 0  # its release found its lock: no one took it
-        out, err = loading.communicate(timeout=120)
+        if holder_ends == "released":
+            holder.stdin.write("go\n")
+            holder.stdin.flush()
+            assert holder.wait(timeout=30) == 0  # its release found its lock: no one took it
+        else:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=10)
+        out, _ = loading.communicate(timeout=120)
+        err = err_path.read_text()
         assert loading.returncode == 0, err[-2000:]
         assert "loaded" in out
-        assert "removing" not in err
+        assert err.count("is held by") == 1  # one warning however long it waits
+        assert ("removing" in err) == (holder_ends == "killed")
     finally:
         _stop(holder, loading)
 
