@@ -30,15 +30,22 @@ with build_guard(name):
 """
 
 
-def _own_cache(tmp_path):
-    """The session's build of the op copied into a cache of the test's own; (name, root, env)."""
-    from ds_pipemorph.staging.builder import StagingRingBuilder, extension_dir
+def _copied(name: str, tmp_path):
+    """The session's build of op ``name`` copied into a cache of the test's own, without a lock;
+    (that cache's root, the environment of a process that uses it)."""
+    from ds_pipemorph.staging.builder import extension_dir
 
-    name = StagingRingBuilder().name
     root = tmp_path / "extensions"
     shutil.copytree(extension_dir(name), root / name, ignore=shutil.ignore_patterns("lock"))
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
-    return name, root, env
+    return root, {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+
+
+def _own_cache(tmp_path):
+    """The session's build of the staging op copied into a cache of the test's own; (name, root, env)."""
+    from ds_pipemorph.staging.builder import StagingRingBuilder
+
+    name = StagingRingBuilder().name
+    return (name, *_copied(name, tmp_path))
 
 
 def _until(condition, timeout, what):
@@ -46,6 +53,24 @@ def _until(condition, timeout, what):
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def _still_waiting_after(warning: str, err_path, loading, lock) -> None:
+    """``loading`` logs ``warning`` (naming what it waits for), and a few re-checks later it still
+    waits, the lock untouched."""
+    _until(lambda: warning in err_path.read_text(), 120, f"the warning {warning!r}")
+    time.sleep(2.5)  # more than one re-check
+    assert loading.poll() is None and lock.exists()
+
+
+def _loaded_after_one(warning: str, err_path, loading) -> str:
+    """``loading`` ends and loads the op, having logged ``warning`` once however long it waited; its stderr."""
+    out, _ = loading.communicate(timeout=120)
+    err = err_path.read_text()
+    assert loading.returncode == 0, err[-2000:]
+    assert "loaded" in out
+    assert err.count(warning) == 1
+    return err
 
 
 def _waits_on_flock(pid: int, path) -> bool:
@@ -131,18 +156,11 @@ def test_a_process_left_working_in_the_build_directory_keeps_the_lock_until_it_i
         with open(stderr_path, "w") as err_file:
             loading = subprocess.Popen([sys.executable, "-c", LOAD], stdout=subprocess.PIPE, stderr=err_file,
                                        text=True, env=env)
-        _until(lambda: f"process(es) {survivor.pid} still work in" in stderr_path.read_text(), 120,
-               "the warning naming the process in the build directory")
-        time.sleep(2.5)  # more than one re-check
-        assert loading.poll() is None and lock.exists()
+        _still_waiting_after(f"process(es) {survivor.pid} still work in", stderr_path, loading, lock)
 
         survivor.send_signal(signal.SIGKILL)
         survivor.wait(timeout=10)
-        out, _ = loading.communicate(timeout=120)
-        err = stderr_path.read_text()
-        assert loading.returncode == 0, err[-2000:]
-        assert "loaded" in out
-        assert err.count("still work in") == 1  # one warning however long it waits
+        err = _loaded_after_one("still work in", stderr_path, loading)
         assert f"removing {lock}" in err
         assert not lock.exists()
         assert bystander.poll() is None and str(bystander.pid) not in err  # still there, never waited for
@@ -196,13 +214,11 @@ def _deepspeed_op(kind: str, tmp_path):
     the session loads it), copied into a cache of the test's own; (name, its build directory, env)."""
     from deepspeed.accelerator import get_accelerator
 
-    from ds_pipemorph.staging.builder import extension_dir, load_guarded
+    from ds_pipemorph.staging.builder import load_guarded
 
     builder = get_accelerator().create_op_builder(kind)
     load_guarded(builder, kind)
-    root = tmp_path / "extensions"
-    shutil.copytree(extension_dir(builder.name), root / builder.name, ignore=shutil.ignore_patterns("lock"))
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), "DS_ACCELERATOR": "cpu"}
+    root, env = _copied(builder.name, tmp_path)
     return builder.name, root / builder.name, env
 
 
@@ -242,10 +258,7 @@ def test_a_lock_held_by_a_load_that_takes_no_guard_is_waited_for_until_released_
         with open(err_path, "w") as err_file:
             loading = subprocess.Popen([sys.executable, "-c", DEEPSPEED_LOADS["FusedAdamBuilder"]],
                                        stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
-        _until(lambda: f"is held by process(es) {holder.pid}" in err_path.read_text(), 120,
-               "the warning naming the holder")
-        time.sleep(2.5)  # more than one re-check
-        assert loading.poll() is None and lock.exists()  # waiting, the live lock untouched
+        _still_waiting_after(f"is held by process(es) {holder.pid}", err_path, loading, lock)
 
         if holder_ends == "released":
             holder.stdin.write("go\n")
@@ -254,11 +267,7 @@ def test_a_lock_held_by_a_load_that_takes_no_guard_is_waited_for_until_released_
         else:
             holder.send_signal(signal.SIGKILL)
             holder.wait(timeout=10)
-        out, _ = loading.communicate(timeout=120)
-        err = err_path.read_text()
-        assert loading.returncode == 0, err[-2000:]
-        assert "loaded" in out
-        assert err.count("is held by") == 1  # one warning however long it waits
+        err = _loaded_after_one("is held by", err_path, loading)
         assert ("removing" in err) == (holder_ends == "killed")
     finally:
         _stop(holder, loading)
