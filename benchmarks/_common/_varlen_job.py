@@ -49,7 +49,7 @@ def config(row: str, args) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": args.micro_batches,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10**9}
     if row != "stock":
-        cfg["pipemorph"] = {"schedule": row, "dispatch": "ready", "delegation": {"mode": "off"},
+        cfg["pipemorph"] = {"schedule": row, "backward": args.backward, "dispatch": "ready", "delegation": {"mode": "off"},
                             "adapt": {"enabled": False}, "nvtx": False, "memory": {"budget": args.budget},
                             "compare": {"schedule": row, "dispatch": "ordered", "warmup": args.warmup}}
     return cfg
@@ -135,6 +135,7 @@ def run(args, batches) -> list[dict]:
             result = engine.comparison()
             out[row]["comparison"] = None if result is None else result.as_dict()
             out[row]["plan"] = [[str(op) for op in stage] for stage in engine.plan]
+            out[row]["backward"] = args.backward
         if hasattr(engine, "destroy"):
             engine.destroy()
     return [out[row] for row in ROWS]
@@ -144,6 +145,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=varlen.WORKLOADS, required=True)
     ap.add_argument("--hint", choices=("zb", "1f1b"), required=True, help="our engine's plan")
+    ap.add_argument("--backward", choices=("split", "fused"), default="split",
+                    help="our engine's pipemorph.backward (fused: a B directly followed by its W is one pass)")
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="windows per micro-batch")
     ap.add_argument("--seq", type=int, default=64)

@@ -2,7 +2,8 @@
 on the GPT recipe's blocks with micro-batches of varying length, and what the replay predicts.
 
     DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py [--workloads multimodal,varlen] [--ranks 2 4]
-        [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--out out/varlen_real.json]
+        [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--bf-backward fused]
+        [--out out/varlen_real.json]
 
 Workloads (``recipes/gpt/varlen.py``, a ``PipelineModule(dynamic_shape=True)`` of the recipe's
 blocks, d = 128, 4 blocks, 8 windows of 64 bytes per micro-batch, fp32, Adam): ``multimodal``, a
@@ -14,8 +15,9 @@ per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (
 Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each hint,
 ``--sittings`` times) keeps two engines alive side by side and trains iteration k's batches with
 each in turn, which goes first alternating with k: stock DeepSpeed (``deepspeed.initialize``:
-1F1B, fused backward) and our engine with the ``1f1b`` plan (BF: W fused with B) or the ``zb`` plan
-(BFW: W apart) as the hint of ready dispatch, alternating ready (B) with ordered dispatch of the
+1F1B, fused backward) and our engine with the ``1f1b`` plan (BF: B and W in one backward pass,
+``pipemorph.backward: fused``, as RRFP's BF; ``--bf-backward split`` runs them apart, the input
+gradient sent before W) or the ``zb`` plan (BFW: W apart) as the hint of ready dispatch, alternating ready (B) with ordered dispatch of the
 same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
 every row is paired with stock per iteration, on the same batches, a second or two apart: stock /
 row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
@@ -77,7 +79,8 @@ def run_job(workload: str, ranks: int, hint: str, args, tmp: Path, name: str) ->
            "--workload", workload, "--hint", hint, "--micro-batches", str(args.micro_batches),
            "--batch", str(args.batch), "--seq", str(args.seq), "--d-model", str(args.d_model),
            "--heads", str(args.heads), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
-           "--iterations", str(args.iterations), "--out", str(out)]
+           "--iterations", str(args.iterations), "--out", str(out),
+           "--backward", args.bf_backward if hint == "1f1b" else "split"]
     if args.budget is not None:
         cmd += ["--budget", str(args.budget)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
@@ -119,7 +122,7 @@ def pairs(job: dict) -> dict[str, list[dict]]:
                                           fused_backward=True, link_model=DIRECT).iteration_ms
             row_replay = replay_varying(plan, costs, N, dispatch="ready" if ready else "ordered",
                                         caps=peak_inflight(plan) if ready else None, op_times=table,
-                                        link_model=DIRECT).iteration_ms
+                                        fused_backward=r.get("backward") == "fused", link_model=DIRECT).iteration_ms
             own = {(s, kind, m): t for s, kind, m, t in stock["ops"][k]}
 
             def stock_table(s, kind, m, own=own):  # its fused backward as B, W nothing
@@ -190,6 +193,9 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--budget", type=float, default=None, help="our engine's memory.budget (default: no limit)")
+    ap.add_argument("--bf-backward", choices=("fused", "split"), default="fused",
+                    help="the BF rows' backward (`pipemorph.backward`): fused, B and W in one pass as RRFP's BF "
+                         "and stock run it; split, B then W, the input gradient sent before W")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--out", default="out/varlen_real.json")
     args = ap.parse_args()

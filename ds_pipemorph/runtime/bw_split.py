@@ -128,6 +128,26 @@ _PLANS: dict[tuple, _Plan] = {}  # a graph's shape (``_walk``) -> its plan; the 
 _PLANS_KEPT = 16
 
 
+def backward_whole(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[Optional[torch.Tensor]],
+    inputs: Sequence[torch.Tensor],
+) -> list[Optional[torch.Tensor]]:
+    """B and W of one micro-batch as one backward pass, as stock DeepSpeed runs it: every leaf the
+    outputs reach accumulates its gradient (the parameters' through their ``AccumulateGrad`` and its
+    hooks, once); returns the gradients w.r.t. ``inputs`` (their ``.grad``, None where an input
+    needs none). What a split costs on top of this (a second pass into the graph, the store's
+    bookkeeping) is saved where nothing waits for the input gradient between B and W."""
+    outs, ograds = [], []
+    for t, g in zip(outputs, output_grads):
+        if t.requires_grad:
+            outs.append(t)
+            ograds.append(torch.ones_like(t) if g is None else g)
+    if outs:
+        torch.autograd.backward(outs, ograds)
+    return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]
+
+
 def backward_input(
     outputs: Sequence[torch.Tensor],
     output_grads: Sequence[Optional[torch.Tensor]],

@@ -248,6 +248,10 @@ class PipeMorphConfig(SectionModel):
     # Receives of each kind posted ahead under ordered dispatch (plan.ir.lower); None: the default
     # (RECV_WINDOW). A plan file names its own (refused here with schedule "plan").
     recv_window: Optional[int] = Field(None, ge=1)
+    # split: B and W apart (the input gradient leaves after B); fused: a B directly followed by its W
+    # in the plan runs as one backward pass, as stock's, its input gradient leaving after it. A plan
+    # file names its own (refused here with schedule "plan").
+    backward: Literal["split", "fused"] = "split"
     # Messages a stage keeps sent but not known received, per peer, on a direct link where a send
     # completes only when waited for (gloo); each holds its tensors, so the window bounds that memory. None: the
     # default (SEND_WINDOW), unbounded where no memory budget is in force.
@@ -308,6 +312,9 @@ class PipeMorphConfig(SectionModel):
             raise ValueError(BUDGET_MB_PLAN_FILE_REFUSED)
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
+        if self.schedule == "plan" and self.backward != "split":
+            raise ValueError("backward does not apply to a plan file, which names its own: set backward in the "
+                             "plan file instead")
         if self.schedule == "plan" and self.recv_window is not None:
             raise ValueError("recv_window does not apply to a plan file, which names its own: set recv_window in "
                              "the plan file instead")

@@ -57,7 +57,7 @@ from . import instructions as I
 from . import assembly
 from .assembly import moving_refusal
 from .engine_builder import EngineBuilder
-from .bw_split import backward_input, forget_parameters
+from .bw_split import backward_input, backward_whole, forget_parameters
 from .precision import GradPath
 from . import tensor_parallel
 from .recompute import Recompute
@@ -278,7 +278,11 @@ class PipeMorphEngine(PipelineEngine):
         if compiled is None or compiled[1] is not handlers:  # a new plan, or hooks added since (add_hooks)
             stream = self._stream_for(dispatch)
             groups = nccl_groups([stream])[0] if self.nccl_rules else ()  # issued as batch_isend_irecv
-            schedule = PipeMorphSchedule(stream, self.micro_batches, self.num_stages, self.stage_id, groups)
+            # One pass for B m + W m where the policy fuses them, and on the first stage (it sends no
+            # input gradient) where the order runs them back to back; checkpointed chunks always split.
+            whole = not self.checkpointing and (self.lowering.fused or (
+                self.is_first_stage() and dispatch is Dispatch.ORDERED))
+            schedule = PipeMorphSchedule(stream, self.micro_batches, self.num_stages, self.stage_id, groups, whole)
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
             program = [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)
                        for step in schedule.steps() for cmd in step]
@@ -590,7 +594,7 @@ class PipeMorphEngine(PipelineEngine):
     def _exec_end_p2p_group(self):
         self.transport.end_group()
 
-    def _exec_backward_input(self, buffer_id, micro_batch):
+    def _exec_backward_input(self, buffer_id, micro_batch, whole: bool = False):
         if self.is_last_stage():
             outs = [self.grad_path.scale_loss(self._scale_loss_by_gas(self._losses.pop(buffer_id)))]
             grads = [None]
@@ -602,7 +606,11 @@ class PipeMorphEngine(PipelineEngine):
                                    f"for {len(outs)} floating-point outputs")
         inputs = self.pipe_buffers["inputs"][buffer_id]
         ins = _as_list(inputs)
-        if self.checkpointing:  # checkpointed chunks recompute here and leave their W work too
+        if whole and self._meter is None:  # B and W in one pass (not while the meter counts what W keeps)
+            with self.grad_path.around_w():
+                dins = backward_whole(outs, grads, ins)
+            self._weight_work[micro_batch] = []
+        elif self.checkpointing:  # checkpointed chunks recompute here and leave their W work too
             with Recompute(self._trainable) as chunks:
                 dins, work = backward_input(outs, grads, ins, self._trainable)
             self._weight_work[micro_batch] = [work, *chunks.works]
@@ -625,8 +633,11 @@ class PipeMorphEngine(PipelineEngine):
         self.transport.send(Kind.B, micro_batch, self._input_grads.pop(micro_batch))
 
     def _exec_backward_weight(self, micro_batch):
+        works = self._weight_work.pop(micro_batch)
+        if not works:  # its B ran the whole backward
+            return
         held = None if self._meter is None else self._meter.live
-        self._run_w(self._weight_work.pop(micro_batch))
+        self._run_w(works)
         if held is not None:  # W freed what B left for it (the works dropped with it)
             self._mem_ops.setdefault("W", {})[micro_batch] = held - self._meter.live
 

@@ -26,7 +26,9 @@ OptimizerStep = ds.OptimizerStep
 class BackwardInputPass(ds.BufferOpInstruction):
     """B: gradient w.r.t. the stage input; keeps what W needs and frees the activation.
 
-    Roughly: ``buffers['input_grads'][buffer_id], work[micro_batch] = backward_input(...)``
+    Roughly: ``buffers['input_grads'][buffer_id], work[micro_batch] = backward_input(...)``.
+    With ``whole=True`` it runs the micro-batch's whole backward in one pass, as stock's, and leaves
+    its W nothing to do (``bw_split.backward_whole``).
     """
 
     def __init__(self, buffer_id: int, micro_batch: int, **kwargs):

@@ -197,14 +197,14 @@ NCCL_READY_REFUSED = ("dispatch 'ready' posts every receive of an iteration up f
 
 def lowering_for(cfg: PipeMorphConfig, nccl: bool = False) -> Lowering:
     """How the job's plans are lowered: a plan file's own ``recv_window`` and ``backward``, else the
-    config's ``recv_window`` (default ``RECV_WINDOW``) and a split backward (the plans ``1f1b``,
-    ``zb`` and ``adaptive`` build).
+    config's ``recv_window`` (default ``RECV_WINDOW``) and ``backward`` (default split) for the plans
+    ``1f1b``, ``zb`` and ``adaptive`` build.
 
     ``nccl`` (NCCL's point-to-point rules on the direct path: the NCCL backend, or a plug-in's
     ``TransportHooks.p2p_rules``): ``NcclLowering`` with the plan file's ``backward``; a plan file's
     ``recv_window`` does not apply there (each receive is issued where the NCCL lowering puts it)."""
     if cfg.schedule != "plan":  # (the config refuses recv_window with schedule "plan")
-        policy = LoweringPolicy(recv_window=cfg.recv_window or RECV_WINDOW)
+        policy = LoweringPolicy(recv_window=cfg.recv_window or RECV_WINDOW, fused=cfg.backward == "fused")
     else:
         try:
             policy = load_model(cfg.plan_file, PlanFile).lowering

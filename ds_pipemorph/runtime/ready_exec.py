@@ -106,11 +106,17 @@ class ReadyProgram:
             for i, a in enumerate(ops):
                 if fused_at(ops, i):
                     b, w, u = ops[i + 1], self.units[ops[i + 1]], self.units[a]
-                    self.split[a] = Unit(u.entries + w.entries[w.own:], u.texts + w.texts[1:], [], False, True, u.own)
+                    self.split[a] = Unit(_apart(u.entries) + w.entries[w.own:], u.texts + w.texts[1:], [], False, True,
+                                         u.own)
                     self.units[b] = Unit(w.entries[:w.own], w.texts[:1], [], False, False, w.own)
                     u.entries.extend(w.entries)
                     u.texts.extend(w.texts)
                     u.also.append(b)
+
+
+def _apart(entries: list) -> list:
+    """``entries`` of a B m compiled to run its W m too (``whole``), made to run B m alone."""
+    return [e if not e[3].get("whole") else (*e[:3], {**e[3], "whole": False}, *e[4:]) for e in entries]
 
 
 def refuse_after_a_failed_iteration(engine) -> None:

@@ -9,7 +9,8 @@ for this stage, op by op::
     F m       ->  RecvActivation (not first: waits for the posted receive),
                   LoadMicroBatch (first/last stage), ForwardPass
     SEND_F m  ->  SendActivation              (non-blocking)
-    B m       ->  RecvGrad (not last: waits), BackwardInputPass
+    B m       ->  RecvGrad (not last: waits), BackwardInputPass (``whole``: B m and the W m that
+                  directly follows it as one backward pass, and W m finds nothing left to do)
     SEND_B m  ->  SendGrad                    (non-blocking)
     W m       ->  BackwardWeightPass
     end       ->  WaitSends, ReduceTiedGrads, ReduceGrads, OptimizerStep
@@ -30,6 +31,7 @@ from typing import Iterator, Sequence
 
 from deepspeed.runtime.pipe.schedule import PipeSchedule
 
+from ..plan.ir.fused import fused_at
 from ..plan.ir.ops import Kind, Op, peak_inflight
 from . import instructions as I
 
@@ -52,14 +54,18 @@ class Buffers:
 
 
 class PipeMorphSchedule(PipeSchedule):
-    """Executes ``stream`` (this stage's lowered ops, already dry-run) for one training batch."""
+    """Executes ``stream`` (this stage's lowered ops, already dry-run) for one training batch.
+
+    ``whole``: each B m directly followed by its W m in the order (``plan.ir.fused``) runs both as
+    one backward pass (``BackwardInputPass(..., whole=True)``)."""
 
     def __init__(self, stream: Sequence[Op], micro_batches: int, stages: int, stage_id: int,
-                 groups: Sequence[range] = ()):
+                 groups: Sequence[range] = (), whole: bool = False):
         super().__init__(micro_batches, stages, stage_id)
         self.stream = list(stream)
         self.groups = list(groups)
         self.ops = [op.local() for op in self.stream if op.is_compute]  # the plan's F/B/W order
+        self.whole = {op.mb for i, op in enumerate(self.ops) if fused_at(self.ops, i)} if whole else set()
         self._buffers = max(1, peak_inflight([self.ops])[0])
         self._steps = self._compile()
 
@@ -93,7 +99,8 @@ class PipeMorphSchedule(PipeSchedule):
             elif k is Kind.B:
                 buf = released[m] = buffers.release(m)
                 cmds = [] if last else [I.RecvGrad(buf, micro_batch=m)]
-                cmds.append(I.BackwardInputPass(buf, micro_batch=m))
+                whole = {"whole": True} if m in self.whole else {}  # (stock's repr for the others)
+                cmds.append(I.BackwardInputPass(buf, micro_batch=m, **whole))
             elif k is Kind.SEND_B:
                 cmds = [I.SendGrad(released.pop(m), micro_batch=m)]
             else:

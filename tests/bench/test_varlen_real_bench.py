@@ -53,6 +53,8 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
         assert pair["pairs"] == 6 and 0 < pair["lo"] <= pair["median"] <= pair["hi"]
     # One job per hint, each stock and ours side by side; which goes first alternates every iteration.
     assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"]]
+    # BF runs B and W in one pass (RRFP's BF, stock's backward), BFW apart
+    assert [job["rows"][1]["backward"] for job in res["sittings"]] == ["split", "fused"]
     for job in res["sittings"]:
         assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
         # Each A, B pair of ours trains one draw: iterations 2j (ordered) and 2j + 1 (ready) trained the

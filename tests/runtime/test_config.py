@@ -34,6 +34,9 @@ from ds_pipemorph.runtime.transport.header import decode_header, encode_header
      "the string 'x'"),
     ({"schedule": "plan", "plan_file": "p.yaml", "recv_window": 3}, "ds_config pipemorph: recv_window does not apply "
      "to a plan file, which names its own: set recv_window in the plan file instead"),
+    ({"schedule": "plan", "plan_file": "p.yaml", "backward": "fused"}, "ds_config pipemorph: backward does not apply "
+     "to a plan file, which names its own: set backward in the plan file instead"),
+    ({"backward": "whole"}, "ds_config pipemorph: backward: Input should be 'split' or 'fused'"),
 ])
 def test_bad_section_is_refused_naming_the_key(section, message):
     with pytest.raises(PipeMorphConfigError) as e:

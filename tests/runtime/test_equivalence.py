@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from ds_pipemorph.plan.ir.fused import fused_at
 from ds_pipemorph.plan.ir.ops import peak_inflight
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.listsched import list_schedule
@@ -81,6 +82,17 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
     job, check = _plan_file_job(2, 8, [2, 1], tmp_path, "stock_s2_n8")
     jobs.append(job)
     checks.append(check)
+    # Where a B runs its W in the same pass: the first stage's B m directly followed by W m always under
+    # ordered dispatch (it sends no input gradient), every stage's under `backward: fused`.
+    passes = {"1f1b_s2_n8": ("1f1b", "ordered", "split"), "1f1b_fused_s2_n8": ("1f1b", "ordered", "fused"),
+              "zb_ready_fused_s2_n8": ("zb", "ready", "fused")}
+    for name, (sched, dispatch, backward) in passes.items():
+        section = {"schedule": sched, "dispatch": dispatch, "backward": backward, "delegation": {"mode": "off"},
+                   "adapt": {"enabled": False}}
+        if name not in {j["name"] for j in jobs}:
+            jobs.append({"name": name, "stages": 2, "micro_batches": 8, "pipemorph": section})
+            checks.append((name, "stock_s2_n8", _expected_peak(section, 2, 8)))
+        next(j for j in jobs if j["name"] == name)["grad_ops"] = True
     for job in jobs:
         job["eval"] = job["micro_batches"] == 8  # evaluation runs DeepSpeed's own schedule afterwards
     # A/B inside the job (pipemorph.compare): zb against 1f1b, alternating; 16 steps against stock's.
@@ -90,6 +102,7 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
         "compare": {"schedule": "1f1b", "warmup": 2, "iterations": 12}}})
     run = launch(2, jobs, tmp_path, timeout=220)
     _assert_compare(run)
+    _assert_passes(run, passes)
     for name, stock, peak, *plan in checks:
         _assert_equal_to_stock(run, name, stock, 2, peak, *plan)
         # One replica on gloo: the loss left the last stage at its last forward (runtime.train_loss),
@@ -99,6 +112,27 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
             ours, ref = run.result(name, r), run.result(stock, r)
             assert ours["early_loss"], f"{name} rank {r}"
             assert ours["losses"][0] == ref["losses"][0], f"{name} rank {r}: {ours['losses'][0]} != {ref['losses'][0]}"
+
+
+def _assert_passes(run, passes: dict) -> None:
+    """Each parameter's gradient was added in the op the rule names: ``B m`` where B m ran the whole
+    backward, ``W m`` where B and W ran apart. The first iteration measures the activation memory,
+    B and W apart everywhere; under ready dispatch only the last stage's order is known beforehand."""
+    for name, (sched, dispatch, backward) in passes.items():
+        plan = build_plan(parse_config({"schedule": sched}), 2, 8)
+        for r in range(2):
+            ours = run.result(name, r)
+            s = ours["stage"]
+            row = plan[s]
+            whole = {op.mb for i, op in enumerate(row) if fused_at(row, i)} if backward == "fused" or s == 0 else set()
+            expected = {f"{'B' if m in whole else 'W'}{m}" for m in range(8)}
+            assert set(ours["grad_ops"][0]) == {f"W{m}" for m in range(8)}, f"{name} rank {r}: first iteration"
+            if dispatch == "ordered" or s == 1:
+                for step in (1, 2):
+                    assert set(ours["grad_ops"][step]) == expected, f"{name} rank {r} step {step}"
+    # (that some B ran whole, and some ran apart, is in what the rule expects on these plans)
+    assert any(op.startswith("B") for op in run.result("1f1b_s2_n8", 0)["grad_ops"][1])
+    assert all(op.startswith("W") for op in run.result("1f1b_s2_n8", 1)["grad_ops"][1])
 
 
 def _assert_compare(run) -> None:

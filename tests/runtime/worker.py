@@ -16,7 +16,8 @@ rank late and record the timeouts this causes}, "migrate": {"k": parts} (after k
 calls ``engine.save_checkpoint(OUT_DIR/dir)``), "load": {"dir", "step"} (right after start-up every
 rank calls ``engine.load_checkpoint(OUT_DIR/dir)`` and trains from that step on), "remap": {"k": ranks[stage][replica]} (after k
 steps every rank calls ``engine.remap`` and trains on from there with its new replica's batches),
-"param_groups": true (two optimizer groups), "switch_dispatch": d (right after start-up every rank calls
+"param_groups": true (two optimizer groups), "grad_ops": true (record the op each parameter's gradient was
+accumulated in, per step: "grad_ops"), "switch_dispatch": d (right after start-up every rank calls
 ``engine.switch_to(dispatch=d)``; a refusal is recorded as "switch_error"), "switch_plan": {"k": plan file}
 (after k steps every rank calls ``engine.switch_to(plan=..., lowering=...)`` with the file's plan and lowering), "config_via_args": true (the config as
 --deepspeed_config gives it), "follow_replica": true (each step feeds the batches of the replica the rank serves then: the orchestrator
@@ -205,6 +206,11 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
         time.sleep(stall["seconds"])
     migrations, remaps = [], []
     tp_backward_ops = []  # per step (tensor-parallel model): the op each backward all-reduce ran in
+    grad_ops, accumulated = [], []  # per step ("grad_ops"): the op each parameter's gradient was added in
+    if job.get("grad_ops"):
+        for p in engine.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p: accumulated.append(time.monotonic_ns()))
     for step in range(start, steps):
         if job.get("follow_replica"):  # the engine may re-map itself: feed the batches of its replica now
             it = iter(data_of(engine.grid.data_parallel_id)[step * N:(step + 1) * N])
@@ -260,6 +266,10 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
             return
         if job.get("tp"):  # the op each backward all-reduce of the tensor-parallel layers ran in
             tp_backward_ops.append(_ops_at(getattr(engine, "op_records", [])))
+        if job.get("grad_ops"):
+            records = [r for r in getattr(engine, "op_records", []) if r.op[:1] in "FBW" and r.op[1:].isdigit()]
+            grad_ops.append([next((r.op for r in records if r.start_ns <= t <= r.end_ns), None) for t in accumulated])
+            accumulated.clear()
         peaks.append(getattr(engine, "measured_peak_inflight", None))
         ops.append([r.op for r in getattr(engine, "op_records", [])])
         executed.append(list(getattr(engine, "executed_stream", [])))
@@ -283,7 +293,7 @@ def run_job(job: dict, out_dir: str, rank: int) -> None:
                 "stage": engine.stage_id, "switch_error": switch_error, "comparison": comparison,
                 "p2p": type(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None)).__name__,
                 "p2p_groups": getattr(getattr(_innermost(getattr(transport, "direct", None)), "p2p", None), "groups", None),
-                "eval_loss": eval_loss, "events": events, "tp_backward_ops": tp_backward_ops,
+                "eval_loss": eval_loss, "events": events, "tp_backward_ops": tp_backward_ops, "grad_ops": grad_ops,
                 "link_modes": None if transport is None else [str(transport.link_mode(link)) for link in range(S - 1)],
                 "direct_model": None if getattr(engine, "adapter", None) is None else
                 [str(m) for m in engine.adapter.policy.direct_models],
