@@ -3,7 +3,8 @@
 With ``"compare": {"schedule": "1f1b"}`` in the ``pipemorph`` section, the engine alternates two
 settings at iteration boundaries: **B** is the job's own schedule and dispatch (the plan the control
 loop keeps current), **A** the ``compare`` section's (``1f1b``: DeepSpeed's own order, run by this
-engine, as stock trains). Every iteration still trains: ours is exact in any order, so A and B
+engine, as stock trains; with ``"backward": "fused"`` also stock's one backward pass). Every
+iteration still trains: ours is exact in any order, so A and B
 iterations give the same model a stock job would. The cycle is ``A B A' B`` (``ds_pipemorph.paired``):
 each B is paired with the A-side iteration before it, each A' with the A two before it (the noise
 check), and what slows the machine for a while slows both members of a pair.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Optional
 
 from ..paired import A_SIDE, CYCLE, Comparison, compare
@@ -47,7 +49,11 @@ class Compare:
         self.a_dispatch = c.dispatch
         self.b_dispatch = engine.dispatch
         self.b_plan = engine.plan
-        self.a_label = f"{c.schedule}/{c.dispatch}"
+        self.b_lowering = engine.lowering
+        fused = self.b_lowering.fused if c.backward is None else c.backward == "fused"
+        self.a_lowering = replace(self.b_lowering, fused=fused)
+        self.a_label = f"{c.schedule}/{c.dispatch}" + ("" if fused == self.b_lowering.fused else
+                                                       f"/{'fused' if fused else 'split'}")
         self.b_label = f"{cfg.schedule}/{engine.dispatch}"
         self.total = None if c.iterations is None else c.warmup + c.iterations
         self.sides: list[str] = []
@@ -77,10 +83,10 @@ class Compare:
             return
         side = CYCLE[(len(self.sides) - self.cfg.warmup) % len(CYCLE)]  # as paired.sequence lays them out
         if side in A_SIDE:
-            engine.switch_to(self.a_plan, self.a_dispatch)
+            engine.switch_to(self.a_plan, self.a_dispatch, self.a_lowering)
             self._a_installed = engine.plan
         else:
-            engine.switch_to(self.b_plan, self.b_dispatch)
+            engine.switch_to(self.b_plan, self.b_dispatch, self.b_lowering)
         self.sides.append(side)
         self._t0 = time.perf_counter()
 
@@ -115,7 +121,7 @@ class Compare:
         self.result = self.current()  # None: training ended within the warm-up
         self.done = True
         if not getattr(engine, "_destroyed", False):
-            engine.switch_to(self.b_plan, self.b_dispatch)
+            engine.switch_to(self.b_plan, self.b_dispatch, self.b_lowering)
         measured = len(self.times) - self.cfg.warmup
         if engine.global_rank == 0:
             logger.warning(self.describe(measured))

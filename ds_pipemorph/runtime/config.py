@@ -173,6 +173,8 @@ class CompareConfig(SectionModel):
     # the comparison ends (runtime/ab_compare.py). None: no comparison.
     schedule: Optional[Literal["1f1b", "zb"]] = None
     dispatch: Dispatch = Field(Dispatch.ORDERED, strict=False)  # its text, read as a Dispatch
+    # A's backward ("split" or "fused", as pipemorph.backward); None: the job's own.
+    backward: Optional[Literal["split", "fused"]] = None
     # Iterations at the start that alternate but are not measured (the first ones build programs,
     # start threads and measure memory; an adaptive B re-plans in its first ones).
     warmup: int = Field(4, ge=0)

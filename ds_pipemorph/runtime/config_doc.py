@@ -108,6 +108,8 @@ DESCRIPTIONS: dict[str, str] = {
                "(README, `runtime/ab_compare.py`)",
     "compare.schedule": "A's schedule; `null`: no comparison",
     "compare.dispatch": "A's dispatch",
+    "compare.backward": "A's backward (`split` or `fused`, as `backward`); `null`: the job's own. "
+                        "`{\"schedule\": \"1f1b\", \"backward\": \"fused\"}` is stock's schedule and backward",
     "compare.warmup": "iterations at the start that alternate but are not measured",
     "compare.iterations": "measured iterations, then the result is logged and the job runs B only; `null`: until "
                           "the engine is destroyed (the end of training)",

@@ -97,9 +97,10 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
         job["eval"] = job["micro_batches"] == 8  # evaluation runs DeepSpeed's own schedule afterwards
     # A/B inside the job (pipemorph.compare): zb against 1f1b, alternating; 16 steps against stock's.
     jobs.append({"name": "stock_s2_n8_long", "stages": 2, "micro_batches": 8, "steps": 16, "pipemorph": None})
-    jobs.append({"name": "compare_s2_n8", "stages": 2, "micro_batches": 8, "steps": 16, "pipemorph": {
+    # A is stock's schedule and backward (`1f1b`, fused) on this engine.
+    jobs.append({"name": "compare_s2_n8", "stages": 2, "micro_batches": 8, "steps": 16, "grad_ops": True, "pipemorph": {
         "schedule": "zb", "delegation": {"mode": "off"}, "adapt": {"enabled": False},
-        "compare": {"schedule": "1f1b", "warmup": 2, "iterations": 12}}})
+        "compare": {"schedule": "1f1b", "backward": "fused", "warmup": 2, "iterations": 12}}})
     run = launch(2, jobs, tmp_path, timeout=220)
     _assert_compare(run)
     _assert_passes(run, passes)
@@ -149,11 +150,16 @@ def _assert_compare(run) -> None:
         for step, side in enumerate(sides):
             ran = [op for op in ours["ops"][step] if op[0] in "FBW" and op[1:].isdigit()]
             assert ran == [str(op) for op in orders[side][ours["stage"]]], f"rank {r} step {step} ({side})"
+            # A's backward is one pass on both stages; B's (`zb` under the default budget runs each W
+            # right after its B here) on the first stage only, the last one sends its gradient first
+            if step:
+                whole = side != "B" or ours["stage"] == 0
+                assert {op[0] for op in ours["grad_ops"][step]} == {"B" if whole else "W"}, f"rank {r} step {step}"
         assert ours["losses"] == pytest.approx(ref["losses"], abs=TOL), f"rank {r}: losses differ"
         assert max_param_diff(ours, ref) <= TOL, f"rank {r}: parameters differ"
         result = ours["comparison"]["result"]
         assert result["ratio"]["pairs"] == 6 and result["noise"]["pairs"] == 3  # 3 cycles A B A' B
-    assert "pipemorph compare: B = zb/ordered, A = 1f1b/ordered, 12 measured iterations: " in run.output
+    assert "pipemorph compare: B = zb/ordered, A = 1f1b/ordered/fused, 12 measured iterations: " in run.output
 
 
 def _four_stage_jobs(out_dir):
