@@ -42,7 +42,7 @@ import logging
 import statistics
 import time
 from dataclasses import astuple, dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from ..control.modes import DelegationMode, ReplanMode
 from ..control.policy import REPLAN_EVALS, ControlPolicy, Decision, QueueSettings
 from ..plan.ir.links import DIRECT, Direct, LinkModel
 from ..plan.ir.memory import MemoryBudget
-from ..plan.ir.ops import KINDS, Schedule, recorded_op, warmup_counts
+from ..plan.ir.ops import KINDS, Kind, Schedule, recorded_op, warmup_counts
 from ..plan.ir.profile import Costs
 from .clocks import estimate_clock_offsets
 from .overhead import OVERHEAD_FIELDS, Overhead, OverheadBook, stamp_cost_ns
@@ -163,7 +163,7 @@ class Adapter:
             shipped = [*astuple(self._span), (enter - self._last_enter) / 1e6, self._span_iterations + 1.0]
         self._last_enter, self._span_iterations, self._acted = enter, 0, False
         self._span = oh = Overhead()
-        mine = self._local(records, oh, engine.recorder.device_ms())
+        mine = self._local(records, oh, engine.recorder.device_ms(), getattr(engine, "whole_ran", ()))
         if self._pending is not None and self._planner is not None:
             self._landed = self._planner.poll()
         landed = float(self._landed is not None)
@@ -336,18 +336,19 @@ class Adapter:
             self._write_profile(f"end of training, after {self.iteration + 1} iterations")
             self._log_overhead()
 
-    def _local(self, records, oh: Overhead, device_ms: Optional[dict[str, float]] = None) -> list[float]:
-        """[stage, median F, B, W (ms; device times from CUDA events where given), upstream, downstream rank]."""
+    def _local(self, records, oh: Overhead, device_ms: Optional[dict[str, float]] = None,
+               whole: Collection[int] = ()) -> list[float]:
+        """[stage, median F, B, W (ms; device times from CUDA events where given), upstream, downstream rank].
+        The B and W of a micro-batch in ``whole`` ran as one pass (``pipemorph.backward``): they measure
+        no split, and are left out (a kind with no sample left keeps its last estimate)."""
         t = time.perf_counter_ns()
         dur: dict = {k: [] for k in KINDS}
-        if device_ms is not None:
-            for op, ms in device_ms.items():
-                dur[recorded_op(op).kind].append(ms)
-        else:
-            for r in records:
-                op = recorded_op(r.op)
-                if op is not None and op.kind.is_compute:
-                    dur[op.kind].append((r.end_ns - r.start_ns) / 1e6)
+        timed = device_ms.items() if device_ms is not None else \
+            ((r.op, (r.end_ns - r.start_ns) / 1e6) for r in records)
+        for text, ms in timed:
+            op = recorded_op(text)
+            if op is not None and op.kind.is_compute and (op.kind is Kind.F or op.mb not in whole):
+                dur[op.kind].append(ms)
         med = [statistics.median(dur[k]) if dur[k] else -1.0 for k in KINDS]
         oh.stats = _ms_since(t)
         n = self.neighbours

@@ -314,6 +314,10 @@ class PipeMorphConfig(SectionModel):
             raise ValueError(BUDGET_MB_PLAN_FILE_REFUSED)
         if self.schedule != "plan" and self.plan_file:
             raise ValueError(f"plan_file is only read with schedule 'plan', not '{self.schedule}'")
+        if self.schedule == "adaptive" and self.backward == "fused":
+            raise ValueError("backward 'fused' runs the orders of schedule '1f1b' and 'zb' as written; 'adaptive' "
+                             "plans and re-plans for a split backward: set backward to 'split' or choose "
+                             "another schedule")
         if self.schedule == "plan" and self.backward != "split":
             raise ValueError("backward does not apply to a plan file, which names its own: set backward in the "
                              "plan file instead")

@@ -136,10 +136,10 @@ DESCRIPTIONS: dict[str, str] = {
                    "calls between ops; `null`: 1; a plan file names its own (refused with `schedule: plan`)",
     "backward": "`split`: every backward runs as B (the input gradient, sent at once) and W (the weight gradients, "
                 "when the plan says); `fused`: a B directly followed by its W in the plan (every backward of `1f1b`, "
-                "and of `adaptive` and `zb` where they do not defer W) runs as one backward pass, as stock "
-                "DeepSpeed's, cheaper than B and W apart, its input gradient sent after it. The first stage, which "
-                "sends no input gradient, runs such a pair as one pass under either, with `dispatch: ordered`. "
-                "A plan file names its own (refused with `schedule: plan`)",
+                "and of `zb` where it does not defer W) runs as one backward pass, as stock DeepSpeed's, cheaper "
+                "than B and W apart, its input gradient sent after it; refused with `adaptive`, which plans for a "
+                "split backward. The first stage, which sends no input gradient, runs such a pair as one pass "
+                "under either, with `dispatch: ordered`. A plan file names its own (refused with `schedule: plan`)",
     "send_window": "messages of one kind a stage keeps sent but not known received, per peer, where a send "
                    "completes only when waited for (gloo; NCCL's go as they complete): the next send, once "
                    "issued, waits for the oldest, so the window bounds the memory of sends in flight; applied "

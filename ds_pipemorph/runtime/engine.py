@@ -133,6 +133,7 @@ class PipeMorphEngine(PipelineEngine):
         self._weight_work: dict[int, list] = {}  # micro-batch -> WeightGradWorks: the stage's, then its checkpointed chunks'
         self._inflight = 0
         self.measured_peak_inflight = 0
+        self.whole_ran: set[int] = set()  # micro-batches whose B ran their W too (one pass): no B/W split measured
         # The trainable parameters B differentiates (layers move only between iterations).
         self._trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.grad_path = GradPath(self)  # stock's calls around each micro-batch's backward (runtime.precision)
@@ -610,6 +611,7 @@ class PipeMorphEngine(PipelineEngine):
             with self.grad_path.around_w():
                 dins = backward_whole(outs, grads, ins)
             self._weight_work[micro_batch] = []
+            self.whole_ran.add(micro_batch)
         elif self.checkpointing:  # checkpointed chunks recompute here and leave their W work too
             with Recompute(self._trainable) as chunks:
                 dins, work = backward_input(outs, grads, ins, self._trainable)

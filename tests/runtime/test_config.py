@@ -37,6 +37,8 @@ from ds_pipemorph.runtime.transport.header import decode_header, encode_header
     ({"schedule": "plan", "plan_file": "p.yaml", "backward": "fused"}, "ds_config pipemorph: backward does not apply "
      "to a plan file, which names its own: set backward in the plan file instead"),
     ({"backward": "whole"}, "ds_config pipemorph: backward: Input should be 'split' or 'fused'"),
+    ({"backward": "fused"}, "ds_config pipemorph: backward 'fused' runs the orders of schedule '1f1b' and 'zb' as "
+     "written; 'adaptive' plans and re-plans for a split backward: set backward to 'split' or choose another schedule"),
 ])
 def test_bad_section_is_refused_naming_the_key(section, message):
     with pytest.raises(PipeMorphConfigError) as e:
