@@ -2,7 +2,7 @@
 on the GPT recipe's blocks with micro-batches of varying length, and what the replay predicts.
 
     DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py [--workloads multimodal,varlen] [--ranks 2 4]
-        [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--bf-backward fused]
+        [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--bf-backward both]
         [--out out/varlen_real.json]
 
 Workloads (``recipes/gpt/varlen.py``, a ``PipelineModule(dynamic_shape=True)`` of the recipe's
@@ -12,13 +12,14 @@ of 2, stages 0-1 of 4), pooled to the common length before the text blocks, draw
 each pair of iterations (below); ``varlen``, language only, each micro-batch's length drawn from a long tail. One rank
 per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (the rows say so).
 
-Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each hint,
-``--sittings`` times) keeps two engines alive side by side and trains iteration k's batches with
-each in turn, which goes first alternating with k: stock DeepSpeed (``deepspeed.initialize``:
-1F1B, fused backward) and our engine with the ``1f1b`` plan (BF: B and W in one backward pass,
-``pipemorph.backward: fused``, as RRFP's BF; ``--bf-backward split`` runs them apart, the input
-gradient sent before W) or the ``zb`` plan (BFW: W apart) as the hint of ready dispatch, alternating ready (B) with ordered dispatch of the
-same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
+Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each of our
+settings, ``--sittings`` times) keeps two engines alive side by side and trains iteration k's
+batches with each in turn, which goes first alternating with k: stock DeepSpeed
+(``deepspeed.initialize``: 1F1B, fused backward) and our engine with, as the hint of ready dispatch,
+the ``zb`` plan (BFW: W apart), or the ``1f1b`` plan with B and W as one backward pass
+(``pipemorph.backward: fused``: RRFP's BF, stock's schedule and backward on our engine), or with B
+and W apart (``split``: each input gradient sent before its W; ``--bf-backward`` runs one of the
+two ``1f1b`` settings, default both), alternating ready (B) with ordered dispatch of the same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
 every row is paired with stock per iteration, on the same batches, a second or two apart: stock /
 row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
 ordered is the engine's own comparison (B/A per pair, its 95 % interval); each draw of
@@ -62,8 +63,15 @@ from ds_pipemorph.procs import torchrun  # noqa: E402
 JOB = HERE.parent / "_common" / "_varlen_job.py"
 WORKLOADS = ("multimodal", "varlen")
 HINTS = {"zb": "BFW", "1f1b": "BF"}
+# Our engine's settings, one job each per sitting: key -> (plan, pipemorph.backward). RRFP's BF is the
+# ``1f1b`` hint with B and W as one pass; our 1F1B order with B and W apart sends each input gradient
+# before its W (``--bf-backward`` picks either or both).
+VARIANTS = {"zb": ("zb", "split"), "1f1b-fused": ("1f1b", "fused"), "1f1b-split": ("1f1b", "split")}
+LABELS = {"zb": ("ours ordered zb", "ours ready zb (BFW)"),
+          "1f1b-fused": ("ours ordered 1f1b, fused", "ours ready 1f1b, fused (BF)"),
+          "1f1b-split": ("ours ordered 1f1b, split", "ours ready 1f1b, split")}
 TARGET_SHARE = 0.90
-ROWS = ["stock 1F1B", "ours ordered 1f1b", "ours ready 1f1b (BF)", "ours ordered zb", "ours ready zb (BFW)"]
+ROWS = ["stock 1F1B", *(name for key in ("1f1b-fused", "1f1b-split", "zb") for name in LABELS[key])]
 
 
 def loadavg() -> str:
@@ -73,14 +81,15 @@ def loadavg() -> str:
         return "n/a"
 
 
-def run_job(workload: str, ranks: int, hint: str, args, tmp: Path, name: str) -> dict:
+def run_job(workload: str, ranks: int, variant: str, args, tmp: Path, name: str) -> dict:
     out = tmp / f"{name}.json"
+    hint, backward = VARIANTS[variant]
     cmd = [*torchrun(tmp / f"{name}-torchrun", "--standalone", f"--nproc_per_node={ranks}", str(JOB)),
            "--workload", workload, "--hint", hint, "--micro-batches", str(args.micro_batches),
            "--batch", str(args.batch), "--seq", str(args.seq), "--d-model", str(args.d_model),
            "--heads", str(args.heads), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
            "--iterations", str(args.iterations), "--out", str(out),
-           "--backward", args.bf_backward if hint == "1f1b" else "split"]
+           "--backward", backward]
     if args.budget is not None:
         cmd += ["--budget", str(args.budget)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
@@ -91,8 +100,13 @@ def run_job(workload: str, ranks: int, hint: str, args, tmp: Path, name: str) ->
     return json.loads(out.read_text())
 
 
-def label(hint: str, side: str) -> str:
-    return f"ours ready {hint} ({HINTS[hint]})" if side == "B" else f"ours ordered {hint}"
+def variant_of(row: dict) -> str:
+    """The ``VARIANTS`` key of one of our rows in a job's JSON (its plan and backward)."""
+    return next(k for k, v in VARIANTS.items() if v == (row["row"], row.get("backward", "split")))
+
+
+def label(variant: str, side: str) -> str:
+    return LABELS[variant][side == "B"]
 
 
 def pairs(job: dict) -> dict[str, list[dict]]:
@@ -107,7 +121,7 @@ def pairs(job: dict) -> dict[str, list[dict]]:
     S, N, warm = job["ranks"], job["args"]["micro_batches"], job["args"]["warmup"]
     costs = Costs.uniform(S, 1.0)
     stock = next(r for r in job["rows"] if r["row"] == "stock")
-    out = {k: [] for k in ROWS[1:]}
+    out: dict = {}
     for r in job["rows"]:
         if r["row"] == "stock":
             continue
@@ -130,7 +144,7 @@ def pairs(job: dict) -> dict[str, list[dict]]:
                 return own[(s, "F", m)] if kind == "F" else own[(s, "BW", m)] if kind == "B" else 0.0
             stock_own = replay_varying(deepspeed_1f1b(S, N), costs, N, dispatch="ordered", op_times=stock_table,
                                        fused_backward=True, link_model=DIRECT).iteration_ms
-            out[label(r["row"], r["sides"][k])].append(
+            out.setdefault(label(variant_of(r), r["sides"][k]), []).append(
                 {"iteration": k, "stock_ms": stock["times_ms"][k], "row_ms": r["times_ms"][k],
                  "stock_replay_ms": stock_replay, "row_replay_ms": row_replay, "stock_own_replay_ms": stock_own,
                  "row_ops_ms": sum(ms.values()), "stock_ops_ms": sum(own.values())})
@@ -144,16 +158,16 @@ def summarize(jobs: list[dict]) -> dict:
     loss difference between the engines."""
     from ds_pipemorph.paired import bootstrap_median
 
-    per = {k: [] for k in ROWS[1:]}
-    paired, stock_ms, loss_diff = {h: [] for h in HINTS}, [], 0.0
+    per: dict = {}
+    paired, stock_ms, loss_diff = {}, [], 0.0
     for job in jobs:
         for k, v in pairs(job).items():
-            per[k] += v
+            per.setdefault(k, []).extend(v)
         stock = next(r for r in job["rows"] if r["row"] == "stock")
         stock_ms += stock["times_ms"][job["args"]["warmup"]:]
         for r in job["rows"]:
-            if r["row"] in HINTS:
-                paired[r["row"]].append(r["comparison"]["ratio"] if r["comparison"] else None)
+            if r["row"] != "stock":
+                paired.setdefault(variant_of(r), []).append(r["comparison"]["ratio"] if r["comparison"] else None)
                 loss_diff = max(loss_diff, max(abs(a - b) for a, b in zip(r["losses"], stock["losses"])))
     # Each draw is trained twice in a row (a pair of ours); stock's second run of a draw over its first is
     # what a second run gains by itself, the control for ready (always second) over ordered (first).
@@ -163,7 +177,8 @@ def summarize(jobs: list[dict]) -> dict:
         again += [t[i + 1] / t[i] for i in range(warm, len(t) - 1, 2)]
     rows = {"stock 1F1B": {"measured_ms": statistics.fmean(stock_ms), "iterations": len(stock_ms),
                            "predicted_ms": statistics.fmean(p["stock_replay_ms"] for v in per.values() for p in v)}}
-    for k, v in per.items():
+    for k in sorted(per, key=ROWS.index):
+        v = per[k]
         measured = bootstrap_median([p["stock_ms"] / p["row_ms"] for p in v])
         predicted = statistics.median(p["stock_replay_ms"] / p["row_replay_ms"] for p in v)
         rows[k] = {"measured_ms": statistics.fmean(p["row_ms"] for p in v), "iterations": len(v),
@@ -193,9 +208,9 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--budget", type=float, default=None, help="our engine's memory.budget (default: no limit)")
-    ap.add_argument("--bf-backward", choices=("fused", "split"), default="fused",
-                    help="the BF rows' backward (`pipemorph.backward`): fused, B and W in one pass as RRFP's BF "
-                         "and stock run it; split, B then W, the input gradient sent before W")
+    ap.add_argument("--bf-backward", choices=("both", "fused", "split"), default="both",
+                    help="the 1f1b rows' backward (`pipemorph.backward`): fused, B and W in one pass, as RRFP's BF "
+                         "and stock run it; split, B then W, the input gradient sent before W; both: a job of each")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--out", default="out/varlen_real.json")
     args = ap.parse_args()
@@ -212,6 +227,8 @@ def main() -> int:
     if any(r < 2 or args.blocks % r for r in args.ranks):
         raise BadInput(f"--ranks: each must be at least 2 and divide --blocks {args.blocks}")
     cores = os.cpu_count() or 1
+    variants = ["zb", *(["1f1b-fused"] if args.bf_backward != "split" else []),
+                *(["1f1b-split"] if args.bf_backward != "fused" else [])]
     results, table = [], []
     load_before = loadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,10 +236,10 @@ def main() -> int:
             for ranks in args.ranks:
                 jobs = []
                 for k in range(args.sittings):
-                    for hint in HINTS:
+                    for variant in variants:
                         t0 = time.monotonic()
-                        jobs.append(run_job(workload, ranks, hint, args, Path(tmp), f"{workload}_r{ranks}_{hint}_{k}"))
-                        print(f"{workload}, {ranks} ranks, {hint} hint, sitting {k + 1}: {time.monotonic() - t0:.0f} s "
+                        jobs.append(run_job(workload, ranks, variant, args, Path(tmp), f"{workload}_r{ranks}_{variant}_{k}"))
+                        print(f"{workload}, {ranks} ranks, {variant}, sitting {k + 1}: {time.monotonic() - t0:.0f} s "
                               f"(load {loadavg()})", flush=True)
                 summary = summarize(jobs)
                 note = f"{ranks} ranks" + (f" on {cores} cores (oversubscribed)" if ranks > cores else "")
@@ -230,8 +247,8 @@ def main() -> int:
                                 "sittings": [{"shapes": j["shapes"], "rows": [{k: v for k, v in r.items() if k != "ops"}
                                                                               for r in j["rows"]]} for j in jobs]})
                 for name, r in summary["rows"].items():
-                    hint = next((h for h in HINTS if f"ready {h} " in name), None)
-                    pair = summary["ready_over_ordered"].get(hint) if hint else None
+                    variant = next((v for v, names in LABELS.items() if name == names[1]), None)
+                    pair = summary["ready_over_ordered"].get(variant) if variant else None
                     pair_text = "-" if not pair else "; ".join(
                         "n/a" if p is None else f"{p['median']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}]" for p in pair)
                     stock_row = name == "stock 1F1B"

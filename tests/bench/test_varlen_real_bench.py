@@ -1,5 +1,5 @@
-"""benchmarks/engine/varlen_real.py runs in a short form (one job, tiny model) and its rows parse: stock,
-ours ordered and ready with both hints, each paired with stock per iteration and with the replay's
+"""benchmarks/engine/varlen_real.py runs in a short form (one job per setting, tiny model) and its rows
+parse: stock, ours ordered and ready with both hints (the 1f1b hint with B and W as one pass and apart), each paired with stock per iteration and with the replay's
 time from the op times measured in that iteration, and the engine's own paired ready/ordered
 comparison on the same batches; the three engines, trained side by side on the same batches, stay equal."""
 from __future__ import annotations
@@ -28,10 +28,10 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
     (res,) = json.loads(out.read_text())["results"]
     assert (res["workload"], res["ranks"]) == ("multimodal", 2)
     rows = res["rows"]
-    assert list(rows) == ["stock 1F1B", "ours ordered 1f1b", "ours ready 1f1b (BF)", "ours ordered zb",
-                          "ours ready zb (BFW)"]
-    # 12 measured iterations per engine and job: stock's all (two jobs), ours' 6 ordered (A, A') and 6 ready (B).
-    assert [r["iterations"] for r in rows.values()] == [24, 6, 6, 6, 6]
+    assert list(rows) == ["stock 1F1B", "ours ordered 1f1b, fused", "ours ready 1f1b, fused (BF)",
+                          "ours ordered 1f1b, split", "ours ready 1f1b, split", "ours ordered zb", "ours ready zb (BFW)"]
+    # 12 measured iterations per engine and job: stock's all (three jobs), ours' 6 ordered (A, A') and 6 ready (B).
+    assert [r["iterations"] for r in rows.values()] == [36, 6, 6, 6, 6, 6, 6]
     for r in rows.values():
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0
     for name, r in rows.items():
@@ -47,14 +47,15 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
             assert r["predicted_speedup_own_ops"] > 0 and r["ops_over_stock_ops"] > 0
     assert res["max_loss_difference"] <= 1e-5  # every engine trains as stock does
     control = res["stock_second_over_first"]  # stock's second run of each draw over its first
-    assert control["pairs"] == 12 and 0 < control["lo"] <= control["median"] <= control["hi"]
-    for hint in ("zb", "1f1b"):
-        (pair,) = res["ready_over_ordered"][hint]
+    assert control["pairs"] == 18 and 0 < control["lo"] <= control["median"] <= control["hi"]
+    for variant in ("zb", "1f1b-fused", "1f1b-split"):
+        (pair,) = res["ready_over_ordered"][variant]
         assert pair["pairs"] == 6 and 0 < pair["lo"] <= pair["median"] <= pair["hi"]
     # One job per hint, each stock and ours side by side; which goes first alternates every iteration.
-    assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"]]
-    # BF runs B and W in one pass (RRFP's BF, stock's backward), BFW apart
-    assert [job["rows"][1]["backward"] for job in res["sittings"]] == ["split", "fused"]
+    assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"],
+                                                                          ["stock", "1f1b"]]
+    # BF runs B and W in one pass (RRFP's BF, stock's backward), BFW apart; 1F1B both ways
+    assert [job["rows"][1]["backward"] for job in res["sittings"]] == ["split", "fused", "split"]
     for job in res["sittings"]:
         assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
         # Each A, B pair of ours trains one draw: iterations 2j (ordered) and 2j + 1 (ready) trained the
