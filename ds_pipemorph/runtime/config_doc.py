@@ -139,7 +139,8 @@ DESCRIPTIONS: dict[str, str] = {
                 "and of `zb` where it does not defer W) runs as one backward pass, as stock DeepSpeed's, cheaper "
                 "than B and W apart, its input gradient sent after it; refused with `adaptive`, which plans for a "
                 "split backward. The first stage, which sends no input gradient, runs such a pair as one pass "
-                "under either, with `dispatch: ordered`. A plan file names its own (refused with `schedule: plan`)",
+                "under either, with `dispatch: ordered` (not while `adaptive` re-plans: its control loop measures "
+                "B and W apart). A plan file names its own (refused with `schedule: plan`)",
     "send_window": "messages of one kind a stage keeps sent but not known received, per peer, where a send "
                    "completes only when waited for (gloo; NCCL's go as they complete): the next send, once "
                    "issued, waits for the oldest, so the window bounds the memory of sends in flight; applied "

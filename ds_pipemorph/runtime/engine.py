@@ -280,9 +280,10 @@ class PipeMorphEngine(PipelineEngine):
             stream = self._stream_for(dispatch)
             groups = nccl_groups([stream])[0] if self.nccl_rules else ()  # issued as batch_isend_irecv
             # One pass for B m + W m where the policy fuses them, and on the first stage (it sends no
-            # input gradient) where the order runs them back to back; checkpointed chunks always split.
+            # input gradient) where the order runs them back to back, unless the control loop re-plans
+            # (it measures B and W apart); checkpointed chunks always split.
             whole = not self.checkpointing and (self.lowering.fused or (
-                self.is_first_stage() and dispatch is Dispatch.ORDERED))
+                self.is_first_stage() and dispatch is Dispatch.ORDERED and self.adapter is None))
             schedule = PipeMorphSchedule(stream, self.micro_batches, self.num_stages, self.stage_id, groups, whole)
             # Per instruction: (recorded?, op text, handler, kwargs), built once per plan and dispatch.
             program = [(type(cmd) not in I.UNRECORDED, I.op_text(cmd), handlers[type(cmd)], cmd.kwargs)

@@ -91,12 +91,17 @@ REGISTRY: dict[str, Here | Node | Options] = {
         "eight training jobs of 44 iterations and 32 whole jobs; tests/bench/test_real_compute_ab_bench.py runs a short form "
         "and one cycle of whole jobs"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py": Options(
-        "eight jobs of two engines, 4 of them on 4 ranks; tests/bench/test_varlen_real_bench.py runs a short form"),
+        "twelve jobs of two engines, 6 of them on 4 ranks; tests/bench/test_varlen_real_bench.py runs a short form"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/split_backward.py": Options(
         "15 pairs per row; tests/runtime/test_recompute.py runs its recomputation and split in small"),
     "DS_ACCELERATOR=cpu python benchmarks/engine/ready_vs_stock.py": Options(
         "four sittings, each one `pipemorph bench` job of both engines (its stock rows under --vary are "
         "tests/bench/test_bench_cli.py's)"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py --ranks 2 --sittings 3": Options(
+        "eighteen jobs of two engines; tests/bench/test_varlen_real_bench.py runs a short form"),
+    "DS_ACCELERATOR=cpu python benchmarks/engine/ready_vs_stock.py --workload plain-sleep": Node(
+        ("tests/bench/test_ready_vs_stock_bench.py::test_ready_vs_stock_plain_sleep_runs_short_and_gives_both_engines_with_their_replays",),
+        "one sitting of two iterations"),
     # The lab's rows (root, network namespaces): short runs of the same scripts are tests.
     "python benchmarks/lab/lab_profile_links.py": Options("all pairs of 4 lab nodes at three sizes"),
     "DS_ACCELERATOR=cpu python benchmarks/lab/lab_slow_link.py": Node(
