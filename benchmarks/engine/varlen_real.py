@@ -3,7 +3,7 @@ on the GPT recipe's blocks with micro-batches of varying length, and what the re
 
     DS_ACCELERATOR=cpu python benchmarks/engine/varlen_real.py [--workloads multimodal,varlen] [--ranks 2 4]
         [--sittings 1] [--iterations 24] [--warmup 2] [--micro-batches 8] [--bf-backward both]
-        [--out out/varlen_real.json]
+        [--malloc glibc] [--out out/varlen_real.json]
 
 Workloads (``recipes/gpt/varlen.py``, a ``PipelineModule(dynamic_shape=True)`` of the recipe's
 blocks, d = 128, 4 blocks, 8 windows of 64 bytes per micro-batch, fp32, Adam): ``multimodal``, a
@@ -38,7 +38,11 @@ and fused backward passes are timed too: "replay, stock's own ops" replays stock
 instead (its backward as one op), and "ops: row / stock" is the sum of the row's op times over
 stock's in the same iteration (what the split backward and our ops cost beyond stock's). The JSON also holds
 each iteration's pair and the largest loss difference between the engines (they train alike).
-Prints one table and writes JSON (with ``/proc/loadavg`` before and after).
+``--malloc caching`` runs every job with glibc settings that keep freed memory, as a GPU's caching
+allocator does (``_util.CACHING_MALLOC``); under the default, memory a backward frees goes back to
+the system and the next pass faults it in again, which costs a split backward more (what B keeps
+for W is memory the fused one would have reused). Prints one table and writes JSON (with
+``/proc/loadavg`` before and after).
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "_common"))  # the shared helpers
 
-from _util import check_out, exit_on_bad_input, gain_share, print_table, write_json  # noqa: E402
+from _util import CACHING_MALLOC, check_out, exit_on_bad_input, gain_share, print_table, write_json  # noqa: E402
 from ds_pipemorph.fileio import BadInput  # noqa: E402
 from ds_pipemorph.procs import torchrun  # noqa: E402
 
@@ -93,7 +97,8 @@ def run_job(workload: str, ranks: int, variant: str, args, tmp: Path, name: str)
     if args.budget is not None:
         cmd += ["--budget", str(args.budget)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **(CACHING_MALLOC if args.malloc == "caching" else {})}  # both engines: they share each job
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     if p.returncode or not out.exists():
         raise SystemExit(f"{name}: the job failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
@@ -211,6 +216,9 @@ def main() -> int:
     ap.add_argument("--bf-backward", choices=("both", "fused", "split"), default="both",
                     help="the 1f1b rows' backward (`pipemorph.backward`): fused, B and W in one pass, as RRFP's BF "
                          "and stock run it; split, B then W, the input gradient sent before W; both: a job of each")
+    ap.add_argument("--malloc", choices=("glibc", "caching"), default="glibc",
+                    help="glibc: this machine's default malloc, which returns large freed blocks to the system; "
+                         "caching: keeps freed memory, as a GPU's caching allocator does (both engines alike)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--out", default="out/varlen_real.json")
     args = ap.parse_args()
@@ -265,7 +273,7 @@ def main() -> int:
         print(f"{r['workload']}, {r['ranks']} ranks: stock's second run of a draw over its first {c['median']:.3f} "
               f"[{c['lo']:.3f}, {c['hi']:.3f}], {c['pairs']} pairs (ready runs each draw second, ordered first)")
     print_table(f"stock DeepSpeed 1F1B against ours, GPT recipe blocks, real compute, {args.micro_batches} micro-batches, "
-                f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration "
+                f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration, {args.malloc} malloc "
                 f"(load {load_before} -> {load_after})",
                 ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
                  "share of gain", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"],

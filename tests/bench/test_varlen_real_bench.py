@@ -21,11 +21,13 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "varlen_real.py"), "--workloads",
                         "multimodal", "--ranks", "2", "--sittings", "1", "--iterations", "12", "--warmup", "0",
                         "--micro-batches", "4", "--batch", "2", "--seq", "8", "--d-model", "16", "--heads", "2",
-                        "--blocks", "2", "--out", str(out)],
+                        "--blocks", "2", "--malloc", "caching", "--out", str(out)],
                        capture_output=True, text=True, timeout=220, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert "stock DeepSpeed 1F1B against ours" in p.stdout and "wrote" in p.stdout
-    (res,) = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
+    assert written["args"]["malloc"] == "caching"
+    (res,) = written["results"]
     assert (res["workload"], res["ranks"]) == ("multimodal", 2)
     rows = res["rows"]
     assert list(rows) == ["stock 1F1B", "ours ordered 1f1b, fused", "ours ready 1f1b, fused (BF)",
