@@ -19,7 +19,9 @@ batches with each in turn, which goes first alternating with k: stock DeepSpeed
 the ``zb`` plan (BFW: W apart), or the ``1f1b`` plan with B and W as one backward pass
 (``pipemorph.backward: fused``: RRFP's BF, stock's schedule and backward on our engine), or with B
 and W apart (``split``: each input gradient sent before its W; ``--bf-backward`` runs one of the
-two ``1f1b`` settings, default both), alternating ready (B) with ordered dispatch of the same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
+two ``1f1b`` settings, default both; under ordered dispatch the first stage, which sends no input
+gradient, runs a B and the W right after it as one pass whatever the setting), alternating ready (B)
+with ordered dispatch of the same plan (A) at its iteration boundaries through ``pipemorph.compare`` (cycle ``A B A' B``). So
 every row is paired with stock per iteration, on the same batches, a second or two apart: stock /
 row is the median of the per-iteration ratios with its 95 % bootstrap interval. Ready against
 ordered is the engine's own comparison (B/A per pair, its 95 % interval); each draw of

@@ -111,6 +111,8 @@ class Compare:
         self.times.append((time.perf_counter() - self._t0) * 1e3)
         if self.sides[-1] == "B" or engine.plan is not self._a_installed:
             self.b_plan = engine.plan
+        if self.sides[-1] == "B":  # (a lowering switched to during B stays B's)
+            self.b_lowering = engine.lowering
         if self.total is not None and len(self.times) >= self.total:
             self.finish(engine)
 

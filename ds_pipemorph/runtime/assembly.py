@@ -34,7 +34,8 @@ from . import tensor_parallel
 from .ab_compare import Compare
 from .adapt import Adapter
 from .boundary import Boundary
-from .compat import BUDGET_MB_MOVING_REFUSED, EMBEDDING_REFUSED, MOVING_REFUSED, TORCH_AUTOCAST_REFUSED, fp16_refused, zero_refused
+from .compat import (BUDGET_MB_MOVING_REFUSED, EMBEDDING_REFUSED, FUSED_CHECKPOINTING_REFUSED, MOVING_REFUSED,
+                     TORCH_AUTOCAST_REFUSED, fp16_refused, zero_refused)
 from .config import PipeMorphConfig, PipeMorphConfigError
 from .ds_compat import require_pipeline_hooks
 from .flat_optimizer import is_flat
@@ -142,6 +143,8 @@ def refuse_engine(engine, pipemorph: PipeMorphConfig, plan, hooks: Sequence[Tran
         refusal = moving_refusal(engine, pipemorph)
         if refusal:
             raise PipeMorphConfigError(refusal)
+    if engine.checkpointing and "fused" in (pipemorph.backward, pipemorph.compare.backward):
+        raise PipeMorphConfigError(FUSED_CHECKPOINTING_REFUSED)  # (the same on every rank: no collective)
     if engine.checkpointing:
         refusal = embedding_refusal(engine.module, engine.is_first_stage())
         flag = torch.tensor([int(refusal is not None)], device=engine.device)

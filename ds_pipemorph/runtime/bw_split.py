@@ -143,6 +143,9 @@ def backward_whole(
         if t.requires_grad:
             outs.append(t)
             ograds.append(torch.ones_like(t) if g is None else g)
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
+            t.retain_grad()  # (the engine's stage inputs are leaves; a non-leaf keeps its .grad only so)
     if outs:
         torch.autograd.backward(outs, ograds)
     return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]

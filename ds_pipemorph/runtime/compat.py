@@ -26,6 +26,11 @@ TORCH_AUTOCAST_REFUSED = (
     "pipemorph runs each stage's forward itself, without DeepSpeed's torch_autocast: remove the \"torch_autocast\" "
     "section and train in \"bf16\" or \"fp16\" instead")
 
+FUSED_CHECKPOINTING_REFUSED = (
+    "backward \"fused\" runs a micro-batch's B and W as one pass, and activation checkpointing recomputes each "
+    "checkpointed chunk in B and splits it there: set pipemorph.backward and pipemorph.compare.backward to "
+    "\"split\", or turn activation checkpointing off")
+
 TP_PARTITIONED_REFUSED = (
     "pipemorph sends each activation and gradient whole between stages, not partitioned over the tensor-parallel "
     "ranks: set \"pipeline\": {\"pipe_partitioned\": false, \"grad_partitioned\": false} in the ds_config")
@@ -89,6 +94,8 @@ FEATURES = (
             "recomputed once, in B; W reuses it; equal to the job without checkpointing; with `adaptive` and ready "
             "dispatch in bf16 bit-identical to stock's checkpointing", "CPU, 2 ranks"),
     Feature("checkpointing a chunk that holds the token embedding", "refused", EMBEDDING_REFUSED, "CPU"),
+    Feature('activation checkpointing with `"pipemorph": {"backward": "fused"}` (or `compare.backward`)', "refused",
+            FUSED_CHECKPOINTING_REFUSED, "CPU"),
     Feature("`TiedLayerSpec` (embedding and head)", "trains", "tied gradients reduced after the last W", "CPU"),
     Feature('`"zero_optimization": {"stage": 2}` or 3', "refused", zero_refused(2), "CPU"),
     Feature("layer migration (`pipemorph.rebalance`, `repartition`) and re-mapping (`orchestrate`, `remap`) in bf16 "

@@ -47,6 +47,28 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                         mesh_param=mesh_param, config_params=config_params, announce=True)
 
 
+_released: list[bool] = []  # this process registered the removal of its CPU all-reduce buffer
+
+
+def _release_cpu_buffers_at_exit(dist) -> None:
+    """On the CPU accelerator, once per process: this rank's DeepSpeed all-reduce buffer is removed
+    at exit, or by its reaper if the process is killed (``runtime.cpu_shm``), after a barrier that
+    every rank reaches once its start of communication opened every buffer. ``initialize`` runs it
+    before reading the config when the script started communication itself (a refused config then
+    leaves nothing behind), else right after starting it."""
+    from deepspeed.accelerator import get_accelerator
+
+    if _released or get_accelerator().device_name() != "cpu":
+        return
+    from . import reaper
+    from .cpu_shm import allreduce_buffer, remove_allreduce_buffer_at_exit
+
+    dist.barrier()
+    remove_allreduce_buffer_at_exit(dist.get_rank())
+    reaper.watch(allreduce_buffer(dist.get_rank()))
+    _released.append(True)
+
+
 def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,
                  lr_scheduler=None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu=None,
                  dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
@@ -65,13 +87,14 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
 
     from ..fileio import BadInput
     from .config import PipeMorphConfigError, parse_config, pending_notes, resolve_paths
-    from .cpu_shm import remove_allreduce_buffer_at_exit
     from .cpu_threads import apply_cpu_threads
     from .engine_builder import EngineBuilder
     from .engine import PipeMorphEngine
     from .plans import build_plan, describe_start, w_share
     from ..staging.builder import prepare_adam_op, prepare_comm_op
 
+    if dist.is_initialized():  # the script started communication itself: nothing it made may outlive a refusal
+        _release_cpu_buffers_at_exit(dist)
     config = _config_source(args, config, config_params)
     if not isinstance(model, PipelineModule):
         raise PipeMorphConfigError("ds_pipemorph.initialize needs a deepspeed PipelineModule as model")
@@ -94,13 +117,7 @@ def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
     if threads is not None and dist.get_rank() == 0:
         logger.warning(threads.describe())
-    if get_accelerator().device_name() == "cpu":
-        from . import reaper
-        from .cpu_shm import allreduce_buffer
-
-        dist.barrier()  # every rank past DeepSpeed's start of communication: each opened every buffer
-        remove_allreduce_buffer_at_exit(dist.get_rank())
-        reaper.watch(allreduce_buffer(dist.get_rank()))  # removed too if this process is killed
+    _release_cpu_buffers_at_exit(dist)
     check_outputs(pm, dist)
     ds_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_dict, ds_mpu)

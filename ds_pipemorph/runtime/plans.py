@@ -283,7 +283,8 @@ def describe_start(cfg: PipeMorphConfig, plan: Schedule, stages: int, microbatch
     adapt = ""
     if cfg.schedule == "adaptive" and cfg.adapt.enabled:
         adapt = f"; re-planned from measurements ({cfg.adapt.replan}, every {cfg.adapt.every_iterations} iteration(s))"
-    return (f"pipemorph: schedule '{cfg.schedule}' ({what}), dispatch '{cfg.dispatch}', plan for {S} stages x "
+    backward = ", backward 'fused' (a B directly followed by its W runs as one pass)" if cfg.backward == "fused" else ""
+    return (f"pipemorph: schedule '{cfg.schedule}' ({what}), dispatch '{cfg.dispatch}'{backward}, plan for {S} stages x "
             f"{N} micro-batches with warm-up {warmup_counts(plan)}, {when}{adapt}; {describe_memory(cfg, plan, share)}")
 
 

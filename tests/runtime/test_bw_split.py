@@ -223,3 +223,35 @@ def test_first_stage_with_integer_input_has_no_input_gradient_and_w_is_its_whole
     assert all(p.grad is None for p in mod.parameters())
     work.run()
     assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_b_and_w_as_one_pass_give_autograd_s_own_gradients_for_leaf_non_leaf_and_unused_inputs():
+    """``backward_whole``: the stage-input gradients of one backward pass (None where an input needs
+    none or is not reached) and every parameter's gradient, as ``torch.autograd.grad`` gives them."""
+    from ds_pipemorph.runtime.bw_split import backward_whole
+
+    torch.manual_seed(0)
+    lin, norm = torch.nn.Linear(6, 6), torch.nn.LayerNorm(6)
+    params = [*lin.parameters(), *norm.parameters()]
+
+    def make():
+        a = torch.randn(3, 6, requires_grad=True)
+        base = torch.randn(3, 6, requires_grad=True)
+        b = base * 2  # a non-leaf stage input
+        unused = torch.randn(3, 6, requires_grad=True)
+        ids = torch.randint(0, 6, (3,))
+        out = norm(lin(a) + b.tanh()) * lin.weight[ids].sum()
+        return [a, b, unused, ids], out
+
+    torch.manual_seed(1)
+    ins, out = make()
+    g = torch.randn_like(out)
+    want = torch.autograd.grad([out], [ins[0], ins[1], *params], grad_outputs=[g])
+    torch.manual_seed(1)
+    ins, out = make()
+    for p in params:
+        p.grad = None
+    got = backward_whole([out, torch.zeros(2)], [g, None], ins)  # an output without a graph is skipped
+    assert got[2] is None and got[3] is None  # not reached; needs no gradient
+    for w, t in zip(want, [got[0], got[1], *(p.grad for p in params)]):
+        assert torch.equal(w, t)

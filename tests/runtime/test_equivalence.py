@@ -93,6 +93,10 @@ def test_two_stages_zb_adaptive_1f1b_and_plan_file_equal_stock_deepspeed(tmp_pat
             jobs.append({"name": name, "stages": 2, "micro_batches": 8, "pipemorph": section})
             checks.append((name, "stock_s2_n8", _expected_peak(section, 2, 8)))
         next(j for j in jobs if j["name"] == name)["grad_ops"] = True
+    # While `adaptive` re-plans, its control loop measures B and W apart: the first stage too.
+    jobs.append({"name": "adaptive_live_s2_n8", "stages": 2, "micro_batches": 8, "grad_ops": True,
+                 "pipemorph": {"schedule": "adaptive", "delegation": {"mode": "off"}}})
+    checks.append(("adaptive_live_s2_n8", "stock_s2_n8", None))
     for job in jobs:
         job["eval"] = job["micro_batches"] == 8  # evaluation runs DeepSpeed's own schedule afterwards
     # A/B inside the job (pipemorph.compare): zb against 1f1b, alternating; 16 steps against stock's.
@@ -134,6 +138,10 @@ def _assert_passes(run, passes: dict) -> None:
     # (that some B ran whole, and some ran apart, is in what the rule expects on these plans)
     assert any(op.startswith("B") for op in run.result("1f1b_s2_n8", 0)["grad_ops"][1])
     assert all(op.startswith("W") for op in run.result("1f1b_s2_n8", 1)["grad_ops"][1])
+    for r in range(2):
+        for step in (1, 2):
+            assert {op[0] for op in run.result("adaptive_live_s2_n8", r)["grad_ops"][step]} == {"W"}, f"rank {r}"
+    assert "dispatch 'ordered', backward 'fused' (a B directly followed by its W runs as one pass)" in run.output
 
 
 def _assert_compare(run) -> None:

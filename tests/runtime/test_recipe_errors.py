@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import zb_h1
 from ds_pipemorph.procs import run_group
-from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED
+from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED, FUSED_CHECKPOINTING_REFUSED
 
 from .launch import REPO
 from .plans_io import write_plan
@@ -27,7 +28,7 @@ from .plans_io import write_plan
 RECIPE = REPO / "recipes" / "tiny_gpt"
 
 
-def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None):
+def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None, port: int | None = None):
     conf = tmp_path / "conf"
     (conf / "plans").mkdir(parents=True, exist_ok=True)
     write_plan(conf / "plans" / "three_stages.yaml", zb_h1(Costs.uniform(3), 8), 8)
@@ -36,7 +37,8 @@ def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    rendezvous = ["--standalone"] if port is None else ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node=2",
            str(RECIPE / "train.py"), "--stages", "2", "--steps", "1", "--config", "../conf/ds_config.json"]
     p = run_group(cmd, 600, cwd=elsewhere, env=env)
     return conf, p.returncode, p.stdout + p.stderr
@@ -63,6 +65,12 @@ CASES = {
                                "only the transformer blocks in the PipelineModule's checkpointable_layers"),
     "budget_mb_with_rebalance": ({"schedule": "zb", "memory": {"budget_mb": 64}, "rebalance": {"enabled": True}}, None,
                                  BUDGET_MB_MOVING_REFUSED),
+    "fused_with_adaptive": ({"schedule": "adaptive", "backward": "fused"}, None,
+                            "ds_config pipemorph: backward 'fused' runs the orders of schedule '1f1b' and 'zb' as "
+                            "written; 'adaptive' plans and re-plans for a split backward: set backward to 'split' or "
+                            "choose another schedule"),
+    "fused_with_checkpointing": ({"schedule": "1f1b", "compare": {"schedule": "zb", "backward": "fused"}},
+                                 {"pipeline": {"activation_checkpoint_interval": 1}}, FUSED_CHECKPOINTING_REFUSED),
 }
 
 
@@ -94,3 +102,25 @@ def test_a_grant_in_bytes_below_one_micro_batch_ends_the_recipe_after_its_first_
                                                      "than one micro-batch's activations there ("), output[-3000:]
     assert "the smallest budget_mb that runs is" in errors[0], errors[0]
     assert output.count("Traceback") == output.count("raise ChildFailedError(") == 1, output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_a_refusal_after_the_script_started_communication_leaves_no_shared_memory(tmp_path):
+    """The recipe starts DeepSpeed's communication itself, before ``initialize`` reads the config: under
+    the deepspeed launcher on the CPU accelerator that made each rank's all-reduce buffer in /dev/shm
+    (about 66 MB), which a refused config must not leave behind."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = {**json.loads((RECIPE / "ds_config.json").read_text()), "pipemorph": {"schedule": "zb", "shedule_hint": 1}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
+    launcher = Path(sys.executable).parent / "deepspeed"
+    start = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    p = run_group([*start, "--num_gpus", "2", "--master_port", str(port), str(RECIPE / "train.py"), "--stages", "2",
+                   "--steps", "1", "--config", str(tmp_path / "ds_config.json")], 600, cwd=tmp_path,
+                  env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    output = p.stdout + p.stderr
+    assert p.returncode == 2 and "error: ds_config pipemorph: unknown key 'shedule_hint'" in output, output[-3000:]
+    assert "init_distributed" in (RECIPE / "train.py").read_text()  # the case this test is about
+    assert sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")) == []
