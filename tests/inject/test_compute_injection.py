@@ -53,6 +53,16 @@ def max_param_diff(a: dict, b: dict) -> float:
     return max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
 
 
+def _each_at_least(stage: int, ops, least: float) -> bool:
+    """Every op's median is at least ``least`` ms. The first stage runs each B and the W its order has
+    right after it as one pass (it sends no input gradient), recorded as the B: there the two count
+    together (the first iteration, which measures memory, runs them apart)."""
+    m = medians(ops)
+    if stage == 0:
+        return m["F"] >= least and m["B"] + m["W"] >= 2 * least
+    return all(ms >= least for ms in m.values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_stage_2_slowed_from_iteration_3_doubles_its_ops_only_and_changes_no_number(tmp_path):
@@ -90,7 +100,7 @@ def test_stage_2_slowed_from_iteration_3_doubles_its_ops_only_and_changes_no_num
         runs = ("plain",) if r == 2 else ("plain", "trace")
         for name in runs:
             for it, ops in enumerate(res[r][name]["ops"]):
-                assert all(ms >= NORMAL for ms in medians(ops).values()), (r, name, it, report[r])
+                assert _each_at_least(r, ops, NORMAL), (r, name, it, report[r])
         if r != 2:
             assert res[r]["trace"]["injector"] is None
 
@@ -99,7 +109,7 @@ def test_stage_2_slowed_from_iteration_3_doubles_its_ops_only_and_changes_no_num
     for r in range(4):
         least = 1.5 * NORMAL if r == 1 else NORMAL
         for it, ops in enumerate(res[r]["static"]["ops"]):
-            assert all(ms >= least for ms in medians(ops).values()), (r, it, report[r])
+            assert _each_at_least(r, ops, least), (r, it, report[r])
         assert (res[r]["static"]["injector"] is not None) == (r == 1)
     took_s = sum(ms for ops in res[1]["static"]["ops"] for _, ms in ops) / 1e3
     assert 0.5 * 0.9 * ITERATIONS * 24 * OP_MS / 1e3 <= res[1]["static"]["injector"]["injected_s"] <= took_s / 3
