@@ -30,6 +30,11 @@ def remove_allreduce_buffer_at_exit(rank: int) -> None:
     atexit.register(_remove, _registered[-1])
 
 
+def registered() -> bool:
+    """Whether this process registered the removal of its buffer already."""
+    return bool(_registered)
+
+
 def remove_allreduce_buffer_now() -> None:
     """For a process being stopped (``runtime.lifeline``): its buffer goes now (a killed process's
     goes with its reaper, ``runtime.reaper``)."""

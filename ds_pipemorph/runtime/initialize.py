@@ -47,9 +47,6 @@ def initialize(args: Any = None, model=None, optimizer=None, model_parameters=No
                         mesh_param=mesh_param, config_params=config_params, announce=True)
 
 
-_released: list[bool] = []  # this process registered the removal of its CPU all-reduce buffer
-
-
 def _release_cpu_buffers_at_exit(dist) -> None:
     """On the CPU accelerator, once per process: this rank's DeepSpeed all-reduce buffer is removed
     at exit, or by its reaper if the process is killed (``runtime.cpu_shm``), after a barrier that
@@ -58,15 +55,13 @@ def _release_cpu_buffers_at_exit(dist) -> None:
     leaves nothing behind), else right after starting it."""
     from deepspeed.accelerator import get_accelerator
 
-    if _released or get_accelerator().device_name() != "cpu":
-        return
-    from . import reaper
-    from .cpu_shm import allreduce_buffer, remove_allreduce_buffer_at_exit
+    from . import cpu_shm, reaper
 
+    if cpu_shm.registered() or get_accelerator().device_name() != "cpu":
+        return
     dist.barrier()
-    remove_allreduce_buffer_at_exit(dist.get_rank())
-    reaper.watch(allreduce_buffer(dist.get_rank()))
-    _released.append(True)
+    cpu_shm.remove_allreduce_buffer_at_exit(dist.get_rank())
+    reaper.watch(cpu_shm.allreduce_buffer(dist.get_rank()))
 
 
 def build_engine(args: Any = None, model=None, optimizer=None, model_parameters=None, training_data=None,

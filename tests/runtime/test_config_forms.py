@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
 
 from ds_pipemorph.procs import run_group
 
-from .launch import HERE, REPO
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .launch import HERE, REPO, free_port
 
 
 @pytest.mark.timeout(400)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from ds_pipemorph.plan.sched.baselines import zb_h1
 from ds_pipemorph.procs import run_group
 from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED, FUSED_CHECKPOINTING_REFUSED
 
-from .launch import REPO
+from .launch import REPO, free_port
 from .plans_io import write_plan
 
 RECIPE = REPO / "recipes" / "tiny_gpt"
@@ -110,14 +109,10 @@ def test_a_refusal_after_the_script_started_communication_leaves_no_shared_memor
     """The recipe starts DeepSpeed's communication itself, before ``initialize`` reads the config: under
     the deepspeed launcher on the CPU accelerator that made each rank's all-reduce buffer in /dev/shm
     (about 66 MB), which a refused config must not leave behind."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = {**json.loads((RECIPE / "ds_config.json").read_text()), "pipemorph": {"schedule": "zb", "shedule_hint": 1}}
     (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
-    launcher = Path(sys.executable).parent / "deepspeed"
-    start = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    p = run_group([*start, "--num_gpus", "2", "--master_port", str(port), str(RECIPE / "train.py"), "--stages", "2",
+    p = run_group([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), str(RECIPE / "train.py"), "--stages", "2",
                    "--steps", "1", "--config", str(tmp_path / "ds_config.json")], 600, cwd=tmp_path,
                   env={**os.environ, "DS_ACCELERATOR": "cpu"})
     output = p.stdout + p.stderr

@@ -20,6 +20,8 @@ import pytest
 
 from ds_pipemorph.procs import kill_group
 
+from .launch import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORLD = 3
@@ -37,7 +39,7 @@ class Job:
                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if launcher == "deepspeed":
             cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD), "--master_port",
-                   str(_free_port())]
+                   str(free_port())]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
         if monitor_s is not None:
@@ -101,12 +103,6 @@ class Job:
         self.log.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _running(pid: int) -> bool:
