@@ -72,6 +72,12 @@ _EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "int_from_fl
              "model_type": "a mapping of keys", "model_attributes_type": "a mapping of keys"}
 
 
+# pydantic's error types for a value of the right type that is not allowed (a choice not among the
+# key's, a number out of its range): its message names what is allowed, ``given`` adds what was given.
+_NAMES_THE_VALUE = frozenset({"literal_error", "enum", "greater_than", "greater_than_equal", "less_than",
+                              "less_than_equal", "multiple_of"})
+
+
 def given(value) -> str:
     """A value as an error names it, in the words of YAML and JSON: ``the string '7'``,
     ``the boolean true``, ``null``, ``a list`` (long strings shortened)."""
@@ -96,7 +102,8 @@ def describe(e: ValidationError) -> str:
     """The first pydantic error as 'key.path: what is wrong' (the path of keys only; of a value
     that may take several forms, the error deepest inside it: ``[1, "x"]`` is wrong at item 1).
     A value of the wrong type is named with the type the key takes: ``memory.max_inflight: expected
-    an integer, got the string '7'``."""
+    an integer, got the string '7'``; a value not allowed, with what was given: ``backward: Input
+    should be 'split' or 'fused', got the string 'whole'``."""
     errors = e.errors()
     first = _keys(errors[0])
     err = max((x for x in errors if _keys(x)[:len(first)] == first), key=lambda x: len(_keys(x)))
@@ -109,6 +116,8 @@ def describe(e: ValidationError) -> str:
         return f"unknown key '{loc}'"
     if err.get("type") in _EXPECTED and "input" in err:
         msg = f"expected {_EXPECTED[err['type']]}, got {given(err['input'])}"
+    elif err.get("type") in _NAMES_THE_VALUE and "input" in err:
+        msg = f"{msg}, got {given(err['input'])}"
     return f"{loc}: {msg}" if loc else msg
 
 

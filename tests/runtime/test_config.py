@@ -13,20 +13,20 @@ from ds_pipemorph.runtime.transport.header import decode_header, encode_header
 
 
 @pytest.mark.parametrize("section,message", [
-    ({"schedule": "zbb"}, "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan'"),
+    ({"schedule": "zbb"}, "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan', got the string 'zbb'"),
     ({"shedule": "zb"}, "ds_config pipemorph: unknown key 'shedule'"),
     ({"memory": {"max_inflight": 0}}, "ds_config pipemorph: memory.max_inflight: every stage must hold at least 1 activation, got 0"),
     ({"adapt": {"every_iterations": "often"}}, "ds_config pipemorph: adapt.every_iterations: expected an integer, got the string 'often'"),
-    ({"delegation": {"mode": "sometimes"}}, "ds_config pipemorph: delegation.mode: Input should be 'off', 'auto' or 'always'"),
+    ({"delegation": {"mode": "sometimes"}}, "ds_config pipemorph: delegation.mode: Input should be 'off', 'auto' or 'always', got the string 'sometimes'"),
     ({"inject": {"links": {"2": {"delay": 30}}}}, "ds_config pipemorph: unknown key 'inject.links.2.delay'"),
     ({"delegation": {"queues": 4, "max_queues": 3}}, "ds_config pipemorph: delegation: delegation.max_queues (3) must be at least delegation.queues (4)"),
     ({"delegation": {"interfaces": []}}, 'ds_config pipemorph: delegation.interfaces: must be a non-empty list of network interface names, e.g. ["eth0", "eth1"]'),
     ({"delegation": {"interfaces": "eth0"}}, "ds_config pipemorph: delegation.interfaces: expected a list, got the string 'eth0'"),
-    ({"delegation": {"slots": 1}}, "ds_config pipemorph: delegation.slots: Input should be greater than or equal to 2"),
-    ({"delegation": {"slot_mb": 0}}, "ds_config pipemorph: delegation.slot_mb: Input should be greater than or equal to 1"),
+    ({"delegation": {"slots": 1}}, "ds_config pipemorph: delegation.slots: Input should be greater than or equal to 2, got the integer 1"),
+    ({"delegation": {"slot_mb": 0}}, "ds_config pipemorph: delegation.slot_mb: Input should be greater than or equal to 1, got the integer 0"),
     ({"schedule": "plan"}, "ds_config pipemorph: schedule 'plan' needs plan_file: the path of a plan from `pipemorph plan`"),
     ({"schedule": "zb", "plan_file": "p.yaml"}, "ds_config pipemorph: plan_file is only read with schedule 'plan', not 'zb'"),
-    ({"recv_window": 0}, "ds_config pipemorph: recv_window: Input should be greater than or equal to 1"),
+    ({"recv_window": 0}, "ds_config pipemorph: recv_window: Input should be greater than or equal to 1, got the integer 0"),
     # A key that takes a list or a number: the path names keys only, down to the item at fault.
     ({"memory": {"max_inflight": "seven"}}, "ds_config pipemorph: memory.max_inflight: expected an integer, got the "
      "string 'seven'"),
@@ -36,7 +36,7 @@ from ds_pipemorph.runtime.transport.header import decode_header, encode_header
      "to a plan file, which names its own: set recv_window in the plan file instead"),
     ({"schedule": "plan", "plan_file": "p.yaml", "backward": "fused"}, "ds_config pipemorph: backward does not apply "
      "to a plan file, which names its own: set backward in the plan file instead"),
-    ({"backward": "whole"}, "ds_config pipemorph: backward: Input should be 'split' or 'fused'"),
+    ({"backward": "whole"}, "ds_config pipemorph: backward: Input should be 'split' or 'fused', got the string 'whole'"),
     ({"backward": "fused"}, "ds_config pipemorph: backward 'fused' runs the orders of schedule '1f1b' and 'zb' as "
      "written; 'adaptive' plans and re-plans for a split backward: set backward to 'split' or choose another schedule"),
 ])
@@ -94,7 +94,7 @@ def test_injection_naming_a_missing_link_a_negative_delay_or_an_unreadable_trace
 
     with pytest.raises(BadInput, match=r"^ds_config pipemorph.inject.links names link 7, but a 4-stage pipeline has links 0..2$"):
         delay_schedule(parse_config({"inject": {"links": {"7": {"delay_ms": 30}}}}).inject, 4)
-    with pytest.raises(PipeMorphConfigError, match=r"inject.links.2.delay_ms: Input should be greater than or equal to 0"):
+    with pytest.raises(PipeMorphConfigError, match=r"inject.links.2.delay_ms: Input should be greater than or equal to 0, got the integer -5$"):
         parse_config({"inject": {"links": {"2": {"delay_ms": -5}}}})
     with pytest.raises(BadInput, match=r"^inject.trace: cannot read"):
         delay_schedule(parse_config({"inject": {"trace": str(tmp_path / "nope.yaml")}}).inject, 4)

@@ -31,7 +31,7 @@ def test_unknown_schedule_wrong_stage_count_missing_w_and_unknown_interface_fail
     assert run.returncode != 0
     for r in range(4):
         assert run.error("zbb", r) == (
-            "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan'")
+            "ds_config pipemorph: schedule: Input should be '1f1b', 'zb', 'adaptive' or 'plan', got the string 'zbb'")
         assert run.error("three", r) == f"plan file {three} is for 3 stages but the job has 4 pipeline stages"
         assert run.error("missing_w5", r) == f"plan file {four} is invalid: stage 1: W5 is missing"
         assert run.error("no_such_nic", r).startswith(
