@@ -5,7 +5,8 @@ own session, parent 1: a launcher that kills the rank's process tree does not re
 read end of a pipe whose only write end the training process holds. The pipe closes however the
 training process ends (return, exception, a signal, ``kill -9``); the reaper then removes
 ``/dev/shm/pm_<pid>_*`` (the delegated transport's staging rings, named after their creator's pid) and
-every name it was told (DeepSpeed's CPU all-reduce buffer of the rank), and exits. Names are added
+every name it was told (DeepSpeed's CPU all-reduce buffer of the rank; the ``pymp-*`` folder that holds
+the delegates' fork server's socket), and exits. Names are added
 through the pipe, one a line. Removing a name takes nothing from a process that still maps it: the
 memory goes when the last one unmaps it.
 
@@ -17,6 +18,7 @@ This file is run by path, stdlib only (``python -I reaper.py PID``): it starts i
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 _proc = None  # this process's reaper: (pid it watches for, the pipe's write end)
+_told: set = set()  # the names this process told it
 _lock = threading.Lock()
 
 
@@ -34,8 +37,9 @@ def ring_prefix(pid: int) -> str:
 
 
 def watch(*names: str | os.PathLike) -> None:
-    """Make sure this process has a reaper, and tell it ``names`` (paths under /dev/shm) too."""
-    global _proc
+    """Make sure this process has a reaper, and tell it ``names`` too (paths under /dev/shm, or a
+    ``pymp-*`` folder of multiprocessing's), each once."""
+    global _proc, _told
     if not SHM.is_dir():
         return
     with _lock:
@@ -46,8 +50,12 @@ def watch(*names: str | os.PathLike) -> None:
             os.close(r)
             p.wait()  # the first process exits once it forked the reaper away from this process's tree
             _proc = (os.getpid(), w)
+            _told = set()
         w = _proc[1]
         for n in names:
+            if os.fspath(n) in _told:
+                continue
+            _told.add(os.fspath(n))
             try:
                 os.write(w, f"{os.fspath(n)}\n".encode())
             except OSError:  # the reaper is gone (killed by hand): nothing to tell
@@ -94,6 +102,8 @@ def _remove(owner: int, names: list[str]) -> None:
                 p.unlink()
             except OSError:
                 pass
+        elif p.name.startswith("pymp-") and p.is_dir() and not p.is_symlink():  # multiprocessing's folder
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def main(owner: int) -> int:

@@ -3,6 +3,7 @@ whose creator no longer runs are reclaimed, those of a running process are not."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,3 +67,71 @@ def test_orphaned_rings_are_reclaimed_and_a_running_owners_are_not():
     finally:
         for f in (orphan, live):
             f.unlink(missing_ok=True)
+
+
+FORK_SERVER_OWNER = textwrap.dedent("""
+    import time
+    from multiprocessing import util
+    from ds_pipemorph.runtime.transport.delegated.supervision import watch_socket_folder
+
+    watch_socket_folder()
+    print(util.get_temp_dir(), flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_fork_servers_socket_folder_goes_with_a_killed_process(sig):
+    # Multiprocessing removes its folder at a normal exit only; the delegated transport tells the
+    # reaper before its fork server makes the socket there.
+    p = subprocess.Popen([sys.executable, "-c", FORK_SERVER_OWNER], stdout=subprocess.PIPE, text=True)
+    folder = Path(p.stdout.readline().strip())
+    try:
+        assert folder.name.startswith("pymp-") and folder.is_dir()
+        os.kill(p.pid, sig)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not folder.exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if folder.name.startswith("pymp-"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+INHERITING = textwrap.dedent("""
+    import multiprocessing as mp, os, signal, sys, time
+    from multiprocessing import util
+
+
+    def child(q):
+        from ds_pipemorph.runtime.transport.delegated.supervision import watch_socket_folder
+
+        watch_socket_folder()
+        q.put(util.get_temp_dir())
+        time.sleep(120)
+
+
+    if __name__ == "__main__":
+        mine = util.get_temp_dir()  # the parent's folder: a child started by multiprocessing inherits it
+        q = mp.get_context("spawn").Queue()
+        p = mp.get_context("spawn").Process(target=child, args=(q,))
+        p.start()
+        theirs = q.get(timeout=100)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        time.sleep(3)  # the child's reaper, were it told the folder, removes it within milliseconds
+        print(theirs == mine, os.path.isdir(mine), flush=True)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_child_leaves_its_parents_socket_folder_to_its_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(INHERITING)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["True", "True"]  # the same folder, still there for the parent

@@ -72,7 +72,31 @@ def short_socket_folder() -> None:
                 folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
                 util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
                 config["tempdir"] = folder
+                _MADE[os.getpid()] = folder
                 return
+
+
+_MADE: dict = {}  # pid -> multiprocessing's folder this process made (``short_socket_folder``, ``watch_socket_folder``)
+
+
+def watch_socket_folder() -> None:
+    """Tell this process's reaper the folder multiprocessing keeps the fork server's socket in (made
+    now if there is none yet), so that it goes however the process ends: multiprocessing removes it
+    at a normal exit only, and a rank its launcher terminates or ``kill -9`` kills would leave it
+    behind. Only a folder this process made: a process multiprocessing started inherits its
+    parent's setting, and the folder is the parent's, in use by the parent and its other children;
+    one made by other code of this process before is that code's."""
+    from multiprocessing import process, util
+
+    from ... import reaper
+
+    short_socket_folder()
+    with _SHORTENING:
+        if process.current_process()._config.get("tempdir") is None:
+            _MADE[os.getpid()] = util.get_temp_dir()
+        folder = _MADE.get(os.getpid())
+    if folder is not None:
+        reaper.watch(folder)
 
 
 _HIDING = threading.RLock()
@@ -142,7 +166,7 @@ class Supervision:
         the delegate code in its own process, and the first delegate forked waits for that)."""
         from multiprocessing import forkserver
 
-        short_socket_folder()
+        watch_socket_folder()
         with main_module_hidden():
             forkserver.ensure_running()
 
@@ -165,6 +189,7 @@ class Supervision:
         from ... import reaper
 
         reaper.watch()  # started by ``prepare`` already, unless this transport was not prepared
+        watch_socket_folder()  # the fork server's, started by ``prewarm`` or by this spawn
         op = self._load_op()
         try:
             ring = StagingRing.create(self._ring_name(link, kind, sending, q, gen_value),
