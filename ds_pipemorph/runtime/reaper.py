@@ -97,13 +97,13 @@ def _remove(owner: int, names: list[str]) -> None:
             pass
     for n in names:
         p = Path(n)
-        if p.parent == SHM:  # only what is ours to remove
+        if p.name.startswith("pymp-") and p.is_dir() and not p.is_symlink():  # multiprocessing's folder
+            shutil.rmtree(p, ignore_errors=True)  # (under /dev/shm too, where TMPDIR points there)
+        elif p.parent == SHM:  # only what is ours to remove
             try:
                 p.unlink()
             except OSError:
                 pass
-        elif p.name.startswith("pymp-") and p.is_dir() and not p.is_symlink():  # multiprocessing's folder
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def main(owner: int) -> int:

@@ -48,4 +48,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Ended as ``runtime.shutdown`` advises, without the interpreter's teardown: a gloo thread still
+    # alive then can abort a process after its work is done ("terminate called without an active
+    # exception"), which this 4-rank job did now and then although every rank had finished.
+    from ds_pipemorph.runtime.shutdown import exit_process
+
+    exit_process(main())

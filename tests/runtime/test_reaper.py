@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -81,14 +82,15 @@ FORK_SERVER_OWNER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_the_fork_servers_socket_folder_goes_with_a_killed_process(sig):
+@pytest.mark.parametrize("sig,tmpdir", [(signal.SIGKILL, None), (signal.SIGTERM, None), (signal.SIGKILL, "/dev/shm")])
+def test_the_fork_servers_socket_folder_goes_with_a_killed_process(sig, tmpdir):
     # Multiprocessing removes its folder at a normal exit only; the delegated transport tells the
-    # reaper before its fork server makes the socket there.
-    p = subprocess.Popen([sys.executable, "-c", FORK_SERVER_OWNER], stdout=subprocess.PIPE, text=True)
+    # reaper before its fork server makes the socket there (in TMPDIR, which may be /dev/shm).
+    env = {**os.environ, "TMPDIR": tmpdir} if tmpdir else None
+    p = subprocess.Popen([sys.executable, "-c", FORK_SERVER_OWNER], stdout=subprocess.PIPE, text=True, env=env)
     folder = Path(p.stdout.readline().strip())
     try:
-        assert folder.name.startswith("pymp-") and folder.is_dir()
+        assert folder.name.startswith("pymp-") and folder.is_dir() and str(folder.parent) == (tmpdir or tempfile.gettempdir())
         os.kill(p.pid, sig)
         p.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -135,3 +137,31 @@ def test_a_child_leaves_its_parents_socket_folder_to_its_parent(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["True", "True"]  # the same folder, still there for the parent
+
+
+FORKING = textwrap.dedent("""
+    import os, signal, time
+    from multiprocessing import util
+    from ds_pipemorph.runtime.transport.delegated.supervision import watch_socket_folder
+
+    watch_socket_folder()  # the parent made its folder and told its reaper
+    mine = util.get_temp_dir()
+    pid = os.fork()
+    if pid == 0:  # a forked child (a data loader's worker, say) that starts delegates of its own
+        watch_socket_folder()
+        os.write(1, b"")
+        time.sleep(120)
+        os._exit(0)
+    time.sleep(2)  # the child has told its reaper what it would
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    time.sleep(3)  # the child's reaper, were it told the folder, removes it within milliseconds
+    print(os.path.isdir(mine), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_leaves_its_parents_socket_folder_to_its_parent():
+    p = subprocess.run([sys.executable, "-c", FORKING], capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["True"]
