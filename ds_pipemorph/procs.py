@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,13 @@ def torchrun(log_dir: "Path | str", *args: str) -> list[str]:
     command run again and again fills that folder; given ``log_dir`` (a folder of the caller's work,
     removed with it), it makes its per-rank folders there."""
     return [sys.executable, "-m", "torch.distributed.run", f"--log-dir={log_dir}", *args]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a launcher's ``--master_port``, a store's port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,19 +29,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _util import print_table, write_json  # noqa: E402
-from ds_pipemorph.procs import torchrun  # noqa: E402
+from ds_pipemorph.procs import free_port, torchrun  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
 RANKS = 4
 STEP_LINE = re.compile(r"step\s+(\d+)\s+loss\s+([\d.]+)\s+\(([\d.]+) s\)")
 TARGET = 1.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launchers(steps: int, baseline: bool, logs: Path) -> dict[str, tuple[list[str], dict]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,14 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))  # the shared helpers
 
 from _util import print_table, write_json
+from ds_pipemorph.procs import free_port
 
 STAGES, MICROBATCHES, OP_MS = 4, 12, 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def zb_plan(stages: int, microbatches: int, op_ms: float) -> list[list[tuple[str, int]]]:

@@ -1,17 +1,12 @@
 """Functions run in spawned rank processes by the delegated-transport tests (importable by name)."""
 import os
-import socket
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ds_pipemorph.procs import free_port
 
 
 def payload(kind: str, mb: int):

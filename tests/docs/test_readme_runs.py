@@ -7,14 +7,13 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ds_pipemorph.procs import run_group
+from ds_pipemorph.procs import free_port, run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
@@ -33,12 +32,6 @@ def command(name: str) -> list[str]:
     the script runs."""
     here = Path(sys.executable).parent / name
     return [str(here)] if here.exists() else [sys.executable, "-m", SCRIPT_MODULES[name]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(argv, cwd, timeout):

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +23,13 @@ import pytest
 import torch
 import yaml
 
-from ds_pipemorph.procs import run_group
+from ds_pipemorph.procs import free_port, run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "recipes" / "gpu_cluster" / "launch.sh"
 TRAIN = ROOT / "recipes" / "tiny_gpt" / "train.py"
 CONFIG = ROOT / "recipes" / "gpu_cluster" / "ds_config.json"
 STAGES, TP, STEPS, TOL = 2, 2, 3, 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**more) -> dict:
@@ -48,7 +41,7 @@ def _env(**more) -> dict:
 
 def _dry_run(tp: int, config: Path, out: Path) -> str:
     env = _env(LOCAL_CPU="1", TP=str(tp), STAGES=str(STAGES), STEPS="train", TRAIN_STEPS=str(STEPS),
-               OUT=str(out), CONFIG=str(config), MASTER_PORT=str(_free_port()))
+               OUT=str(out), CONFIG=str(config), MASTER_PORT=str(free_port()))
     r = run_group(["bash", str(LAUNCH), "--save-params", str(out / "params")], 600, cwd=ROOT, env=env)
     assert r.returncode == 0, f"TP={tp} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
-from ds_pipemorph.procs import run_group
+from ds_pipemorph.procs import free_port, run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gpt"
@@ -33,12 +32,6 @@ def recipe_module(name: str):
 
 data = recipe_module("data")
 model = recipe_module("model")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +54,6 @@ def launch(nproc: int, jobs: list[dict], out_dir: Path, timeout: float, *, torch
     cmd = [sys.executable, *starter, str(HERE / "worker.py"), str(spec), str(out_dir)]
     p = run_group(cmd, timeout, cwd=REPO, env=env)
     return Launch(p.returncode, p.stdout + p.stderr, out_dir)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a launcher's --master_port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def max_param_diff(a: dict, b: dict) -> float:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from ds_pipemorph.procs import run_group
+from ds_pipemorph.procs import free_port, run_group
 
-from .launch import HERE, REPO, free_port
+from .launch import HERE, REPO
 
 
 @pytest.mark.timeout(400)

@@ -149,7 +149,6 @@ FORKING = textwrap.dedent("""
     pid = os.fork()
     if pid == 0:  # a forked child (a data loader's worker, say) that starts delegates of its own
         watch_socket_folder()
-        os.write(1, b"")
         time.sleep(120)
         os._exit(0)
     time.sleep(2)  # the child has told its reaper what it would

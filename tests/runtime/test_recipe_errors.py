@@ -18,10 +18,10 @@ import pytest
 
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import zb_h1
-from ds_pipemorph.procs import run_group
+from ds_pipemorph.procs import free_port, run_group
 from ds_pipemorph.runtime.compat import BUDGET_MB_MOVING_REFUSED, FUSED_CHECKPOINTING_REFUSED
 
-from .launch import REPO, free_port
+from .launch import REPO
 from .plans_io import write_plan
 
 RECIPE = REPO / "recipes" / "tiny_gpt"

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from ds_pipemorph.plan.ir.profile import Costs
 from ds_pipemorph.plan.sched.baselines import deepspeed_1f1b
+from ds_pipemorph.procs import free_port
 from ds_pipemorph.runtime.adapt import Adapter
 from ds_pipemorph.runtime.overhead import Overhead
 
@@ -42,11 +43,7 @@ def _rank(rank: int, port: int, replan: str, out) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("replan", ["inline", "background"])
 def test_a_planner_failure_on_rank_0_is_raised_on_every_rank(replan):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, replan, out)) for r in range(WORLD)]

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from ds_pipemorph.procs import free_port
+
 # The interpreter's own teardown, as users' processes end (not the test session's faster one).
 USERS_EXIT = {k: v for k, v in os.environ.items() if k != "PIPEMORPH_TEST_GC_FREEZE"}
 
@@ -35,11 +37,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_exit_process_runs_atexit_flushes_joins_gloo_threads_and_exits_with_the_code(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "end.py"
     script.write_text(SCRIPT.replace("{port}", str(port)))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,

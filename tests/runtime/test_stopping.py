@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_pipemorph.procs import kill_group
-
-from .launch import free_port
+from ds_pipemorph.procs import free_port, kill_group
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -101,8 +99,6 @@ class Job:
                 if _running(p):
                     os.kill(p, signal.SIGKILL)
         self.log.close()
-
-
 
 
 def _running(pid: int) -> bool:

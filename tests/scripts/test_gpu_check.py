@@ -12,12 +12,13 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ds_pipemorph.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -250,9 +251,7 @@ def test_the_host_staging_shim_leaves_cpu_tensors_alone_by_default():
 
 @pytest.mark.timeout(60)
 def test_deepspeed_p2p_works_through_the_host_staging_shim_on_two_gloo_ranks(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "scripts" / "host_p2p_worker.py")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                               env={**os.environ, "DS_ACCELERATOR": "cpu", "RANK": str(r), "LOCAL_RANK": str(r),
@@ -285,7 +284,6 @@ def test_the_nccl_step_runs_its_jobs_and_checks_on_the_cpu_double_of_nccls_rules
     for job in ("auto", "off"):
         k = got["key_numbers"][job]
         assert k["max_loss_diff"] <= 1e-5 and k["max_param_diff"] <= 1e-5 and k["p2p"] == ["NcclRules"]
-
 
 
 @pytest.mark.timeout(180)
