@@ -27,7 +27,9 @@ row is the median of the per-iteration ratios with its 95 % bootstrap interval. 
 ordered is the engine's own comparison (B/A per pair, its 95 % interval); each draw of
 micro-batches is trained twice, by one A, B pair, so that comparison too is on the same batches.
 Ready always runs a draw second: stock's second run of a draw over its first (same pairs of
-iterations, its bootstrap interval) is printed as the control for what a second run gains by itself.
+iterations, its bootstrap interval) is printed as the control for what a second run gains by itself,
+and per job ready / ordered is printed net of it (each pair's ratio over stock's in the same two
+iterations): what stays is the dispatch's own difference.
 
 Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
@@ -37,7 +39,9 @@ median over the row's iterations. "share of gain" is the part of the predicted g
 (measured - 1) / (predicted - 1) of the two speed-ups (none where the replay predicts less than 1 %); the
 JSON also holds their quotient (``speedup_quotient``), which reads near 1 for any small gain. Stock's own forward
 and fused backward passes are timed too: "replay, stock's own ops" replays stock's order on those
-instead (its backward as one op), and "ops: row / stock" is the sum of the row's op times over
+instead (its backward as one op), so that each engine is replayed on its own ops, and "share, own ops" is the
+part of that replay's gain measured: what the dispatch keeps of what its replay allows, with what our ops
+cost beyond stock's already in the prediction. "ops: row / stock" is the sum of the row's op times over
 stock's in the same iteration (what the split backward and our ops cost beyond stock's). The JSON also holds
 each iteration's pair and the largest loss difference between the engines (they train alike).
 ``--malloc caching`` runs every job with glibc settings that keep freed memory, as a GPU's caching
@@ -188,17 +192,48 @@ def summarize(jobs: list[dict]) -> dict:
         v = per[k]
         measured = bootstrap_median([p["stock_ms"] / p["row_ms"] for p in v])
         predicted = statistics.median(p["stock_replay_ms"] / p["row_replay_ms"] for p in v)
+        own = statistics.median(p["stock_own_replay_ms"] / p["row_replay_ms"] for p in v)
         rows[k] = {"measured_ms": statistics.fmean(p["row_ms"] for p in v), "iterations": len(v),
                    "predicted_ms": statistics.fmean(p["row_replay_ms"] for p in v),
                    "measured_speedup": measured.median, "measured_interval": [measured.lo, measured.hi],
                    "predicted_speedup": predicted, "share": gain_share(measured.median, predicted),
                    "speedup_quotient": measured.median / predicted,
-                   "predicted_speedup_own_ops": statistics.median(p["stock_own_replay_ms"] / p["row_replay_ms"] for p in v),
+                   "predicted_speedup_own_ops": own,
+                   "share_own_ops": gain_share(measured.median, own),
                    "ops_over_stock_ops": statistics.median(p["row_ops_ms"] / p["stock_ops_ms"] for p in v),
                    "iterations_detail": v}
     second = bootstrap_median(again)
-    return {"rows": rows, "ready_over_ordered": paired, "max_loss_difference": loss_diff,
+    return {"rows": rows, "ready_over_ordered": paired, "ready_over_ordered_net": net_of_stock(jobs),
+            "max_loss_difference": loss_diff,
             "stock_second_over_first": {"median": second.median, "lo": second.lo, "hi": second.hi, "pairs": len(again)}}
+
+
+def net_of_stock(jobs: list[dict]) -> dict[str, list[dict]]:
+    """Per variant, one entry per job: ready over ordered on the same draw (our B over the A before
+    it, as the engine's comparison pairs them), stock's second run of that draw over its first in the
+    same two iterations, and the first over the second: ready over ordered net of what running a
+    draw again changed for stock (its median and 95 % bootstrap interval). Both engines run every
+    iteration, so stock's ratio carries what the two iterations differed in besides the dispatch."""
+    from ds_pipemorph.paired import bootstrap_median
+
+    out: dict = {}
+    for job in jobs:
+        stock = next(r for r in job["rows"] if r["row"] == "stock")
+        for r in job["rows"]:
+            if r["row"] == "stock":
+                continue
+            t, st, sides = r["times_ms"], stock["times_ms"], r["sides"]
+            ks = [k for k in range(job["args"]["warmup"] + 1, len(t)) if sides[k] == "B" and sides[k - 1] != "B"]
+            if not ks:
+                out.setdefault(variant_of(r), []).append(None)
+                continue
+            entry = {}
+            for name, ratios in (("ours", [t[k] / t[k - 1] for k in ks]), ("stock", [st[k] / st[k - 1] for k in ks]),
+                                 ("net", [(t[k] / t[k - 1]) / (st[k] / st[k - 1]) for k in ks])):
+                iv = bootstrap_median(ratios)
+                entry[name] = {"median": iv.median, "lo": iv.lo, "hi": iv.hi, "pairs": iv.pairs}
+            out.setdefault(variant_of(r), []).append(entry)
+    return out
 
 
 def main() -> int:
@@ -268,17 +303,29 @@ def main() -> int:
                                   "-" if stock_row else f"{r['predicted_speedup']:.3f}",
                                   "-" if stock_row or r["share"] is None else f"{r['share']:.0%}",
                                   "-" if stock_row else f"{r['predicted_speedup_own_ops']:.3f}",
+                                  "-" if stock_row or r["share_own_ops"] is None else f"{r['share_own_ops']:.0%}",
                                   "-" if stock_row else f"{r['ops_over_stock_ops']:.3f}", pair_text])
     load_after = loadavg()
+    net_rows = []
     for r in results:
         c = r["stock_second_over_first"]
         print(f"{r['workload']}, {r['ranks']} ranks: stock's second run of a draw over its first {c['median']:.3f} "
               f"[{c['lo']:.3f}, {c['hi']:.3f}], {c['pairs']} pairs (ready runs each draw second, ordered first)")
+        for variant, entries in r["ready_over_ordered_net"].items():
+            for k, e in enumerate(entries):
+                if e is not None:
+                    net_rows.append([r["workload"], r["ranks"], variant, k + 1,
+                                     *("{median:.3f} [{lo:.3f}, {hi:.3f}]".format(**e[name])
+                                       for name in ("ours", "stock", "net"))])
+    print_table("ready over ordered on the same draw, per job, net of what running the draw again changed for stock "
+                "in the same two iterations (below 1: ready faster)",
+                ["workload", "ranks", "setting", "job", "ours: ready / ordered", "stock: second / first",
+                 "ready / ordered, net"], net_rows)
     print_table(f"stock DeepSpeed 1F1B against ours, GPT recipe blocks, real compute, {args.micro_batches} micro-batches, "
                 f"{args.sittings} job(s) x {args.iterations} iterations per engine, paired per iteration, {args.malloc} malloc "
                 f"(load {load_before} -> {load_after})",
                 ["workload", "ranks", "row", "mean ms", "replay ms", "stock / row [95 %]", "replay: stock / row",
-                 "share of gain", "replay, stock's own ops", "ops: row / stock", "ready / ordered, in-engine B/A"],
+                 "share of gain", "replay, stock's own ops", "share, own ops", "ops: row / stock", "ready / ordered, in-engine B/A"],
                 table)
     write_json(args.out, {"benchmark": "varlen_real", "args": vars(args), "loadavg_before": load_before,
                           "loadavg_after": load_after, "target_share": TARGET_SHARE, "results": results})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -47,12 +48,24 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
             assert r["share"] is None if pr < 1.01 else r["share"] == pytest.approx((m - 1) / (pr - 1))
             assert len(r["iterations_detail"]) == 6
             assert r["predicted_speedup_own_ops"] > 0 and r["ops_over_stock_ops"] > 0
+            own = r["predicted_speedup_own_ops"]  # the same share against the replay on each engine's own ops
+            assert r["share_own_ops"] is None if own < 1.01 else r["share_own_ops"] == pytest.approx((m - 1) / (own - 1))
     assert res["max_loss_difference"] <= 1e-5  # every engine trains as stock does
     control = res["stock_second_over_first"]  # stock's second run of each draw over its first
     assert control["pairs"] == 18 and 0 < control["lo"] <= control["median"] <= control["hi"]
-    for variant in ("zb", "1f1b-fused", "1f1b-split"):
+    times = {job["rows"][1].get("backward", "") + job["rows"][1]["row"]: job for job in res["sittings"]}
+    for variant, key in (("zb", "splitzb"), ("1f1b-fused", "fused1f1b"), ("1f1b-split", "split1f1b")):
         (pair,) = res["ready_over_ordered"][variant]
         assert pair["pairs"] == 6 and 0 < pair["lo"] <= pair["median"] <= pair["hi"]
+        # net of stock: each ready iteration over the ordered one before it, over stock's same two iterations
+        (net,) = res["ready_over_ordered_net"][variant]
+        stock_t, ours_t = (r["times_ms"] for r in times[key]["rows"])
+        ours = [ours_t[k] / ours_t[k - 1] for k in range(1, 12, 2)]
+        stock = [stock_t[k] / stock_t[k - 1] for k in range(1, 12, 2)]
+        assert net["ours"]["median"] == pytest.approx(statistics.median(ours))
+        assert net["stock"]["median"] == pytest.approx(statistics.median(stock))
+        assert net["net"]["median"] == pytest.approx(statistics.median(o / s for o, s in zip(ours, stock)))
+        assert all(net[k]["pairs"] == 6 and net[k]["lo"] <= net[k]["median"] <= net[k]["hi"] for k in net)
     # One job per hint, each stock and ours side by side; which goes first alternates every iteration.
     assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"],
                                                                           ["stock", "1f1b"]]
