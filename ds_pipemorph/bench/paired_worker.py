@@ -24,6 +24,7 @@ from ..fileio import load_model, write_atomic
 from ..paired import A_SIDE, sequence
 from ..plan.ir.lower import Dispatch
 from ..plan.ir.ops import Kind, parse_op
+from ..runtime.shutdown import exit_process
 from .paired_spec import PairedSpec, Side
 
 
@@ -150,8 +151,8 @@ def main(spec_path: str) -> None:
                            for s, v in sorted(stages.items(), key=lambda kv: int(kv[0]))}
         write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "iterations": rows}, indent=2))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # releases the groups while nothing holds them (``runtime.shutdown``)

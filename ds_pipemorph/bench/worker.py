@@ -35,6 +35,7 @@ from ..plan.ir.lower import Dispatch
 from ..plan.ir.profile import Costs
 from ..plan.sched.baselines import deepspeed_1f1b
 from ..plan.sim.simulate import replay
+from ..runtime.shutdown import exit_process
 from ..inject.delays import DelaySchedule, load_trace
 from . import plain_sleep, stage_time
 from .spec import BenchSpec, Scenario
@@ -340,8 +341,8 @@ def main(spec_path: str) -> None:
         write_atomic(spec.out, json.dumps({"spec": spec.model_dump(), "results": results,
                                            "ratios": ratios_to_pipemorph(results)}, indent=2))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_process(0)  # releases the groups while nothing holds them (``runtime.shutdown``)
