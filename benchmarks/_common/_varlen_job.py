@@ -10,8 +10,8 @@ fused backward) and ours with the ``--hint`` plan as the hint of ready dispatch 
 its iteration boundaries (``A B A' B``). Each draw of micro-batches is trained twice, by iterations
 2j and 2j + 1, so each A, B pair of ours runs one draw (the A'/A check compares two draws, so it
 holds the draws' variation as well as the machine's). Iteration k's batches go to each engine in turn, the
-order alternating with k, so both times of iteration k are taken within a second or two of each
-other on the same batches: what the machine's load does between jobs or minutes apart does not
+order alternating with each draw (iterations 2j and 2j + 1 keep it), so both times of iteration k
+are taken within a second or two of each other on the same batches: what the machine's load does between jobs or minutes apart does not
 enter a ratio. Both engines train every iteration (they stay equal: ours trains exactly as stock
 does). Only one of our engines per job: with two alive in one process a job hung, both ranks
 waiting for a message in ready dispatch's inbox (both engines receive on the same links). An iteration's time is from a barrier before ``train_batch`` to the
@@ -113,8 +113,12 @@ def run(args, batches) -> list[dict]:
         # Iterations 2j and 2j + 1 train the same draw: with an even warm-up they are one A, B pair of
         # ours (``pipemorph.compare`` pairs iteration i with i - 1), so ready / ordered compares the two
         # dispatches on the same micro-batches, as stock / row does per iteration.
+        # Which engine goes first alternates with each draw, so both runs of a draw keep the order: stock's
+        # second run of a draw over its first then differs from its first as ours' B from its A (by
+        # running the draw again), not by its place in the iteration besides.
         data = batches.of(k // 2)
-        order = ROWS[k % len(ROWS):] + ROWS[:k % len(ROWS)]
+        j = (k // 2) % len(ROWS)
+        order = ROWS[j:] + ROWS[:j]
         for row in order:
             ms, loss = timed(engines[row], data)
             out[row]["times_ms"].append(ms)

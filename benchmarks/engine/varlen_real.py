@@ -14,7 +14,7 @@ per stage, ``OMP_NUM_THREADS=1``; 4 ranks on a 2-core machine oversubscribe it (
 
 Each job (``benchmarks/_common/_varlen_job.py``; per workload and rank count one for each of our
 settings, ``--sittings`` times) keeps two engines alive side by side and trains iteration k's
-batches with each in turn, which goes first alternating with k: stock DeepSpeed
+batches with each in turn, which goes first alternating with each draw (below): stock DeepSpeed
 (``deepspeed.initialize``: 1F1B, fused backward) and our engine with, as the hint of ready dispatch,
 the ``zb`` plan (BFW: W apart), or the ``1f1b`` plan with B and W as one backward pass
 (``pipemorph.backward: fused``: RRFP's BF, stock's schedule and backward on our engine), or with B
@@ -29,7 +29,10 @@ micro-batches is trained twice, by one A, B pair, so that comparison too is on t
 Ready always runs a draw second: stock's second run of a draw over its first (same pairs of
 iterations, its bootstrap interval) is printed as the control for what a second run gains by itself,
 and per job ready / ordered is printed net of it (each pair's ratio over stock's in the same two
-iterations): what stays is the dispatch's own difference.
+iterations, both engines keeping their place in the iteration for both runs of a draw): what stays
+is the dispatch's difference, provided running a draw again changes both engines alike. These
+ratios use the job's iteration times (from a barrier to the last rank's return), the engine's own
+comparison its own clock, so the two can differ by a little.
 
 Beside each row, the replay (``plan.sim.ready.replay_varying``) from measured op times: each
 iteration's table is the ms each op (F, B, W per stage and micro-batch) took in that row's engine
@@ -210,10 +213,11 @@ def summarize(jobs: list[dict]) -> dict:
 
 def net_of_stock(jobs: list[dict]) -> dict[str, list[dict]]:
     """Per variant, one entry per job: ready over ordered on the same draw (our B over the A before
-    it, as the engine's comparison pairs them), stock's second run of that draw over its first in the
-    same two iterations, and the first over the second: ready over ordered net of what running a
-    draw again changed for stock (its median and 95 % bootstrap interval). Both engines run every
-    iteration, so stock's ratio carries what the two iterations differed in besides the dispatch."""
+    it, as the engine's comparison pairs them, in the job's iteration times), stock's second run of
+    that draw over its first in the same two iterations, and the first over the second: ready over
+    ordered net of what running a draw again changed for stock (each a median with its 95 %
+    bootstrap interval). Both engines run every iteration, each in the same place for both runs of
+    a draw, so stock's ratio carries what the two iterations differed in besides the dispatch."""
     from ds_pipemorph.paired import bootstrap_median
 
     out: dict = {}

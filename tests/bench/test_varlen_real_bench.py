@@ -66,13 +66,14 @@ def test_varlen_benchmark_runs_short_and_gives_every_row_a_replay_and_the_paired
         assert net["stock"]["median"] == pytest.approx(statistics.median(stock))
         assert net["net"]["median"] == pytest.approx(statistics.median(o / s for o, s in zip(ours, stock)))
         assert all(net[k]["pairs"] == 6 and net[k]["lo"] <= net[k]["median"] <= net[k]["hi"] for k in net)
-    # One job per hint, each stock and ours side by side; which goes first alternates every iteration.
+    # One job per hint, each stock and ours side by side; which goes first alternates with each draw.
     assert [[r["row"] for r in job["rows"]] for job in res["sittings"]] == [["stock", "zb"], ["stock", "1f1b"],
                                                                           ["stock", "1f1b"]]
     # BF runs B and W in one pass (RRFP's BF, stock's backward), BFW apart; 1F1B both ways
     assert [job["rows"][1]["backward"] for job in res["sittings"]] == ["split", "fused", "split"]
     for job in res["sittings"]:
-        assert job["rows"][0]["first"] == [k % 2 for k in range(12)]
+        assert job["rows"][0]["first"] == [k // 2 % 2 for k in range(12)]
+        assert job["rows"][1]["first"] == [1 - k // 2 % 2 for k in range(12)]
         # Each A, B pair of ours trains one draw: iterations 2j (ordered) and 2j + 1 (ready) trained the
         # same lengths (as each engine received them), and stock trained what ours did.
         ours = job["rows"][1]
