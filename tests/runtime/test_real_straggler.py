@@ -7,7 +7,8 @@ depends on the machine: on one loaded with other, unpinned work, the kernel's lo
 some of that work off the burners' core onto stage 0's, and stage 0 slows too. The uniform row of
 the same job (no loop) is the check that the burners made a stage-1 straggler at all: when stage 1
 was not measured at least ``MIN_CONTRAST`` times as slowed as stage 0 there, the test skips,
-saying what was measured (the machine's doing, not the loop's).
+saying what was measured (the machine's doing, not the loop's); so it does when, after the loop's
+first move, the loop itself measured stage 0 the slower (other work came onto its core later).
 
 With ``--model gpt --burn-from 0`` (the GPT recipe's blocks, burners there before the first
 iteration) the short run checks structure and training only: both rows present, no "before", the
@@ -128,6 +129,14 @@ def test_burners_on_stage_1s_core_make_the_loop_move_layers_away_and_training_is
     held = lambda layers: layers[1] - layers[0]  # noqa: E731
     at_start = held(moved["stage_layers"][1][BURN_FROM])
     assert first["parts"][2] - first["parts"][1] < at_start, (first, at_start)
+    # A slowdown is a stage's measured time over what its layers cost before the burners: stage 0,
+    # with no burner on its core, is measured the slower only when other work has come onto its core
+    # since, and the loop then rightly moves layers back (the machine's doing, as in the skip above).
+    crowded = [e for e in after[1:] if e["slowdown"][0] > e["slowdown"][1]]
+    if crowded:
+        pytest.skip(f"after the loop's first move it measured stage 0 the slower (slowdowns {crowded[0]['slowdown']} at "
+                    f"iteration {crowded[0]['iteration']}): other work shares stage 0's core now (load average "
+                    f"{os.getloadavg()[0]:.0f}), and the loop moved layers back (parts {moved['parts']})")
     assert moved["parts"][2] - moved["parts"][1] < at_start, (moved["parts"], at_start)
 
 

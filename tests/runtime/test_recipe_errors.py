@@ -5,7 +5,8 @@ config's, with its config in a directory of its own. Each rank exits 2 (torchrun
 exit codes, may stop a rank still running first, and exits 1 itself); rank 0 prints ``error: <sentence>``; no rank prints a traceback (the
 one traceback left is torchrun's own report of the failed children). Relative paths in the
 ``pipemorph`` section are read against the config file's directory, and the message names the
-absolute path tried.
+absolute path tried. The ``fp16`` case runs on a device without fp16 (``no_fp16_run.py``: DeepSpeed's
+CPU accelerator has fp16 on CPUs with AVX512-FP16, where such a config trains).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from .plans_io import write_plan
 RECIPE = REPO / "recipes" / "tiny_gpt"
 
 
-def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None, port: int | None = None):
+def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None, port: int | None = None,
+                no_fp16: bool = False):
     conf = tmp_path / "conf"
     (conf / "plans").mkdir(parents=True, exist_ok=True)
     write_plan(conf / "plans" / "three_stages.yaml", zb_h1(Costs.uniform(3), 8), 8)
@@ -37,8 +39,9 @@ def _run_recipe(tmp_path: Path, pipemorph: dict, extra: dict | None = None, port
     elsewhere.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     rendezvous = ["--standalone"] if port is None else ["--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    script = [str(Path(__file__).with_name("no_fp16_run.py"))] if no_fp16 else []  # a device without fp16
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node=2",
-           str(RECIPE / "train.py"), "--stages", "2", "--steps", "1", "--config", "../conf/ds_config.json"]
+           *script, str(RECIPE / "train.py"), "--stages", "2", "--steps", "1", "--config", "../conf/ds_config.json"]
     p = run_group(cmd, 600, cwd=elsewhere, env=env)
     return conf, p.returncode, p.stdout + p.stderr
 
@@ -78,7 +81,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_bad_config_ends_the_recipe_with_one_sentence_and_exit_code_2(tmp_path, case):
     pipemorph, extra, sentence = CASES[case]
-    conf, code, output = _run_recipe(tmp_path, pipemorph, extra)
+    conf, code, output = _run_recipe(tmp_path, pipemorph, extra, no_fp16=case == "fp16")
     expected = "error: " + sentence.format(conf=conf)
     assert code == 1, output[-3000:]  # torchrun's own code when a child failed
     # Rank 0 exited 2 (torchrun may stop the other rank before it exits 2 as well).
