@@ -146,7 +146,7 @@ def run(args, batches) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=varlen.WORKLOADS, required=True)
     ap.add_argument("--hint", choices=("zb", "1f1b"), required=True, help="our engine's plan")
     ap.add_argument("--backward", choices=("split", "fused"), default="split",

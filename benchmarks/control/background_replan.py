@@ -36,7 +36,7 @@ STAGES, MICROBATCHES, DELAY_FROM, DELAY_MS = 4, 8, 3, 40.0
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("out/background_replan.json"))
     ap.add_argument("--max-iters", type=int, default=200)
     ap.add_argument("--op-ms", type=float, default=10.0)

@@ -54,7 +54,7 @@ PAPER = {"orchestrator_vs_replacement": 1.96, "orchestrator_vs_baseline": 3.6}
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=8, help="measured iterations per run")
     ap.add_argument("--warmup", type=int, default=6, help="unmeasured iterations per run (the control loop re-plans)")
     ap.add_argument("--out", default="out/orchestrator.json")

@@ -82,7 +82,7 @@ GPT_SEQ, GPT_BATCH = 64, 4  # the recipe's window (its model's max_seq), windows
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny_gpt", help=f"one of {', '.join(MODELS)}")
     ap.add_argument("--iters", type=int, default=24, help="iterations per row")
     ap.add_argument("--burn-from", type=int, default=8,

@@ -61,7 +61,7 @@ TARGET_BEST, TARGET_UNIFORM, TARGET_ITERS = 1.10, 1.3, 3
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="emulated,gpt")
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages, one CPU rank each (2 or more)")
     ap.add_argument("--pairs", type=int, default=12, help="B/A pairs of the one-job comparison (A/A pairs: half as many)")

@@ -70,7 +70,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=12, help="ours/X pairs per runner (A/A pairs: half as many)")
     ap.add_argument("--warmup", type=int, default=4, help="unmeasured alternating iterations per runner")
     ap.add_argument("--runners", default=",".join(RUNNERS), help="a comma-separated subset of " + ",".join(RUNNERS))

@@ -26,7 +26,7 @@ from _util import exit_on_bad_input, print_table, relaunch, work_folder, write_j
 
 
 def _args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=12)
     ap.add_argument("--op-ms", type=float, default=10.0)

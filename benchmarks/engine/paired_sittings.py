@@ -30,7 +30,7 @@ from ds_pipemorph.bench.paired_spec import PairedSpec, parse_side
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--a", default="zb")
     ap.add_argument("--b", default="zb+ready")
     ap.add_argument("--sittings", type=int, default=2)

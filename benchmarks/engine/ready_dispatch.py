@@ -59,7 +59,7 @@ TARGET_STILL = 0.02  # ready within 2 % of ordered when nothing varies
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=12, help="B/A pairs of a one-job workload (A/A: half as many)")
     ap.add_argument("--warmup", type=int, default=4, help="unmeasured iterations: of the job, or of each whole run")
     ap.add_argument("--run-pairs", type=int, default=6, help="B/A pairs of whole runs (dynamic, static)")

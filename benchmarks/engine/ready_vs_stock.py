@@ -90,7 +90,7 @@ def sitting(k: int, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sittings", type=int, default=4)
     ap.add_argument("--iterations", type=int, default=8, help="measured iterations per engine and sitting")
     ap.add_argument("--warmup", type=int, default=2)

@@ -113,7 +113,7 @@ def _budget(text: str):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--steps", type=int, default=44, help="iterations per job (4 of them unmeasured)")
     ap.add_argument("--schedules", default="zb,adaptive")

@@ -219,7 +219,7 @@ def measure(args) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 256, 512, 1024])
     ap.add_argument("--pairs", type=int, default=15, help="rounds per row (each runs all three ways)")
     ap.add_argument("--blocks", type=int, default=1)

@@ -51,7 +51,7 @@ DECISION = "pipemorph: orchestrate:"
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="100mbit", help="the shaped pair's rate, both directions")
     ap.add_argument("--pair", default="2-3", help="the shaped pair of nodes A-B (default: stage 1's two replicas)")
     ap.add_argument("--ballast-mb", type=float, default=2.0, help="gradient MB per stage (a ballast parameter)")

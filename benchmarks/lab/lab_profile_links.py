@@ -25,7 +25,7 @@ NODES = 4
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--pair", default="1-2", help="the shaped pair A-B (both directions)")
     ap.add_argument("--sizes", default="1M,4M,8M", help="large enough that the wire time of the shaped pair dwarfs scheduling noise")

@@ -79,7 +79,7 @@ def run_once(cmd: list[str], changes: dict, timeout: float) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2, help="runs per launcher, interleaved")
     ap.add_argument("--no-baseline", action="store_true", help="skip the deepspeed run with torch's default threads")

@@ -51,7 +51,7 @@ def one_run(steps: int, timeout_s: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take before it is killed")

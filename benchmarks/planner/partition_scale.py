@@ -196,7 +196,7 @@ def hard(seed: int) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/partition_scale.json")
     ap.add_argument("--small-cases", type=int, default=200)

@@ -60,7 +60,7 @@ def measure(S: int, N: int, repeats: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("out/plan_core.json"))
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()

@@ -227,7 +227,7 @@ def cli_64x1024(seed: int, runs: int) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/planner_scale.json")
     ap.add_argument("--quick", action="store_true", help="search budgets of at most 1 s in section 1")

@@ -193,7 +193,7 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", type=int, default=30)
     ap.add_argument("--milp-time-limit", type=float, default=60.0, help="seconds per case")

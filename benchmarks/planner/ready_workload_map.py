@@ -53,7 +53,7 @@ BENCHMARK = {"heavy": "frac=0.25 factor=3 stages=2", "jitter": "uniform s=0.5 FB
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=20, help="seeded draws per parameter set")
     ap.add_argument("--seed", type=int, default=0, help="draws use seeds seed .. seed + iters - 1")
     ap.add_argument("--target", type=float, default=1.15, help="speed-up to list the parameter sets reaching")

@@ -202,7 +202,7 @@ def summarize(per_rank, modes, slow_link: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="measured iterations per mode (modes interleaved)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--delays-ms", type=float, nargs="+", default=[30.0], help="delay on the last link; one run each")

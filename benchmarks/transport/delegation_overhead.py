@@ -32,7 +32,7 @@ ALLOCATORS = {"glibc": {}, "caching": CACHING_MALLOC}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8, help="measured iterations per mode (modes interleaved)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16])

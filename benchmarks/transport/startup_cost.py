@@ -57,7 +57,7 @@ def slow_trace(tmp: Path, at_s: float) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20, help="iterations per job; iterations 3.. are measured")
     ap.add_argument("--slow-link-at", type=float, default=1.5, help="seconds; 0: no slow-link job")

@@ -45,7 +45,7 @@ def positive(text: str) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=positive, default=300)
     ap.add_argument("--seq", type=positive, default=64, help="window length in bytes (the model's max_seq)")
     ap.add_argument("--stages", type=positive, default=4)

@@ -32,7 +32,7 @@ def _slow(text: str, links: int) -> list[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", type=int, required=True, help="pipeline stages (links = stages - 1)")
     ap.add_argument("--slow", default="all", help="slow links: 'all' (the paper) or e.g. 2 or 0,2")
     ap.add_argument("--rate", choices=sorted(RATES), default="B", help="the paper's change-interval preset")

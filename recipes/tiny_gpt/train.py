@@ -60,7 +60,7 @@ class CharWindows(torch.utils.data.Dataset):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--stages", type=int, default=4)
