@@ -59,7 +59,6 @@ say how much of a stage-1 straggler the burners made.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
