@@ -89,7 +89,9 @@ FEATURES = (
             "step everywhere and lowers the scale; without ZeRO, DeepSpeed 0.19.8's engine does not scale the loss "
             "for `FP16_Optimizer`, and neither do we",
             "CPU, with DeepSpeed told fp16 is supported (test only); `gpu_check.sh` on a GPU: written, not run here"),
-    Feature("fp16 on a device without fp16", "refused", fp16_refused("cpu"), "CPU"),
+    Feature("fp16 on a device without fp16", "refused", fp16_refused("cpu"),
+            "CPU, DeepSpeed's accelerator told it has no fp16 (test only: on a CPU with AVX512-FP16 it has, and the "
+            "config trains)"),
     Feature('`"pipeline": {"activation_checkpoint_interval": k}` with `checkpointable_layers`', "trains",
             "recomputed once, in B; W reuses it; equal to the job without checkpointing; with `adaptive` and ready "
             "dispatch in bf16 bit-identical to stock's checkpointing", "CPU, 2 ranks"),
