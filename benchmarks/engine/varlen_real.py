@@ -243,10 +243,14 @@ def net_of_stock(jobs: list[dict]) -> dict[str, list[dict]]:
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="The table: 'stock / row' is measured, paired per iteration; 'replay: stock / row' is what the replay "
-               "predicts with both engines on our op times, and 'share of gain' the part of that gain measured, "
-               "(measured - 1) / (predicted - 1); 'replay, stock's own ops' and 'share, own ops' the same with each "
-               "engine replayed on its own op times, which holds what our ops cost beyond stock's.")
+        epilog="The main table: 'mean ms' and 'replay ms' per iteration; 'stock / row' measured, paired per "
+               "iteration; 'replay: stock / row' what the replay predicts with both engines on our op times, and "
+               "'share of gain' the part of that gain measured, (measured - 1) / (predicted - 1), '-' where less "
+               "than 1 % is predicted; 'replay, stock's own ops' and 'share, own ops' the same with each engine "
+               "replayed on its own op times, which holds what our ops cost beyond stock's; 'ops: row / stock' "
+               "the sum of the row's op times over stock's; 'ready / ordered, in-engine B/A' the engine's own "
+               "comparison per job. The per-job table: ours ready over ordered on the same draw, stock's second "
+               "run of that draw over its first in the same two iterations, and the first over the second.")
     ap.add_argument("--workloads", default="multimodal,varlen",
                     help="comma-separated: multimodal (a quarter of the micro-batches 4x longer on the encoder), "
                          "varlen (language only, lengths from a long tail)")
